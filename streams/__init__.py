@@ -1,0 +1,1 @@
+"""Kafka side of dvi: producer, consumer, topics, dead-letter queue, embedded broker launcher."""
