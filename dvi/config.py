@@ -18,7 +18,7 @@ CONF_DIR = Path(os.environ.get("DVI_CONF_DIR", Path(__file__).resolve().parent.p
 
 def _check(ok: bool, key: str, value: object, expected: str) -> None:
     if not ok:
-        raise DviError(f"bad config value {key}={value!r}: expected {expected}")
+        raise DviError(f"invalid value {key}={value!r}: expected {expected}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,92 @@
+"""`dvi generate` as a user runs it: a subprocess on the real demo pair, JSON out, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+
+
+def dvi(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dvi.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_json_greedy_matches_target_only():
+    spec = dvi("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "24", "serve.spec.k=3")
+    assert spec.returncode == 0, spec.stderr
+    out = json.loads(spec.stdout)
+    for key in ("text", "token_ids", "drafter_version", "stats"):
+        assert key in out
+    for key in ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length"):
+        assert key in out["stats"]
+    assert out["drafter_version"] == "init-L2-full"
+    assert 1 <= len(out["token_ids"]) <= 24
+    assert out["stats"]["mean_accepted_length"] >= 1.0
+    assert out["text"].strip()
+
+    plain = dvi("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "24", "--no-draft")
+    assert plain.returncode == 0, plain.stderr
+    ref = json.loads(plain.stdout)
+    assert ref["drafter_version"] is None and ref["stats"]["drafted"] == 0
+    assert out["token_ids"] == ref["token_ids"]
+
+
+def test_generate_sampled_seed_repeats():
+    args = ("generate", "Once upon a time", "--raw", "--json", "--temperature", "0.8", "--top-p", "0.95",
+            "--seed", "7", "--max-new-tokens", "12", "serve.spec.adaptive=false", "serve.spec.k=3")
+    a, b = dvi(*args), dvi(*args)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+
+
+def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dvi: error:"), proc.stderr
+    assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("", "--json"), "empty prompt"),
+        (("   ",), "empty prompt"),
+        (("hi", "serve.spec.k=0"), "serve.spec.k"),
+        (("hi", "--temperature", "-1"), "temperature"),
+        (("hi", "--temperature", "nan"), "temperature"),
+        (("hi", "--top-p", "1.5"), "top_p"),
+        (("hi", "--max-new-tokens", "0"), "max_new_tokens"),
+        (("hi", "model.target=/no/such/model"), "/no/such/model"),
+        (("hi", "model.drafter=/no/such/drafter"), "/no/such/drafter"),
+        (("hi", "serve.spec.no_such_key=1"), "no_such_key"),
+        (("hi", "stray-word"), "stray-word"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, needle):
+    one_line_error(dvi("generate", *args), needle)
+
+
+def test_prompt_longer_than_context_window():
+    one_line_error(dvi("generate", "word " * 9000, "--raw"), "context window")
+
+
+def test_tokenizer_mismatch_is_refused(tmp_path: Path):
+    from transformers import AutoTokenizer
+
+    from dvi.models import default_cache_dir
+
+    src = default_cache_dir() / "models" / "drafter-L2-full"
+    assert src.exists(), "the demo drafter is built by the tests above"
+    bad = tmp_path / "drafter"
+    shutil.copytree(src, bad)
+    tok = AutoTokenizer.from_pretrained(bad)
+    tok.add_tokens(["<not-in-the-target>"])
+    tok.save_pretrained(bad)
+    one_line_error(dvi("generate", "hi", f"model.drafter={bad}"), "tokenizers differ")
