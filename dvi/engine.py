@@ -267,7 +267,7 @@ class _KController:
 
     def next_k(self, generated: int, cost_ratio: float) -> int:
         s = self.spec
-        if not s.adaptive:
+        if not s.adaptive or not self.trials:  # adaptive K starts at k until a drafted round is seen
             return s.k
         k = choose_k(self.acceptance(), cost_ratio, s.verify_slope, s.k_min, s.k_max, s.min_speedup)
         if k:
@@ -392,8 +392,12 @@ class SpeculativeEngine:
                 ks.append(max(0, min(k, budget[i] - len(out[i]) - 1)))  # never draft past the budget
             k_row = torch.tensor(ks)
             kmax = max(ks)
-            u = torch.stack([torch.rand(2 * kmax + 1, generator=gens[i]) for i in rows])  # [B, 2K + 1]
-            u_draft, u_accept, u_sample = u[:, :kmax], u[:, kmax : 2 * kmax], u[:, -1]
+            # each row draws 2 k + 1 uniforms from its own generator, however long the other rows draft, so a
+            # seeded request samples the same tokens alone or in any batch; drafts past k use u = 0 (ignored)
+            u_draft, u_accept, u_sample = torch.zeros(len(rows), kmax), torch.zeros(len(rows), kmax), torch.zeros(len(rows))
+            for b, (i, kb) in enumerate(zip(rows, ks)):
+                u = torch.rand(2 * kb + 1, generator=gens[i])
+                u_draft[b, :kb], u_accept[b, :kb], u_sample[b] = u[:kb], u[kb : 2 * kb], u[-1]
             temp, top_p = temps[idx], top_ps[idx]
 
             t0 = time.perf_counter()

@@ -1,0 +1,151 @@
+"""Shared fixtures: tiny random-weight Llama models for fast unit tests, and the real demo pair.
+
+The tiny models are seeded fp32 Llamas (vocab 97, hidden 32) built in memory: fast enough for hundreds of
+decoding rounds per test. Their weights are drawn with a larger scale than the usual init so that the
+next-token distributions are peaked: greedy argmaxes are then decisive, and batched / unbatched / cached
+forwards (which differ by float rounding only) agree on them.
+
+The real pair is SmolLM2-135M-Instruct (`dvi.models.fetch_demo_target`, cached after the first fetch)
+and a 2-layer drafter built from it, cached under `<cache>/models/drafter-L2-full` like the CLI does.
+Fixtures that load it are only used by tests marked `real_model`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dvi.models import DRAFTER_META, Drafter
+
+TINY_VOCAB = 97
+
+
+def tiny_llama(
+    seed: int, layers: int = 2, vocab: int = TINY_VOCAB, window: int = 512, head_scale: float = 4.0
+) -> LlamaForCausalLM:
+    """A seeded random-weight Llama in fp32, eval mode, its output head scaled up for peaked distributions."""
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=window,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        initializer_range=0.25,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    return model
+
+
+def noisy_copy(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCausalLM:
+    """A copy of `model` with Gaussian noise of relative size `noise` added to every weight."""
+    copy = LlamaForCausalLM(model.config).float().eval()
+    copy.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in copy.parameters():
+            if p.ndim >= 2:
+                p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
+    return copy
+
+
+@pytest.fixture(scope="session")
+def make_tiny_llama():
+    """The tiny model factory, for tests that need another shape (a small context window, another vocabulary)."""
+    return tiny_llama
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread; several threads spin against each other on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> LlamaForCausalLM:
+    return tiny_llama(seed=0, layers=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tiny_target) -> Drafter:
+    """A noisy copy of the target: accepts some drafts and rejects others (mixed acceptance)."""
+    return Drafter(model=noisy_copy(tiny_target, seed=1, noise=0.04), version="noisy-v1")
+
+
+@pytest.fixture(scope="session")
+def reduced_drafter(tiny_target) -> Drafter:
+    """A noisy copy whose head predicts over 64 of the 97 target ids only (like a `draft_head.safetensors`)."""
+    model = noisy_copy(tiny_target, seed=3, noise=0.04)
+    vocab_map = torch.randperm(TINY_VOCAB, generator=torch.Generator().manual_seed(4))[:64].sort().values
+    head = torch.nn.Linear(model.config.hidden_size, vocab_map.numel(), bias=False)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight[vocab_map])
+    model.lm_head = head
+    return Drafter(model=model, version="reduced-v1", vocab_map=vocab_map)
+
+
+@pytest.fixture(scope="session")
+def random_drafter() -> Drafter:
+    """An unrelated random model with the target's vocabulary: its drafts are almost never accepted."""
+    return Drafter(model=tiny_llama(seed=2, layers=2), version="random-v1")
+
+
+@pytest.fixture(scope="session")
+def self_drafter(tiny_target) -> Drafter:
+    """The target drafting for itself: every draft is accepted."""
+    return Drafter(model=tiny_target, version="self")
+
+
+# ----------------------------------------------------------------------------------------------
+# The real demo pair (tests marked real_model).
+
+REAL_MODEL_FIXTURES = {"demo_target_dir", "demo_drafter_dir", "demo_pair"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses the real pair is a real_model test, marked or not: `-m "not real_model"` skips it."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.real_model)
+
+
+@pytest.fixture(scope="session")
+def demo_target_dir() -> Path:
+    from dvi.models import fetch_demo_target
+
+    return fetch_demo_target()
+
+
+@pytest.fixture(scope="session")
+def demo_drafter_dir(demo_target_dir) -> Path:
+    from dvi.models import build_drafter, default_cache_dir
+
+    out = default_cache_dir() / "models" / "drafter-L2-full"
+    if not (out / DRAFTER_META).exists():  # built once per machine, like the CLI's demo drafter
+        build_drafter(demo_target_dir, out, layers=2)
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_pair(demo_target_dir, demo_drafter_dir):
+    """(target model, tokenizer, drafter) of the real demo pair, fp32."""
+    from dvi.models import load_causal_lm, load_drafter, load_tokenizer
+
+    target = load_causal_lm(demo_target_dir, "target")
+    tokenizer = load_tokenizer(demo_target_dir, "target")
+    drafter = load_drafter(demo_drafter_dir, int(target.config.vocab_size))
+    return target, tokenizer, drafter
