@@ -19,7 +19,7 @@ from dvi.errors import DviError
 log = logging.getLogger("dvi")
 
 # other packages' subcommands: module paths with a `register(subparsers)` function
-EXTENSIONS: list[str] = []
+EXTENSIONS: list[str] = ["streams.cli"]
 
 
 def _quiet_libraries() -> None:
@@ -102,6 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_sampling(temperature, top_p, max_new)
     if not args.prompt.strip():
         raise DviError("empty prompt: give some text to continue")
+    producer = _stream_producer(cfg, args) if args.log else None  # connects while the models load
 
     pair = resolve_pair(cfg.model, with_drafter=not args.no_draft)
     engine = SpeculativeEngine(
@@ -113,6 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = engine.generate([req])[0]
     seconds = time.perf_counter() - t0
     text = pair.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    stream = _log_result(cfg, producer, result, req, pair.target_dir.name, engine.vocab_size) if producer else None
     if args.json:
         drafter_version = pair.drafter.version if pair.drafter is not None else None
         print(
@@ -129,6 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "stats": result.stats.to_dict(),
                     "seconds": round(seconds, 4),
                     "tokens_per_second": round(len(result.token_ids) / seconds, 3) if seconds > 0 else None,
+                    **({"stream": stream} if stream is not None else {}),
                 }
             )
         )
@@ -141,7 +144,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"drafter {pair.drafter.version if pair.drafter else 'none'}]",
             file=sys.stderr,
         )
+        if stream is not None:
+            print(f"[stream {cfg.stream.topic} at {cfg.stream.bootstrap}: {stream['sent']} sent, {stream['dropped']} dropped]", file=sys.stderr)
     return 0
+
+
+def _stream_producer(cfg, args: argparse.Namespace):
+    from streams.client import quiet_kafka_logs
+    from streams.producer import DecisionProducer
+
+    if cfg.stream.topk > cfg.serve.spec.topk_logprobs:
+        raise DviError(
+            f"stream.topk={cfg.stream.topk} needs serve.spec.topk_logprobs >= {cfg.stream.topk} "
+            f"(it is {cfg.serve.spec.topk_logprobs}): raise it or lower stream.topk"
+        )
+    quiet_kafka_logs(args.verbose)
+    return DecisionProducer(cfg.stream)
+
+
+def _log_result(cfg, producer, result, req, target_name: str, vocab_size: int) -> dict:
+    """Send the request's DecisionRecords and wait (bounded) until they are acknowledged or dropped."""
+    from dvi.events import records_from_result
+    from streams.producer import default_replica_id
+
+    s = cfg.stream
+    records = records_from_result(
+        result, replica_id=s.replica_id or default_replica_id(), target_name=target_name, vocab_size=vocab_size,
+        sampling=req, chunk_rounds=s.chunk_rounds, topk=s.topk,
+    )
+    for record in records:
+        producer.submit(record)
+    stats = producer.close(timeout_s=5.0)
+    return {"sent": stats.sent, "dropped": stats.dropped}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,6 +193,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
     p.add_argument("--seed", type=int, help="seed of the request's random draws")
     p.add_argument("--no-draft", action="store_true", help="target-only decoding, no drafter")
+    p.add_argument("--log", action="store_true", help="send the request's DecisionRecords to the decision stream (stream.*)")
     p.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="model cache")

@@ -8,10 +8,14 @@ shape of the configuration, not what the parts do with it.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dvi.errors import DviError
+
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
 CONF_DIR = Path(os.environ.get("DVI_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
 
@@ -102,10 +106,79 @@ class ServeConfig:
         _check(self.max_batch >= 1, "serve.max_batch", self.max_batch, "an integer >= 1")
 
 
+# kafka-python client options that may be passed through `stream.security` (the same for every client)
+SECURITY_KEYS = frozenset(
+    ["security_protocol", "sasl_mechanism", "sasl_plain_username", "sasl_plain_password", "sasl_kerberos_name",
+     "sasl_kerberos_service_name", "sasl_kerberos_domain_name", "ssl_cafile", "ssl_certfile", "ssl_keyfile",
+     "ssl_password", "ssl_check_hostname", "ssl_crlfile", "ssl_ciphers"]
+)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """The decision stream: where records go (Kafka), how they are batched, and what they carry."""
+
+    bootstrap_servers: str | None = None  # null: the embedded broker on 127.0.0.1:port
+    port: int = 19092  # the embedded broker's port
+    storage_engine: str | None = None  # embedded broker storage, e.g. s3://tansu/ (null: in memory)
+    topic: str = "dvi.decisions"
+    dlq_topic: str = "dvi.decisions.dlq"
+    control_topic: str = "dvi.control"
+    partitions: int = 4  # of the decisions topic (the dead-letter and control topics have 1)
+    replication_factor: int = 1
+    queue_size: int = 10000  # records buffered in memory before the producer drops
+    linger_ms: int = 20
+    batch_bytes: int = 262144
+    compression: str = "gzip"  # Kafka batch compression: gzip or none
+    max_record_bytes: int = 524288  # encoded DecisionRecord size bound (producer drops, consumer dead-letters)
+    chunk_rounds: int = 64  # rounds per record; longer generations are split into chunks
+    topk: int = 8  # teacher top-k log-probs per position to log (0 = none; <= serve.spec.topk_logprobs)
+    logprob_dtype: str = "float16"
+    delivery_timeout_ms: int = 10000  # a record not acknowledged by then is dropped and counted
+    session_timeout_ms: int = 6000  # consumer groups (group joins take about half of it)
+    replica_id: str | None = None  # null: <hostname>-<pid>
+    security: dict[str, Any] = field(default_factory=dict)  # passed to every Kafka client as is
+
+    def __post_init__(self) -> None:
+        _check(self.bootstrap_servers is None or bool(str(self.bootstrap_servers).strip()), "stream.bootstrap_servers",
+               self.bootstrap_servers, "null (the embedded broker) or host:port[,host:port...]")
+        _check(1 <= self.port <= 65535, "stream.port", self.port, "a TCP port in [1, 65535]")
+        for key in ("topic", "dlq_topic", "control_topic"):
+            name = getattr(self, key)
+            _check(bool(_TOPIC.fullmatch(name or "")), f"stream.{key}", name, "a Kafka topic name ([A-Za-z0-9._-], 1..249 chars)")
+        _check(len({self.topic, self.dlq_topic, self.control_topic}) == 3, "stream.dlq_topic/control_topic",
+               (self.topic, self.dlq_topic, self.control_topic), "three different topics")
+        _check(self.partitions >= 1, "stream.partitions", self.partitions, "an integer >= 1")
+        _check(self.replication_factor >= 1, "stream.replication_factor", self.replication_factor, "an integer >= 1")
+        _check(self.queue_size >= 1, "stream.queue_size", self.queue_size, "an integer >= 1")
+        _check(self.linger_ms >= 0, "stream.linger_ms", self.linger_ms, "an integer >= 0")
+        _check(self.batch_bytes >= 1024, "stream.batch_bytes", self.batch_bytes, "an integer >= 1024")
+        _check(self.compression in ("gzip", "none"), "stream.compression", self.compression, "gzip or none")
+        _check(1024 <= self.max_record_bytes <= 64 << 20, "stream.max_record_bytes", self.max_record_bytes, "in [1 KiB, 64 MiB]")
+        _check(self.chunk_rounds >= 1, "stream.chunk_rounds", self.chunk_rounds, "an integer >= 1")
+        _check(self.topk >= 0, "stream.topk", self.topk, "an integer >= 0 (0 = no teacher log-probs)")
+        _check(self.logprob_dtype in ("float16", "float32"), "stream.logprob_dtype", self.logprob_dtype, "float16 or float32")
+        _check(self.delivery_timeout_ms >= 1000, "stream.delivery_timeout_ms", self.delivery_timeout_ms, "an integer >= 1000")
+        _check(self.session_timeout_ms >= 1000, "stream.session_timeout_ms", self.session_timeout_ms, "an integer >= 1000")
+        _check(self.replica_id is None or bool(str(self.replica_id).strip()), "stream.replica_id", self.replica_id, "null or a non-empty name")
+        unknown = sorted(set(self.security) - SECURITY_KEYS)
+        _check(not unknown, "stream.security", unknown, f"only Kafka client security options ({', '.join(sorted(SECURITY_KEYS))})")
+
+    @property
+    def bootstrap(self) -> str:
+        """Where the Kafka clients connect: the configured servers, or the embedded broker."""
+        return self.bootstrap_servers or f"127.0.0.1:{self.port}"
+
+    @property
+    def embedded(self) -> bool:
+        return self.bootstrap_servers is None
+
+
 @dataclass(frozen=True)
 class DviConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
 
 
 def load_config(overrides: list[str] | None = None, config_name: str = "config") -> DviConfig:

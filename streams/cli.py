@@ -1,0 +1,120 @@
+"""`dvi broker` and `dvi stream tail`: thin entry points over streams.broker / streams.consumer.
+
+`dvi broker` runs the embedded Tansu broker in the foreground on 127.0.0.1:stream.port (topics created) until
+Ctrl-C or SIGTERM. `dvi stream tail` prints records from the decisions topic, one line each (or one JSON object
+each with --json); it reads without a consumer group, commits nothing and dead-letters nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from dvi.errors import DviError
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from dvi.cli import overrides_of
+    from dvi.config import load_config
+    from streams.broker import EmbeddedBroker
+    from streams.client import quiet_kafka_logs
+    from streams.topics import ensure_topics, stream_topics
+
+    cfg = load_config(overrides_of(args)).stream
+    quiet_kafka_logs(args.verbose)
+    if not cfg.embedded:
+        raise DviError(
+            f"stream.bootstrap_servers is set ({cfg.bootstrap_servers}): the stream uses that Kafka, not an embedded "
+            "broker; run `dvi broker stream.bootstrap_servers=null` for a local one"
+        )
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        with EmbeddedBroker(cfg.port, cfg.storage_engine) as broker:
+            ensure_topics(cfg)
+            topics = ", ".join(f"{t} ({n})" for t, n in stream_topics(cfg).items())
+            storage = cfg.storage_engine or "memory (lost on stop)"
+            print(f"dvi broker: Tansu on {broker.bootstrap}, storage {storage}, topics {topics}; Ctrl-C stops it", flush=True)
+            try:
+                while not stop.wait(0.5):
+                    if not broker.running:
+                        raise DviError(f"the broker exited unexpectedly: {broker.log_tail()}")
+            except KeyboardInterrupt:
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("dvi broker: stopped", flush=True)
+    return 0
+
+
+def summary(d) -> str:
+    """One readable line for a `streams.consumer.Delivered`."""
+    r = d.record
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(r.time))
+    rate = f"{r.accepted / r.drafted:.2f}" if r.drafted else "-"
+    return (
+        f"{stamp} p{d.partition}@{d.offset} request={r.request_id} chunk={r.chunk_index}{'' if r.final else '+'} "
+        f"replica={r.replica_id} target={r.target.name} drafter={r.drafter_version or '-'} "
+        f"prompt={len(r.prompt_ids)} generated={len(r.generated_ids)} rounds={len(r.rounds)} "
+        f"drafted={r.drafted} accepted={r.accepted} ({rate}) topk={r.topk} T={r.sampling.temperature:g}"
+        + (f" domain={r.domain}" if r.domain else "")
+    )
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from dvi.cli import overrides_of
+    from dvi.config import load_config
+    from streams.client import quiet_kafka_logs
+    from streams.consumer import DecisionConsumer
+
+    cfg = load_config(overrides_of(args)).stream
+    quiet_kafka_logs(args.verbose)
+    if args.max is not None and args.max < 1:
+        raise DviError(f"--max must be >= 1, got {args.max}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise DviError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    shown = 0
+    with DecisionConsumer(cfg, group_id=None, from_beginning=args.from_beginning, dead_letter=False, client_id="dvi-tail") as c:
+        last = time.monotonic()
+        try:
+            while args.max is None or shown < args.max:
+                if args.timeout is not None and time.monotonic() - last >= args.timeout:
+                    break
+                wait = 0.5 if args.timeout is None else max(0.05, min(0.5, args.timeout - (time.monotonic() - last)))
+                got = c.poll(wait, max_records=(args.max - shown) if args.max else 500)
+                if got:
+                    last = time.monotonic()
+                for d in got:
+                    if args.json:
+                        print(json.dumps({**d.record.to_dict(), "kafka": {"topic": d.topic, "partition": d.partition, "offset": d.offset}}))
+                    else:
+                        print(summary(d))
+                    shown += 1
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass
+        except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        invalid = c.stats.invalid
+    if invalid:
+        print(f"dvi stream tail: {invalid} invalid record(s) skipped", file=sys.stderr)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (Tansu) on 127.0.0.1:stream.port")
+    b.set_defaults(func=cmd_broker)
+
+    s = sub.add_parser("stream", help="the decision stream")
+    ssub = s.add_subparsers(dest="stream_cmd", required=True)
+    t = ssub.add_parser("tail", help="print DecisionRecords from the decisions topic")
+    t.add_argument("--json", action="store_true", help="one JSON object per record (all fields)")
+    t.add_argument("--from-beginning", action="store_true", dest="from_beginning", help="start at the oldest record, not the newest")
+    t.add_argument("--max", type=int, help="stop after N records")
+    t.add_argument("--timeout", type=float, help="stop when no record arrived for S seconds")
+    t.set_defaults(func=cmd_tail)

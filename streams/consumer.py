@@ -1,0 +1,244 @@
+"""Reading DecisionRecords: a consumer-group helper with manual commits and a dead-letter path.
+
+`DecisionConsumer.poll()` returns decoded, validated records (`Delivered`: the record and where it came from).
+A message that fails to decode or validate never reaches the caller and never stops the consumer: it goes to
+the dead-letter topic (`stream.dlq_topic`) unchanged (key and value), with headers naming its origin and the
+error (`dvi.origin.topic`, `dvi.origin.partition`, `dvi.origin.offset`, `dvi.error.class`,
+`dvi.error.message`), and is counted.
+
+Offsets are committed only when the caller says so (`commit()`), e.g. once the records are inside a durable
+checkpoint; the dead-letter producer is flushed first, so a committed bad record is in the dead-letter topic.
+Without a group id the consumer reads all partitions of the topic directly (no group, no commits).
+This module knows the wire format and Kafka, not what the records are used for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from dvi.config import StreamConfig
+from dvi.errors import DviError
+from dvi.events import DecisionRecord, decode
+from streams.client import client_options
+
+log = logging.getLogger("dvi.streams.consumer")
+
+DLQ_HEADERS = ("dvi.origin.topic", "dvi.origin.partition", "dvi.origin.offset", "dvi.error.class", "dvi.error.message")
+_MAX_ERROR_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class Delivered:
+    record: DecisionRecord
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+
+
+@dataclass(frozen=True)
+class ConsumerStats:
+    received: int  # messages read from the topic
+    delivered: int  # valid records returned by poll()
+    invalid: int  # messages that failed to decode or validate
+    dead_lettered: int  # invalid messages handed to the dead-letter topic
+    dlq_errors: int  # dead-letter sends that failed (the message is logged and skipped)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class DecisionConsumer:
+    """Consume DecisionRecords from `stream.topic` (see the module docstring). A context manager.
+
+    `group_id`: a consumer group (partitions assigned by the group, resumes after its last commit); None reads
+    every partition directly. `from_beginning`: where to start without a committed offset. `vocab_size`: the
+    vocabulary the records must use (None: the one each record declares). `dead_letter=False` (read-only
+    viewers such as `dvi stream tail`): invalid messages are logged and counted but not dead-lettered.
+    """
+
+    def __init__(
+        self,
+        cfg: StreamConfig,
+        *,
+        group_id: str | None,
+        topic: str | None = None,
+        dlq_topic: str | None = None,
+        from_beginning: bool = True,
+        vocab_size: int | None = None,
+        dead_letter: bool = True,
+        client_id: str = "dvi-consumer",
+    ):
+        from kafka import KafkaConsumer, TopicPartition
+        from kafka.errors import KafkaError
+
+        self.cfg = cfg
+        self.topic = topic or cfg.topic
+        self.dlq_topic = dlq_topic or cfg.dlq_topic
+        self.group_id = group_id
+        self.vocab_size = vocab_size
+        self.dead_letter = dead_letter
+        self._received = self._delivered = self._invalid = self._dead = self._dlq_errors = 0
+        self._next: dict = {}  # TopicPartition -> offset after the last message returned (the commit point)
+        self._dlq = None
+        self._dlq_futures: list = []
+        try:
+            self._consumer = KafkaConsumer(
+                **client_options(
+                    cfg,
+                    KafkaConsumer,
+                    group_id=group_id,
+                    client_id=client_id,
+                    enable_auto_commit=False,
+                    auto_offset_reset="earliest" if from_beginning else "latest",
+                    session_timeout_ms=cfg.session_timeout_ms,
+                    heartbeat_interval_ms=max(100, cfg.session_timeout_ms // 6),
+                    max_partition_fetch_bytes=max(1 << 20, 2 * cfg.max_record_bytes),
+                    fetch_max_bytes=max(50 << 20, 4 * cfg.max_record_bytes),
+                    bootstrap_timeout_ms=5000,
+                )
+            )
+        except KafkaError as e:
+            raise DviError(f"cannot reach Kafka at {cfg.bootstrap} ({type(e).__name__}: {e}): start it (dvi broker) or fix stream.bootstrap_servers") from None
+        if group_id is not None:
+            self._consumer.subscribe([self.topic])
+        else:
+            partitions = self._consumer.partitions_for_topic(self.topic)
+            if not partitions:
+                self._consumer.close()
+                raise DviError(f"topic {self.topic!r} does not exist on {cfg.bootstrap} (start the broker with `dvi broker`, which creates it)")
+            tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+            self._consumer.assign(tps)
+            if from_beginning:
+                self._consumer.seek_to_beginning(*tps)
+            else:
+                self._consumer.seek_to_end(*tps)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Delivered]:
+        """Valid records that arrived within `timeout_s` (possibly none); invalid ones are dead-lettered."""
+        from kafka import TopicPartition
+
+        batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        out = []
+        for tp, messages in batches.items():
+            for m in messages:
+                self._received += 1
+                try:
+                    record = decode(m.value, self.vocab_size, max_bytes=self.cfg.max_record_bytes)
+                except Exception as e:  # RecordError, or anything else a hostile payload provokes
+                    self._invalid += 1
+                    if self.dead_letter:
+                        self._dead_letter(m, e)
+                    else:
+                        log.warning("invalid record at %s[%d]@%d: %s: %s", m.topic, m.partition, m.offset, type(e).__name__, e)
+                else:
+                    self._delivered += 1
+                    out.append(Delivered(record, m.topic, m.partition, m.offset, m.key))
+                self._next[TopicPartition(m.topic, m.partition)] = m.offset + 1
+        return out
+
+    def poll_until(self, n: int, timeout_s: float) -> list[Delivered]:
+        """Poll until `n` valid records arrived or `timeout_s` passed; whatever arrived is returned."""
+        deadline = time.monotonic() + timeout_s
+        out: list[Delivered] = []
+        while len(out) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            out += self.poll(min(left, 0.5), max_records=n - len(out))
+        return out
+
+    @property
+    def stats(self) -> ConsumerStats:
+        return ConsumerStats(self._received, self._delivered, self._invalid, self._dead, self._dlq_errors)
+
+    # -- committing -----------------------------------------------------------------------------
+
+    def positions(self) -> dict:
+        """TopicPartition -> the offset after the last message poll() has returned: what `commit()` commits."""
+        return dict(self._next)
+
+    def commit(self, offsets: dict | None = None) -> None:
+        """Commit `offsets` (TopicPartition -> next offset; default `positions()`) for the group, synchronously.
+
+        The dead-letter producer is flushed first, so every bad record before a committed offset is in the DLQ.
+        """
+        from kafka.structs import OffsetAndMetadata
+
+        if self.group_id is None:
+            raise DviError("commit() needs a consumer group: pass group_id")
+        self.flush_dead_letters()
+        offsets = self.positions() if offsets is None else offsets
+        if offsets:
+            self._consumer.commit({tp: OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()})
+
+    def committed(self) -> dict:
+        """TopicPartition -> the group's committed offset (None where it never committed)."""
+        return {tp: self._consumer.committed(tp) for tp in self._consumer.assignment()}
+
+    # -- the dead-letter path -------------------------------------------------------------------
+
+    def _dead_letter(self, m, error: BaseException) -> None:
+        from kafka import KafkaProducer
+
+        self._dead += 1
+        message = str(error)[:_MAX_ERROR_CHARS]
+        log.warning("dead-lettering %s[%d]@%d: %s: %s", m.topic, m.partition, m.offset, type(error).__name__, message)
+        headers = list(m.headers or []) + list(
+            zip(DLQ_HEADERS, (m.topic, str(m.partition), str(m.offset), type(error).__name__, message))
+        )
+        headers = [(k, v.encode() if isinstance(v, str) else v) for k, v in headers]
+        try:
+            if self._dlq is None:
+                self._dlq = KafkaProducer(
+                    **client_options(
+                        self.cfg,
+                        KafkaProducer,
+                        client_id="dvi-dlq",
+                        acks="all",
+                        enable_idempotence=False,  # low volume; survives a memory broker restart
+                        max_request_size=max(1 << 20, 2 * self.cfg.max_record_bytes + 65536),
+                        bootstrap_timeout_ms=10000,
+                    )
+                )
+            value, cap = m.value, 2 * self.cfg.max_record_bytes
+            if value is not None and len(value) > cap:  # keep the evidence, within what a producer may send
+                headers.append(("dvi.value.truncated", str(len(value)).encode()))
+                value = value[:cap]
+            self._dlq_futures.append(self._dlq.send(self.dlq_topic, key=m.key, value=value, headers=headers))
+        except Exception as e:
+            self._dlq_errors += 1
+            log.error("cannot dead-letter %s[%d]@%d to %s (%s); skipping it", m.topic, m.partition, m.offset, self.dlq_topic, e)
+
+    def flush_dead_letters(self, timeout_s: float = 10.0) -> None:
+        if self._dlq is None:
+            return
+        from kafka.errors import KafkaError
+
+        try:
+            self._dlq.flush(timeout=timeout_s)
+        except KafkaError as e:
+            log.error("flushing the dead-letter producer: %s", e)
+        for f in self._dlq_futures:
+            if not f.is_done or f.failed():
+                self._dlq_errors += 1
+                log.error("a dead-letter record was not acknowledged: %s", f.exception)
+        self._dlq_futures = []
+
+    def close(self) -> None:
+        try:
+            self.flush_dead_letters()
+        finally:
+            if self._dlq is not None:
+                self._dlq.close(timeout=5)
+            self._consumer.close(autocommit=False)
+
+    def __enter__(self) -> DecisionConsumer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,288 @@
+"""DecisionRecord v1 without a broker: records from engine results, the wire format, and validation of bad records."""
+
+from __future__ import annotations
+
+import copy
+import random
+import struct
+import zlib
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+from dvi.config import SpecConfig
+from dvi.engine import Request, Result, Round, SpecStats, SpeculativeEngine
+from dvi.errors import DviError
+from dvi.events import (
+    MAGIC,
+    SCHEMA_VERSION,
+    DecisionRecord,
+    RecordError,
+    RoundRecord,
+    Sampling,
+    Target,
+    decode,
+    encode,
+    records_from_result,
+    validate,
+)
+
+VOCAB = 97
+
+
+def hand_result(versions=("v1",) * 6, k=3, topk=4, prompt=(5, 6, 7), seed=0, cut_last=0) -> Result:
+    """A Result built by hand: rounds with the given drafter versions (None: a plain round), consistent tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    rounds, tokens = [], []
+    for i, v in enumerate(versions):
+        kk = k if v is not None else 0
+        drafted = torch.randint(0, VOCAB, (kk,), generator=gen).tolist()
+        acc = int(torch.randint(0, kk + 1, (1,), generator=gen)) if kk else 0
+        if cut_last and i == len(versions) - 1:  # the last round emits k + 1 tokens; the stop cuts some off
+            acc = kk
+        token = int(torch.randint(0, VOCAB, (1,), generator=gen))
+        lp, ids = torch.log_softmax(torch.randn(kk + 1, VOCAB, generator=gen), -1).topk(topk, -1) if topk else (None, None)
+        rounds.append(Round(len(tokens), kk, drafted, acc, token, v, ids, lp))
+        tokens += drafted[:acc] + [token]
+    if cut_last:
+        tokens = tokens[:-cut_last]
+    stats = SpecStats()
+    for r in rounds:
+        stats.add(r.k, r.accepted)
+    return Result("req-1", list(prompt), tokens, "length", [v for v in dict.fromkeys(versions) if v], rounds, stats, 0.1)
+
+
+def records(result: Result, **kw) -> list[DecisionRecord]:
+    args = dict(replica_id="replica-a", target_name="tiny", vocab_size=VOCAB, sampling=Sampling(0.7, 0.9, 3), chunk_rounds=64)
+    args.update(kw)
+    return records_from_result(result, **args)
+
+
+@pytest.fixture
+def record() -> DecisionRecord:
+    return records(hand_result(cut_last=1))[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# From engine results.
+
+
+def test_records_from_a_real_engine_result_round_trip(tiny_target, tiny_drafter, one_thread):
+    engine = SpeculativeEngine(tiny_target, tiny_drafter, SpecConfig(k=4, adaptive=False, topk_logprobs=8), stop_ids={3})
+    reqs = [Request([1, 2, 3, 4], max_new_tokens=80, temperature=0.8, seed=s) for s in range(2)] + [Request([9, 8], max_new_tokens=50)]
+    for req, result in zip(reqs, engine.generate(reqs)):
+        recs = records(result, sampling=req, chunk_rounds=7, domain="code")
+        assert len(recs) == -(-len(result.rounds) // 7)
+        assert [r.chunk_index for r in recs] == list(range(len(recs)))
+        assert [r.final for r in recs] == [False] * (len(recs) - 1) + [True]
+        assert sum((r.generated_ids for r in recs), []) == result.token_ids
+        for r in recs:
+            validate(r, VOCAB)
+            assert r.prompt_ids == req.prompt_ids
+            assert r.prefix_ids == result.token_ids[: r.rounds[0].position]
+            assert r.request_id == result.request_id and r.domain == "code" and r.drafter_version == "noisy-v1"
+            assert r.sampling == Sampling(req.temperature, req.top_p, req.seed)
+            assert all(x.topk_ids.shape == (x.k + 1, 8) for x in r.rounds)
+            assert decode(encode(r, logprob_dtype="float32"), VOCAB) == r  # float32: exact
+            back = decode(encode(r), VOCAB)  # float16 log-probs: ids exact, log-probs to half precision
+            assert back.to_dict()["generated_ids"] == r.generated_ids and back.record_id == r.record_id
+            for a, b in zip(back.rounds, r.rounds):
+                np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+                np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, rtol=2e-3, atol=2e-3)
+    ids = {r.record_id for res in engine.generate(reqs[:1]) for r in records(res, chunk_rounds=3)}
+    assert len(ids) > 1 and all(len(i) == 32 for i in ids)  # unique record ids
+
+
+def test_chunks_split_where_the_drafter_changes():
+    result = hand_result(versions=("v1", None, "v1", "v2", None, "v2", "v2", "v3"))
+    recs = records(result, chunk_rounds=3)
+    assert [(r.drafter_version, len(r.rounds)) for r in recs] == [("v1", 3), ("v2", 3), ("v2", 1), ("v3", 1)]
+    assert sum((r.generated_ids for r in recs), []) == result.token_ids
+    plain = records(hand_result(versions=(None, None)))
+    assert plain[0].drafter_version is None and plain[0].drafted == 0
+
+
+def test_topk_is_cut_to_the_stream_setting_and_zero_means_none():
+    result = hand_result(topk=6)
+    four = records(result, topk=4)[0]
+    assert all(x.topk_ids.shape == (x.k + 1, 4) for x in four.rounds)
+    np.testing.assert_array_equal(four.rounds[0].topk_ids, result.rounds[0].topk_ids[:, :4].numpy())
+    none = records(result, topk=0)[0]
+    assert none.topk == 0 and all(x.topk_logprobs.shape == (x.k + 1, 0) for x in none.rounds)
+    assert decode(encode(none)) == none
+    assert len(encode(none)) < len(encode(four))
+    with pytest.raises(DviError, match="serve.spec.topk_logprobs"):
+        records(hand_result(topk=0), topk=8)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation of hand-made bad records.
+
+
+def broken(record: DecisionRecord, path: str, value) -> DecisionRecord:
+    bad = copy.deepcopy(record)
+    obj = bad
+    *parents, last = path.split(".")
+    for p in parents:
+        obj = obj.rounds[int(p[7:-1])] if p.startswith("rounds[") else getattr(obj, p)
+    setattr(obj, last, value)
+    return bad
+
+
+@pytest.mark.parametrize(
+    "path, value, field",
+    [
+        ("schema_version", 2, "schema_version"),
+        ("record_id", "not-hex", "record_id"),
+        ("request_id", 17, "request_id"),
+        ("replica_id", "", "replica_id"),
+        ("chunk_index", -1, "chunk_index"),
+        ("final", 1, "final"),
+        ("time", float("nan"), "time"),
+        ("target", ("tiny", VOCAB), "target"),
+        ("sampling", Sampling(-1.0), "sampling.temperature"),
+        ("sampling", Sampling(1.0, 1.5), "sampling.top_p"),
+        ("prompt_ids", [], "prompt_ids"),
+        ("prompt_ids", [1, "2"], "prompt_ids"),
+        ("prompt_ids", [1, 2.0], "prompt_ids"),
+        ("prompt_ids", [True], "prompt_ids"),
+        ("prompt_ids", [1, VOCAB], "prompt_ids"),
+        ("prompt_ids", [-1], "prompt_ids"),
+        ("generated_ids", "abc", "generated_ids"),
+        ("rounds", [], "rounds"),
+        ("topk", -1, "topk"),
+        ("rounds[0].k", 2.0, "rounds[0].k"),
+        ("rounds[0].drafted", [1, 2], "rounds[0].drafted"),
+        ("rounds[0].accepted", 4, "rounds[0].accepted"),
+        ("rounds[0].token", VOCAB + 5, "rounds[0].token"),
+        ("rounds[1].position", 99, "rounds[1].position"),
+        ("rounds[0].topk_ids", np.zeros((3, 4), np.int32), "rounds[0].topk_ids"),
+        ("rounds[0].topk_ids", np.full((4, 4), VOCAB, np.int32), "rounds[0].topk_ids"),
+        ("rounds[0].topk_ids", [[0] * 4] * 4, "rounds[0].topk_ids"),
+        ("rounds[0].topk_logprobs", np.zeros((4, 3), np.float32), "rounds[0].topk_logprobs"),
+        ("rounds[0].topk_logprobs", np.full((4, 4), np.nan, np.float32), "rounds[0].topk_logprobs"),
+        ("rounds[0].topk_logprobs", np.full((4, 4), -np.inf, np.float32), "rounds[0].topk_logprobs"),
+        ("rounds[0].topk_logprobs", np.full((4, 4), 0.5, np.float32), "rounds[0].topk_logprobs"),
+        ("rounds[0].topk_logprobs", np.zeros((4, 4), np.int32), "rounds[0].topk_logprobs"),
+    ],
+)
+def test_validation_names_the_bad_field(record, path, value, field):
+    validate(record, VOCAB)
+    bad = broken(record, path, value)
+    with pytest.raises(RecordError) as e:
+        validate(bad)
+    assert e.value.field == field and str(e.value).startswith(field)
+    with pytest.raises(RecordError):
+        encode(bad)  # the producer side validates too
+
+
+def test_generated_ids_must_match_what_the_rounds_emit(record):
+    bad = broken(record, "generated_ids", list(record.generated_ids))
+    bad.generated_ids[0] = (bad.generated_ids[0] + 1) % VOCAB
+    with pytest.raises(RecordError, match=r"rounds\[0\]"):
+        validate(bad)
+    # only the last round of the final chunk may be cut short
+    with pytest.raises(RecordError):
+        validate(broken(record, "final", False))
+    with pytest.raises(RecordError):
+        validate(broken(record, "generated_ids", record.generated_ids + [1]))
+
+
+def test_consumer_vocabulary_must_match(record):
+    with pytest.raises(RecordError, match="target.vocab_size"):
+        decode(encode(record), vocab_size=49152)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad bytes.
+
+
+def rewrap(data: bytes, edit) -> bytes:
+    """Decompress an encoding, apply `edit` to the payload, and wrap it again with a matching prefix."""
+    payload = bytearray(zlib.decompress(data[12:]))
+    payload = bytes(edit(payload) or payload)
+    return struct.pack("<4sHHI", MAGIC, SCHEMA_VERSION, 0, len(payload)) + zlib.compress(payload)
+
+
+def test_bad_bytes_raise_record_error(record):
+    data = encode(record)
+    assert decode(data) == decode(bytes(data))
+    cases = {
+        "garbage": (bytes(range(256)) * 3, "magic"),
+        "empty": (b"", "record"),
+        "pickle": (b"\x80\x04\x95" + bytes(40), "magic"),
+        "schema v2": (data[:4] + struct.pack("<H", 2) + data[6:], "schema_version"),
+        "flags": (data[:6] + struct.pack("<H", 1) + data[8:], "flags"),
+        "trailing": (data + b"xx", "payload"),
+        "declared length": (data[:8] + struct.pack("<I", 10) + data[12:], "payload"),
+        "zip bomb": (data[:8] + struct.pack("<I", 1 << 31) + data[12:], "payload"),
+        "header not JSON": (rewrap(data, lambda p: p[:4] + b"{" * (len(p) - 4)), "header"),
+        "unknown header key": (rewrap(data, lambda p: p.replace(b'"domain"', b'"dOmain"')), "header"),
+        "arrays cut": (rewrap(data, lambda p: p[:-3]), "topk_logprobs"),
+        "arrays extra": (rewrap(data, lambda p: p + b"\0\0"), "payload"),
+    }
+    for cut in (5, 12, 13, len(data) // 2, len(data) - 1):
+        cases[f"truncated at {cut}"] = (data[:cut], "record" if cut < 12 else "payload")
+    for name, (bad, field) in cases.items():
+        with pytest.raises(RecordError) as e:
+            decode(bad)
+        assert e.value.field == field, (name, str(e.value))
+
+
+def test_size_bound(record):
+    data = encode(record)
+    with pytest.raises(RecordError, match="exceeds"):
+        encode(record, max_bytes=len(data) - 1)
+    with pytest.raises(RecordError, match="exceeds"):
+        decode(data, max_bytes=len(data) - 1)
+    assert decode(data, max_bytes=len(data)) == decode(data)
+
+
+def test_ids_out_of_range_and_nan_in_bytes_are_rejected(record):
+    bad_ids = broken(record, "rounds[0].drafted", [VOCAB + 1] + record.rounds[0].drafted[1:])
+    lp = record.rounds[1].topk_logprobs.copy()
+    lp[0, 0] = np.nan
+    bad_lp = broken(record, "rounds[1].topk_logprobs", lp)
+    with mock.patch("dvi.events.validate"):  # a producer that does not validate
+        ids_bytes, lp_bytes = encode(bad_ids), encode(bad_lp)
+    with pytest.raises(RecordError, match="outside the vocabulary"):
+        decode(ids_bytes)
+    with pytest.raises(RecordError, match="non-finite") as e:
+        decode(lp_bytes)
+    assert e.value.field == "rounds[1].topk_logprobs"
+    # an accepted draft out of range is reported as such, not as a mismatch with generated_ids
+    i = next(j for j, r in enumerate(record.rounds) if r.accepted)
+    accepted_bad = broken(record, f"rounds[{i}].drafted", [VOCAB + 3] + record.rounds[i].drafted[1:])
+    with pytest.raises(RecordError, match="outside the vocabulary") as e:
+        validate(accepted_bad)
+    assert e.value.field == f"rounds[{i}].drafted"
+
+
+def test_random_corruption_never_escapes_as_another_error(record):
+    """Flip bytes of the payload (and of the compressed form): decode returns a valid record or RecordError."""
+    data = encode(record)
+    rng = random.Random(0)
+    outcomes = {"ok": 0, "error": 0}
+    for i in range(400):
+        def flip(p, i=i):
+            for _ in range(rng.randint(1, 3)):
+                p[rng.randrange(len(p))] = rng.randrange(256)
+        bad = rewrap(data, flip) if i % 2 else bytes(b ^ (rng.randrange(256) if rng.random() < 0.01 else 0) for b in data)
+        try:
+            validate(decode(bad))
+            outcomes["ok"] += 1
+        except RecordError:
+            outcomes["error"] += 1
+    assert outcomes["error"] > 100
+
+
+def test_wire_format_is_compact_and_not_pickle(record):
+    data = encode(record)
+    assert data[:4] == MAGIC and b"\x80\x04" not in data[:2]
+    plain = encode(record, logprob_dtype="float32")
+    assert len(data) < len(plain)
+    untouched = RoundRecord(0, 0, [], 0, 1, np.zeros((1, 0), np.int32), np.zeros((1, 0), np.float32))
+    assert untouched == copy.deepcopy(untouched) and untouched != record.rounds[0]
+    assert Target("tiny", VOCAB) == record.target

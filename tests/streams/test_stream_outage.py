@@ -1,0 +1,129 @@
+"""Broker unreachable at start, then killed and restarted while a producer is sending: submit() never blocks,
+drops are counted, and sending resumes by itself (recreating the Kafka client the restart left broken)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dvi.config import SpecConfig
+from dvi.engine import Request, SpeculativeEngine
+from dvi.events import records_from_result
+from streams.broker import EmbeddedBroker, free_port
+from streams.consumer import DecisionConsumer
+from streams.producer import DecisionProducer
+from streams.topics import ensure_topics
+
+pytestmark = pytest.mark.broker
+
+SLOW_SUBMIT_S = 0.25  # far below what a blocking call would take (1 s metadata wait, 2 s bootstrap, 3 s delivery)
+
+
+def wait_until(cond, timeout_s: float, step_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step_s)
+    return cond()
+
+
+def test_producer_survives_outages(stream_config, tiny_target, tiny_drafter, one_thread):
+    engine = SpeculativeEngine(tiny_target, tiny_drafter, SpecConfig(k=4, adaptive=False, topk_logprobs=8))
+    port = free_port()
+    cfg = stream_config(f"127.0.0.1:{port}", queue_size=8)
+    submit_s: list[float] = []
+    phase_stats = {}
+
+    producer = DecisionProducer(cfg)
+
+    def serve(seconds: float) -> None:
+        """The serving loop: decode, then log every finished request."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            req = Request([1, 2, 3], max_new_tokens=12, temperature=0.9)
+            for result in engine.generate([req]):
+                for rec in records_from_result(result, replica_id="r", target_name="tiny", vocab_size=97, sampling=req, chunk_rounds=4):
+                    t0 = time.perf_counter()
+                    producer.submit(rec)
+                    submit_s.append(time.perf_counter() - t0)
+
+    try:
+        serve(1.5)  # no broker yet
+        phase_stats["unreachable"] = producer.stats
+        assert phase_stats["unreachable"].sent == 0 and phase_stats["unreachable"].dropped > 0
+
+        broker = EmbeddedBroker(port).start()
+        ensure_topics(cfg)
+        serve(0.2)
+        assert wait_until(lambda: producer.stats.sent > 0, 15), producer.stats
+        serve(0.5)
+        before_kill = producer.stats
+
+        broker.kill()
+        serve(2.0)
+        phase_stats["down"] = producer.stats
+        assert phase_stats["down"].dropped > before_kill.dropped
+
+        broker = EmbeddedBroker(port).start()  # a memory broker: topics and records are gone
+        ensure_topics(cfg)
+        sent_at_restart = producer.stats.sent
+        deadline = time.monotonic() + 20
+        while producer.stats.sent <= sent_at_restart and time.monotonic() < deadline:
+            serve(0.2)
+        assert producer.stats.sent > sent_at_restart, producer.stats
+        serve(0.3)
+        final = producer.close(timeout_s=10)
+    finally:
+        producer.close(timeout_s=0)
+
+    try:
+        assert final.pending == 0 and final.sent + final.dropped == final.submitted == len(submit_s)
+        assert final.errors > 0
+        assert final.recreated >= 1, final  # the restart left the idempotent client broken: it was rebuilt
+        assert max(submit_s) < SLOW_SUBMIT_S, f"slowest submit {max(submit_s):.3f} s"
+        with DecisionConsumer(cfg, group_id=None) as consumer:  # what was sent after the restart is on the topic
+            got = consumer.poll_until(1, timeout_s=10)
+        assert got and all(d.record.replica_id == "r" for d in got)
+    finally:
+        broker.stop()
+
+
+def test_close_with_no_broker_drops_and_returns(stream_config, make_record):
+    cfg = stream_config(f"127.0.0.1:{free_port()}")
+    producer = DecisionProducer(cfg)
+    for i in range(5):
+        assert producer.submit(make_record(f"r{i}", rounds=1))
+    t0 = time.monotonic()
+    stats = producer.close(timeout_s=0.5)
+    assert time.monotonic() - t0 < 8
+    assert (stats.submitted, stats.sent, stats.dropped, stats.pending) == (5, 0, 5, 0)
+    assert not producer.submit(make_record("late", rounds=1)) and producer.stats.dropped == 6
+
+
+def test_queue_overflow_drops_and_counts(stream_cfg, make_record):
+    import dataclasses
+
+    cfg = dataclasses.replace(stream_cfg, queue_size=3)
+    record = make_record("same", rounds=1)
+    producer = DecisionProducer(cfg)
+    accepted = [producer.submit(record) for _ in range(200)]
+    stats = producer.close(timeout_s=10)
+    assert not all(accepted) and stats.dropped >= accepted.count(False)
+    assert stats.sent + stats.dropped == 200 and stats.sent >= accepted.count(True) - stats.errors
+
+
+def test_invalid_and_oversized_records_are_dropped_not_sent(stream_cfg, make_record):
+    import dataclasses
+
+    cfg = dataclasses.replace(stream_cfg, max_record_bytes=4096)
+    bad = make_record("bad", rounds=2)
+    bad.rounds[0].accepted = 99
+    with DecisionProducer(cfg) as producer:
+        producer.submit(bad)
+        producer.submit(make_record("big", rounds=100))
+        producer.submit(make_record("ok", rounds=1))
+        assert producer.flush(10)
+        stats = producer.stats
+    assert (stats.sent, stats.dropped, stats.errors) == (1, 2, 2)
