@@ -1,0 +1,317 @@
+"""Distillation losses for the drafter: small pure functions over tensors, every shape written down.
+
+This module owns the maths of one training step's objective: the teacher distribution (from the logged
+top-k log-probs or from full target logits), the divergences between teacher p and student q per position,
+masking and reduction, the DVI-style reward term from the accept/reject decisions, and the KL-to-reward
+schedule. It knows nothing about DeepSpeed, Kafka, record formats, replay buffers or models: callers pass
+logits and ids in, and get a scalar loss (with grad) and a dict of float metrics (without) back.
+
+Vocabulary (as in `dvi.speculative`; a round drafts d_1..d_k, n of them are accepted):
+
+- position j = 0..k of a round: the context prompt + accepted output + d_1..d_j. Positions 0..k-1 are the
+  drafted positions (the student's distribution there proposed d_{j+1}); position k is the bonus position.
+  The teacher (the target's top-k ids / log-probs) is logged at all k + 1 positions; `Kmax` is the largest
+  k in a batch and shorter rounds are padded.
+- p: the teacher's next-token distribution (temperature 1, unwarped, like the logged log-probs).
+  q: the student's (drafter's) distribution, softmax of its logits at temperature 1.
+- V: the target vocabulary. N: the student's vocabulary: N = V for a full-vocabulary drafter, or a reduced
+  head whose row i is target token `vocab_map[i]` (`vocab_map`: [N] int64 target ids, as in `dvi.models`).
+  The student's probability of every target token outside `vocab_map` is 0.
+- outside: the teacher's mass on target tokens the student cannot produce (outside `vocab_map`; 0 for a
+  full-vocabulary student). A `Teacher` is p restricted to the student's vocabulary plus that scalar, so
+  p over the target vocabulary is recoverable exactly and nothing is materialised at width V.
+
+Divergences, per position, over the target vocabulary (the choices for zeros and unreachable mass):
+
+- forward KL(p || q) = sum_x p(x) log(p(x) / q(x)). Infinite as soon as the teacher puts mass where the
+  student cannot, so for this one divergence the teacher is renormalised over the student's vocabulary (the
+  outside mass is dropped; same minimiser: q proportional to p on the student's vocabulary). A position whose
+  teacher mass is entirely outside gets 0.
+- reverse KL(q || p) = sum_x q(x) log(q(x) / p(x)). Exact: q is 0 outside the student's vocabulary.
+- JSD_beta(p || q) = beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q (the generalised
+  JSD of GKD, Agarwal et al. 2024; beta = 0.5 is the symmetric JSD, bounded by log 2). Exact: the outside
+  mass enters as the constant beta * log(1 / beta) * outside.
+- TV(p, q) = 0.5 * sum_x |p(x) - q(x)| = 1 - sum_x min(p(x), q(x)) = 1 - `expected_acceptance`(p, q), the
+  probability that a draft from q is rejected against p. Exact: the outside mass enters as 0.5 * outside, so
+  TV here is 1 - the acceptance the engine measures, reduced vocabulary included.
+
+Zeros: a term whose weight is 0 (p(x) = 0 in p log p, q(x) = 0 in q log q) is 0. Where a log would be
+-inf under a positive weight (log q(x) with p(x) > 0 and q(x) = 0 in forward KL; log p(x) with q(x) > 0 and
+p(x) = 0 in reverse KL, e.g. outside the teacher's top-k; log q(d) of a drafted token in the reward term),
+the log is clamped at LOG_FLOOR = log(1e-8), about -18.4: each unit of misplaced mass costs at most about
+18.4 nats more than it would at probability 1e-8, values and gradients stay finite, and the gradient of a
+clamped log q is 0. Every function computes in float32 whatever the logits' dtype.
+
+The teacher is a constant: constructors detach it. The reward term has no baseline and no importance
+correction for drafts proposed by an older drafter version: it is the plain REINFORCE term of DVI.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from dvi.speculative import expected_acceptance, logits_to_probs
+
+PROB_FLOOR = 1e-8
+LOG_FLOOR = math.log(PROB_FLOOR)  # about -18.42
+DIVERGENCES = ("fkl", "rkl", "jsd", "tv")
+
+
+class Teacher(NamedTuple):
+    """The teacher's distribution as seen from the student's vocabulary."""
+
+    probs: torch.Tensor  # [..., N] float32 teacher probabilities of the student's tokens (no grad)
+    outside: torch.Tensor  # [...] float32 teacher mass on target tokens the student cannot produce
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocabularies and teachers.
+
+
+def student_index(ids: torch.Tensor, vocab_map: torch.Tensor | None, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map target token ids to rows of the student's output.
+
+    ids: [...] target ids (any int; padding such as -1 is fine); vocab_map: [N] distinct target ids, or None for
+    a full-vocabulary student of width `vocab_size` (required then).
+    Returns index [...] int64 in [0, N) (0 where not inside) and inside [...] bool: the student has that token.
+    """
+    ids = ids.long()
+    if vocab_map is None:
+        if vocab_size is None:
+            raise ValueError("student_index: give vocab_size for a full-vocabulary student (vocab_map is None)")
+        inside = (ids >= 0) & (ids < vocab_size)
+        return torch.where(inside, ids, torch.zeros_like(ids)), inside
+    sorted_ids, order = vocab_map.long().sort()  # [N]
+    pos = torch.searchsorted(sorted_ids, ids.contiguous()).clamp_(max=sorted_ids.numel() - 1)  # [...]
+    inside = sorted_ids[pos] == ids
+    return torch.where(inside, order[pos], torch.zeros_like(ids)), inside
+
+
+def teacher_from_topk(
+    topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab_size: int, vocab_map: torch.Tensor | None = None
+) -> Teacher:
+    """The teacher from logged top-k log-probs, renormalised over the top-k set.
+
+    topk_ids: [..., topk] target ids; topk_logprobs: [..., topk] their log-probs (any float dtype, any base
+    normalisation: only their differences matter); vocab_size: V, the target vocabulary; vocab_map: [N] or None.
+    p(x) = exp(lp(x)) / sum_topk exp(lp) for x in the top-k, 0 elsewhere (the tail beyond the top-k is dropped:
+    its distribution was not logged). Top-k ids the student cannot produce go to `outside`.
+    Returns Teacher(probs [..., N], outside [...]) with N = V when vocab_map is None.
+    """
+    if topk_ids.shape != topk_logprobs.shape:
+        raise ValueError(f"teacher_from_topk: ids {tuple(topk_ids.shape)} and log-probs {tuple(topk_logprobs.shape)} differ in shape")
+    top_p = torch.softmax(topk_logprobs.detach().float(), dim=-1)  # [..., topk]
+    idx, inside = student_index(topk_ids, vocab_map, vocab_size)  # [..., topk]
+    width = vocab_size if vocab_map is None else vocab_map.numel()
+    probs = top_p.new_zeros(top_p.shape[:-1] + (width,))  # [..., N]
+    probs.scatter_add_(-1, idx, torch.where(inside, top_p, torch.zeros_like(top_p)))
+    outside = torch.where(inside, torch.zeros_like(top_p), top_p).sum(-1)  # [...]
+    return Teacher(probs, outside)
+
+
+def teacher_from_logits(logits: torch.Tensor, vocab_map: torch.Tensor | None = None, temperature: float = 1.0) -> Teacher:
+    """The teacher from full target logits (records without top-k: the trainer's copy of the target).
+
+    logits: [..., V]; vocab_map: [N] or None; temperature: as in `dvi.speculative.logits_to_probs` (1 matches
+    the logged top-k; 0 is one-hot at the argmax). Returns Teacher(probs [..., N], outside [...]).
+    """
+    flat = logits.detach().reshape(-1, logits.shape[-1])  # [M, V]
+    rows = flat.shape[0]
+    temp, top_p = torch.full((rows,), float(temperature), device=flat.device), torch.ones(rows, device=flat.device)
+    p = logits_to_probs(flat, temp, top_p).reshape(logits.shape)  # [..., V]
+    if vocab_map is None:
+        return Teacher(p, torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device))
+    sub = p[..., vocab_map.long()]  # [..., N]
+    return Teacher(sub, (p.sum(-1) - sub.sum(-1)).clamp_(min=0.0))
+
+
+def student_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log q: float32 log-softmax of the student's logits [..., N] (temperature 1). Returns [..., N]."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _finite(log_x: torch.Tensor) -> torch.Tensor:
+    """-inf (a probability of exactly 0) becomes the most negative float, so 0 * log 0 is 0, not NaN."""
+    return log_x.clamp(min=torch.finfo(log_x.dtype).min)
+
+
+def _outside(p: torch.Tensor, outside: torch.Tensor | None) -> torch.Tensor:
+    return p.new_zeros(p.shape[:-1]) if outside is None else outside.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# Divergences, per position. p: [..., N] teacher probs (a constant); log_q: [..., N] student log-probs
+# (normalised, e.g. `student_log_probs`); outside: [...] teacher mass the student cannot produce (None: 0).
+# Each returns [...]; the module docstring states how zeros and the outside mass are handled.
+
+
+def forward_kl(p: torch.Tensor, log_q: torch.Tensor, outside: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(p || q) with p renormalised over the student's vocabulary (`outside` dropped); log q >= LOG_FLOOR."""
+    p = p.float()
+    mass = p.sum(-1, keepdim=True)  # [..., 1] = 1 - outside
+    p = torch.where(mass > 0, p / mass.clamp(min=torch.finfo(p.dtype).tiny), torch.zeros_like(p))
+    return (torch.xlogy(p, p) - p * log_q.clamp(min=LOG_FLOOR)).sum(-1)
+
+
+def reverse_kl(p: torch.Tensor, log_q: torch.Tensor, outside: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(q || p); log p >= LOG_FLOOR where p is 0 (outside the top-k). `outside` does not enter (q is 0 there)."""
+    log_q = _finite(log_q)
+    log_p = torch.log(p.float()).clamp(min=LOG_FLOOR)
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+
+def jsd(p: torch.Tensor, log_q: torch.Tensor, outside: torch.Tensor | None = None, beta: float = 0.5) -> torch.Tensor:
+    """Generalised JSD: beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q, 0 < beta < 1."""
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"jsd: beta must be strictly between 0 and 1, got {beta}")
+    p = p.float()
+    log_q = _finite(log_q)
+    log_m = torch.logaddexp(math.log(beta) + torch.log(p), math.log(1.0 - beta) + log_q)  # [..., N], finite
+    kl_pm = (torch.xlogy(p, p) - p * log_m).sum(-1) + _outside(p, outside) * math.log(1.0 / beta)
+    kl_qm = (log_q.exp() * (log_q - log_m)).sum(-1)
+    return beta * kl_pm + (1.0 - beta) * kl_qm
+
+
+def total_variation(p: torch.Tensor, log_q: torch.Tensor, outside: torch.Tensor | None = None) -> torch.Tensor:
+    """TV = 0.5 * (sum |p - q| + outside) = 1 - expected_acceptance(p, q) over the target vocabulary."""
+    return 0.5 * ((p.float() - log_q.exp()).abs().sum(-1) + _outside(p, outside))
+
+
+def divergence(name: str, p: torch.Tensor, log_q: torch.Tensor, outside: torch.Tensor | None = None, beta: float = 0.5) -> torch.Tensor:
+    """One of DIVERGENCES by name ("fkl" | "rkl" | "jsd" | "tv"); beta is used by "jsd" only. Returns [...]."""
+    if name == "fkl":
+        return forward_kl(p, log_q, outside)
+    if name == "rkl":
+        return reverse_kl(p, log_q, outside)
+    if name == "jsd":
+        return jsd(p, log_q, outside, beta)
+    if name == "tv":
+        return total_variation(p, log_q, outside)
+    raise ValueError(f"unknown divergence {name!r}: choose one of {', '.join(DIVERGENCES)}")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of values [...] over positions where mask [...] (bool) is True; 0 when none is. Returns a scalar.
+
+    Masked-out values never reach the result, even NaN or inf ones (their inputs should still be finite, or
+    their gradients may not be).
+    """
+    if mask is None:
+        return values.mean() if values.numel() else values.sum()
+    mask = mask.bool()
+    total = torch.where(mask, values, torch.zeros_like(values)).sum()
+    return total / mask.sum().clamp(min=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The reward term (DVI: the verifier's accept / reject decisions as a reward for the drafter).
+
+
+def round_rewards(k: torch.Tensor, n: torch.Tensor, kmax: int, penalty: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per drafted position j (0-based, draft d_{j+1}) of rounds with k drafts and n accepted.
+
+    k, n: [B]; kmax: the padded width. Reward +1 for j < n (accepted), -penalty for j == n < k (the first
+    rejected draft); positions after the first rejection, and j >= k, were never judged and are masked out.
+    Returns reward [B, Kmax] float32 and mask [B, Kmax] bool.
+    """
+    j = torch.arange(kmax, device=k.device).unsqueeze(0)  # [1, Kmax]
+    k, n = k.unsqueeze(1), n.unsqueeze(1)  # [B, 1]
+    accepted = j < n
+    rejected = (j == n) & (j < k)
+    reward = accepted.float() - penalty * rejected.float()
+    return reward, accepted | rejected
+
+
+def reward_loss(
+    log_q: torch.Tensor,
+    drafted_ids: torch.Tensor,
+    k: torch.Tensor,
+    n: torch.Tensor,
+    penalty: float = 1.0,
+    vocab_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Policy-gradient loss -(reward * log q(d_{j+1})) averaged over judged drafts. Returns a scalar.
+
+    log_q: [B, Kmax, N] student log-probs at the drafted positions; drafted_ids: [B, Kmax] target ids (padding
+    past k is ignored); k, n: [B]. log q(d) is clamped at LOG_FLOOR, so pushing a rejected draft's
+    probability below 1e-8 earns nothing more. Drafts the student cannot produce (a record from a drafter
+    with another vocabulary) are masked out.
+    """
+    idx, inside = student_index(drafted_ids, vocab_map, log_q.shape[-1])  # [B, Kmax]
+    log_q_d = log_q.gather(-1, idx.unsqueeze(-1)).squeeze(-1).clamp(min=LOG_FLOOR)  # [B, Kmax]
+    reward, mask = round_rewards(k, n, drafted_ids.shape[1], penalty)
+    return masked_mean(-(reward * log_q_d), mask & inside)
+
+
+def kl_reward_weights(step: int, warmup: int, total: int, max_reward: float = 0.5) -> tuple[float, float]:
+    """The KL-to-reward schedule: (w_kl, w_reward) at a training step, w_kl + w_reward = 1.
+
+    Pure KL (1, 0) up to `warmup`; the reward's weight then grows linearly to `max_reward` at step `total`
+    and stays there (total <= warmup: it jumps to max_reward at warmup).
+    """
+    if not 0.0 <= max_reward <= 1.0:
+        raise ValueError(f"kl_reward_weights: max_reward must be in [0, 1], got {max_reward}")
+    if warmup < 0:
+        raise ValueError(f"kl_reward_weights: warmup must be >= 0, got {warmup}")
+    if step < warmup:
+        return 1.0, 0.0
+    frac = 1.0 if total <= warmup else min(1.0, (step - warmup) / (total - warmup))
+    w_reward = max_reward * frac
+    return 1.0 - w_reward, w_reward
+
+
+# ----------------------------------------------------------------------------------------------
+# The combined objective.
+
+
+def distill_loss(
+    student_logits: torch.Tensor,
+    teacher: Teacher,
+    drafted_ids: torch.Tensor,
+    k: torch.Tensor,
+    n: torch.Tensor,
+    divergence_name: str = "fkl",
+    w_kl: float = 1.0,
+    w_reward: float = 0.0,
+    beta: float = 0.5,
+    penalty: float = 1.0,
+    vocab_map: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """w_kl * mean divergence(teacher, student) + w_reward * reward_loss, for a batch of rounds.
+
+    student_logits: [B, Kmax + 1, N] at the drafted positions 0..Kmax-1 and the bonus position (position j of a
+    row with k < Kmax past k is padding); teacher: Teacher(probs [B, Kmax + 1, N], outside [B, Kmax + 1]) from
+    `teacher_from_topk` or `teacher_from_logits`; drafted_ids: [B, Kmax] target ids; k, n: [B] drafts and
+    accepted per round; divergence_name: one of DIVERGENCES; vocab_map: [N] or None; mask: [B, Kmax + 1] bool
+    positions that get the divergence (default: j <= k, every drafted position and the row's bonus position).
+    Returns the loss (scalar, with grad) and metrics computed without grad, as floats over the same positions:
+    fkl, rkl, jsd, tv (each divergence's mean), acceptance (mean expected acceptance, = 1 - tv), reward_loss,
+    outside (mean teacher mass the student cannot produce).
+    """
+    batch, positions, width = student_logits.shape
+    if teacher.probs.shape != student_logits.shape:
+        raise ValueError(
+            f"distill_loss: teacher probs {tuple(teacher.probs.shape)} do not match student logits "
+            f"{tuple(student_logits.shape)} (both [B, Kmax + 1, N]; build the teacher with the student's vocab_map)"
+        )
+    if drafted_ids.shape != (batch, positions - 1):
+        raise ValueError(f"distill_loss: drafted_ids {tuple(drafted_ids.shape)} should be [B, Kmax] = {(batch, positions - 1)}")
+    if mask is None:
+        mask = torch.arange(positions, device=k.device).unsqueeze(0) <= k.unsqueeze(1)  # [B, Kmax + 1]
+    log_q = student_log_probs(student_logits)  # [B, Kmax + 1, N]
+    p, outside = teacher.probs, teacher.outside
+    kl = masked_mean(divergence(divergence_name, p, log_q, outside, beta), mask)
+    rl = reward_loss(log_q[:, :-1], drafted_ids, k, n, penalty, vocab_map)
+    loss = w_kl * kl + w_reward * rl
+    with torch.no_grad():
+        lq = log_q.detach()
+        values = {name: masked_mean(divergence(name, p, lq, outside, beta), mask) for name in DIVERGENCES}
+        values["acceptance"] = masked_mean(expected_acceptance(p.float(), lq.exp()), mask)
+        values["reward_loss"] = rl.detach()
+        values["outside"] = masked_mean(outside.float(), mask)
+        floats = torch.stack(list(values.values())).tolist()  # one host sync
+    return loss, dict(zip(values, floats))
