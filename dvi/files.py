@@ -1,0 +1,38 @@
+"""Durable file helpers shared by the model store and the trainer's checkpoints: digests and fsync.
+
+Knows bytes on disk, nothing about models or what the files mean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def sha256_file(path: Path, fsync: bool = False) -> str:
+    """The file's sha256 hex digest, read in 1 MiB blocks; with `fsync`, also flushes it to disk."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write `data` to `path` and fsync it before returning."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes the renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,162 @@
+"""The model store: published drafter versions as plain directories, written atomically, checked by sha256.
+
+A version is `<store>/<version>/`, a drafter directory that `dvi.models.load_drafter` reads: the parent
+drafter's config and tokenizer files, `model.safetensors` (a reduced-vocabulary head goes to
+`draft_head.safetensors` with its token ids, as `build_drafter` writes it), `dvi_drafter.json` (version,
+parent, lineage and gate metadata) and `SHA256SUMS` (sha256 of every other file). The digest of SHA256SUMS pins
+the whole version: it travels in the control message and the registry, and a server checks it before loading.
+Weights are safetensors only; `verify` refuses a directory holding any pickle-capable weight file.
+
+Writes go to `<store>/.tmp-<version>-<random>`, are fsynced, and are renamed into place: a crash leaves no
+visible version. This module knows files and safetensors, not training, Kafka or MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dvi.errors import DviError
+from dvi.files import fsync_path, sha256_file
+from dvi.models import DRAFT_HEAD, DRAFTER_META
+
+SUMS = "SHA256SUMS"
+WEIGHTS = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+_VERSION = re.compile(r"[A-Za-z0-9._-]+")
+_TMP = ".tmp-"
+_OWN_FILES = {SUMS, WEIGHTS, DRAFT_HEAD, DRAFTER_META}
+
+
+@dataclass(frozen=True)
+class Published:
+    version: str
+    path: Path
+    sha256: str  # of SHA256SUMS: pins every file of the version
+    bytes: int
+
+
+def check_version_name(version: str) -> None:
+    if not isinstance(version, str) or not _VERSION.fullmatch(version) or version in (".", "..") or version.startswith(_TMP):
+        raise DviError(f"invalid drafter version name {version!r}: use letters, digits, '.', '_' and '-' only")
+
+
+def publish(store: Path, version: str, state_dict: dict[str, torch.Tensor], source_dir: Path, meta: dict,
+            vocab_map: torch.Tensor | None = None) -> Published:
+    """Write `state_dict` as drafter `version` into `store` (see the module docstring); returns where and its digest.
+
+    state_dict: the drafter's weights with the base model's keys (for a reduced head, `lm_head.weight` is
+    [N, hidden] and `vocab_map` [N] its target ids); source_dir: the parent drafter's directory (config and
+    tokenizer files are copied from it); meta: recorded in dvi_drafter.json next to version and time.
+    """
+    check_version_name(version)
+    store, source_dir = Path(store).expanduser(), Path(source_dir).expanduser()
+    final = store / version
+    if final.exists():
+        raise DviError(f"drafter version {version!r} already exists in the store {store}")
+    if not (source_dir / "config.json").is_file():
+        raise DviError(f"the parent drafter directory {source_dir} has no config.json")
+    store.mkdir(parents=True, exist_ok=True)
+    tmp = store / f"{_TMP}{version}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        for f in sorted(source_dir.iterdir()):  # config, generation config, tokenizer files
+            if f.is_file() and f.name not in _OWN_FILES and not f.name.endswith(PICKLE_SUFFIXES + (".safetensors",)):
+                shutil.copy2(f, tmp / f.name)
+        weights = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        config = json.loads((source_dir / "config.json").read_text())
+        if vocab_map is not None:
+            head = weights.pop("lm_head.weight")
+            save_file({"token_ids": vocab_map.detach().cpu().long().contiguous(), "weight": head}, str(tmp / DRAFT_HEAD))
+        elif config.get("tie_word_embeddings") and "model.embed_tokens.weight" in weights:
+            weights.pop("lm_head.weight", None)  # tied: the same tensor as the embeddings
+        save_file(_unshared(weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / DRAFTER_META).write_text(json.dumps({**meta, "version": version, "created": time.time()}, indent=2, default=str))
+        sums = "".join(f"{sha256_file(f)}  {f.name}\n" for f in sorted(tmp.iterdir()) if f.is_file())
+        (tmp / SUMS).write_text(sums)
+        for f in tmp.iterdir():
+            fsync_path(f)
+        fsync_path(tmp)
+        tmp.rename(final)
+        fsync_path(store)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in final.iterdir())
+    return Published(version, final, sha256_file(final / SUMS), size)
+
+
+def verify(path: Path, sha256: str | None = None) -> None:
+    """Raise DviError naming the problem unless every file of the version at `path` matches SHA256SUMS (and
+    SHA256SUMS matches `sha256` when given) and no pickle-capable weight file is present."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise DviError(f"drafter version directory {path} not found")
+    pickles = sorted(f.name for f in path.iterdir() if f.name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise DviError(f"{path} holds pickle-capable weight files {pickles}: refusing to load (safetensors only)")
+    sums = path / SUMS
+    if not sums.is_file():
+        raise DviError(f"{path} has no {SUMS}: not a published drafter version")
+    if sha256 is not None and sha256_file(sums) != sha256:
+        raise DviError(f"{sums} does not match the expected digest {sha256[:12]}...: the version was altered or is not the one announced")
+    listed = {}
+    for line in sums.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        if not name or "/" in name or name in (".", ".."):
+            raise DviError(f"{sums}: malformed line {line!r}")
+        listed[name] = digest
+    for name, digest in listed.items():
+        f = path / name
+        if not f.is_file():
+            raise DviError(f"{f} is listed in {SUMS} but missing")
+        if sha256_file(f) != digest:
+            raise DviError(f"{f} does not match its sha256 in {SUMS}: corrupt or altered")
+    extra = sorted(f.name for f in path.iterdir() if f.is_file() and f.name != SUMS and f.name not in listed)
+    if extra:
+        raise DviError(f"{path} holds files not listed in {SUMS}: {extra}")
+
+
+def versions(store: Path) -> list[str]:
+    """Complete versions in the store, oldest first (by creation time in their metadata)."""
+    store = Path(store).expanduser()
+    if not store.is_dir():
+        return []
+    found = []
+    for d in store.iterdir():
+        if d.is_dir() and not d.name.startswith(_TMP) and (d / SUMS).is_file():
+            try:
+                created = float(json.loads((d / DRAFTER_META).read_text()).get("created", 0.0))
+            except (OSError, ValueError):
+                created = 0.0
+            found.append((created, d.name))
+    return [name for _, name in sorted(found)]
+
+
+def next_version(store: Path, prefix: str = "d") -> str:
+    """The next free version name: d0001, d0002, ... (sortable; gaps and other names are left alone)."""
+    store = Path(store).expanduser()
+    pattern = re.compile(rf"{re.escape(prefix)}(\d+)")
+    taken = [int(m.group(1)) for d in (store.iterdir() if store.is_dir() else []) if (m := pattern.fullmatch(d.name.split("-")[0]))]
+    # tmp directories count too: a crashed publish never hands its number to someone else mid-write
+    taken += [int(m.group(1)) for d in (store.iterdir() if store.is_dir() else [])
+              if d.name.startswith(_TMP) and (m := pattern.match(d.name[len(_TMP):]))]
+    return f"{prefix}{max(taken, default=0) + 1:04d}"
+
+
+def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory: give each its own copy where they do."""
+    seen, out = set(), {}
+    for k, v in weights.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out

@@ -1,0 +1,91 @@
+"""The model store: a published version loads back exactly (reduced head included) and any tampering is caught."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dvi.errors import DviError
+from dvi.models import DRAFT_HEAD, load_drafter
+from dvi.store import SUMS, check_version_name, next_version, publish, verify, versions
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def parent_dirs(tmp_path_factory, make_tiny_llama) -> tuple[Path, Path]:
+    """A full-head and a reduced-head drafter directory (config and weights; load_drafter needs no tokenizer)."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("parents")
+    model = make_tiny_llama(seed=3, layers=1, vocab=VOCAB)
+    model.save_pretrained(root / "full")
+    model.save_pretrained(root / "reduced")
+    ids = torch.arange(0, VOCAB, 3)
+    save_file({"token_ids": ids, "weight": model.lm_head.weight[ids].detach().clone()}, str(root / "reduced" / DRAFT_HEAD))
+    return root / "full", root / "reduced"
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_published_version_loads_back_exactly(tmp_path, parent_dirs, reduced):
+    parent = parent_dirs[1] if reduced else parent_dirs[0]
+    drafter = load_drafter(parent, VOCAB)
+    with torch.no_grad():
+        for p in drafter.model.parameters():
+            p.add_(0.01)  # "trained"
+    pub = publish(tmp_path, "d0001", drafter.model.state_dict(), parent, {"parent": "init"}, drafter.vocab_map)
+    verify(pub.path, pub.sha256)
+    loaded = load_drafter(pub.path, VOCAB)
+    assert loaded.version == "d0001"
+    if reduced:
+        assert torch.equal(loaded.vocab_map, drafter.vocab_map)
+    x = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(x).logits, drafter.model(x).logits)
+    assert versions(tmp_path) == ["d0001"] and next_version(tmp_path) == "d0002"
+
+
+def test_verify_catches_tampering(tmp_path, parent_dirs):
+    drafter = load_drafter(parent_dirs[0], VOCAB)
+    pub = publish(tmp_path, "d0001", drafter.model.state_dict(), parent_dirs[0], {})
+    with pytest.raises(DviError, match="expected digest"):
+        verify(pub.path, "0" * 64)
+    weights = pub.path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(DviError, match="model.safetensors does not match"):
+        verify(pub.path)
+    weights.unlink()
+    with pytest.raises(DviError, match="missing"):
+        verify(pub.path)
+
+
+def test_pickles_and_unlisted_files_are_refused(tmp_path, parent_dirs):
+    drafter = load_drafter(parent_dirs[0], VOCAB)
+    pub = publish(tmp_path, "v1", drafter.model.state_dict(), parent_dirs[0], {})
+    (pub.path / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(DviError, match="pickle-capable"):
+        verify(pub.path)
+    (pub.path / "pytorch_model.bin").unlink()
+    (pub.path / "notes.txt").write_text("x")
+    with pytest.raises(DviError, match="not listed"):
+        verify(pub.path)
+    (pub.path / SUMS).unlink()
+    with pytest.raises(DviError, match="no SHA256SUMS"):
+        verify(pub.path)
+
+
+def test_bad_names_existing_versions_and_crashed_publishes(tmp_path, parent_dirs):
+    for bad in ("..", "a/b", "", "x y", ".tmp-d1"):
+        with pytest.raises(DviError, match="invalid drafter version"):
+            check_version_name(bad)
+    drafter = load_drafter(parent_dirs[0], VOCAB)
+    publish(tmp_path, "d0001", drafter.model.state_dict(), parent_dirs[0], {})
+    with pytest.raises(DviError, match="already exists"):
+        publish(tmp_path, "d0001", drafter.model.state_dict(), parent_dirs[0], {})
+    (tmp_path / ".tmp-d0002-abcd").mkdir()  # a publish that crashed mid-write
+    assert versions(tmp_path) == ["d0001"]
+    assert next_version(tmp_path) == "d0003"
