@@ -175,10 +175,157 @@ class StreamConfig:
 
 
 @dataclass(frozen=True)
+class TrainerConfig:
+    """The online distillation trainer (trainers/): data, objective, DeepSpeed engine, gate, checkpoints."""
+
+    group_id: str = "dvi-trainer"  # consumer group on stream.topic
+    run_dir: str | None = None  # checkpoints (with ledger and offsets); null: <cache>/trainer
+    store: str | None = None  # model store of published drafters; null: <cache>/store
+    # DeepSpeed
+    zero_stage: int = 0
+    precision: str = "auto"  # auto (bf16 on a GPU, fp32 on CPU), fp32 or bf16
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = 1.0
+    finetune: str = "full"  # full or lora
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # batches and the replay buffer
+    batch_tokens: int = 512  # teacher positions (generated tokens) per optimizer step
+    max_seq_len: int = 512  # longer records keep their last tokens (context is truncated from the left)
+    replay_share: float = 0.25  # share of each batch drawn from already-trained records (against forgetting)
+    replay_size: int = 4096  # records kept for replay (oldest evicted)
+    pending_size: int = 4096  # fresh records waiting to be trained (oldest skipped, counted, when full)
+    replay_when_idle: bool = False  # with no fresh record waiting, keep stepping on replayed ones (offline epochs)
+    version_decay: float = 0.5  # replay weight per drafter version behind the serving one
+    max_version_age: int = 4  # records from drafters this many versions back (or unknown ones) are dropped
+    # objective (trainers/losses.py)
+    divergence: str = "fkl"  # fkl, rkl, jsd or tv
+    jsd_beta: float = 0.5
+    teacher: str = "auto"  # auto (logged top-k when the record has it, else the target's logits), topk, logits
+    reward_max: float = 0.0  # weight of the DVI reward term after the schedule (0: pure KL)
+    reward_warmup: int = 100  # steps of pure KL
+    reward_ramp: int = 400  # step at which the reward weight reaches reward_max
+    reward_penalty: float = 1.0
+    # gate, publish, checkpoints
+    holdout_share: float = 0.1  # fresh records set aside for the gate (never trained on)
+    holdout_size: int = 256  # most recent held-out records kept
+    gate_every: int = 50  # optimizer steps between gate checks
+    gate_min_records: int = 8  # held-out records needed before a gate check
+    min_gain: float = 0.0  # a candidate must beat the serving drafter's estimated acceptance by more than this
+    checkpoint_every: int = 25  # optimizer steps between checkpoints (offsets are committed after each)
+    keep_checkpoints: int = 2
+    ledger_size: int = 1_000_000  # record ids remembered for deduplication
+    # stopping (offline runs, tests); null: run until stopped
+    max_steps: int | None = None
+    idle_exit_s: float | None = None  # stop after this long without a fresh record
+    seed: int = 0
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        _check(bool(self.group_id), "trainer.group_id", self.group_id, "a consumer group name")
+        _check(self.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", self.zero_stage, "0, 1, 2 or 3")
+        _check(self.precision in ("auto", "fp32", "bf16"), "trainer.precision", self.precision, "auto, fp32 or bf16")
+        _check(self.lr > 0, "trainer.lr", self.lr, "> 0")
+        _check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas", self.betas, "two numbers in [0, 1)")
+        _check(self.grad_clip >= 0, "trainer.grad_clip", self.grad_clip, ">= 0 (0: no clipping)")
+        _check(self.finetune in ("full", "lora"), "trainer.finetune", self.finetune, "full or lora")
+        _check(self.lora_r >= 1 and self.lora_alpha >= 1, "trainer.lora_r/lora_alpha", (self.lora_r, self.lora_alpha), "integers >= 1")
+        _check(self.batch_tokens >= 1, "trainer.batch_tokens", self.batch_tokens, "an integer >= 1")
+        _check(self.max_seq_len >= 2, "trainer.max_seq_len", self.max_seq_len, "an integer >= 2")
+        _check(0 <= self.replay_share < 1, "trainer.replay_share", self.replay_share, "in [0, 1)")
+        _check(self.replay_size >= 1 and self.pending_size >= 1, "trainer.replay_size/pending_size",
+               (self.replay_size, self.pending_size), "integers >= 1")
+        _check(0 < self.version_decay <= 1, "trainer.version_decay", self.version_decay, "in (0, 1]")
+        _check(self.max_version_age >= 0, "trainer.max_version_age", self.max_version_age, "an integer >= 0")
+        _check(self.divergence in ("fkl", "rkl", "jsd", "tv"), "trainer.divergence", self.divergence, "fkl, rkl, jsd or tv")
+        _check(0 < self.jsd_beta < 1, "trainer.jsd_beta", self.jsd_beta, "in (0, 1)")
+        _check(self.teacher in ("auto", "topk", "logits"), "trainer.teacher", self.teacher, "auto, topk or logits")
+        _check(0 <= self.reward_max <= 1, "trainer.reward_max", self.reward_max, "in [0, 1]")
+        _check(0 <= self.reward_warmup <= self.reward_ramp, "trainer.reward_warmup/reward_ramp",
+               (self.reward_warmup, self.reward_ramp), "0 <= reward_warmup <= reward_ramp")
+        _check(self.reward_penalty >= 0, "trainer.reward_penalty", self.reward_penalty, ">= 0")
+        _check(0 <= self.holdout_share < 1, "trainer.holdout_share", self.holdout_share, "in [0, 1)")
+        _check(self.holdout_size >= 1, "trainer.holdout_size", self.holdout_size, "an integer >= 1")
+        _check(self.gate_every >= 1, "trainer.gate_every", self.gate_every, "an integer >= 1")
+        _check(self.gate_min_records >= 1, "trainer.gate_min_records", self.gate_min_records, "an integer >= 1")
+        _check(self.checkpoint_every >= 1, "trainer.checkpoint_every", self.checkpoint_every, "an integer >= 1")
+        _check(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
+        _check(self.ledger_size >= 1000, "trainer.ledger_size", self.ledger_size, "an integer >= 1000")
+        _check(self.max_steps is None or self.max_steps >= 1, "trainer.max_steps", self.max_steps, "null or >= 1")
+        _check(self.idle_exit_s is None or self.idle_exit_s > 0, "trainer.idle_exit_s", self.idle_exit_s, "null or > 0")
+        _check(self.log_every >= 1, "trainer.log_every", self.log_every, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class TriggerConfig:
+    """When the trainer trains and publishes (conf/trigger/): continuous, threshold, schedule or manual."""
+
+    kind: str = "continuous"
+    # threshold: rolling acceptance of the stream (accepted / drafted over the last `window` records)
+    acceptance_below: float | None = None
+    drift_above: float | None = None  # drift score: drop of rolling acceptance below its reference, in [0, 1]
+    window: int = 200  # records in the rolling window
+    min_records: int = 50  # records seen before a threshold can fire
+    # schedule
+    every_s: float = 3600.0
+    # a triggered session trains this many steps, then gates and publishes; then the trigger is re-armed
+    session_steps: int = 200
+    cooldown_s: float = 60.0  # after a session, the threshold trigger waits this long before firing again
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ("continuous", "threshold", "schedule", "manual"), "trigger.kind", self.kind,
+               "continuous, threshold, schedule or manual")
+        if self.kind == "threshold":
+            _check(self.acceptance_below is not None or self.drift_above is not None, "trigger.acceptance_below/drift_above",
+                   (self.acceptance_below, self.drift_above), "at least one set for the threshold trigger")
+        _check(self.acceptance_below is None or 0 < self.acceptance_below <= 1, "trigger.acceptance_below",
+               self.acceptance_below, "null or in (0, 1]")
+        _check(self.drift_above is None or 0 < self.drift_above <= 1, "trigger.drift_above", self.drift_above, "null or in (0, 1]")
+        _check(self.window >= 1, "trigger.window", self.window, "an integer >= 1")
+        _check(1 <= self.min_records, "trigger.min_records", self.min_records, "an integer >= 1")
+        _check(self.every_s > 0, "trigger.every_s", self.every_s, "> 0 seconds")
+        _check(self.session_steps >= 1, "trigger.session_steps", self.session_steps, "an integer >= 1")
+        _check(self.cooldown_s >= 0, "trigger.cooldown_s", self.cooldown_s, ">= 0 seconds")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """MLflow: where runs, metrics and the drafter registry live (conf/tracking/)."""
+
+    uri: str | None = None  # null: the local server on 127.0.0.1:port (`dvi mlflow`, `dvi up`)
+    port: int = 5000
+    root: str | None = None  # local server's SQLite database and artifacts; null: <cache>/mlflow
+    experiment: str = "dvi"
+    registry_model: str = "dvi-drafter"
+    queue_size: int = 100000  # metric points buffered while MLflow is unreachable (older ones are dropped, counted)
+    retry_s: float = 5.0  # wait between attempts to reach an unreachable MLflow
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.uri is None or bool(str(self.uri).strip()), "tracking.uri", self.uri, "null (the local server) or a URI")
+        _check(1 <= self.port <= 65535, "tracking.port", self.port, "a TCP port in [1, 65535]")
+        _check(bool(self.experiment), "tracking.experiment", self.experiment, "a name")
+        _check(bool(self.registry_model), "tracking.registry_model", self.registry_model, "a name")
+        _check(self.queue_size >= 1, "tracking.queue_size", self.queue_size, "an integer >= 1")
+        _check(self.retry_s > 0, "tracking.retry_s", self.retry_s, "> 0 seconds")
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.uri or f"http://127.0.0.1:{self.port}"
+
+
+@dataclass(frozen=True)
 class DviConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trigger: TriggerConfig = field(default_factory=TriggerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 def load_config(overrides: list[str] | None = None, config_name: str = "config") -> DviConfig:

@@ -181,6 +181,36 @@ class DecisionRecord:
         }
 
 
+def from_dict(d: Any) -> DecisionRecord:
+    """The record of `DecisionRecord.to_dict` output (e.g. a line of `dvi stream tail --json`), validated.
+
+    Raises `RecordError` naming the field that is missing or wrong."""
+    if not isinstance(d, dict):
+        raise RecordError("record", f"expected a JSON object, got {type(d).__name__}")
+    try:
+        topk = d["topk"]
+        rounds = [
+            RoundRecord(r["position"], r["k"], list(r["drafted"]), r["accepted"], r["token"],
+                        np.asarray(r["topk_ids"], dtype=np.int64).reshape(-1, topk),
+                        np.asarray(r["topk_logprobs"], dtype=np.float32).reshape(-1, topk))
+            for r in d["rounds"]
+        ]
+        record = DecisionRecord(
+            request_id=d["request_id"], replica_id=d["replica_id"], chunk_index=d["chunk_index"], final=d["final"],
+            target=Target(d["target"]["name"], d["target"]["vocab_size"]), drafter_version=d["drafter_version"],
+            sampling=Sampling(d["sampling"]["temperature"], d["sampling"]["top_p"], d["sampling"]["seed"]),
+            prompt_ids=list(d["prompt_ids"]), prefix_ids=list(d["prefix_ids"]), generated_ids=list(d["generated_ids"]),
+            rounds=rounds, topk=topk, domain=d.get("domain"), record_id=d["record_id"], time=d["time"],
+            schema_version=d["schema_version"],
+        )
+    except KeyError as e:
+        raise RecordError(str(e.args[0]), "missing") from None
+    except (TypeError, ValueError) as e:
+        raise RecordError("record", f"malformed ({e})") from None
+    validate(record)
+    return record
+
+
 # ----------------------------------------------------------------------------------------------
 # From the engine.
 

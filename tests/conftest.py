@@ -20,6 +20,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dvi.models import DRAFTER_META, Drafter
 
+# the real embedded broker, stream configs and hand-made DecisionRecords
+pytest_plugins = ["broker_fixtures"]
+
 TINY_VOCAB = 97
 
 

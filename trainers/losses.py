@@ -240,10 +240,16 @@ def reward_loss(
     probability below 1e-8 earns nothing more. Drafts the student cannot produce (a record from a drafter
     with another vocabulary) are masked out.
     """
-    idx, inside = student_index(drafted_ids, vocab_map, log_q.shape[-1])  # [B, Kmax]
-    log_q_d = log_q.gather(-1, idx.unsqueeze(-1)).squeeze(-1).clamp(min=LOG_FLOOR)  # [B, Kmax]
+    log_q_d, inside = draft_log_prob(log_q, drafted_ids, vocab_map)  # [B, Kmax]
     reward, mask = round_rewards(k, n, drafted_ids.shape[1], penalty)
     return masked_mean(-(reward * log_q_d), mask & inside)
+
+
+def draft_log_prob(log_q: torch.Tensor, drafted_ids: torch.Tensor, vocab_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """log q(d) of each draft, clamped at LOG_FLOOR. log_q: [..., N]; drafted_ids: [...] target ids (any value
+    where there is no draft). Returns log q(d) [...] and inside [...] bool (the student can produce d)."""
+    idx, inside = student_index(drafted_ids, vocab_map, log_q.shape[-1])
+    return log_q.gather(-1, idx.unsqueeze(-1)).squeeze(-1).clamp(min=LOG_FLOOR), inside
 
 
 def kl_reward_weights(step: int, warmup: int, total: int, max_reward: float = 0.5) -> tuple[float, float]:
@@ -288,9 +294,7 @@ def distill_loss(
     `teacher_from_topk` or `teacher_from_logits`; drafted_ids: [B, Kmax] target ids; k, n: [B] drafts and
     accepted per round; divergence_name: one of DIVERGENCES; vocab_map: [N] or None; mask: [B, Kmax + 1] bool
     positions that get the divergence (default: j <= k, every drafted position and the row's bonus position).
-    Returns the loss (scalar, with grad) and metrics computed without grad, as floats over the same positions:
-    fkl, rkl, jsd, tv (each divergence's mean), acceptance (mean expected acceptance, = 1 - tv), reward_loss,
-    outside (mean teacher mass the student cannot produce).
+    Returns the loss and metrics of `position_loss` over the same positions.
     """
     batch, positions, width = student_logits.shape
     if teacher.probs.shape != student_logits.shape:
@@ -302,16 +306,59 @@ def distill_loss(
         raise ValueError(f"distill_loss: drafted_ids {tuple(drafted_ids.shape)} should be [B, Kmax] = {(batch, positions - 1)}")
     if mask is None:
         mask = torch.arange(positions, device=k.device).unsqueeze(0) <= k.unsqueeze(1)  # [B, Kmax + 1]
-    log_q = student_log_probs(student_logits)  # [B, Kmax + 1, N]
+    reward, judged = round_rewards(k, n, positions - 1, penalty)  # [B, Kmax]
+    pad = lambda x, v: torch.cat([x, torch.full_like(x[:, :1], v)], dim=1).reshape(-1)  # noqa: E731  [B * (Kmax + 1)]
+    flat = Teacher(teacher.probs.reshape(-1, width), teacher.outside.reshape(-1))
+    return position_loss(
+        student_logits.reshape(-1, width), flat, pad(drafted_ids.long(), -1), pad(reward, 0.0), pad(judged, False),
+        mask.reshape(-1).float(), divergence_name, w_kl, w_reward, beta, vocab_map,
+    )
+
+
+def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum(weight * values) / sum(weight) over positions with weight > 0 (others never reach the result, even
+    NaN ones); 0 when no weight is positive. values, weight: [...]. Returns a scalar."""
+    on = weight > 0
+    total = torch.where(on, values * weight, torch.zeros_like(values)).sum()
+    return total / torch.where(on, weight, torch.zeros_like(weight)).sum().clamp(min=torch.finfo(values.dtype).tiny)
+
+
+def position_loss(
+    student_logits: torch.Tensor,
+    teacher: Teacher,
+    drafted_ids: torch.Tensor,
+    reward: torch.Tensor,
+    judged: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    divergence_name: str = "fkl",
+    w_kl: float = 1.0,
+    w_reward: float = 0.0,
+    beta: float = 0.5,
+    vocab_map: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The objective over a flat list of P teacher positions (e.g. every generated token of packed records).
+
+    student_logits: [P, N]; teacher: Teacher(probs [P, N], outside [P]); drafted_ids: [P] the draft proposed at
+    each position (target ids, -1 for none); reward: [P] float (+1 accepted, -penalty rejected; see
+    `round_rewards`); judged: [P] bool positions whose draft was accepted or rejected; weight: [P] float
+    per-position weight of the divergence term (None: 1; 0 excludes a position).
+    loss = w_kl * weighted mean divergence + w_reward * mean over judged positions of -(reward * log q(draft)),
+    drafts the student cannot produce excluded. Returns the loss (scalar, with grad) and metrics computed
+    without grad over the weighted positions, as floats: fkl, rkl, jsd, tv (each divergence), acceptance
+    (expected acceptance, = 1 - tv), reward_loss, outside (teacher mass the student cannot produce).
+    """
+    weight = torch.ones(student_logits.shape[0], device=student_logits.device) if weight is None else weight.float()
+    log_q = student_log_probs(student_logits)  # [P, N]
     p, outside = teacher.probs, teacher.outside
-    kl = masked_mean(divergence(divergence_name, p, log_q, outside, beta), mask)
-    rl = reward_loss(log_q[:, :-1], drafted_ids, k, n, penalty, vocab_map)
+    kl = weighted_mean(divergence(divergence_name, p, log_q, outside, beta), weight)
+    log_q_d, inside = draft_log_prob(log_q, drafted_ids, vocab_map)  # [P]
+    rl = masked_mean(-(reward.float() * log_q_d), judged.bool() & inside)
     loss = w_kl * kl + w_reward * rl
     with torch.no_grad():
         lq = log_q.detach()
-        values = {name: masked_mean(divergence(name, p, lq, outside, beta), mask) for name in DIVERGENCES}
-        values["acceptance"] = masked_mean(expected_acceptance(p.float(), lq.exp()), mask)
+        values = {name: weighted_mean(divergence(name, p, lq, outside, beta), weight) for name in DIVERGENCES}
+        values["acceptance"] = weighted_mean(expected_acceptance(p.float(), lq.exp()), weight)
         values["reward_loss"] = rl.detach()
-        values["outside"] = masked_mean(outside.float(), mask)
+        values["outside"] = weighted_mean(outside.float(), weight)
         floats = torch.stack(list(values.values())).tolist()  # one host sync
     return loss, dict(zip(values, floats))

@@ -1,0 +1,142 @@
+"""Records to training data: examples against a plain per-round reference, packing, the ledger, offsets, the buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainers.data import HELD_OUT, SKIPPED, TRAINED, Buffer, Item, Ledger, Offsets, collate, example_from_record
+
+
+def reference_positions(record):
+    """Per generated token, walking the rounds one decision at a time: (token, teacher ids, draft, reward)."""
+    out = []
+    for r in record.rounds:
+        for j, token in enumerate(r.emitted):
+            draft = r.drafted[j] if j < r.k else -1
+            reward = 0.0 if j >= r.k else (1.0 if j < r.accepted else -1.0)
+            out.append((token, r.topk_ids[j].tolist(), draft, reward))
+    return out[: len(record.generated_ids)]
+
+
+@pytest.mark.parametrize("chunk_index", [0, 2])
+def test_every_generated_token_gets_the_decision_that_produced_it(make_record, chunk_index):
+    record = make_record(chunk_index=chunk_index, rounds=6, k=3, topk=4, seed=chunk_index)
+    ex = example_from_record(record, max_seq_len=10_000)
+    ref = reference_positions(record)
+    assert ex.positions == len(record.generated_ids) == len(ref)
+    context = len(record.prompt_ids) + len(record.prefix_ids)
+    assert ex.tokens.tolist() == record.prompt_ids + record.prefix_ids + record.generated_ids
+    assert ex.targets.tolist() == list(range(context, context + ex.positions))
+    for g, (token, ids, draft, reward) in enumerate(ref):
+        assert ex.tokens[ex.targets[g]] == token
+        assert ex.topk_ids[g].tolist() == ids
+        assert ex.drafted[g] == draft
+        assert ex.reward[g] == reward
+        assert ex.judged[g] == (draft != -1)
+    assert (ex.accepted, ex.drafted_total) == (record.accepted, record.drafted)
+
+
+def test_long_records_keep_their_last_tokens(make_record):
+    record = make_record(rounds=8, k=2, prompt_len=40)
+    full = example_from_record(record, max_seq_len=10_000)
+    cut = example_from_record(record, max_seq_len=12)
+    assert len(cut.tokens) == 12 and cut.tokens.tolist() == full.tokens[-12:].tolist()
+    assert cut.targets.min() >= 1  # every kept target has its predicting position inside the window
+    kept = cut.positions
+    assert 0 < kept <= 11
+    assert cut.topk_ids.tolist() == full.topk_ids[-kept:].tolist()
+    assert [cut.tokens[t] for t in cut.targets] == [full.tokens[t] for t in full.targets[-kept:]]
+
+
+def test_records_without_teacher_and_a_cut_last_round(make_record):
+    record = make_record(rounds=3, k=4, topk=0)
+    record.generated_ids = record.generated_ids[:-1]  # a stop token cut the last round short
+    ex = example_from_record(record, max_seq_len=10_000)
+    assert ex.topk_ids is None and ex.positions == len(record.generated_ids)
+
+
+def test_collate_points_at_the_positions_that_predict_each_target(make_record):
+    examples = [example_from_record(make_record(rounds=r, seed=r), 10_000) for r in (2, 5)]
+    batch = collate(examples, [1.0, 0.5])
+    assert batch.input_ids.shape == (2, max(len(e.tokens) for e in examples))
+    assert batch.positions == sum(e.positions for e in examples)
+    assert torch.equal(batch.labels, batch.input_ids[batch.rows, batch.cols + 1])
+    assert bool(batch.attention_mask[batch.rows, batch.cols + 1].all())
+    assert batch.weight.tolist() == [1.0] * examples[0].positions + [0.5] * examples[1].positions
+    with pytest.raises(ValueError, match="teacher widths"):
+        collate([examples[0], example_from_record(make_record(topk=0), 10_000)])
+
+
+def test_ledger_remembers_fates_and_forgets_the_oldest():
+    ledger = Ledger(size=3)
+    for i, fate in enumerate([TRAINED, HELD_OUT, SKIPPED, TRAINED]):
+        ledger.add(f"r{i}", fate)
+    assert "r0" not in ledger and "r3" in ledger and len(ledger) == 3
+    with pytest.raises(ValueError, match="already"):
+        ledger.add("r3", TRAINED)
+    again = Ledger(3, ledger.entries())
+    assert again.entries() == ledger.entries() and again.count(TRAINED) == 1
+
+
+def test_offsets_commit_only_below_the_first_outstanding_record():
+    off = Offsets()
+    for o in range(5):
+        off.consumed("p0", o)
+    off.seen("p1", 7)
+    for o in (0, 1, 3):
+        off.done("p0", o)
+    assert off.committable() == {"p0": 2, "p1": 8}
+    off.done("p0", 2)
+    assert off.committable() == {"p0": 4, "p1": 8}
+    off.done("p0", 4)
+    assert off.committable({"p0": 9}) == {"p0": 9, "p1": 8}  # the reader dead-lettered 5..8
+    assert off.outstanding() == 0
+
+
+def _items(make_record, n, **kw):
+    return [Item(example_from_record(make_record(rounds=2, k=1, seed=i, **kw), 10_000), "p", i) for i in range(n)]
+
+
+def test_buffer_holds_out_a_share_and_skips_the_oldest_when_full(make_record):
+    buf = Buffer(pending_size=4, replay_size=8, holdout_size=8, replay_share=0.0, holdout_share=0.25,
+                 version_decay=0.5, max_version_age=2)
+    fates = [buf.add(item) for item in _items(make_record, 12)]
+    held = [i for i, (fate, _) in enumerate(fates) if fate == HELD_OUT]
+    assert held == [3, 7, 11]
+    dropped = [d.offset for _, d in fates if d is not None]
+    assert dropped == [0, 1, 2, 4, 5]  # 9 queued, 4 fit
+    assert [i.offset for i in buf.pending] == [6, 8, 9, 10]
+
+
+def test_buffer_batches_fresh_first_then_weighted_replay(make_record):
+    buf = Buffer(pending_size=100, replay_size=100, holdout_size=1, replay_share=0.5, holdout_share=0.0,
+                 version_decay=0.5, max_version_age=1, seed=1)
+    items = _items(make_record, 6)
+    per = items[0].example.positions
+    for it in items[:4]:
+        buf.add(it)
+    fresh, replayed, _ = buf.take(batch_tokens=4 * per, version_age=lambda v: 0)
+    assert [i.offset for i in fresh] == [0, 1] and not replayed  # half the budget, nothing to replay yet
+    buf.trained([i.example for i in fresh])
+    ages = {"v-test": 1}
+    fresh, replayed, weights = buf.take(batch_tokens=4 * per, version_age=lambda v: ages.get(v))
+    assert [i.offset for i in fresh] == [2, 3] and len(replayed) == 2 and weights == [0.5, 0.5]
+    ages["v-test"] = 2  # too old: not replayed
+    for it in items[4:]:
+        buf.add(it)
+    fresh, replayed, _ = buf.take(batch_tokens=4 * per, version_age=lambda v: ages.get(v))
+    assert [i.offset for i in fresh] == [4, 5] and not replayed
+
+
+def test_buffer_never_mixes_teacher_widths(make_record):
+    buf = Buffer(100, 100, 1, 0.0, 0.0, 0.5, 4)
+    a, b = _items(make_record, 2), _items(make_record, 2, topk=0)
+    for it in (a[0], b[0], a[1], b[1]):
+        buf.add(it)
+    fresh, _, _ = buf.take(10_000, lambda v: 0)
+    assert [i.example.topk_ids is not None for i in fresh] == [True, True]
+    fresh, _, _ = buf.take(10_000, lambda v: 0)
+    assert [i.example.topk_ids is None for i in fresh] == [True, True]
+    assert np.array_equal(fresh[0].example.tokens, b[0].example.tokens)

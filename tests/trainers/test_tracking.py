@@ -1,0 +1,191 @@
+"""The MLflow sink against a real MLflow server (trainers.mlflow_server.LocalMlflow, SQLite + local artifacts).
+
+One server per module on a free port; each test has an experiment of its own. The outage test starts a second
+server late on a port where nothing listened while the tracker was already logging. Waits poll with deadlines.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import time
+import uuid
+
+import pytest
+
+from dvi.config import TrackingConfig
+from dvi.errors import DviError
+from streams.broker import free_port
+from trainers.mlflow_server import LocalMlflow
+from trainers.tracking import Tracker
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with LocalMlflow(tmp_path_factory.mktemp("mlflow"), free_port()) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=server.uri, registry_uri=server.uri)
+
+
+def config(uri: str, **overrides) -> TrackingConfig:
+    name = f"t{uuid.uuid4().hex[:8]}"
+    args = dict(uri=uri, experiment=name, registry_model=f"{name}-drafter", retry_s=0.2)
+    args.update(overrides)
+    return TrackingConfig(**args)
+
+
+def dead_uri() -> str:
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def wait_for(condition, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def history(client, run_id: str, key: str) -> list:
+    return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+
+
+@pytest.mark.slow
+def test_metrics_params_and_tags_land_in_the_run(server, client):
+    cfg = config(server.uri)
+    tracker = Tracker(cfg, "run-a", params={"lr": 3e-4, "trainer": {"zero_stage": 2}}, tags={"dvi.role": "trainer"})
+    for step in range(5):
+        tracker.log_metrics({"loss": 1.0 / (step + 1), "acceptance": 0.1 * step}, step)
+    stats = tracker.close(timeout_s=20)
+
+    assert (stats.sent, stats.queued, stats.dropped, stats.connected) == (10, 0, 0, True)
+    run = client.get_run(stats.run_id)
+    assert run.info.run_name == "run-a" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == cfg.experiment
+    assert run.data.params == {"lr": "0.0003", "trainer.zero_stage": "2"}
+    assert run.data.tags["dvi.role"] == "trainer"
+    loss = history(client, stats.run_id, "loss")
+    assert [m.step for m in loss] == [0, 1, 2, 3, 4]
+    assert [m.value for m in loss] == pytest.approx([1.0, 0.5, 1 / 3, 0.25, 0.2])
+
+
+@pytest.mark.slow
+def test_non_finite_values_are_skipped_and_counted(server, client):
+    tracker = Tracker(config(server.uri), "run-nan")
+    tracker.log_metrics({"loss": math.nan, "kl": math.inf, "bad": "x", "ok": 1.5}, step=3)
+    stats = tracker.close(timeout_s=20)
+
+    assert (stats.skipped_nonfinite, stats.sent, stats.dropped) == (3, 1, 0)
+    assert [(m.step, m.value) for m in history(client, stats.run_id, "ok")] == [(3, 1.5)]
+    assert client.get_metric_history(stats.run_id, "loss") == []
+
+
+@pytest.mark.slow
+def test_register_drafter_creates_a_version_with_alias_and_tags(server, client, tmp_path):
+    cfg = config(server.uri)
+    tracker = Tracker(cfg, "run-reg")
+    for version in ("v1", "v2"):
+        store = tmp_path / "store" / version
+        store.mkdir(parents=True)
+        (store / "model.safetensors").write_bytes(version.encode() * 100)
+        tracker.register_drafter(str(store), version, {"parent": "v0", "sha256": "ab" * 32})
+    wait_for(lambda: len(tracker.registered()) == 2, what="two registrations")
+    stats = tracker.close(timeout_s=20)
+
+    assert tracker.registered() == {"v1": 1, "v2": 2}
+    mv = client.get_model_version_by_alias(cfg.registry_model, "candidate")
+    assert mv.version == "2"  # the alias moved to the latest candidate
+    assert mv.run_id == stats.run_id
+    assert mv.tags == {"parent": "v0", "sha256": "ab" * 32, "dvi.version": "v2", "dvi.source": str(tmp_path / "store" / "v2")}
+    assert mv.source == f"runs:/{stats.run_id}/drafters/v2"
+    assert [f.path for f in client.list_artifacts(stats.run_id, "drafters/v2")] == ["drafters/v2/model.safetensors"]
+
+
+@pytest.mark.slow
+def test_backlog_after_late_start_and_restart_keeps_run_steps_and_times(tmp_path):
+    # MLflow down first as a black hole (connections queue, nothing answers: requests hang), then refusing, then
+    # a real server on that port; then that server restarts mid-run
+    from mlflow import MlflowClient
+
+    hole = socket.create_server(("127.0.0.1", 0), backlog=16)
+    port = hole.getsockname()[1]
+    tracker = Tracker(config(f"http://127.0.0.1:{port}", queue_size=50), "run-late", params={"seed": 1})
+    stamps, slowest = {}, 0.0
+    for step in range(80):
+        before = time.time()
+        tracker.log_metrics({"loss": float(step)}, step)
+        after = time.time()
+        slowest = max(slowest, after - before)
+        stamps[step] = (int(before * 1000), int(after * 1000) + 1)
+    assert slowest < 0.25, f"log_metrics blocked for {slowest:.3f} s with MLflow down"
+    stats = tracker.stats()
+    assert (stats.connected, stats.run_id, stats.queued, stats.dropped) == (False, None, 50, 30)
+    hole.close()  # the hung request fails now; retries are refused until the server is up
+
+    with LocalMlflow(tmp_path / "mlflow", port) as late:
+        up = time.time()
+        wait_for(lambda: tracker.stats().sent == 50, what="the backlog to arrive")
+        run_id = tracker.stats().run_id
+        points = history(MlflowClient(tracking_uri=late.uri), run_id, "loss")
+        assert [m.step for m in points] == list(range(30, 80))  # the 30 oldest were dropped
+        assert all(stamps[m.step][0] <= m.timestamp <= stamps[m.step][1] < up * 1000 for m in points)
+
+    tracker.log_metrics({"loss": 100.0}, 100)
+    wait_for(lambda: not tracker.stats().connected, what="the tracker to notice the outage")
+    with LocalMlflow(tmp_path / "mlflow", port) as again:
+        stats = tracker.close(timeout_s=20)
+        assert (stats.run_id, stats.sent, stats.dropped, stats.queued, stats.connected) == (run_id, 51, 30, 0, True)
+        client = MlflowClient(tracking_uri=again.uri)
+        assert [m.step for m in history(client, run_id, "loss")] == [*range(30, 80), 100]
+        run = client.get_run(run_id)
+        assert run.data.params == {"seed": "1"} and run.info.status == "FINISHED"
+        assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+@pytest.mark.slow
+def test_queue_overflow_drops_the_oldest_and_counts():
+    tracker = Tracker(config(dead_uri(), queue_size=5, retry_s=30.0), "run-full")
+    for step in range(12):
+        tracker.log_metrics({"loss": float(step)}, step)
+    stats = tracker.stats()
+    assert (stats.queued, stats.dropped, stats.sent) == (5, 7, 0)
+    assert tracker.close(timeout_s=0.5).dropped == 12
+
+
+@pytest.mark.slow
+def test_close_on_an_unreachable_server_returns_in_time_and_reports_the_loss(caplog):
+    tracker = Tracker(config(dead_uri(), retry_s=0.1), "run-dead")
+    tracker.register_drafter("/nowhere/v1", "v1", {})
+    tracker.log_metrics({"loss": 1.0, "kl": 2.0}, step=0)
+    caplog.set_level(logging.WARNING, logger="dvi.trainers.tracking")
+    start = time.monotonic()
+    stats = tracker.close(timeout_s=1.5)
+    took = time.monotonic() - start
+
+    assert took < 2.5, f"close took {took:.1f} s with a 1.5 s timeout"
+    assert (stats.connected, stats.sent, stats.queued, stats.dropped) == (False, 0, 0, 2)
+    assert tracker.registered() == {}
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("2 metric points lost" in line for line in lines), lines
+    assert any("v1" in line and "not registered" in line for line in lines), lines
+
+
+def test_disabled_tracker_is_a_no_op():
+    tracker = Tracker(TrackingConfig(enabled=False), "off")
+    tracker.log_metrics({"loss": 1.0}, 0)
+    tracker.register_drafter("/x", "v1", {})
+    assert tracker.close().sent == 0 and tracker.stats().queued == 0 and tracker.registered() == {}
+
+
+@pytest.mark.slow
+def test_local_mlflow_refuses_a_port_in_use(server, tmp_path):
+    with pytest.raises(DviError, match=f"port {server.port}.*in use"):
+        LocalMlflow(tmp_path, server.port).start()

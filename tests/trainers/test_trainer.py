@@ -1,0 +1,317 @@
+"""The trainer end to end on real parts: the embedded broker, DeepSpeed (CPU, gloo), the model store.
+
+A tiny random Llama with the demo tokenizer (vocabulary 49,152) stands in for the target where the test is
+about bookkeeping (exactly-once training, dead letters, kill -9 and restart, the gate, non-finite losses);
+its records come from the real engine. Learning itself is tested on the real demo pair
+(`test_training_on_demo_records_raises_held_out_acceptance`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, TrainerConfig
+from dvi.engine import Request, SpeculativeEngine
+from dvi.events import encode, records_from_result
+from dvi.models import build_drafter, load_causal_lm, load_drafter
+from streams.consumer import DecisionConsumer
+from streams.control import ControlReader
+from streams.control import send as control_send
+from streams.producer import DecisionProducer
+from trainers import checkpoint
+from trainers.data import TRAINED
+from trainers.recipe import Trainer
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, demo_target_dir, make_tiny_llama) -> tuple[Path, Path]:
+    """(target dir, drafter dir): a tiny random Llama with the demo tokenizer, and a drafter from its first layer."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tiny-pair")
+    target = make_tiny_llama(seed=0, layers=2, vocab=VOCAB)
+    target.save_pretrained(root / "target")
+    AutoTokenizer.from_pretrained(demo_target_dir).save_pretrained(root / "target")
+    build_drafter(root / "target", root / "drafter", layers=1)
+    return root / "target", root / "drafter"
+
+
+def engine_records(target_dir: Path, drafter_dir: Path, n: int, new_tokens: int = 24, seed: int = 0) -> list:
+    """Real DecisionRecords: the engine decoding n random prompts with the pair (greedy, K = 3, top-8 teacher)."""
+    target = load_causal_lm(target_dir, "target")
+    drafter = load_drafter(drafter_dir, VOCAB)
+    engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=8)
+    g = torch.Generator().manual_seed(seed)
+    requests = [Request(torch.randint(0, VOCAB, (12,), generator=g).tolist(), max_new_tokens=new_tokens) for _ in range(n)]
+    records = []
+    for req, res in zip(requests, engine.generate(requests)):
+        records += records_from_result(res, replica_id="test", target_name="tiny", vocab_size=VOCAB, sampling=req, topk=8)
+    return records
+
+
+@pytest.fixture(scope="session")
+def tiny_records(tiny_dirs) -> list:
+    return engine_records(*tiny_dirs, n=24)
+
+
+def config(stream_cfg, dirs, tmp_path: Path, **trainer) -> DviConfig:
+    target, drafter = dirs
+    t = dict(run_dir=str(tmp_path / "run"), store=str(tmp_path / "store"), batch_tokens=64, replay_share=0.0,
+             holdout_share=0.0, checkpoint_every=2, gate_every=1000, idle_exit_s=3.0, lr=1e-3)
+    t.update(trainer)
+    return DviConfig(model=ModelConfig(target=str(target), drafter=str(drafter)), stream=stream_cfg,
+                     trainer=TrainerConfig(**t), tracking=TrackingConfig(enabled=False))
+
+
+def produce(stream_cfg, records) -> None:
+    producer = DecisionProducer(stream_cfg)
+    for r in records:
+        assert producer.submit(r) is not False
+    stats = producer.close(timeout_s=20)
+    assert stats.sent == len(records), stats
+
+
+def send_raw(stream_cfg, values: list[bytes]) -> None:
+    from kafka import KafkaProducer
+
+    p = KafkaProducer(bootstrap_servers=stream_cfg.bootstrap)
+    for v in values:
+        p.send(stream_cfg.topic, v)
+    p.flush()
+    p.close()
+
+
+def run_trainer(cfg: DviConfig, **kw) -> Trainer:
+    source = DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id, from_beginning=True)
+    trainer = Trainer(cfg, source, **kw)
+    try:
+        trainer.run()
+    finally:
+        source.close()
+    return trainer
+
+
+def last_state(cfg: DviConfig) -> dict:
+    path = checkpoint.latest(Path(cfg.trainer.run_dir), clean=False)
+    assert path is not None, "no complete checkpoint"
+    return json.loads((path / checkpoint.STATE).read_text())
+
+
+def committed(cfg: DviConfig) -> dict[int, int]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=cfg.stream.bootstrap, group_id=cfg.trainer.group_id, enable_auto_commit=False)
+    try:
+        parts = c.partitions_for_topic(cfg.stream.topic)
+        return {p: c.committed(TopicPartition(cfg.stream.topic, p)) for p in parts}
+    finally:
+        c.close()
+
+
+def end_offsets(cfg: DviConfig) -> dict[int, int]:
+    """Per partition, the offset after the last message, read by consuming the topic (Tansu's ListOffsets is
+    wrong for multi-message batches, see PLATFORM.md)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=cfg.stream.bootstrap, enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(cfg.stream.topic, p) for p in c.partitions_for_topic(cfg.stream.topic)]
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        ends = {tp.partition: 0 for tp in tps}
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < 2.0:
+            batches = c.poll(timeout_ms=300)
+            for tp, messages in batches.items():
+                ends[tp.partition] = max(ends[tp.partition], messages[-1].offset + 1)
+                quiet_since = time.monotonic()
+        return ends
+    finally:
+        c.close()
+
+
+def test_each_record_trained_once_duplicates_and_garbage_set_aside(stream_cfg, tiny_dirs, tiny_records, tmp_path):
+    cfg = config(stream_cfg, tiny_dirs, tmp_path)
+    produce(stream_cfg, tiny_records + tiny_records[:5])  # five records delivered twice
+    send_raw(stream_cfg, [b"garbage", encode(tiny_records[0])[:40]])
+    trainer = run_trainer(cfg)
+    c = trainer.state.counters
+    assert (c.trained, c.duplicates, c.held_out, c.skipped, c.nonfinite) == (len(tiny_records), 5, 0, 0, 0)
+    assert trainer.source.stats.dead_lettered == 2
+    state = last_state(cfg)
+    trained = [rid for rid, fate in state["ledger"] if fate == TRAINED]
+    assert sorted(trained) == sorted(r.record_id for r in tiny_records)
+    assert state["counters"]["trained"] == len(tiny_records) and state["step"] == trainer.state.step > 1
+    assert committed(cfg) == end_offsets(cfg)  # everything read is inside the final checkpoint
+
+
+def test_kill_9_and_restart_trains_every_acked_record_exactly_once(stream_cfg, tiny_dirs, tmp_path):
+    records = engine_records(*tiny_dirs, n=64, new_tokens=32, seed=1)
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, batch_tokens=32, checkpoint_every=3, idle_exit_s=4.0)
+    produce(stream_cfg, records)
+    run_dir = Path(cfg.trainer.run_dir)
+    overrides = [f"model.target={cfg.model.target}", f"model.drafter={cfg.model.drafter}",
+                 f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.topic={stream_cfg.topic}",
+                 f"stream.dlq_topic={stream_cfg.dlq_topic}", f"stream.control_topic={stream_cfg.control_topic}",
+                 f"trainer.run_dir={run_dir}", f"trainer.store={cfg.trainer.store}", "trainer.batch_tokens=32",
+                 "trainer.replay_share=0", "trainer.holdout_share=0", "trainer.checkpoint_every=3",
+                 "trainer.gate_every=1000", "trainer.idle_exit_s=4", "tracking.enabled=false", "model.threads=1"]
+    cmd = [sys.executable, "-m", "dvi.cli", "train", *overrides]
+    env = {**os.environ, "MASTER_PORT": "", "RANK": "", "WORLD_SIZE": ""}
+    env = {k: v for k, v in env.items() if v != ""}
+
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while checkpoint.latest(run_dir, clean=False) is None or _step_of(checkpoint.latest(run_dir, clean=False)) < 6:
+        assert first.poll() is None, first.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the trainer wrote no second checkpoint in time"
+        time.sleep(0.2)
+    time.sleep(0.5)  # mid-run: past a checkpoint, inside the next steps
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    before = last_state(cfg)
+    trained_before = [rid for rid, fate in before["ledger"] if fate == TRAINED]
+    assert 0 < len(trained_before) < len(records), "the kill should land mid-run"
+
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    after = last_state(cfg)
+    trained = [rid for rid, fate in after["ledger"] if fate == TRAINED]
+    assert sorted(trained) == sorted(r.record_id for r in records)  # none lost, none twice
+    assert after["counters"]["trained"] == len(records)  # the counter survives restarts with the ledger
+    assert trained[: len(trained_before)] == trained_before
+    assert committed(cfg) == end_offsets(cfg)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("-")[-1])
+
+
+def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_records, tmp_path):
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, holdout_share=0.5, gate_min_records=4, max_steps=1)
+    produce(stream_cfg, tiny_records)
+    publisher = lambda kind, **fields: control_send(stream_cfg, kind, **fields)  # noqa: E731
+    with ControlReader(stream_cfg) as control, DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source:
+        trainer = Trainer(cfg, source, publisher=publisher)
+        trainer.run()
+        assert len(trainer.buffer.holdout) >= 4
+        candidate = trainer.engine.module.model
+        original = {k: v.clone() for k, v in candidate.state_dict().items()}
+        with torch.no_grad():
+            for p in candidate.parameters():
+                p.add_(torch.randn_like(p) * 0.5)  # a much worse candidate
+        assert trainer.gate_and_publish() is False
+        assert trainer.state.counters.refused == 1 and not list(Path(cfg.trainer.store).glob("d*"))
+
+        candidate.load_state_dict(original)
+        with torch.no_grad():
+            for p in trainer.serving.parameters():
+                p.add_(torch.randn_like(p) * 0.5)  # now the serving drafter is the worse one
+        assert trainer.gate_and_publish() is True
+        version = trainer.state.lineage[-1]
+        assert version != cfg.model.drafter and (Path(cfg.trainer.store) / version).is_dir()
+        published = load_drafter(Path(cfg.trainer.store) / version, VOCAB)
+        for k, v in published.model.state_dict().items():
+            assert torch.equal(v, original[k]), k
+        deadline = time.monotonic() + 10
+        msgs = []
+        while not msgs and time.monotonic() < deadline:
+            msgs = [m for m in control.poll(0.5) if m["type"] == "drafter_published"]
+        assert msgs and msgs[0]["version"] == version and msgs[0]["gate"]["candidate_acceptance"] > msgs[0]["gate"]["serving_acceptance"]
+
+
+def test_non_finite_weights_roll_back_and_are_never_checkpointed_or_published(stream_cfg, tiny_dirs, tiny_records, tmp_path):
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, holdout_share=0.25, gate_min_records=2, max_steps=2)
+    produce(stream_cfg, tiny_records)
+    with DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id, from_beginning=True) as source:
+        trainer = Trainer(cfg, source)
+        trainer.run()  # two steps, then a checkpoint that covers them
+        good = checkpoint.latest(Path(cfg.trainer.run_dir))
+        trained = trainer.state.counters.trained
+        with torch.no_grad():
+            next(trainer.engine.module.parameters()).fill_(float("nan"))
+        assert trainer.gate_and_publish() is False and not list(Path(cfg.trainer.store).glob("d*"))
+        deadline = time.monotonic() + 20
+        while not trainer.buffer.pending and time.monotonic() < deadline:
+            trainer.ingest(source.poll(0.5))
+        trainer.step()  # non-finite loss with non-finite weights: back to the last checkpoint
+        assert trainer.state.counters.nonfinite == 1
+        assert checkpoint.latest(Path(cfg.trainer.run_dir)) == good  # nothing new written
+        assert all(bool(torch.isfinite(p).all()) for p in trainer.engine.module.parameters())
+        assert trainer.state.counters.trained == trained and trainer.state.step == 2
+        # the stream is read again from the committed offsets: the rest trains normally, each record once
+        trainer.tcfg = replace(trainer.tcfg, max_steps=None)
+        trainer.run()
+    state = last_state(cfg)
+    fates = [fate for _, fate in state["ledger"]]
+    assert len(fates) == len(tiny_records) and state["counters"]["nonfinite"] == 1
+    assert state["counters"]["trained"] == fates.count(TRAINED)
+
+
+PYTHON_QUESTIONS = [
+    "Write a Python function that reverses a string.",
+    "Write a Python function that checks whether a number is prime.",
+    "Write a Python function that returns the largest element of a list.",
+    "Write a Python function that counts the vowels in a string.",
+    "Write a Python function that computes the factorial of n.",
+    "Write a Python function that merges two sorted lists.",
+    "Write a Python function that removes duplicates from a list.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python function that flattens a nested list.",
+    "Write a Python function that sums the digits of an integer.",
+    "Write a Python function that sorts a dictionary by its values.",
+]
+
+
+@pytest.mark.real_model
+def test_training_on_demo_records_raises_held_out_acceptance(stream_cfg, demo_target_dir, demo_drafter_dir, tmp_path):
+    """A short run on real records of one domain (Python questions) raises the drafter's estimated acceptance
+    on held-out records of that domain."""
+    from dvi.models import load_tokenizer
+    from trainers.recipe import evaluate
+
+    tokenizer = load_tokenizer(demo_target_dir)
+    target = load_causal_lm(demo_target_dir, "target")
+    drafter = load_drafter(demo_drafter_dir, VOCAB)
+    engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=6)
+    requests = [Request(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=True)["input_ids"], max_new_tokens=32)
+                for q in PYTHON_QUESTIONS]
+    records = []
+    for req, res in zip(requests, engine.generate(requests)):
+        records += records_from_result(res, replica_id="test", target_name="smollm2", vocab_size=VOCAB, sampling=req, topk=8)
+    produce(stream_cfg, records)
+    cfg = config(stream_cfg, (demo_target_dir, demo_drafter_dir), tmp_path, batch_tokens=128, replay_share=0.5,
+                 holdout_share=0.25, lr=5e-4, max_steps=24, checkpoint_every=1000, idle_exit_s=None,
+                 replay_when_idle=True)
+    cfg = replace(cfg, model=replace(cfg.model, threads=2))
+    with DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id, from_beginning=True) as source:
+        trainer = Trainer(cfg, source)
+        deadline = time.monotonic() + 30
+        while len(trainer.buffer.holdout) < 3 and time.monotonic() < deadline:
+            trainer.ingest(source.poll(0.5))
+        holdout = list(trainer.buffer.holdout)
+        args = (VOCAB, None, trainer.target, 512)
+        before = evaluate(trainer.engine.module, holdout, *args)
+        trainer.run()
+        after = evaluate(trainer.engine.module, holdout, *args)
+    assert trainer.state.step == 24
+    print(f"held-out expected acceptance {before['acceptance']:.3f} -> {after['acceptance']:.3f}, "
+          f"greedy match {before['greedy']:.3f} -> {after['greedy']:.3f}")
+    assert after["acceptance"] > before["acceptance"] + 0.02

@@ -1,0 +1,366 @@
+"""From DecisionRecords to training batches: examples, the replay buffer, the ledger and committable offsets.
+
+One record becomes one `Example`: its full token sequence (prompt + earlier chunks + this chunk's tokens) and,
+for every token the record generated, the decision made at the position that predicted it. A round with k
+drafts and n accepted emits n + 1 tokens, and the teacher (the target's top-k) was logged at each of the
+positions j = 0..n that produced them, so every generated token has exactly one teacher distribution, on the
+sequence itself: one causal forward of the drafter over the sequence sees all of them. Per generated token:
+
+- teacher: top-k ids and log-probs at the position that predicted it (absent when the record has topk = 0:
+  the trainer recomputes the teacher with its copy of the target on the same sequence);
+- draft: the drafter's proposal at that position (d_{j+1} for j < k; -1 at the bonus position j = k and in
+  plain rounds) and its reward for the DVI term: +1 accepted (j < n), -1 rejected (j = n < k), 0 not judged.
+
+Positions after a round's first rejection (j > n) lie off the sequence (their context holds a rejected draft);
+they were never judged, and the one-forward layout leaves them out.
+
+The `Buffer` holds fresh records waiting to be trained (oldest skipped, and counted, when full), records held
+out for the gate, and already-trained records for replay (weighted down by drafter-version age). The `Ledger`
+remembers the fate of every record id (trained, held out, skipped) for deduplication and for the
+exactly-once check after a restart; `Offsets` tracks which consumed offsets are done, so a checkpoint commits
+only offsets whose records it covers. This module knows records and tensors, not models, Kafka or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dvi.events import DecisionRecord
+
+# record fates in the ledger
+TRAINED, HELD_OUT, SKIPPED = "t", "h", "s"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One record as training data. G = generated tokens kept (after truncation), S = sequence length."""
+
+    record_id: str
+    version: str | None  # the drafter that drafted its rounds
+    tokens: np.ndarray  # [S] int64: context + generated tokens
+    targets: np.ndarray  # [G] int64 indices into tokens of the generated tokens (each >= 1)
+    topk_ids: np.ndarray | None  # [G, topk] int64 teacher ids at the position predicting each target
+    topk_logprobs: np.ndarray | None  # [G, topk] float32
+    drafted: np.ndarray  # [G] int64 the draft proposed at that position, -1 for none
+    reward: np.ndarray  # [G] float32 +1 accepted, -penalty rejected, 0 not judged
+    judged: np.ndarray  # [G] bool the draft there was accepted or rejected
+    accepted: int  # the record's totals, for rolling acceptance
+    drafted_total: int
+
+    @property
+    def positions(self) -> int:
+        return int(self.targets.shape[0])
+
+
+def example_from_record(record: DecisionRecord, max_seq_len: int, penalty: float = 1.0) -> Example:
+    """The `Example` of one validated record; sequences longer than `max_seq_len` keep their last tokens."""
+    context = list(record.prompt_ids) + list(record.prefix_ids)
+    tokens = np.asarray(context + list(record.generated_ids), dtype=np.int64)
+    topk = record.topk
+    g_total = len(record.generated_ids)
+    topk_ids = np.zeros((g_total, topk), np.int64) if topk else None
+    topk_lp = np.zeros((g_total, topk), np.float32) if topk else None
+    drafted = np.full(g_total, -1, np.int64)
+    reward = np.zeros(g_total, np.float32)
+    judged = np.zeros(g_total, bool)
+    base = len(record.prefix_ids)  # round positions count tokens generated for the request so far
+    for r in record.rounds:
+        for j in range(r.accepted + 1):
+            g = r.position - base + j
+            if g >= g_total:  # the request's last round, cut short by a stop token or the length limit
+                break
+            if topk:
+                topk_ids[g] = r.topk_ids[j]
+                topk_lp[g] = r.topk_logprobs[j]
+            if j < r.k:
+                drafted[g] = r.drafted[j]
+                judged[g] = True
+                reward[g] = 1.0 if j < r.accepted else -penalty
+    targets = np.arange(len(context), len(tokens), dtype=np.int64)
+    shift = max(0, len(tokens) - max_seq_len)
+    keep = targets >= shift + 1  # a target needs its predicting position inside the window
+    return Example(
+        record_id=record.record_id,
+        version=record.drafter_version,
+        tokens=tokens[shift:],
+        targets=targets[keep] - shift,
+        topk_ids=topk_ids[keep] if topk else None,
+        topk_logprobs=topk_lp[keep] if topk else None,
+        drafted=drafted[keep],
+        reward=reward[keep],
+        judged=judged[keep],
+        accepted=record.accepted,
+        drafted_total=record.drafted,
+    )
+
+
+def teacher_width(example: Example) -> int:
+    return 0 if example.topk_ids is None else int(example.topk_ids.shape[1])
+
+
+@dataclass
+class Batch:
+    """Examples packed for one forward. B rows, L = longest sequence, P = teacher positions in all rows."""
+
+    record_ids: list[str]
+    input_ids: torch.Tensor  # [B, L] int64, right-padded with 0
+    attention_mask: torch.Tensor  # [B, L] int64
+    rows: torch.Tensor  # [P] int64 row of each position
+    cols: torch.Tensor  # [P] int64 column whose logits predict the target (target index - 1)
+    labels: torch.Tensor  # [P] int64 the generated token there
+    topk_ids: torch.Tensor | None  # [P, topk] int64 (None: no example carries a teacher)
+    topk_logprobs: torch.Tensor | None  # [P, topk] float32
+    drafted: torch.Tensor  # [P] int64 (-1: none)
+    reward: torch.Tensor  # [P] float32
+    judged: torch.Tensor  # [P] bool
+    weight: torch.Tensor  # [P] float32 per-position weight (the record's replay weight)
+
+    @property
+    def positions(self) -> int:
+        return int(self.rows.numel())
+
+
+def collate(examples: list[Example], weights: list[float] | None = None) -> Batch:
+    """Pack examples (all with a teacher top-k of the same width, or none with one) into a `Batch`."""
+    if not examples:
+        raise ValueError("collate: no examples")
+    weights = weights or [1.0] * len(examples)
+    widths = {teacher_width(e) for e in examples}
+    if len(widths) != 1:
+        raise ValueError(f"collate: examples mix teacher widths {sorted(widths)}; batch them separately")
+    width = widths.pop()
+    length = max(len(e.tokens) for e in examples)
+    ids = torch.zeros(len(examples), length, dtype=torch.long)
+    mask = torch.zeros(len(examples), length, dtype=torch.long)
+    for b, e in enumerate(examples):
+        ids[b, : len(e.tokens)] = torch.from_numpy(e.tokens)
+        mask[b, : len(e.tokens)] = 1
+    cat = lambda xs: torch.from_numpy(np.concatenate(xs))  # noqa: E731
+    rows = torch.cat([torch.full((e.positions,), b, dtype=torch.long) for b, e in enumerate(examples)])
+    cols = cat([e.targets - 1 for e in examples])
+    return Batch(
+        record_ids=[e.record_id for e in examples],
+        input_ids=ids,
+        attention_mask=mask,
+        rows=rows,
+        cols=cols,
+        labels=ids[rows, cols + 1],
+        topk_ids=cat([e.topk_ids for e in examples]) if width else None,
+        topk_logprobs=cat([e.topk_logprobs for e in examples]) if width else None,
+        drafted=cat([e.drafted for e in examples]),
+        reward=cat([e.reward for e in examples]),
+        judged=cat([e.judged for e in examples]),
+        weight=torch.cat([torch.full((e.positions,), float(w)) for e, w in zip(examples, weights)]),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Bookkeeping: which record ids are done, and which offsets may be committed.
+
+
+class Ledger:
+    """Record id -> fate (TRAINED, HELD_OUT, SKIPPED), in arrival order, bounded to the newest `size` ids."""
+
+    def __init__(self, size: int, entries: list[list[str]] | None = None):
+        self.size = size
+        self._fates: OrderedDict[str, str] = OrderedDict((rid, fate) for rid, fate in entries or [])
+
+    def __contains__(self, record_id: str) -> bool:
+        return record_id in self._fates
+
+    def __len__(self) -> int:
+        return len(self._fates)
+
+    def add(self, record_id: str, fate: str) -> None:
+        if record_id in self._fates:
+            raise ValueError(f"record {record_id} is already in the ledger ({self._fates[record_id]})")
+        self._fates[record_id] = fate
+        while len(self._fates) > self.size:
+            self._fates.popitem(last=False)
+
+    def count(self, fate: str) -> int:
+        return sum(1 for f in self._fates.values() if f == fate)
+
+    def entries(self) -> list[list[str]]:
+        """JSON-able form for the checkpoint."""
+        return [[rid, fate] for rid, fate in self._fates.items()]
+
+
+class Offsets:
+    """Per partition: offsets consumed but not yet done, and the next offset to read.
+
+    `committable()` is what a checkpoint may commit: per partition, the lowest offset still outstanding, or
+    the next offset when none is. Keys are any hashable partition name (a Kafka TopicPartition, a file name).
+    """
+
+    def __init__(self) -> None:
+        self._open: dict = {}
+        self._next: dict = {}
+
+    def consumed(self, partition, offset: int) -> None:
+        self._open.setdefault(partition, set()).add(offset)
+        self._next[partition] = max(self._next.get(partition, 0), offset + 1)
+
+    def seen(self, partition, offset: int) -> None:
+        """An offset that needs no training (a duplicate, or a record the consumer dead-lettered)."""
+        self._next[partition] = max(self._next.get(partition, 0), offset + 1)
+
+    def done(self, partition, offset: int) -> None:
+        self._open.get(partition, set()).discard(offset)
+
+    def committable(self, positions: dict | None = None) -> dict:
+        """positions: the reader's own next offsets (they also pass records it dead-lettered), or None."""
+        nxt = dict(self._next)
+        for p, n in (positions or {}).items():
+            nxt[p] = max(nxt.get(p, 0), n)
+        return {p: min(self._open[p]) if self._open.get(p) else n for p, n in nxt.items()}
+
+    def outstanding(self) -> int:
+        return sum(len(s) for s in self._open.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# The buffer.
+
+
+@dataclass
+class Item:
+    example: Example
+    partition: object
+    offset: int
+
+
+class Buffer:
+    """Fresh, held-out and replay records; see the module docstring.
+
+    `version_age(version) -> int | None` says how many publishes ago a drafter version served (0: the serving
+    one; None: unknown). Replay weight = version_decay ** age; records older than `max_version_age` (or of an
+    unknown version) are not replayed.
+    """
+
+    def __init__(self, pending_size: int, replay_size: int, holdout_size: int, replay_share: float,
+                 holdout_share: float, version_decay: float, max_version_age: int, seed: int = 0):
+        self.pending: deque[Item] = deque()
+        self.replay: deque[Example] = deque(maxlen=replay_size)
+        self.holdout: deque[Example] = deque(maxlen=holdout_size)
+        self.pending_size = pending_size
+        self.replay_share = replay_share
+        self.holdout_share = holdout_share
+        self.version_decay = version_decay
+        self.max_version_age = max_version_age
+        self.rng = random.Random(seed)
+        self._holdout_credit = 0.0
+
+    def add(self, item: Item) -> tuple[str | None, Item | None]:
+        """Route a fresh record: held out for the gate, or queued for training.
+
+        Returns (HELD_OUT or None, the oldest pending item skipped to make room or None).
+        """
+        self._holdout_credit += self.holdout_share
+        if self._holdout_credit >= 1.0:  # every 1 / holdout_share-th record, deterministic and evenly spread
+            self._holdout_credit -= 1.0
+            self.holdout.append(item.example)
+            return HELD_OUT, None
+        self.pending.append(item)
+        dropped = self.pending.popleft() if len(self.pending) > self.pending_size else None
+        return None, dropped
+
+    def pending_positions(self) -> int:
+        return sum(i.example.positions for i in self.pending)
+
+    def take(self, batch_tokens: int, version_age) -> tuple[list[Item], list[Example], list[float]]:
+        """Fresh items (oldest first) filling (1 - replay_share) of `batch_tokens` positions, then replayed
+        examples for the rest, all with the teacher width of the oldest fresh item (a batch never mixes widths).
+        Returns (fresh items, replayed examples, their replay weights)."""
+        fresh, used, kept = [], 0, deque()
+        budget = max(1, int(round(batch_tokens * (1.0 - self.replay_share))))
+        width = teacher_width(self.pending[0].example) if self.pending else (teacher_width(self.replay[-1]) if self.replay else None)
+        while self.pending and (not fresh or used + self.pending[0].example.positions <= budget):
+            item = self.pending.popleft()
+            if teacher_width(item.example) != width:
+                kept.append(item)
+                continue
+            fresh.append(item)
+            used += item.example.positions
+        self.pending.extendleft(reversed(kept))
+        candidates = [(e, self.version_decay ** a) for e in self.replay
+                      if (width is None or teacher_width(e) == width)
+                      and (a := version_age(e.version)) is not None and a <= self.max_version_age]
+        replayed, weights = [], []
+        while candidates and used < batch_tokens:
+            e, w = candidates.pop(self.rng.randrange(len(candidates)))
+            replayed.append(e)
+            weights.append(w)
+            used += e.positions
+        return fresh, replayed, weights
+
+    def trained(self, examples: list[Example]) -> None:
+        self.replay.extend(examples)
+
+
+# ----------------------------------------------------------------------------------------------
+# A file of records, read like a topic (offline distillation).
+
+
+class FileSource:
+    """Records from a JSON-lines file (`dvi stream tail --json` output) behind the consumer's interface
+    (poll / positions / rewind; no group, so nothing to commit). Lines that do not parse or validate are
+    logged with their line number, counted (`stats.invalid`) and skipped."""
+
+    group_id = None
+
+    def __init__(self, path: str, vocab_size: int | None = None):
+        from pathlib import Path
+
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            from dvi.errors import DviError
+
+            raise DviError(f"record file {str(self.path)!r} not found (write one with `dvi stream tail --json > FILE`)")
+        self.vocab_size = vocab_size
+        self._lines = self.path.read_text().splitlines()
+        self._next = 0
+        self.stats = _FileStats()
+
+    def poll(self, timeout_s: float = 0.0, max_records: int = 500) -> list:
+        import json
+        import logging
+
+        from dvi.events import RecordError, from_dict, validate
+        from streams.consumer import Delivered
+
+        out = []
+        while self._next < len(self._lines) and len(out) < max_records:
+            n, line = self._next, self._lines[self._next]
+            self._next += 1
+            if not line.strip():
+                continue
+            try:
+                record = from_dict(json.loads(line))
+                validate(record, self.vocab_size)
+            except (ValueError, RecordError) as e:  # JSONDecodeError is a ValueError
+                self.stats.invalid += 1
+                logging.getLogger("dvi.trainer").warning("%s:%d: skipping an invalid record: %s", self.path, n + 1, e)
+                continue
+            out.append(Delivered(record, str(self.path), 0, n, None))
+        return out
+
+    def positions(self) -> dict:
+        return {(str(self.path), 0): self._next}
+
+    def rewind(self) -> None:
+        self._next = 0  # the ledger skips what the restored checkpoint already covers
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _FileStats:
+    invalid: int = 0
+    dead_lettered: int = 0

@@ -1,0 +1,475 @@
+"""The distillation recipe: the drafter learns from the decision stream, and better drafters are published.
+
+`run(cfg)` reads top to bottom as setup -> loop (ingest, step, checkpoint, gate and publish) -> cleanup:
+
+- ingest: records from the consumer group are deduplicated by record id (the `Ledger`), routed to the gate's
+  held-out set or the fresh queue (`trainers.data.Buffer`), and counted by the trigger's rolling acceptance;
+- step: while the trigger says the trainer is active, a batch of fresh records (plus a replayed share) is
+  packed and the drafter takes one DeepSpeed step on `trainers.losses.position_loss` (divergence to the
+  teacher + the DVI reward term on the KL-to-reward schedule). A non-finite loss skips the batch (counted);
+- checkpoint: every `trainer.checkpoint_every` steps, a DeepSpeed checkpoint holding the ledger, the
+  committable offsets and the lineage is written atomically (`trainers.checkpoint`); only then are the offsets
+  committed, so a crash re-reads exactly the records the last checkpoint does not cover;
+- gate and publish: every `trainer.gate_every` steps (and at the end of a triggered session) the candidate's
+  expected acceptance on held-out records is compared with the serving drafter's; only a better candidate is
+  written to the model store (`dvi.store`), registered in MLflow (alias `candidate`) and announced on the
+  control topic for the servers.
+
+The same recipe runs offline (`dvi drafter distill`) over a topic read from the beginning by a group of its
+own, stopping when it is idle. This module knows the parts it wires together; the maths is in
+`trainers.losses`, the record layout in `trainers.data`, files in `trainers.checkpoint` and `dvi.store`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dvi.config import DviConfig
+from dvi.errors import DviError
+from dvi.events import RecordError, validate
+from trainers.data import HELD_OUT, SKIPPED, TRAINED, Batch, Buffer, Example, Item, Ledger, Offsets, collate, example_from_record
+from trainers.losses import Teacher, kl_reward_weights, position_loss, teacher_from_logits, teacher_from_topk
+
+log = logging.getLogger("dvi.trainer")
+
+
+class Student(torch.nn.Module):
+    """A causal LM whose forward returns logits only at the teacher positions: [P, N].
+
+    Skipping the output layer at prompt positions matters: the 576 x 49,152 head is most of the drafter's cost.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
+        return self.model.get_output_embeddings()(hidden[rows, cols])  # [P, N]
+
+
+@dataclass
+class Counters:
+    records: int = 0  # valid records received
+    duplicates: int = 0  # records whose id was already in the ledger
+    foreign: int = 0  # records for another target vocabulary or without generated tokens
+    trained: int = 0
+    held_out: int = 0
+    skipped: int = 0  # fresh records dropped from a full queue
+    nonfinite: int = 0  # batches skipped for a non-finite loss
+    published: int = 0
+    refused: int = 0  # gate checks the candidate lost
+    positions: int = 0  # teacher positions trained on (fresh and replayed)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class State:
+    """What a checkpoint holds besides the weights and optimizer state."""
+
+    step: int = 0
+    lineage: list[str] = field(default_factory=list)  # drafter versions served, oldest first; [-1] serves now
+    serving_dir: str = ""  # the serving drafter's directory (the parent of the next publish)
+    counters: Counters = field(default_factory=Counters)
+
+
+def teacher_for(batch: Batch, vocab_size: int, vocab_map: torch.Tensor | None, target: Student | None) -> Teacher:
+    """The batch's teacher: the logged top-k, or the full distribution of the trainer's copy of the target."""
+    if batch.topk_ids is not None:
+        return teacher_from_topk(batch.topk_ids, batch.topk_logprobs, vocab_size, vocab_map)
+    if target is None:
+        raise DviError("records without teacher log-probs need the target: set trainer.teacher=auto or logits")
+    with torch.no_grad():
+        return teacher_from_logits(target(batch.input_ids, batch.attention_mask, batch.rows, batch.cols), vocab_map)
+
+
+def evaluate(student: Student, examples: list[Example], vocab_size: int, vocab_map, target: Student | None,
+             batch_tokens: int) -> dict[str, float]:
+    """Expected acceptance (sum over tokens of min(p, q), the engine's measure) and the greedy match rate
+    (argmax q = argmax p) of `student` on `examples`, averaged over their teacher positions."""
+    totals = {"acceptance": 0.0, "greedy": 0.0}
+    positions = 0
+    with torch.no_grad():
+        for group in _chunks(examples, batch_tokens):
+            batch = collate(group)
+            teacher = teacher_for(batch, vocab_size, vocab_map, target)
+            logits = student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
+            _, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged)
+            best = logits.argmax(-1) if vocab_map is None else vocab_map[logits.argmax(-1)]
+            teacher_best = batch.topk_ids[:, 0] if batch.topk_ids is not None else (
+                teacher.probs.argmax(-1) if vocab_map is None else vocab_map[teacher.probs.argmax(-1)])
+            n = batch.positions
+            totals["acceptance"] += metrics["acceptance"] * n
+            totals["greedy"] += float((best == teacher_best).float().sum())
+            positions += n
+    return {k: v / max(positions, 1) for k, v in totals.items()}
+
+
+def _chunks(examples: list[Example], tokens: int):
+    """Groups of examples with the same teacher width and at most about `tokens` positions each."""
+    by_width: dict[int, list[Example]] = {}
+    for e in examples:
+        by_width.setdefault(0 if e.topk_ids is None else e.topk_ids.shape[1], []).append(e)
+    for group in by_width.values():
+        chunk, used = [], 0
+        for e in group:
+            if chunk and used + e.positions > tokens:
+                yield chunk
+                chunk, used = [], 0
+            chunk.append(e)
+            used += e.positions
+        if chunk:
+            yield chunk
+
+
+class Trainer:
+    """One trainer process. `run()` until stopped; see the module docstring."""
+
+    def __init__(self, cfg: DviConfig, source, tracker=None, control=None, publisher=None, offline: bool = False):
+        """source: a `streams.consumer.DecisionConsumer` (or anything with poll / commit); tracker: a
+        `trainers.tracking.Tracker` or None; control: a `streams.control.ControlReader` or None (retrain requests);
+        publisher: callable(kind, **fields) that sends a control message, or None; offline: stop when idle."""
+        from dvi.models import resolve_pair
+        from trainers import checkpoint, ds
+        from trainers.triggers import Trigger
+
+        self.cfg, self.tcfg = cfg, cfg.trainer
+        self.source, self.tracker, self.control, self.publisher, self.offline = source, tracker, control, publisher, offline
+        torch.manual_seed(self.tcfg.seed)
+        self.rank, self.world = ds.init_distributed()
+        self.cache = _cache_dir(cfg)
+        self.run_dir = Path(self.tcfg.run_dir).expanduser() if self.tcfg.run_dir else self.cache / "trainer"
+        self.store = Path(self.tcfg.store).expanduser() if self.tcfg.store else self.cache / "store"
+
+        # the drafter to train, and the vocabulary its records must use
+        pair = resolve_pair(cfg.model, with_drafter=True)
+        self.target_dir, self.vocab_size = pair.target_dir, int(pair.target.config.vocab_size)
+        self.vocab_map = pair.drafter.vocab_map
+        self.state = State(lineage=[pair.drafter.version], serving_dir=str(pair.drafter_dir))
+        needs_target = self.tcfg.teacher in ("auto", "logits")
+        self.target = Student(pair.target.eval()) if needs_target else None
+        if self.target is not None:
+            self.target.requires_grad_(False)
+        model = pair.drafter.model
+        if self.tcfg.finetune == "lora":
+            model = ds.apply_lora(model, self.tcfg)
+        self.engine = ds.build_engine(Student(model), self.tcfg)
+        self.ledger = Ledger(self.tcfg.ledger_size)
+
+        # resume from the last complete checkpoint
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        last = checkpoint.latest(self.run_dir)
+        if last is not None:
+            saved = checkpoint.load(self.engine, last)
+            self._restore(saved)
+            log.info("resumed from %s at step %d (%d records in the ledger)", last, self.state.step, len(self.ledger))
+        self.serving = self._serving_model()
+
+        t = self.tcfg
+        self.buffer = Buffer(t.pending_size, t.replay_size, t.holdout_size, t.replay_share, t.holdout_share,
+                             t.version_decay, t.max_version_age, seed=t.seed)
+        self.offsets = Offsets()
+        self.inflight: set[str] = set()  # ids read but not yet done (waiting in the fresh queue)
+        self.trigger = Trigger(cfg.trigger, time.monotonic())
+        self.stop_requested = False
+        self.last_record_at = time.monotonic()
+        self.last_checkpoint_step = self.state.step
+        if last is None:
+            self.checkpoint()  # step 0: there is always a complete checkpoint to roll back to
+
+    # -- setup helpers ---------------------------------------------------------------------------
+
+    def _restore(self, saved: dict) -> None:
+        self.state.step = int(saved["step"])
+        self.state.lineage = list(saved["lineage"])
+        self.state.serving_dir = saved["serving_dir"]
+        self.state.counters = Counters(**saved["counters"])
+        self.ledger = Ledger(self.tcfg.ledger_size, saved["ledger"])
+
+    def _serving_model(self) -> Student:
+        """A frozen copy of the drafter now serving (the gate's baseline), read from its directory."""
+        from dvi.models import load_drafter
+
+        drafter = load_drafter(self.state.serving_dir, self.vocab_size)
+        return Student(drafter.model.eval()).requires_grad_(False)
+
+    def version_age(self, version: str | None) -> int | None:
+        """Publishes between `version` and the serving drafter (0: serving); None for a version not in the lineage."""
+        lineage = self.state.lineage
+        return len(lineage) - 1 - lineage.index(version) if version in lineage else None
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> Counters:
+        main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            while not self._should_stop():
+                self.ingest(self.source.poll(timeout_s=0.5))
+                if not getattr(self.source, "assigned", True):  # still joining its group: not idle yet
+                    self.last_record_at = time.monotonic()
+                self._control()
+                now = time.monotonic()
+                reason = self.trigger.poll(now)
+                if reason:
+                    log.info("training session starts: %s", reason)
+                if self.trigger.active(now) and self._batch_ready(now):
+                    self.step()
+                    if self.cfg.trigger.kind != "continuous":
+                        self.trigger.step_done()
+                    if self.state.step % self.tcfg.checkpoint_every == 0:
+                        self.checkpoint()
+                    session_over = self.cfg.trigger.kind != "continuous" and self.trigger.session_over()
+                    if self.state.step % self.tcfg.gate_every == 0 or session_over:
+                        published = self.gate_and_publish()
+                        if session_over:
+                            self.trigger.end_session(time.monotonic(), published)
+            if self.offline and self.state.step % self.tcfg.gate_every:  # offline: the last steps get a gate too
+                self.gate_and_publish()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self.close()
+        return self.state.counters
+
+    def _on_signal(self, signum, frame) -> None:
+        log.info("signal %d: finishing the current step, checkpointing and stopping", signum)
+        self.stop_requested = True
+
+    def _should_stop(self) -> bool:
+        t = self.tcfg
+        if self.stop_requested or (t.max_steps is not None and self.state.step >= t.max_steps):
+            return True
+        idle = time.monotonic() - self.last_record_at
+        if t.idle_exit_s is not None and idle > t.idle_exit_s and not self.buffer.pending:
+            log.info("no fresh record for %.0f s: stopping", idle)
+            return True
+        return False
+
+    def _batch_ready(self, now: float) -> bool:
+        """A full batch of fresh positions is waiting, or some are and the stream paused for a second."""
+        if not self.buffer.pending:
+            return self.tcfg.replay_when_idle and bool(self.buffer.replay)
+        budget = self.tcfg.batch_tokens * (1.0 - self.tcfg.replay_share)
+        return self.buffer.pending_positions() >= budget or now - self.last_record_at > 1.0
+
+    def ingest(self, delivered: list) -> None:
+        c = self.state.counters
+        for d in delivered:
+            record, where = d.record, (d.topic, d.partition)
+            if record.record_id in self.ledger or record.record_id in self.inflight:
+                c.duplicates += 1
+                self.offsets.seen(where, d.offset)
+                continue
+            try:
+                validate(record, self.vocab_size)
+                if not record.generated_ids:
+                    raise RecordError("generated_ids", "empty")
+            except RecordError as e:
+                c.foreign += 1
+                log.warning("record %s at %s[%d]@%d is not for this target: %s", record.record_id, d.topic, d.partition, d.offset, e)
+                self.offsets.seen(where, d.offset)
+                continue
+            c.records += 1
+            self.last_record_at = time.monotonic()
+            self.trigger.observe(record.accepted, record.drafted, self.last_record_at)
+            example = example_from_record(record, self.tcfg.max_seq_len, self.tcfg.reward_penalty)
+            if example.topk_ids is None and self.target is None:
+                raise DviError("records carry no teacher log-probs (stream.topk=0) and trainer.teacher=topk: "
+                               "set trainer.teacher=auto so the trainer recomputes them with the target")
+            self.offsets.consumed(where, d.offset)
+            self.inflight.add(record.record_id)
+            fate, dropped = self.buffer.add(Item(example, where, d.offset))
+            if fate == HELD_OUT:
+                self._done(example.record_id, where, d.offset, HELD_OUT)
+                c.held_out += 1
+            if dropped is not None:
+                self._done(dropped.example.record_id, dropped.partition, dropped.offset, SKIPPED)
+                c.skipped += 1
+
+    def _done(self, record_id: str, partition, offset: int, fate: str) -> None:
+        self.inflight.discard(record_id)
+        self.ledger.add(record_id, fate)
+        self.offsets.done(partition, offset)
+
+    def _control(self) -> None:
+        if self.control is None:
+            return
+        for msg in self.control.poll():
+            if msg.get("type") == "retrain":
+                log.info("retrain requested: %s", msg.get("reason") or "no reason given")
+                self.trigger.request(time.monotonic())
+
+    # -- one optimizer step ----------------------------------------------------------------------
+
+    def step(self) -> None:
+        t, c = self.tcfg, self.state.counters
+        fresh, replayed, weights = self.buffer.take(t.batch_tokens, self.version_age)
+        examples = [i.example for i in fresh] + replayed
+        if not examples:  # nothing fresh, and nothing recent enough to replay
+            return
+        batch = collate(examples, [1.0] * len(fresh) + weights)
+        w_kl, w_reward = kl_reward_weights(self.state.step, t.reward_warmup, t.reward_ramp, t.reward_max)
+        t0 = time.perf_counter()
+        teacher = teacher_for(batch, self.vocab_size, self.vocab_map, self.target)
+        logits = self.engine(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
+        loss, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight,
+                                      t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
+        if not math.isfinite(loss.item()):
+            c.nonfinite += 1
+            if not _params_finite(self.engine.module):
+                self.rollback(f"step {self.state.step}: the drafter's weights are not finite")
+                return
+            log.warning("step %d: non-finite loss (%s): batch of %d records skipped", self.state.step, loss.item(), len(fresh))
+            for item in fresh:
+                self._done(item.example.record_id, item.partition, item.offset, SKIPPED)
+            c.skipped += len(fresh)
+            return  # no backward: nothing of this batch reaches the weights
+        self.engine.backward(loss)
+        self.engine.step()
+        if not _params_finite(self.engine.module):  # a step that blew up never reaches a checkpoint or the store
+            c.nonfinite += 1
+            self.rollback(f"step {self.state.step}: the optimizer step made the drafter's weights non-finite")
+            return
+        self.state.step += 1
+        for item in fresh:
+            self._done(item.example.record_id, item.partition, item.offset, TRAINED)
+        self.buffer.trained([i.example for i in fresh])
+        c.trained += len(fresh)
+        c.positions += batch.positions
+        dt = time.perf_counter() - t0
+        if self.tracker is not None and (self.state.step % t.log_every == 0 or self.state.step == 1):
+            self.tracker.log_metrics({
+                "loss": loss.item(), **{f"train/{k}": v for k, v in metrics.items()},
+                "w_kl": w_kl, "w_reward": w_reward, "step_time_s": dt, "positions_per_s": batch.positions / dt,
+                "records_per_s": len(fresh) / dt, "pending": len(self.buffer.pending),
+                **{f"trigger/{k}": v for k, v in self.trigger.snapshot().items()},
+                **{f"count/{k}": v for k, v in c.to_dict().items()},
+            }, step=self.state.step)
+        if self.state.step % t.log_every == 0:
+            log.info("step %d: loss %.4f, acceptance %.3f, %d positions in %.2f s", self.state.step, loss.item(),
+                     metrics["acceptance"], batch.positions, dt)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def rollback(self, why: str) -> None:
+        """Back to the last complete checkpoint: weights, optimizer, ledger and counters; the stream is re-read
+        from the committed offsets, so records trained since then are trained again, once."""
+        from trainers import checkpoint
+
+        path = checkpoint.latest(self.run_dir)
+        if path is None:
+            raise DviError(f"{why}, and there is no complete checkpoint in {self.run_dir} to go back to")
+        nonfinite = self.state.counters.nonfinite
+        self._restore(checkpoint.load(self.engine, path))
+        self.state.counters.nonfinite = nonfinite  # what went wrong stays counted
+        self.buffer.pending.clear()
+        self.offsets = Offsets()
+        self.inflight.clear()
+        self.source.rewind()
+        log.warning("%s: rolled back to %s (step %d)", why, path, self.state.step)
+
+    def checkpoint(self) -> Path | None:
+        """Write a complete checkpoint, then commit the offsets it covers."""
+        from trainers import checkpoint
+
+        if not _params_finite(self.engine.module):
+            raise DviError(f"step {self.state.step}: the drafter's weights are not finite; not checkpointing them "
+                           "(restart resumes from the last complete checkpoint)")
+        committable = self.offsets.committable({(tp[0], tp[1]): off for tp, off in self.source.positions().items()})
+        s = self.state
+        state = {"step": s.step, "lineage": s.lineage, "serving_dir": s.serving_dir, "counters": s.counters.to_dict(),
+                 "ledger": self.ledger.entries(),
+                 "offsets": {f"{topic}:{part}": off for (topic, part), off in committable.items()}}
+        path = checkpoint.save(self.engine, self.run_dir, s.step, state, keep=self.tcfg.keep_checkpoints)
+        self.last_checkpoint_step = s.step
+        if committable and self.source.group_id is not None:
+            try:
+                self.source.commit(committable)
+            except Exception as e:  # broker down: the checkpoint stands; redelivered records meet the ledger
+                log.warning("checkpoint %s is complete but committing its offsets failed (%s: %s); they are "
+                            "committed with the next checkpoint", path.name, type(e).__name__, e)
+        return path
+
+    # -- gate and publish ------------------------------------------------------------------------
+
+    def gate_and_publish(self) -> bool:
+        """Publish the candidate if it beats the serving drafter on the held-out records; True if published."""
+        holdout = list(self.buffer.holdout)
+        if self.rank != 0 or len(holdout) < self.tcfg.gate_min_records:
+            return False
+        cand = evaluate(self.engine.module, holdout, self.vocab_size, self.vocab_map, self.target, self.tcfg.batch_tokens)
+        base = evaluate(self.serving, holdout, self.vocab_size, self.vocab_map, self.target, self.tcfg.batch_tokens)
+        gate = {"candidate_acceptance": cand["acceptance"], "serving_acceptance": base["acceptance"],
+                "candidate_greedy": cand["greedy"], "serving_greedy": base["greedy"], "holdout_records": len(holdout)}
+        if self.tracker is not None:
+            self.tracker.log_metrics({f"gate/{k}": v for k, v in gate.items()}, step=self.state.step)
+        if not cand["acceptance"] > base["acceptance"] + self.tcfg.min_gain:
+            self.state.counters.refused += 1
+            log.info("gate: candidate %.4f does not beat serving %.4f: not published", cand["acceptance"], base["acceptance"])
+            return False
+        if not _params_finite(self.engine.module):
+            log.warning("gate: the candidate's weights are not finite: not published")
+            return False
+        self.publish(gate)
+        return True
+
+    def publish(self, gate: dict) -> None:
+        from dvi import store
+        from trainers import ds
+
+        parent = self.state.lineage[-1]
+        version = store.next_version(self.store)
+        meta = {"parent": parent, "step": self.state.step, "records_trained": self.state.counters.trained,
+                "offsets": {f"{t}:{p}": o for (t, p), o in self.offsets.committable().items()}, "gate": gate}
+        published = store.publish(self.store, version, ds.merged_state_dict(self.engine.module.model),
+                                  Path(self.state.serving_dir), meta, self.vocab_map)
+        log.info("published drafter %s (%s): expected acceptance %.4f > %.4f", version, published.path,
+                 gate["candidate_acceptance"], gate["serving_acceptance"])
+        self.state.lineage.append(version)
+        self.state.serving_dir = str(published.path)
+        self.state.counters.published += 1
+        self.serving = self._serving_model()
+        tags = {"parent_version": parent, "records_trained": str(self.state.counters.trained), "step": str(self.state.step),
+                "offsets": ",".join(f"{k}={v}" for k, v in meta["offsets"].items()), "sha256": published.sha256,
+                **{f"gate.{k}": f"{v:.6g}" for k, v in gate.items()}}
+        if self.tracker is not None:
+            self.tracker.register_drafter(str(published.path), version, tags, alias="candidate")
+        if self.publisher is not None:
+            try:
+                self.publisher("drafter_published", version=version, uri=str(published.path), sha256=published.sha256,
+                               parent=parent, gate=gate)
+            except DviError as e:  # the version is in the store and the registry; servers can still be pointed at it
+                log.warning("published %s but could not announce it on the control topic: %s", version, e)
+        self.checkpoint()  # the lineage moved: a restart must know which drafter serves
+
+    # -- cleanup ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.state.step > self.last_checkpoint_step:
+            try:
+                self.checkpoint()
+            except DviError as e:
+                log.error("final checkpoint failed: %s", e)
+        if self.tracker is not None:
+            self.tracker.log_metrics({f"count/{k}": v for k, v in self.state.counters.to_dict().items()}, step=self.state.step)
+
+
+def _params_finite(module: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def _cache_dir(cfg: DviConfig) -> Path:
+    from dvi.models import default_cache_dir
+
+    return Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else default_cache_dir()

@@ -1,0 +1,439 @@
+"""The trainer's MLflow sink: metrics, params and drafter registrations that never block or crash training.
+
+`Tracker.log_metrics(metrics, step)` stamps the wall-clock time, puts the points in a bounded in-memory queue
+(`tracking.queue_size` points plus the one batch being sent; when it is full the oldest points are dropped and
+counted) and returns. Non-finite values are skipped and counted. `register_drafter(...)` queues a registration
+in a separate queue that overflow never touches. One background thread does all the talking to MLflow:
+
+- it creates (or finds) the experiment and the run once, with the params and tags; a reconnect keeps the run;
+- it sends the points in `MlflowClient.log_batch` calls of at most 1000, with their original steps and times,
+  so a backlog that arrives after an outage still lands where it belongs on the time axis;
+- it registers drafters: registered model `tracking.registry_model`, a version tagged `dvi.version` with the
+  given lineage tags, and an alias (candidate by default). The MLflow server only accepts a local path as a
+  version's source if it lies inside the run's artifacts, so a local source (file or folder) is first logged
+  as the run's artifacts `drafters/<version>/` and the version points at `runs:/<run>/drafters/<version>`
+  (tag `dvi.source` keeps the original); a remote URI (s3://, https://, runs:/, ...) is registered as it is.
+
+MLflow unreachable, at start or mid-run: nothing fails; the thread retries every `tracking.retry_s` while the
+queue fills. An error MLflow answers with a 4xx (a bad key, a param changed) drops what caused it, counted as
+a failure, rather than retrying it forever. The client's HTTP retries and timeout are kept short (unless the
+user set MLFLOW_HTTP_REQUEST_* variables) so a dead server costs the thread seconds, not minutes.
+`close(timeout_s)` flushes for at most that long, ends the run and says how many points were lost.
+
+This module knows MLflow, not training: what the metrics mean, when to log and what a drafter version holds
+are the trainer's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dvi.config import TrackingConfig
+
+log = logging.getLogger("dvi.trainers.tracking")
+
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+MAX_PARAMS_PER_BATCH = 100
+VERSION_TAG = "dvi.version"
+SOURCE_TAG = "dvi.source"
+# the MLflow client's defaults (7 retries with backoff, 120 s timeout) would stall the thread for minutes
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+_IDLE_S = 0.5  # how often the thread looks for new points when all is sent
+
+
+@dataclass(frozen=True)
+class TrackerStats:
+    sent: int  # metric points MLflow acknowledged
+    queued: int  # waiting to be sent (including the batch in flight)
+    dropped: int  # lost: oldest dropped when the queue was full, rejected by MLflow, or unsent at close
+    skipped_nonfinite: int  # NaN, inf or not a number: never queued
+    failures: int  # failed attempts to reach MLflow, and operations it rejected
+    connected: bool  # the last attempt reached MLflow
+    run_id: str | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class _Registration:
+    source: str
+    version: str
+    tags: dict[str, str]
+    alias: str
+
+
+class _Fatal(Exception):
+    """The run cannot be created (MLflow said no): the tracker stops and drops what it gets."""
+
+
+class _Unusable(Exception):
+    """An operation that can never succeed as it is (a missing source): dropped like a 4xx answer."""
+
+
+class Tracker:
+    """Non-blocking MLflow sink for one training run (see the module docstring). A context manager."""
+
+    def __init__(self, cfg: TrackingConfig, run_name: str, params: dict | None = None, tags: dict | None = None):
+        self.cfg = cfg
+        self.run_name = run_name
+        self.enabled = cfg.enabled
+        self._params = flatten(params or {})
+        self._tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        self._lock = threading.Lock()
+        self._points: deque[tuple[str, float, int, int]] = deque()  # (key, value, timestamp ms, step)
+        self._in_flight: list[tuple[str, float, int, int]] = []
+        self._registrations: deque[_Registration] = deque()
+        self._registered: dict[str, int] = {}
+        self._sent = self._dropped = self._skipped = self._failures = 0
+        self._connected = False
+        self._run_id: str | None = None
+        self._params_logged = False
+        self._outage_reported = False
+        self._last_rejection: dict[str, float] = {}
+        self._closing = False
+        self._deadline = math.inf  # set by close(): the thread gives up after it
+        self._abandoned = False  # close() returned: the thread's late results no longer count
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.enabled:
+            for name, value in HTTP_DEFAULTS.items():
+                os.environ.setdefault(name, value)
+            self._thread = threading.Thread(target=self._run, name="dvi-tracker", daemon=True)
+            self._thread.start()
+
+    # -- the training thread's side ------------------------------------------------------------
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Queue one point per metric, stamped now; never blocks, never raises on a bad value."""
+        if not self.enabled:
+            return
+        stamp = int(time.time() * 1000)
+        with self._lock:
+            if self._closing:
+                self._dropped += len(metrics)
+                return
+            for key, value in metrics.items():
+                value = _finite(value)
+                if value is None:
+                    self._skipped += 1
+                    continue
+                if len(self._points) >= self.cfg.queue_size:
+                    self._points.popleft()
+                    self._dropped += 1
+                self._points.append((str(key), value, stamp, int(step)))
+
+    def register_drafter(self, source: str, version: str, tags: dict[str, str], alias: str = "candidate") -> None:
+        """Queue the registration of drafter `version` (at `source`) under `tracking.registry_model`."""
+        if not self.enabled:
+            return
+        reg = _Registration(str(source), str(version), {str(k): str(v) for k, v in tags.items()}, alias)
+        with self._lock:
+            if self._closing:
+                log.warning("tracker closed: drafter %s not registered in MLflow", version)
+                return
+            self._registrations.append(reg)
+        self._wake.set()
+
+    def registered(self) -> dict[str, int]:
+        """dvi drafter version -> MLflow model version number, for the registrations done so far."""
+        with self._lock:
+            return dict(self._registered)
+
+    def stats(self) -> TrackerStats:
+        with self._lock:
+            queued = len(self._points) + len(self._in_flight)
+            return TrackerStats(
+                self._sent, queued, self._dropped, self._skipped, self._failures, self._connected, self._run_id
+            )
+
+    def close(self, timeout_s: float = 10.0) -> TrackerStats:
+        """Send what can be sent within `timeout_s`, end the run (FINISHED), and count the rest as dropped."""
+        if not self.enabled or self._thread is None:
+            return self.stats()
+        with self._lock:
+            first = not self._closing
+            self._closing = True
+            self._deadline = min(self._deadline, time.monotonic() + timeout_s)
+        self._wake.set()
+        self._thread.join(max(0.0, self._deadline - time.monotonic()))
+        if first:
+            self._give_up()
+        return self.stats()
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _give_up(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            unsent = len(self._points) + len(self._in_flight)
+            self._points.clear()
+            self._in_flight = []
+            self._dropped += unsent
+            regs = [r.version for r in self._registrations]
+            self._registrations.clear()
+            dropped = self._dropped
+        if dropped:
+            log.warning(
+                "MLflow tracking at %s: %d metric points lost (%d unsent at close, %d dropped earlier: queue full or rejected)",
+                self.cfg.tracking_uri, dropped, unsent, dropped - unsent,
+            )  # fmt: skip
+        if regs:
+            log.warning("MLflow tracking at %s: drafter versions %s were not registered", self.cfg.tracking_uri, ", ".join(regs))
+
+    # -- the background thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            from mlflow import MlflowClient
+
+            client = MlflowClient(tracking_uri=self.cfg.tracking_uri, registry_uri=self.cfg.tracking_uri)
+            while not self._done():
+                if self._sync(client):
+                    self._pause(_IDLE_S)
+                else:
+                    self._pause(self.cfg.retry_s)
+            if self._connected and self._run_id and not self._abandoned and time.monotonic() < self._deadline:
+                client.set_terminated(self._run_id, "FINISHED")
+        except _Fatal as e:
+            log.error("MLflow tracking stopped: %s; metrics of this run are dropped", e)
+        except Exception:  # a bug here must not take training down with it
+            log.exception("the MLflow tracking thread failed; metrics of this run are dropped")
+        finally:
+            with self._lock:
+                self._closing = True  # from here on log_metrics counts what it gets as dropped
+
+    def _done(self) -> bool:
+        with self._lock:
+            if self._abandoned or time.monotonic() >= self._deadline:
+                return True
+            return self._closing and not (self._points or self._in_flight or self._registrations)
+
+    def _pause(self, seconds: float) -> None:
+        self._wake.wait(max(0.0, min(seconds, self._deadline - time.monotonic())))
+        self._wake.clear()
+
+    def _sync(self, client) -> bool:
+        """One pass: the run, pending registrations, then the queued points. False: MLflow is unreachable."""
+        try:
+            self._ensure_run(client)
+            while (reg := self._next_registration()) is not None:
+                self._attempt(lambda: self._register(client, reg), f"registering drafter {reg.version}")
+                self._registration_done(reg)
+            while not self._done() and self._take_batch():
+                if not self._attempt(lambda: self._send_batch(client), "logging metrics"):
+                    self._drop_in_flight()
+        except _Fatal:
+            raise
+        except Exception as e:
+            self._lost_contact(e)
+            return False
+        if self._outage_reported:
+            log.info("MLflow at %s is reachable again: backlog sent to run %s", self.cfg.tracking_uri, self._run_id)
+            self._outage_reported = False
+        with self._lock:
+            self._connected = True
+        return True
+
+    def _attempt(self, op, what: str) -> bool:
+        """Run one MLflow operation. False: MLflow rejected it (4xx), so it is dropped, not retried forever."""
+        try:
+            op()
+            return True
+        except Exception as e:
+            if not _rejected(e):
+                raise
+            with self._lock:
+                self._failures += 1
+            now = time.monotonic()
+            if now - self._last_rejection.get(what, -math.inf) >= 60.0:  # a deleted run rejects every batch
+                self._last_rejection[what] = now
+                log.warning("MLflow rejected %s: %s", what, _short(e))
+            return False
+
+    def _lost_contact(self, e: Exception) -> None:
+        with self._lock:
+            self._failures += 1
+            self._connected = False
+        if not self._outage_reported:  # once per outage: a long one must not flood the log
+            self._outage_reported = True
+            log.warning(
+                "MLflow at %s unreachable (%s): keeping up to %d metric points, retrying every %g s",
+                self.cfg.tracking_uri, _short(e), self.cfg.queue_size, self.cfg.retry_s,
+            )  # fmt: skip
+
+    def _ensure_run(self, client) -> None:
+        """The experiment, the run and its params, each created once (a reconnect keeps the same run)."""
+        if self._run_id is None:
+            experiment_id = self._experiment_id(client)
+            try:
+                run = client.create_run(experiment_id, run_name=self.run_name, tags=self._tags)
+            except Exception as e:
+                if _rejected(e):
+                    raise _Fatal(f"cannot create a run in experiment {self.cfg.experiment!r} ({_short(e)})") from e
+                raise
+            with self._lock:
+                self._run_id = run.info.run_id
+            log.info("MLflow tracking at %s: experiment %s, run %s (%s)", self.cfg.tracking_uri, self.cfg.experiment,
+                     self._run_id, self.run_name)
+        if not self._params_logged:
+            self._attempt(lambda: self._log_params(client), "the run's params")
+            self._params_logged = True
+
+    def _experiment_id(self, client) -> str:
+        name = self.cfg.experiment
+        experiment = client.get_experiment_by_name(name)
+        if experiment is not None and experiment.lifecycle_stage != "active":
+            raise _Fatal(f"experiment {name!r} is deleted: restore it in MLflow or set tracking.experiment=<another name>")
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return client.create_experiment(name)
+        except Exception as e:
+            if _error_code(e) != "RESOURCE_ALREADY_EXISTS":  # another process created it just now
+                raise
+            return client.get_experiment_by_name(name).experiment_id
+
+    def _log_params(self, client) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(k, v) for k, v in self._params.items()]
+        for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
+            client.log_batch(self._run_id, params=params[i : i + MAX_PARAMS_PER_BATCH], synchronous=True)
+
+    def _take_batch(self) -> bool:
+        """Move up to 1000 points into the in-flight batch (a failed batch stays there and goes first)."""
+        with self._lock:
+            while self._points and len(self._in_flight) < MAX_METRICS_PER_BATCH:
+                self._in_flight.append(self._points.popleft())
+            return bool(self._in_flight)
+
+    def _send_batch(self, client) -> None:
+        from mlflow.entities import Metric
+
+        with self._lock:
+            batch = list(self._in_flight)
+        client.log_batch(self._run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in batch], synchronous=True)
+        with self._lock:
+            if not self._abandoned:
+                self._sent += len(batch)
+                self._in_flight = []
+
+    def _drop_in_flight(self) -> None:
+        with self._lock:
+            self._dropped += len(self._in_flight)
+            self._in_flight = []
+
+    def _next_registration(self) -> _Registration | None:
+        with self._lock:
+            return self._registrations[0] if self._registrations and not self._abandoned else None
+
+    def _registration_done(self, reg: _Registration) -> None:
+        with self._lock:
+            if self._registrations and self._registrations[0] is reg:  # close() may have cleared the queue
+                self._registrations.popleft()
+
+    def _register(self, client, reg: _Registration) -> None:
+        name = self.cfg.registry_model
+        try:
+            client.create_registered_model(name)
+        except Exception as e:
+            if _error_code(e) != "RESOURCE_ALREADY_EXISTS":
+                raise
+        version = self._existing_version(client, name, reg.version)  # a retry after a lost answer
+        if version is None:
+            source, tags = self._source_of(client, reg)
+            # an OSS server creates versions READY at once: no need to poll for PENDING_REGISTRATION
+            mv = client.create_model_version(name, source=source, run_id=self._run_id, tags=tags, await_creation_for=0)
+            version = int(mv.version)
+        client.set_registered_model_alias(name, reg.alias, str(version))
+        with self._lock:
+            self._registered[reg.version] = version
+        log.info("MLflow registry: %s version %d = drafter %s (alias %s)", name, version, reg.version, reg.alias)
+
+    def _existing_version(self, client, name: str, dvi_version: str) -> int | None:
+        if "'" in dvi_version or "'" in name:
+            return None  # cannot be quoted in a filter string; such versions are never looked up
+        found = client.search_model_versions(f"name='{name}' and tags.`{VERSION_TAG}`='{dvi_version}'")
+        return int(found[0].version) if found else None
+
+    def _source_of(self, client, reg: _Registration) -> tuple[str, dict[str, str]]:
+        """The version's source and tags; a local source is logged as run artifacts first (see the docstring)."""
+        tags = {**reg.tags, VERSION_TAG: reg.version}
+        path = local_path(reg.source)
+        if path is None:
+            return reg.source, tags
+        if not path.exists():
+            raise _Unusable(f"drafter source {path} does not exist")
+        artifact_path = f"drafters/{reg.version}"
+        if path.is_dir():
+            client.log_artifacts(self._run_id, str(path), artifact_path)
+        else:
+            client.log_artifact(self._run_id, str(path), artifact_path)
+        return f"runs:/{self._run_id}/{artifact_path}", {**tags, SOURCE_TAG: reg.source}
+
+
+def _error_code(e: Exception) -> str | None:
+    return getattr(e, "error_code", None)
+
+
+def _rejected(e: Exception) -> bool:
+    """Whether MLflow answered and said no (4xx except 429): retrying the same request cannot help."""
+    if isinstance(e, _Unusable):
+        return True
+    from mlflow.exceptions import RestException
+
+    if not isinstance(e, RestException):
+        return False  # connection errors, timeouts, 5xx: transient
+    status = e.get_http_status_code()
+    return 400 <= status < 500 and status != 429
+
+
+def _short(e: Exception) -> str:
+    """One line of an MLflow error: its start and its end (where a connection error names the cause)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 240 else f"{text[:100]} ... {text[-120:]}"
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def local_path(source: str) -> Path | None:
+    """The local file behind `source` (a path or a file: URI), or None for a remote URI."""
+    parsed = urllib.parse.urlparse(source)
+    if parsed.scheme == "file":
+        return Path(urllib.request.url2pathname(parsed.path))
+    if parsed.scheme == "" or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
+        return Path(source)
+    return None
+
+
+def flatten(params: dict, prefix: str = "") -> dict[str, str]:
+    """Nested dicts (a config as a dict) as MLflow params: {"trainer": {"lr": 1e-3}} -> {"trainer.lr": "0.001"}."""
+    out: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = str(value)
+    return out

@@ -1,0 +1,137 @@
+"""When the trainer trains: the retrain triggers of `conf/trigger/` as pure logic over an explicit clock.
+
+Kinds (`TriggerConfig.kind`):
+- continuous: always active; the trainer steps on every fresh record and gates every `trainer.gate_every` steps.
+- threshold: a session starts when the stream's rolling acceptance (accepted / drafted over the last `window`
+  records that drafted anything) falls below `acceptance_below`, or when the drift score crosses `drift_above`,
+  once `min_records` such records were seen, never while a session runs, and not within `cooldown_s` of the
+  end of the last one.
+- schedule: a session starts every `every_s` seconds (the first one `every_s` after start).
+- manual: a session starts only on request.
+A retrain request (`dvi retrain`, via the control topic) starts a session whatever the kind (for continuous it
+changes nothing: that trainer is always training). A session lasts `session_steps` optimizer steps, then the
+trainer gates and publishes and calls `end_session`.
+
+Drift score: the reference is the highest rolling acceptance seen since the last publish (or since start);
+drift = (reference - current) / reference, in [0, 1], 0 while there is no reference. A publish resets the
+reference: the new drafter's acceptance is the new normal.
+
+This module knows acceptance counts and time; it knows nothing about records, Kafka or models.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dvi.config import TriggerConfig
+
+
+class Trigger:
+    def __init__(self, cfg: TriggerConfig, now: float):
+        self.cfg = cfg
+        self._window: deque[tuple[int, int]] = deque(maxlen=cfg.window)
+        self._accepted = self._drafted = 0  # sums over the window
+        self._seen = 0  # records with drafts since start
+        self._reference: float | None = None
+        self._requested = False
+        self._in_session = False
+        self._steps = 0
+        self._quiet_until = now  # threshold: cooldown
+        self._next_fire = now + cfg.every_s  # schedule
+
+    # -- inputs ----------------------------------------------------------------------------------
+
+    def observe(self, accepted: int, drafted: int, now: float) -> None:
+        """One record's totals; records that drafted nothing carry no acceptance signal."""
+        if drafted <= 0:
+            return
+        if len(self._window) == self._window.maxlen:
+            a, d = self._window[0]
+            self._accepted -= a
+            self._drafted -= d
+        self._window.append((accepted, drafted))
+        self._accepted += accepted
+        self._drafted += drafted
+        self._seen += 1
+        current = self.rolling_acceptance
+        if current is not None and (self._reference is None or current > self._reference):
+            self._reference = current
+
+    def request(self, now: float) -> None:
+        """A retrain request: the next `poll` starts a session (unless one is running)."""
+        self._requested = True
+
+    # -- state -----------------------------------------------------------------------------------
+
+    @property
+    def rolling_acceptance(self) -> float | None:
+        if self._seen < self.cfg.min_records or not self._drafted:
+            return None
+        return self._accepted / self._drafted
+
+    @property
+    def drift_score(self) -> float:
+        current, ref = self.rolling_acceptance, self._reference
+        if current is None or not ref:
+            return 0.0
+        return max(0.0, (ref - current) / ref)
+
+    def active(self, now: float) -> bool:
+        return self.cfg.kind == "continuous" or self._in_session
+
+    def snapshot(self) -> dict[str, float]:
+        """For MLflow: rolling acceptance (-1 before min_records), drift score, whether a session runs."""
+        ra = self.rolling_acceptance
+        return {"rolling_acceptance": -1.0 if ra is None else ra, "drift_score": self.drift_score,
+                "in_session": float(self._in_session)}
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def poll(self, now: float) -> str | None:
+        """The reason a session starts now, or None (also None while one runs, and always for continuous)."""
+        if self.cfg.kind == "continuous" or self._in_session:
+            self._requested = False
+            return None
+        reason = self._reason(now)
+        if reason is not None:
+            self._requested = False
+            self._in_session = True
+            self._steps = 0
+        return reason
+
+    def _reason(self, now: float) -> str | None:
+        c = self.cfg
+        if self._requested:
+            return "manual: retrain requested"
+        if c.kind == "schedule" and now >= self._next_fire:
+            return f"schedule: every {c.every_s:g} s"
+        if c.kind == "threshold" and now >= self._quiet_until:
+            current = self.rolling_acceptance
+            if current is None:
+                return None
+            if c.acceptance_below is not None and current < c.acceptance_below:
+                return f"threshold: rolling acceptance {current:.3f} < {c.acceptance_below:.3f} over {len(self._window)} records"
+            if c.drift_above is not None and self.drift_score > c.drift_above:
+                return (f"drift: score {self.drift_score:.3f} > {c.drift_above:.3f} (rolling acceptance {current:.3f}, "
+                        f"reference {self._reference:.3f})")
+        return None
+
+    def step_done(self) -> None:
+        if self._in_session:
+            self._steps += 1
+
+    def session_over(self) -> bool:
+        return self._in_session and self._steps >= self.cfg.session_steps
+
+    def end_session(self, now: float, published: bool) -> None:
+        """Re-arm after a session: cooldown (threshold), next period (schedule), and a fresh drift reference
+        after a publish (the window too: acceptance from the old drafter says nothing about the new one)."""
+        self._in_session = False
+        self._steps = 0
+        self._quiet_until = now + self.cfg.cooldown_s
+        if self.cfg.kind == "schedule":
+            self._next_fire = now + self.cfg.every_s
+        if published:
+            self._reference = None
+            self._window.clear()
+            self._accepted = self._drafted = self._seen = 0
