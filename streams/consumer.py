@@ -152,6 +152,18 @@ class DecisionConsumer:
             out += self.poll(min(left, 0.5), max_records=n - len(out))
         return out
 
+    def lag(self) -> int | None:
+        """Messages on the assigned partitions not yet returned by poll(), from the high-water marks of the last
+        fetches (None before any fetch answered). Tansu's ListOffsets is unreliable for batches; fetches are not."""
+        total, known = 0, False
+        for tp in self._consumer.assignment():
+            high = self._consumer.highwater(tp)
+            if high is None:
+                continue
+            known = True
+            total += max(0, high - self._consumer.position(tp))
+        return total if known else None
+
     @property
     def assigned(self) -> bool:
         """Whether the consumer has partitions to read (a group member only after it joined)."""

@@ -353,6 +353,9 @@ class FileSource:
     def positions(self) -> dict:
         return {(str(self.path), 0): self._next}
 
+    def lag(self) -> int:
+        return len(self._lines) - self._next
+
     def rewind(self) -> None:
         self._next = 0  # the ledger skips what the restored checkpoint already covers
 

@@ -352,13 +352,17 @@ class Trainer:
             self.tracker.log_metrics({
                 "loss": loss.item(), **{f"train/{k}": v for k, v in metrics.items()},
                 "w_kl": w_kl, "w_reward": w_reward, "step_time_s": dt, "positions_per_s": batch.positions / dt,
-                "records_per_s": len(fresh) / dt, "pending": len(self.buffer.pending),
+                "records_per_s": len(fresh) / dt, "pending": len(self.buffer.pending), **self._lag(),
                 **{f"trigger/{k}": v for k, v in self.trigger.snapshot().items()},
                 **{f"count/{k}": v for k, v in c.to_dict().items()},
             }, step=self.state.step)
         if self.state.step % t.log_every == 0:
             log.info("step %d: loss %.4f, acceptance %.3f, %d positions in %.2f s", self.state.step, loss.item(),
                      metrics["acceptance"], batch.positions, dt)
+
+    def _lag(self) -> dict[str, float]:
+        lag = self.source.lag() if hasattr(self.source, "lag") else None
+        return {} if lag is None else {"consumer_lag": float(lag)}
 
     # -- checkpoints -----------------------------------------------------------------------------
 

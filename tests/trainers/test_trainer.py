@@ -315,3 +315,56 @@ def test_training_on_demo_records_raises_held_out_acceptance(stream_cfg, demo_ta
     print(f"held-out expected acceptance {before['acceptance']:.3f} -> {after['acceptance']:.3f}, "
           f"greedy match {before['greedy']:.3f} -> {after['greedy']:.3f}")
     assert after["acceptance"] > before["acceptance"] + 0.02
+
+
+def test_manual_retrain_runs_a_session_then_publishes_to_store_registry_and_control(stream_cfg, tiny_dirs, tiny_records, tmp_path):
+    """trigger=manual: nothing trains until `dvi retrain`; then one session of session_steps, the gate, and a
+    publish that lands in the model store, the MLflow registry (alias candidate) and on the control topic."""
+    import threading
+
+    from mlflow import MlflowClient
+
+    from dvi.config import TriggerConfig
+    from streams.broker import free_port
+    from trainers.mlflow_server import LocalMlflow
+    from trainers.tracking import Tracker
+
+    produce(stream_cfg, tiny_records)
+    with LocalMlflow(tmp_path / "mlflow", free_port()) as server:
+        cfg = config(stream_cfg, tiny_dirs, tmp_path, holdout_share=0.5, gate_min_records=2, max_steps=3,
+                     min_gain=-1.0, idle_exit_s=None)  # min_gain < 0: this test is about the trigger, not the gate
+        cfg = replace(cfg, trigger=TriggerConfig(kind="manual", session_steps=3),
+                      tracking=TrackingConfig(uri=server.uri, experiment="trigger-test"))
+        tracker = Tracker(cfg.tracking, run_name="trigger-test", params={"trainer": {"lr": cfg.trainer.lr}})
+        publisher = lambda kind, **fields: control_send(stream_cfg, kind, **fields)  # noqa: E731
+        with ControlReader(stream_cfg) as control, DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source, \
+                ControlReader(stream_cfg) as announcements:
+            trainer = Trainer(cfg, source, tracker=tracker, control=control, publisher=publisher)
+            thread = threading.Thread(target=trainer.run)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while trainer.state.counters.records < len(tiny_records) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(1.5)
+            assert trainer.state.counters.records == len(tiny_records) and trainer.state.step == 0  # waiting for a request
+
+            retrain = subprocess.run([sys.executable, "-m", "dvi.cli", "retrain", "--reason", "test",
+                                      f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.control_topic={stream_cfg.control_topic}"],
+                                     capture_output=True, text=True, timeout=120)
+            assert retrain.returncode == 0, retrain.stderr[-2000:]
+            thread.join(timeout=120)
+            assert not thread.is_alive()
+            assert trainer.state.step == 3 and trainer.state.counters.published == 1
+            version = trainer.state.lineage[-1]
+            msgs = [m for m in announcements.poll(5.0) if m["type"] == "drafter_published"]
+            assert [m["version"] for m in msgs] == [version]
+        stats = tracker.close(timeout_s=60)
+        assert stats.connected and stats.dropped == 0
+
+        client = MlflowClient(tracking_uri=server.uri, registry_uri=server.uri)
+        mv = client.get_model_version_by_alias(cfg.tracking.registry_model, "candidate")
+        assert mv.tags["dvi.version"] == version and mv.tags["parent_version"] == trainer.state.lineage[-2]
+        assert "gate.candidate_acceptance" in mv.tags and mv.tags["sha256"] == msgs[0]["sha256"]
+        run = client.get_run(stats.run_id)
+        assert {"loss", "train/acceptance", "gate/candidate_acceptance", "step_time_s"} <= set(run.data.metrics)
+        assert run.data.params["trainer.lr"] == str(cfg.trainer.lr)
