@@ -193,8 +193,20 @@ class Trainer:
         self.state.step = int(saved["step"])
         self.state.lineage = list(saved["lineage"])
         self.state.serving_dir = saved["serving_dir"]
-        self.state.counters = Counters(**saved["counters"])
+        ranks = saved.get("ranks") or [saved["counters"]]
+        # every rank's own counters (they sum to the checkpoint's totals); the ledger is shared: partitions may
+        # be assigned to another rank after a restart
+        self.state.counters = Counters(**ranks[self.rank]) if self.rank < len(ranks) else Counters()
         self.ledger = Ledger(self.tcfg.ledger_size, saved["ledger"])
+
+    def _gathered(self, obj: dict) -> list[dict]:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
 
     def _serving_model(self) -> Student:
         """A frozen copy of the drafter now serving (the gate's baseline), read from its directory."""
@@ -214,7 +226,7 @@ class Trainer:
         main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
-            while not self._should_stop():
+            while True:
                 self.ingest(self.source.poll(timeout_s=0.5))
                 if not getattr(self.source, "assigned", True):  # still joining its group: not idle yet
                     self.last_record_at = time.monotonic()
@@ -223,17 +235,21 @@ class Trainer:
                 reason = self.trigger.poll(now)
                 if reason:
                     log.info("training session starts: %s", reason)
-                if self.trigger.active(now) and self._batch_ready(now):
-                    self.step()
-                    if self.cfg.trigger.kind != "continuous":
-                        self.trigger.step_done()
-                    if self.state.step % self.tcfg.checkpoint_every == 0:
-                        self.checkpoint()
-                    session_over = self.cfg.trigger.kind != "continuous" and self.trigger.session_over()
-                    if self.state.step % self.tcfg.gate_every == 0 or session_over:
-                        published = self.gate_and_publish()
-                        if session_over:
-                            self.trigger.end_session(time.monotonic(), published)
+                stop, go = self._agree(self._should_stop(), self.trigger.active(now), self._batch_ready(now))
+                if stop:
+                    break
+                if not go:
+                    continue
+                self.step()
+                if self.cfg.trigger.kind != "continuous":
+                    self.trigger.step_done()
+                if self.state.step % self.tcfg.checkpoint_every == 0:
+                    self.checkpoint()
+                session_over = self._from_rank0(self.cfg.trigger.kind != "continuous" and self.trigger.session_over())
+                if self.state.step % self.tcfg.gate_every == 0 or session_over:
+                    published = self.gate_and_publish()
+                    if session_over:
+                        self.trigger.end_session(time.monotonic(), published)
             if self.offline and self.state.step % self.tcfg.gate_every:  # offline: the last steps get a gate too
                 self.gate_and_publish()
         finally:
@@ -241,6 +257,39 @@ class Trainer:
                 signal.signal(s, h)
             self.close()
         return self.state.counters
+
+    def _agree(self, stop: bool, active: bool, ready: bool) -> tuple[bool, bool]:
+        """(stop, step) agreed by every rank, one collective per loop: the trainers stop when every rank would
+        stop (a rank that is done idles until the others are), rank 0's trigger decides whether they are active,
+        and they step when any rank has a batch (the others join with a zero gradient: DeepSpeed's gradient
+        all-reduce needs every rank in every step)."""
+        if self.world == 1:
+            return stop, active and ready
+        import torch.distributed as dist
+
+        flags = torch.tensor([-float(stop), float(active) if self.rank == 0 else 0.0, float(ready)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0] < 0), bool(flags[1] > 0) and bool(flags[2] > 0)
+
+    def _all(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on every rank."""
+        if self.world == 1:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([0.0 if flag else 1.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0] == 0)
+
+    def _from_rank0(self, value):
+        """Rank 0's `value` on every rank (a decision only rank 0 takes)."""
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _on_signal(self, signum, frame) -> None:
         log.info("signal %d: finishing the current step, checkpointing and stopping", signum)
@@ -316,18 +365,23 @@ class Trainer:
         t, c = self.tcfg, self.state.counters
         fresh, replayed, weights = self.buffer.take(t.batch_tokens, self.version_age)
         examples = [i.example for i in fresh] + replayed
-        if not examples:  # nothing fresh, and nothing recent enough to replay
+        if not examples and self.world == 1:  # nothing fresh, and nothing recent enough to replay
             return
-        batch = collate(examples, [1.0] * len(fresh) + weights)
         w_kl, w_reward = kl_reward_weights(self.state.step, t.reward_warmup, t.reward_ramp, t.reward_max)
         t0 = time.perf_counter()
-        teacher = teacher_for(batch, self.vocab_size, self.vocab_map, self.target)
-        logits = self.engine(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
-        loss, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight,
-                                      t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
-        if not math.isfinite(loss.item()):
+        if examples:
+            batch = collate(examples, [1.0] * len(fresh) + weights)
+            teacher = teacher_for(batch, self.vocab_size, self.vocab_map, self.target)
+            logits = self.engine(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
+            loss, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight,
+                                          t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
+        else:  # another rank has a batch: join its step with a zero gradient (every rank must step together)
+            batch, metrics = None, {}
+            one = torch.zeros(1, 1, dtype=torch.long)
+            loss = self.engine(one, torch.ones_like(one), one[0], one[0]).sum() * 0.0
+        if not self._all(math.isfinite(loss.item())):  # every rank skips the backward together, or none does
             c.nonfinite += 1
-            if not _params_finite(self.engine.module):
+            if not self._all(_params_finite(self.engine.module)):
                 self.rollback(f"step {self.state.step}: the drafter's weights are not finite")
                 return
             log.warning("step %d: non-finite loss (%s): batch of %d records skipped", self.state.step, loss.item(), len(fresh))
@@ -337,7 +391,7 @@ class Trainer:
             return  # no backward: nothing of this batch reaches the weights
         self.engine.backward(loss)
         self.engine.step()
-        if not _params_finite(self.engine.module):  # a step that blew up never reaches a checkpoint or the store
+        if not self._all(_params_finite(self.engine.module)):  # a step that blew up never reaches a checkpoint or the store
             c.nonfinite += 1
             self.rollback(f"step {self.state.step}: the optimizer step made the drafter's weights non-finite")
             return
@@ -346,6 +400,8 @@ class Trainer:
             self._done(item.example.record_id, item.partition, item.offset, TRAINED)
         self.buffer.trained([i.example for i in fresh])
         c.trained += len(fresh)
+        if batch is None:
+            return
         c.positions += batch.positions
         dt = time.perf_counter() - t0
         if self.tracker is not None and (self.state.step % t.log_every == 0 or self.state.step == 1):
@@ -392,9 +448,11 @@ class Trainer:
                            "(restart resumes from the last complete checkpoint)")
         committable = self.offsets.committable({(tp[0], tp[1]): off for tp, off in self.source.positions().items()})
         s = self.state
-        state = {"step": s.step, "lineage": s.lineage, "serving_dir": s.serving_dir, "counters": s.counters.to_dict(),
-                 "ledger": self.ledger.entries(),
-                 "offsets": {f"{topic}:{part}": off for (topic, part), off in committable.items()}}
+        ranks = self._gathered({"counters": s.counters.to_dict(), "ledger": self.ledger.entries(),
+                                "offsets": {f"{topic}:{part}": off for (topic, part), off in committable.items()}})
+        state = {"step": s.step, "lineage": s.lineage, "serving_dir": s.serving_dir, "counters": _summed(ranks),
+                 "ledger": _merged_ledgers(ranks), "offsets": {k: v for r in ranks for k, v in r["offsets"].items()},
+                 "ranks": [r["counters"] for r in ranks]}
         path = checkpoint.save(self.engine, self.run_dir, s.step, state, keep=self.tcfg.keep_checkpoints)
         self.last_checkpoint_step = s.step
         if committable and self.source.group_id is not None:
@@ -408,10 +466,20 @@ class Trainer:
     # -- gate and publish ------------------------------------------------------------------------
 
     def gate_and_publish(self) -> bool:
-        """Publish the candidate if it beats the serving drafter on the held-out records; True if published."""
-        holdout = list(self.buffer.holdout)
-        if self.rank != 0 or len(holdout) < self.tcfg.gate_min_records:
+        """Publish the candidate if it beats the serving drafter on the held-out records; True if published.
+        Every rank calls it: rank 0 gates and writes the version, the others follow its lineage."""
+        gate = self._gate() if self.rank == 0 else None
+        gate = self._from_rank0(gate)
+        if gate is None:
             return False
+        self.publish(gate)
+        return True
+
+    def _gate(self) -> dict | None:
+        """Gate metrics when the candidate wins, else None (refusals are counted and logged)."""
+        holdout = list(self.buffer.holdout)
+        if len(holdout) < self.tcfg.gate_min_records:
+            return None
         cand = evaluate(self.engine.module, holdout, self.vocab_size, self.vocab_map, self.target, self.tcfg.batch_tokens)
         base = evaluate(self.serving, holdout, self.vocab_size, self.vocab_map, self.target, self.tcfg.batch_tokens)
         gate = {"candidate_acceptance": cand["acceptance"], "serving_acceptance": base["acceptance"],
@@ -421,41 +489,49 @@ class Trainer:
         if not cand["acceptance"] > base["acceptance"] + self.tcfg.min_gain:
             self.state.counters.refused += 1
             log.info("gate: candidate %.4f does not beat serving %.4f: not published", cand["acceptance"], base["acceptance"])
-            return False
+            return None
         if not _params_finite(self.engine.module):
             log.warning("gate: the candidate's weights are not finite: not published")
-            return False
-        self.publish(gate)
-        return True
+            return None
+        return gate
 
     def publish(self, gate: dict) -> None:
+        """Write the candidate as a new version (rank 0: store, registry, control topic); every rank then serves
+        from it and checkpoints, since the lineage moved and a restart must know which drafter serves."""
         from dvi import store
         from trainers import ds
 
         parent = self.state.lineage[-1]
-        version = store.next_version(self.store)
-        meta = {"parent": parent, "step": self.state.step, "records_trained": self.state.counters.trained,
-                "offsets": {f"{t}:{p}": o for (t, p), o in self.offsets.committable().items()}, "gate": gate}
-        published = store.publish(self.store, version, ds.merged_state_dict(self.engine.module.model),
-                                  Path(self.state.serving_dir), meta, self.vocab_map)
-        log.info("published drafter %s (%s): expected acceptance %.4f > %.4f", version, published.path,
-                 gate["candidate_acceptance"], gate["serving_acceptance"])
+        weights = ds.merged_state_dict(self.engine.module.model)  # collective under ZeRO-3
+        published = None
+        if self.rank == 0:
+            version = store.next_version(self.store)
+            meta = {"parent": parent, "step": self.state.step, "records_trained": self.state.counters.trained,
+                    "offsets": {f"{t}:{p}": o for (t, p), o in self.offsets.committable().items()}, "gate": gate}
+            published = store.publish(self.store, version, weights, Path(self.state.serving_dir), meta, self.vocab_map)
+            log.info("published drafter %s (%s): expected acceptance %.4f > %.4f", version, published.path,
+                     gate["candidate_acceptance"], gate["serving_acceptance"])
+            self._announce(published, parent, gate, meta)
+            self.state.counters.published += 1
+        version, path = self._from_rank0((published.version, str(published.path)) if published else None)
         self.state.lineage.append(version)
-        self.state.serving_dir = str(published.path)
-        self.state.counters.published += 1
-        self.serving = self._serving_model()
+        self.state.serving_dir = path
+        if self.rank == 0:
+            self.serving = self._serving_model()
+        self.checkpoint()
+
+    def _announce(self, published, parent: str, gate: dict, meta: dict) -> None:
         tags = {"parent_version": parent, "records_trained": str(self.state.counters.trained), "step": str(self.state.step),
                 "offsets": ",".join(f"{k}={v}" for k, v in meta["offsets"].items()), "sha256": published.sha256,
                 **{f"gate.{k}": f"{v:.6g}" for k, v in gate.items()}}
         if self.tracker is not None:
-            self.tracker.register_drafter(str(published.path), version, tags, alias="candidate")
+            self.tracker.register_drafter(str(published.path), published.version, tags, alias="candidate")
         if self.publisher is not None:
             try:
-                self.publisher("drafter_published", version=version, uri=str(published.path), sha256=published.sha256,
-                               parent=parent, gate=gate)
+                self.publisher("drafter_published", version=published.version, uri=str(published.path),
+                               sha256=published.sha256, parent=parent, gate=gate)
             except DviError as e:  # the version is in the store and the registry; servers can still be pointed at it
-                log.warning("published %s but could not announce it on the control topic: %s", version, e)
-        self.checkpoint()  # the lineage moved: a restart must know which drafter serves
+                log.warning("published %s but could not announce it on the control topic: %s", published.version, e)
 
     # -- cleanup ---------------------------------------------------------------------------------
 
@@ -467,6 +543,20 @@ class Trainer:
                 log.error("final checkpoint failed: %s", e)
         if self.tracker is not None:
             self.tracker.log_metrics({f"count/{k}": v for k, v in self.state.counters.to_dict().items()}, step=self.state.step)
+
+
+def _summed(ranks: list[dict]) -> dict:
+    """Counters of all ranks added up."""
+    return {k: sum(r["counters"][k] for r in ranks) for k in ranks[0]["counters"]}
+
+
+def _merged_ledgers(ranks: list[dict]) -> list[list[str]]:
+    """The union of the ranks' ledgers (each holds the restored shared part, then its own records)."""
+    merged: dict[str, str] = {}
+    for r in ranks:
+        for rid, fate in r["ledger"]:
+            merged.setdefault(rid, fate)
+    return [[rid, fate] for rid, fate in merged.items()]
 
 
 def _params_finite(module: torch.nn.Module) -> bool:

@@ -165,15 +165,8 @@ def test_kill_9_and_restart_trains_every_acked_record_exactly_once(stream_cfg, t
     cfg = config(stream_cfg, tiny_dirs, tmp_path, batch_tokens=32, checkpoint_every=3, idle_exit_s=4.0)
     produce(stream_cfg, records)
     run_dir = Path(cfg.trainer.run_dir)
-    overrides = [f"model.target={cfg.model.target}", f"model.drafter={cfg.model.drafter}",
-                 f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.topic={stream_cfg.topic}",
-                 f"stream.dlq_topic={stream_cfg.dlq_topic}", f"stream.control_topic={stream_cfg.control_topic}",
-                 f"trainer.run_dir={run_dir}", f"trainer.store={cfg.trainer.store}", "trainer.batch_tokens=32",
-                 "trainer.replay_share=0", "trainer.holdout_share=0", "trainer.checkpoint_every=3",
-                 "trainer.gate_every=1000", "trainer.idle_exit_s=4", "tracking.enabled=false", "model.threads=1"]
-    cmd = [sys.executable, "-m", "dvi.cli", "train", *overrides]
-    env = {**os.environ, "MASTER_PORT": "", "RANK": "", "WORLD_SIZE": ""}
-    env = {k: v for k, v in env.items() if v != ""}
+    cmd = [sys.executable, "-m", "dvi.cli", "train", *train_overrides(cfg, stream_cfg)]
+    env = clean_env()
 
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
@@ -195,6 +188,47 @@ def test_kill_9_and_restart_trains_every_acked_record_exactly_once(stream_cfg, t
     assert sorted(trained) == sorted(r.record_id for r in records)  # none lost, none twice
     assert after["counters"]["trained"] == len(records)  # the counter survives restarts with the ledger
     assert trained[: len(trained_before)] == trained_before
+    assert committed(cfg) == end_offsets(cfg)
+
+
+def train_overrides(cfg: DviConfig, stream_cfg, **extra) -> list[str]:
+    t = cfg.trainer
+    out = [f"model.target={cfg.model.target}", f"model.drafter={cfg.model.drafter}",
+           f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.topic={stream_cfg.topic}",
+           f"stream.dlq_topic={stream_cfg.dlq_topic}", f"stream.control_topic={stream_cfg.control_topic}",
+           f"trainer.run_dir={t.run_dir}", f"trainer.store={t.store}", f"trainer.batch_tokens={t.batch_tokens}",
+           f"trainer.replay_share={t.replay_share}", f"trainer.holdout_share={t.holdout_share}",
+           f"trainer.checkpoint_every={t.checkpoint_every}", f"trainer.gate_every={t.gate_every}",
+           f"trainer.idle_exit_s={t.idle_exit_s}", "tracking.enabled=false", "model.threads=1"]
+    return out + [f"{k}={v}" for k, v in extra.items()]
+
+
+def clean_env(**extra) -> dict[str, str]:
+    """This process's environment without the distributed variables the in-process DeepSpeed world left."""
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def test_two_ranks_share_the_stream_and_train_every_record_once(stream_cfg, tiny_dirs, tmp_path):
+    """Two trainer processes in one DeepSpeed world (the environment the `deepspeed` launcher sets) split the
+    partitions in their consumer group, step together, and checkpoint one ledger covering every record once."""
+    from streams.broker import free_port
+
+    records = engine_records(*tiny_dirs, n=30, new_tokens=24, seed=2)
+    produce(stream_cfg, records)
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, batch_tokens=48, checkpoint_every=4, idle_exit_s=6.0)
+    cmd = [sys.executable, "-m", "dvi.cli", "train", *train_overrides(cfg, stream_cfg)]
+    port = str(free_port())
+    procs = [subprocess.Popen(cmd, env=clean_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                 MASTER_PORT=port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    state = last_state(cfg)
+    trained = [rid for rid, fate in state["ledger"] if fate == TRAINED]
+    assert sorted(trained) == sorted(r.record_id for r in records)
+    assert state["counters"]["trained"] == len(records)
+    assert len(state["ranks"]) == 2 and all(r["trained"] > 0 for r in state["ranks"])  # both ranks had partitions
     assert committed(cfg) == end_offsets(cfg)
 
 
