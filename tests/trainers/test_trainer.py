@@ -71,7 +71,10 @@ def tiny_records(tiny_dirs) -> list:
 
 def config(stream_cfg, dirs, tmp_path: Path, **trainer) -> DviConfig:
     target, drafter = dirs
-    t = dict(run_dir=str(tmp_path / "run"), store=str(tmp_path / "store"), batch_tokens=64, replay_share=0.0,
+    # a consumer group of its own per test: members of another test's group (a killed process lingers until its
+    # session times out) must not hold up this one's rebalance
+    t = dict(group_id=f"trainer-{tmp_path.name}", run_dir=str(tmp_path / "run"), store=str(tmp_path / "store"),
+             batch_tokens=64, replay_share=0.0,
              holdout_share=0.0, checkpoint_every=2, gate_every=1000, idle_exit_s=3.0, lr=1e-3)
     t.update(trainer)
     return DviConfig(model=ModelConfig(target=str(target), drafter=str(drafter)), stream=stream_cfg,
@@ -196,7 +199,7 @@ def train_overrides(cfg: DviConfig, stream_cfg, **extra) -> list[str]:
     out = [f"model.target={cfg.model.target}", f"model.drafter={cfg.model.drafter}",
            f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.topic={stream_cfg.topic}",
            f"stream.dlq_topic={stream_cfg.dlq_topic}", f"stream.control_topic={stream_cfg.control_topic}",
-           f"trainer.run_dir={t.run_dir}", f"trainer.store={t.store}", f"trainer.batch_tokens={t.batch_tokens}",
+           f"trainer.group_id={t.group_id}", f"trainer.run_dir={t.run_dir}", f"trainer.store={t.store}", f"trainer.batch_tokens={t.batch_tokens}",
            f"trainer.replay_share={t.replay_share}", f"trainer.holdout_share={t.holdout_share}",
            f"trainer.checkpoint_every={t.checkpoint_every}", f"trainer.gate_every={t.gate_every}",
            f"trainer.idle_exit_s={t.idle_exit_s}", "tracking.enabled=false", "model.threads=1"]
@@ -402,3 +405,29 @@ def test_manual_retrain_runs_a_session_then_publishes_to_store_registry_and_cont
         run = client.get_run(stats.run_id)
         assert {"loss", "train/acceptance", "gate/candidate_acceptance", "step_time_s"} <= set(run.data.metrics)
         assert run.data.params["trainer.lr"] == str(cfg.trainer.lr)
+
+
+def test_distill_offline_from_a_tail_file(stream_cfg, tiny_dirs, tiny_records, tmp_path):
+    """`dvi stream tail --json` writes the topic to a file; `dvi drafter distill --file` trains on it (a bad line
+    is skipped and counted), runs the gate at the end, and reports where the serving drafter is."""
+    produce(stream_cfg, tiny_records)
+    stream = [f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.topic={stream_cfg.topic}"]
+    tail = subprocess.run([sys.executable, "-m", "dvi.cli", "stream", "tail", "--json", "--from-beginning", "--timeout", "4", *stream],
+                          capture_output=True, text=True, timeout=120, env=clean_env())
+    assert tail.returncode == 0, tail.stderr[-2000:]
+    lines = tail.stdout.splitlines()
+    assert len(lines) == len(tiny_records)
+    records = tmp_path / "records.jsonl"
+    records.write_text("\n".join(lines[:5] + ["{not json"] + lines[5:]) + "\n")
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, holdout_share=0.25, gate_min_records=2, min_gain=-1.0, batch_tokens=256)
+    distill = subprocess.run([sys.executable, "-m", "dvi.cli", "drafter", "distill", "--file", str(records), "--steps", "6",
+                              *train_overrides(cfg, stream_cfg, **{"trainer.min_gain": -1.0, "trainer.gate_min_records": 2})],
+                             capture_output=True, text=True, timeout=300, env=clean_env())
+    assert distill.returncode == 0, distill.stdout[-2000:] + distill.stderr[-3000:]
+    assert "skipping an invalid record" in distill.stderr and "records.jsonl:6" in distill.stderr
+    summary, serving = distill.stdout.strip().splitlines()[-2:]
+    assert summary.startswith("step 6:") and "1 published" in summary
+    assert Path(serving).parent == Path(cfg.trainer.store)
+    load_drafter(serving, VOCAB)  # a loadable drafter version
+    state = last_state(cfg)  # 256 positions a step: every record is read within the 6 steps, then replayed
+    assert sorted(rid for rid, _ in state["ledger"]) == sorted(r.record_id for r in tiny_records)
