@@ -5,28 +5,22 @@ Kafka metadata request, and stops it cleanly (SIGINT, Tansu's immediate shutdown
 Storage is in memory unless a storage engine URL is given (e.g. `s3://tansu/`): a memory broker forgets topics,
 records and committed offsets when it stops. The same launcher serves `dvi broker`, the tests and the local
 all-in-one stack; external Kafka is just `stream.bootstrap_servers`. This module knows how to run the broker,
-not what goes through it.
+not what goes through it; starting and stopping processes is dvi.procs.
 """
 
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import logging
 import os
 import signal
 import socket
-import subprocess
-import tempfile
-import time
 from pathlib import Path
-from typing import IO
 
 from dvi.errors import DviError
+from dvi.procs import HOST, Child, port_in_use, spawn, wait_ready
 
 log = logging.getLogger("dvi.streams.broker")
-
-HOST = "127.0.0.1"
 
 
 def tansu_binary() -> Path:
@@ -52,10 +46,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex((HOST, port)) == 0
+def kafka_answers(bootstrap: str) -> str | None:
+    """A probe (dvi.procs): None once a broker at `bootstrap` answers a metadata request, else why not."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    host, _, port = bootstrap.rpartition(":")
+    if not port_in_use(int(port), host):
+        return "connection refused"
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000, bootstrap_timeout_ms=2000, client_id="dvi-broker-probe")
+        try:
+            admin.list_topics()
+            return None
+        finally:
+            admin.close()
+    except KafkaError as e:
+        return f"{type(e).__name__}: {e}"
 
 
 class EmbeddedBroker:
@@ -65,8 +72,7 @@ class EmbeddedBroker:
         self.port = port
         self.storage_engine = storage_engine
         self.startup_timeout_s = startup_timeout_s
-        self._proc: subprocess.Popen | None = None
-        self._log: IO[bytes] | None = None
+        self._child: Child | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -74,89 +80,46 @@ class EmbeddedBroker:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._child is not None and self._child.running
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._child.pid if self._child is not None else None
 
     def start(self) -> EmbeddedBroker:
         """Launch the broker and return once it answers a metadata request (DviError otherwise)."""
         if self.running:
             return self
-        if _port_in_use(self.port):
+        if port_in_use(self.port):
             raise DviError(f"port {self.port} on {HOST} is already in use (another broker?): stop it or set stream.port=<free port>")
         url = f"tcp://{HOST}:{self.port}"
         cmd = [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url]
         if self.storage_engine:
             cmd += ["--storage-engine", self.storage_engine]
-        self._log = tempfile.NamedTemporaryFile(prefix="dvi-tansu-", suffix=".log", delete=False)
-        # own session: a Ctrl-C in the terminal reaches dvi, which then stops the broker itself
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        atexit.register(self.stop)  # a process that forgets to stop its broker does not leave it running
+        self._child = spawn("tansu", cmd)
         try:
-            self._wait_ready()
+            wait_ready(self._child, lambda: kafka_answers(self.bootstrap), self.startup_timeout_s, f"the embedded broker on {self.bootstrap}",
+                       interval_s=0.05)
         except BaseException:
             self.stop()
             raise
-        log.info("tansu broker (pid %d) ready on %s", self._proc.pid, self.bootstrap)
+        log.info("tansu broker (pid %d) ready on %s", self._child.pid, self.bootstrap)
         return self
 
-    def _wait_ready(self) -> None:
-        from kafka import KafkaAdminClient
-        from kafka.errors import KafkaError
-
-        deadline = time.monotonic() + self.startup_timeout_s
-        last = "no answer"
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise DviError(f"the embedded broker exited at start (status {self._proc.returncode}): {self.log_tail()}")
-            if _port_in_use(self.port):
-                try:
-                    admin = KafkaAdminClient(
-                        bootstrap_servers=self.bootstrap, request_timeout_ms=2000, bootstrap_timeout_ms=2000, client_id="dvi-broker-probe"
-                    )
-                    try:
-                        admin.list_topics()
-                        return
-                    finally:
-                        admin.close()
-                except KafkaError as e:
-                    last = f"{type(e).__name__}: {e}"
-            time.sleep(0.05)
-        raise DviError(f"the embedded broker on {self.bootstrap} did not answer within {self.startup_timeout_s:.0f} s ({last}); log: {self.log_tail()}")
-
     def log_tail(self, chars: int = 600) -> str:
-        if self._log is None:
-            return ""
-        try:
-            return Path(self._log.name).read_text(errors="replace")[-chars:].strip() or "(empty log)"
-        except OSError:
-            return "(no log)"
+        return self._child.log_tail(chars) if self._child is not None else ""
 
     def stop(self, grace_s: float = 3.0) -> None:
         """Stop the broker: SIGINT (Tansu exits at once), SIGKILL if it is still there after `grace_s`."""
-        proc, self._proc = self._proc, None
-        atexit.unregister(self.stop)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning("tansu (pid %d) ignored SIGINT for %.0f s: killing it", proc.pid, grace_s)
-                proc.kill()
-                proc.wait()
-        if self._log is not None:
-            self._log.close()
-            Path(self._log.name).unlink(missing_ok=True)
-            self._log = None
+        child, self._child = self._child, None
+        if child is not None:
+            child.stop(signal.SIGINT, grace_s)
 
     def kill(self) -> None:
         """SIGKILL, no shutdown: what a crash looks like to the clients (for tests)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self.stop()
+        child, self._child = self._child, None
+        if child is not None:
+            child.kill()
 
     def __enter__(self) -> EmbeddedBroker:
         return self.start()

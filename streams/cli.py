@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 import time
 
 from dvi.errors import DviError
@@ -21,6 +19,7 @@ from dvi.errors import DviError
 def cmd_broker(args: argparse.Namespace) -> int:
     from dvi.cli import overrides_of
     from dvi.config import load_config
+    from dvi.procs import run_foreground
     from streams.broker import EmbeddedBroker
     from streams.client import quiet_kafka_logs
     from streams.topics import ensure_topics, stream_topics
@@ -32,24 +31,13 @@ def cmd_broker(args: argparse.Namespace) -> int:
             f"stream.bootstrap_servers is set ({cfg.bootstrap_servers}): the stream uses that Kafka, not an embedded "
             "broker; run `dvi broker stream.bootstrap_servers=null` for a local one"
         )
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        with EmbeddedBroker(cfg.port, cfg.storage_engine) as broker:
-            ensure_topics(cfg)
-            topics = ", ".join(f"{t} ({n})" for t, n in stream_topics(cfg).items())
-            storage = cfg.storage_engine or "memory (lost on stop)"
-            print(f"dvi broker: Tansu on {broker.bootstrap}, storage {storage}, topics {topics}; Ctrl-C stops it", flush=True)
-            try:
-                while not stop.wait(0.5):
-                    if not broker.running:
-                        raise DviError(f"the broker exited unexpectedly: {broker.log_tail()}")
-            except KeyboardInterrupt:
-                pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    print("dvi broker: stopped", flush=True)
-    return 0
+    def ready(broker: EmbeddedBroker) -> str:
+        ensure_topics(cfg)
+        topics = ", ".join(f"{t} ({n})" for t, n in stream_topics(cfg).items())
+        storage = cfg.storage_engine or "memory (lost on stop)"
+        return f"Tansu on {broker.bootstrap}, storage {storage}, topics {topics}"
+
+    return run_foreground("broker", "the broker", EmbeddedBroker(cfg.port, cfg.storage_engine), ready)
 
 
 def summary(d) -> str:

@@ -1,0 +1,225 @@
+"""Child processes that dvi starts and stops: the embedded broker, the local MLflow, the parts of `dvi up`.
+
+Owns the life of one child: spawned in a session (and process group) of its own with its output in a log file,
+stopped at exit if its owner forgets, waited on until a probe says it is ready (failing fast when it exits
+first), stopped with a signal to its whole group and SIGKILL after a grace period. Also the foreground loop of
+a command that keeps one server up until Ctrl-C or SIGTERM, and the two probes the servers share (a TCP port,
+an HTTP 200). It knows nothing about what the children are, how they are configured, or what they serve.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO, Callable, Iterator, Protocol
+
+from dvi.errors import DviError
+
+log = logging.getLogger("dvi.procs")
+
+HOST = "127.0.0.1"
+
+Probe = Callable[[], "str | None"]  # None: ready; otherwise what is still missing ("connection refused", "HTTP 503")
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local probe never goes via a proxy
+
+
+class Child:
+    """One spawned child process; see `spawn`. A Child is one launch: to start again, spawn a new one."""
+
+    def __init__(self, name: str, proc: subprocess.Popen, log_file: IO[bytes], temporary_log: bool):
+        self.name = name
+        self.log_path = Path(log_file.name)
+        self.started = time.monotonic()
+        self._proc: subprocess.Popen | None = proc
+        self._log = log_file
+        self._temporary_log = temporary_log
+        self._returncode: int | None = None
+        self._log_start = os.fstat(log_file.fileno()).st_size  # where this launch's output begins in an appended log
+        atexit.register(self.stop)  # an owner that forgets to stop its child does not leave it running
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it has exited (negative: killed by that signal), else None."""
+        return self._proc.poll() if self._proc is not None else self._returncode
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def log_tail(self, chars: int = 800) -> str:
+        """The end of the child's log ("" once a temporary log is gone)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
+                return f.read().decode(errors="replace").strip() or "(empty log)"
+        except OSError:
+            return "" if self._proc is None else "(no log)"
+
+    def log_since_start(self, limit: int = 1 << 20) -> str:
+        """What this launch wrote to its log so far (at most `limit` bytes from its start)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return f.read(limit).decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> int | None:
+        """Send `sig` to the child's process group, SIGKILL the group after `grace_s`; returns the exit status.
+
+        The group is killed even after the child exited, so that workers it started do not outlive it.
+        Idempotent; until it has finished, the child stays registered to be stopped at exit.
+        """
+        proc = self._proc
+        if proc is None:
+            return self._returncode
+        if proc.poll() is None:
+            _signal_group(proc.pid, sig)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored %s for %.0f s: killing it", self.name, proc.pid, signal.Signals(sig).name, grace_s)
+        _signal_group(proc.pid, signal.SIGKILL)
+        self._returncode = proc.wait()
+        self._proc = None
+        atexit.unregister(self.stop)
+        self._log.close()
+        if self._temporary_log:
+            self.log_path.unlink(missing_ok=True)
+        return self._returncode
+
+    def kill(self) -> int | None:
+        """SIGKILL at once, no shutdown: what a crash looks like to the child's clients."""
+        return self.stop(signal.SIGKILL, grace_s=0)
+
+
+def spawn(name: str, cmd: list[str], *, log_path: Path | None = None, env: dict | None = None, cwd: Path | None = None) -> Child:
+    """Start `cmd` in a session of its own, stdout and stderr appended to `log_path` (None: a temporary log,
+    deleted when the child is stopped). Its own session: a Ctrl-C in the terminal reaches dvi only, which then
+    stops the child itself, and a signal to its group reaches the workers it starts too."""
+    if log_path is None:
+        log_file = tempfile.NamedTemporaryFile(prefix=f"dvi-{name}-", suffix=".log", delete=False)
+    else:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "ab")
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)
+    except OSError as e:
+        log_file.close()
+        raise DviError(f"cannot start {name} ({' '.join(cmd)}): {e}") from e
+    return Child(name, proc, log_file, temporary_log=log_path is None)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # start_new_session: the group id is the child's pid
+    except ProcessLookupError:
+        pass
+
+
+def wait_ready(child: Child, probe: Probe, timeout_s: float, what: str, interval_s: float = 0.1) -> None:
+    """Poll `probe` until it says ready; DviError (with the log's end) when the child exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if not child.running:
+            raise DviError(f"{what} exited at start (status {child.returncode}): {child.log_tail()}")
+        missing = probe()
+        if missing is None:
+            return
+        last = missing
+        time.sleep(interval_s)
+    raise DviError(f"{what} did not answer within {timeout_s:.0f} s ({last}); log: {child.log_tail()}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Probes
+
+
+def port_in_use(port: int, host: str = HOST) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def local_get(url: str, timeout_s: float = 2.0) -> bytes:
+    """GET `url` from a local server, never via a proxy; urllib's errors (an HTTPError on a non-2xx answer)."""
+    with _NO_PROXY.open(url, timeout=timeout_s) as resp:
+        return resp.read()
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> str | None:
+    """A probe: None when GET `url` answers 200, else what it answered."""
+    try:
+        with _NO_PROXY.open(url, timeout=timeout_s) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        return str(getattr(e, "reason", e))
+
+
+# ----------------------------------------------------------------------------------------------
+# Foreground commands
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within: SIGTERM raises KeyboardInterrupt in the main thread like Ctrl-C does, so both take one path out."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Server(Protocol):
+    """A started-on-enter, stopped-on-exit server process (EmbeddedBroker, LocalMlflow)."""
+
+    running: bool
+
+    def __enter__(self) -> Server: ...
+    def __exit__(self, *exc) -> None: ...
+    def log_tail(self) -> str: ...
+
+
+def run_foreground(command: str, what: str, server: Server, on_ready: Callable[[Server], str]) -> int:
+    """`dvi <command>`: start `server`, print the line `on_ready` returns, keep it up until Ctrl-C or SIGTERM.
+
+    Exit status 0 when stopped that way; DviError (naming `what`, with its log's end) when it exits on its own.
+    """
+    with sigterm_interrupts():
+        try:
+            with server:
+                print(f"dvi {command}: {on_ready(server)}; Ctrl-C stops it", flush=True)
+                while server.running:
+                    time.sleep(0.5)
+                raise DviError(f"{what} exited unexpectedly: {server.log_tail()}")
+        except KeyboardInterrupt:
+            pass
+    print(f"dvi {command}: stopped", flush=True)
+    return 0
