@@ -19,7 +19,7 @@ from dvi.errors import DviError
 log = logging.getLogger("dvi")
 
 # other packages' subcommands: module paths with a `register(subparsers)` function
-EXTENSIONS: list[str] = ["streams.cli", "trainers.cli"]
+EXTENSIONS: list[str] = ["streams.cli", "trainers.cli", "dvi.stack"]
 
 
 def _quiet_libraries() -> None:
@@ -195,6 +195,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-draft", action="store_true", help="target-only decoding, no drafter")
     p.add_argument("--log", action="store_true", help="send the request's DecisionRecords to the decision stream (stream.*)")
     p.set_defaults(func=cmd_generate)
+
+    def cmd_serve(args: argparse.Namespace) -> int:
+        from dvi.server import cmd_serve
+
+        return cmd_serve(args)
+
+    p = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible completions, hot-swapped drafters")
+    p.add_argument("--no-draft", action="store_true", help="target-only decoding (no drafter until one is published)")
+    p.set_defaults(func=cmd_serve)
+
+    def cmd_status(args: argparse.Namespace) -> int:
+        from dvi.status import cmd_status
+
+        return cmd_status(args)
+
+    p = sub.add_parser("status", help="serving drafter and live acceptance per replica, trainer lag, last publish")
+    p.add_argument("--replica", action="append", help="a replica's base URL (repeatable; default serve.host:serve.port)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_status)
 
     m = sub.add_parser("models", help="model cache")
     msub = m.add_subparsers(dest="models_cmd", required=True)

@@ -97,13 +97,50 @@ def check_sampling(temperature: float, top_p: float, max_new_tokens: int, prefix
 
 
 @dataclass(frozen=True)
+class SwapConfig:
+    """Hot-swap of published drafters into a running server, and the live check that keeps or rolls them back."""
+
+    enabled: bool = True  # follow drafter_published messages on stream.control_topic
+    store: str | None = None  # the only directory drafters are loaded from; null: trainer.store (<cache>/store)
+    initial: str = "latest"  # at start: "latest" (newest store version, if any), "none" (the configured drafter), or a version
+    smoke_tokens: int = 8  # greedy tokens of a smoke decode a new drafter must survive before it is swapped in
+    window_tokens: int = 512  # drafted tokens of live traffic before a swapped-in drafter is judged
+    rollback_margin: float = 0.05  # roll back when its acceptance is this much below the previous drafter's
+    baseline_tokens: int = 256  # drafted tokens the previous drafter needs for a comparison (else: kept)
+
+    def __post_init__(self) -> None:
+        _check(self.smoke_tokens >= 1, "serve.swap.smoke_tokens", self.smoke_tokens, "an integer >= 1")
+        _check(self.window_tokens >= 1, "serve.swap.window_tokens", self.window_tokens, "an integer >= 1")
+        _check(0 <= self.rollback_margin <= 1, "serve.swap.rollback_margin", self.rollback_margin, "in [0, 1]")
+        _check(self.baseline_tokens >= 1, "serve.swap.baseline_tokens", self.baseline_tokens, "an integer >= 1")
+        _check(bool(self.initial), "serve.swap.initial", self.initial, "latest, none or a version name")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    swap: SwapConfig = field(default_factory=SwapConfig)
     max_batch: int = 8  # requests decoded together
+    # the HTTP server (dvi serve)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # null: $DVI_API_KEY, or no authentication when that is unset too
+    max_queue: int = 64  # requests waiting for the engine; beyond it the server answers 503
+    max_max_tokens: int = 2048  # the largest max_tokens a request may ask for
+    log_decisions: bool = True  # send a DecisionRecord per request to stream.topic
+    metrics_every_s: float = 15.0  # serving metrics to MLflow (a run per replica)
+    plot_every_s: float = 120.0  # the drift plot artifact
 
     def __post_init__(self) -> None:
         _check(self.max_batch >= 1, "serve.max_batch", self.max_batch, "an integer >= 1")
+        _check(bool(str(self.host).strip()), "serve.host", self.host, "a host name or address")
+        _check(0 <= self.port <= 65535, "serve.port", self.port, "a TCP port in [0, 65535] (0: any free port)")
+        _check(self.api_key is None or len(str(self.api_key)) >= 8, "serve.api_key", "***", "null or at least 8 characters")
+        _check(self.max_queue >= 1, "serve.max_queue", self.max_queue, "an integer >= 1")
+        _check(self.max_max_tokens >= 1, "serve.max_max_tokens", self.max_max_tokens, "an integer >= 1")
+        _check(self.metrics_every_s > 0, "serve.metrics_every_s", self.metrics_every_s, "> 0 seconds")
+        _check(self.plot_every_s > 0, "serve.plot_every_s", self.plot_every_s, "> 0 seconds")
 
 
 # kafka-python client options that may be passed through `stream.security` (the same for every client)
@@ -326,6 +363,23 @@ class DviConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+SECRET_KEYS = frozenset(["security", "api_key"])  # never logged as params
+
+
+def flat_params(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """A config as flat `group.key` -> value params (for MLflow), without credentials."""
+    import dataclasses
+
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(flat_params(value, f"{prefix}{f.name}."))
+        elif f.name not in SECRET_KEYS:
+            out[f"{prefix}{f.name}"] = value
+    return out
 
 
 def load_config(overrides: list[str] | None = None, config_name: str = "config") -> DviConfig:

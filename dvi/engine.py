@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -352,15 +353,18 @@ class SpeculativeEngine:
         check_sampling(r.temperature, r.top_p, r.max_new_tokens)
 
     @torch.inference_mode()
-    def generate(self, requests: list[Request]) -> list[Result]:
+    def generate(self, requests: list[Request], on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Result]:
+        """Decode `requests` (in batches of `max_batch`). `on_tokens(i, ids)`, if given, is called on the decoding
+        thread after every round with the tokens request i gained in it (for streaming)."""
         for r in requests:
             self.check_request(r)
         results: list[Result] = []
         for i in range(0, len(requests), self.max_batch):
-            results += self._generate_batch(requests[i : i + self.max_batch])
+            emit = (lambda j, ids, i=i: on_tokens(i + j, ids)) if on_tokens is not None else None
+            results += self._generate_batch(requests[i : i + self.max_batch], emit)
         return results
 
-    def _generate_batch(self, reqs: list[Request]) -> list[Result]:
+    def _generate_batch(self, reqs: list[Request], on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Result]:
         start = time.perf_counter()
         batch = len(reqs)
         rows = list(range(batch))  # active row -> request index
@@ -448,6 +452,7 @@ class SpeculativeEngine:
                 )
                 stats[i].add(kb, nb)
                 ctrl[i].observe(kb, nb)
+                before = len(out[i])
                 for t in draft_ids[b, :nb].tolist() + [int(token[b])]:
                     out[i].append(t)
                     if t in self.stop_ids:
@@ -456,6 +461,8 @@ class SpeculativeEngine:
                     if len(out[i]) >= budget[i]:
                         finish[i] = "length"
                         break
+                if on_tokens is not None:
+                    on_tokens(i, out[i][before:])
                 if finish[i]:
                     done.append(b)
             if done:

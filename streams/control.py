@@ -3,6 +3,8 @@
 Messages are JSON objects with a `type`:
 - `drafter_published` (trainer -> servers): version, uri (a directory in the model store), sha256 (of its
   SHA256SUMS), parent, gate metrics, mlflow version, time;
+- `drafter_rejected` (a server -> trainers and the other servers): version, previous, reason, replica_id, time:
+  the live check rolled the version back; the others roll back too and trainers gate against the previous one;
 - `retrain` (`dvi retrain` -> trainer): reason, time.
 The control topic has one partition, so messages keep their order. `send` waits for the broker's
 acknowledgement (a control message matters more than latency); `ControlReader` reads the topic without a
@@ -23,7 +25,7 @@ from streams.client import client_options
 
 log = logging.getLogger("dvi.streams.control")
 
-PUBLISHED, RETRAIN = "drafter_published", "retrain"
+PUBLISHED, REJECTED, RETRAIN = "drafter_published", "drafter_rejected", "retrain"
 
 
 def encode_message(kind: str, **fields: Any) -> bytes:

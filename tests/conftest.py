@@ -152,3 +152,19 @@ def demo_pair(demo_target_dir, demo_drafter_dir):
     tokenizer = load_tokenizer(demo_target_dir, "target")
     drafter = load_drafter(demo_drafter_dir, int(target.config.vocab_size))
     return target, tokenizer, drafter
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, demo_target_dir) -> tuple[Path, Path]:
+    """(target dir, drafter dir): a tiny random Llama with the demo tokenizer (vocabulary 49,152) saved as a
+    checkpoint, and a drafter built from its first layer; for tests about bookkeeping rather than learning."""
+    from transformers import AutoTokenizer
+
+    from dvi.models import build_drafter
+
+    root = tmp_path_factory.mktemp("tiny-pair")
+    target = tiny_llama(seed=0, layers=2, vocab=49152)
+    target.save_pretrained(root / "target")
+    AutoTokenizer.from_pretrained(demo_target_dir).save_pretrained(root / "target")
+    build_drafter(root / "target", root / "drafter", layers=1)
+    return root / "target", root / "drafter"

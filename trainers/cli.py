@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 
+from dvi.config import flat_params
 from dvi.errors import DviError
 
 log = logging.getLogger("dvi.trainer")
@@ -36,7 +37,7 @@ def _trainer(cfg, *, group_id: str, offline: bool, verbose: bool, dead_letter: b
     source = DecisionConsumer(cfg.stream, group_id=group_id, from_beginning=True, dead_letter=dead_letter, client_id="dvi-trainer")
     reader = control.ControlReader(cfg.stream)
     tracker = Tracker(cfg.tracking, run_name=f"{'distill' if offline else 'train'}-{time.strftime('%Y%m%d-%H%M%S')}",
-                      params=_flat(cfg), tags={"dvi.role": "distill" if offline else "trainer", "dvi.trigger": cfg.trigger.kind})
+                      params=flat_params(cfg), tags={"dvi.role": "distill" if offline else "trainer", "dvi.trigger": cfg.trigger.kind})
     publish = lambda kind, **fields: control.send(cfg.stream, kind, **fields)  # noqa: E731
     return Trainer(cfg, source, tracker=tracker, control=reader, publisher=publish, offline=offline), (source, reader, tracker)
 
@@ -48,25 +49,9 @@ def _file_trainer(cfg, path: str):
     from trainers.tracking import Tracker
 
     source = FileSource(path)
-    tracker = Tracker(cfg.tracking, run_name=f"distill-{time.strftime('%Y%m%d-%H%M%S')}", params=_flat(cfg),
+    tracker = Tracker(cfg.tracking, run_name=f"distill-{time.strftime('%Y%m%d-%H%M%S')}", params=flat_params(cfg),
                       tags={"dvi.role": "distill", "dvi.source": str(source.path)})
     return Trainer(cfg, source, tracker=tracker, offline=True), (source, None, tracker)
-
-
-def _flat(cfg) -> dict:
-    import dataclasses
-
-    out = {}
-
-    def walk(prefix, obj):
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            if dataclasses.is_dataclass(v):
-                walk(f"{prefix}{f.name}.", v)
-            elif f.name != "security":  # never log credentials
-                out[f"{prefix}{f.name}"] = v
-    walk("", cfg)
-    return out
 
 
 def _run(trainer, parts) -> dict:
@@ -90,6 +75,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(overrides_of(args))
     trainer, parts = _trainer(cfg, group_id=cfg.trainer.group_id, offline=False, verbose=args.verbose)
+    print(f"dvi train: distilling from {cfg.stream.topic} at {cfg.stream.bootstrap} (group {cfg.trainer.group_id}, trigger "
+          f"{cfg.trigger.kind}), drafter {trainer.state.lineage[-1]}; Ctrl-C stops it", flush=True)
     print(_summary(_run(trainer, parts)))
     return 0
 

@@ -13,7 +13,8 @@
 - gate and publish: every `trainer.gate_every` steps (and at the end of a triggered session) the candidate's
   expected acceptance on held-out records is compared with the serving drafter's; only a better candidate is
   written to the model store (`dvi.store`), registered in MLflow (alias `candidate`) and announced on the
-  control topic for the servers.
+  control topic for the servers. A server that rolls a published drafter back (`drafter_rejected`) puts the
+  previous one back as the gate's baseline.
 
 The same recipe runs offline (`dvi drafter distill`) over a topic read from the beginning by a group of its
 own, stopping when it is idle. This module knows the parts it wires together; the maths is in
@@ -156,6 +157,7 @@ class Trainer:
         self.target_dir, self.vocab_size = pair.target_dir, int(pair.target.config.vocab_size)
         self.vocab_map = pair.drafter.vocab_map
         self.state = State(lineage=[pair.drafter.version], serving_dir=str(pair.drafter_dir))
+        self.initial_dir = pair.drafter_dir  # serves again if every published version is rejected
         needs_target = self.tcfg.teacher in ("auto", "logits")
         self.target = Student(pair.target.eval()) if needs_target else None
         if self.target is not None:
@@ -358,6 +360,22 @@ class Trainer:
             if msg.get("type") == "retrain":
                 log.info("retrain requested: %s", msg.get("reason") or "no reason given")
                 self.trigger.request(time.monotonic())
+            elif msg.get("type") == "drafter_rejected":
+                self.rejected(msg.get("version"), msg.get("reason"))
+
+    def rejected(self, version, reason) -> None:
+        """A server rolled back `version`: if it is the drafter the gate compares against, the one before it
+        serves again, so the next candidate must beat that one (training goes on from the current weights)."""
+        lineage = self.state.lineage
+        if not isinstance(version, str) or len(lineage) < 2 or lineage[-1] != version:
+            return
+        lineage.pop()
+        previous = self.store / lineage[-1]
+        self.state.serving_dir = str(previous if (previous / "SHA256SUMS").is_file() else self.initial_dir)
+        if self.rank == 0:
+            self.serving = self._serving_model()
+        log.warning("drafter %s was rejected by the servers (%s): the gate compares against %s again", version,
+                    reason or "no reason given", lineage[-1])
 
     # -- one optimizer step ----------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ in a separate queue that overflow never touches. One background thread does all 
 - it sends the points in `MlflowClient.log_batch` calls of at most 1000, with their original steps and times,
   so a backlog that arrives after an outage still lands where it belongs on the time axis;
 - it registers drafters: registered model `tracking.registry_model`, a version tagged `dvi.version` with the
-  given lineage tags, and an alias (candidate by default). The MLflow server only accepts a local path as a
+  given lineage tags, and an alias (candidate by default); later it moves aliases (`set_alias`), tags versions
+  (`tag_version`) and logs artifact files (`log_artifact`), in the order asked. The MLflow server only accepts a local path as a
   version's source if it lies inside the run's artifacts, so a local source (file or folder) is first logged
   as the run's artifacts `drafters/<version>/` and the version points at `runs:/<run>/drafters/<version>`
   (tag `dvi.source` keeps the original); a remote URI (s3://, https://, runs:/, ...) is registered as it is.
@@ -36,7 +37,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dvi.config import TrackingConfig
 
@@ -73,6 +74,14 @@ class _Registration:
     alias: str
 
 
+@dataclass(frozen=True)
+class _Op:
+    """One queued MLflow operation other than metric points: done in order, retried while MLflow is away."""
+
+    what: str  # for the log: "registering drafter d0001"
+    run: Callable[[Any], None]  # called with the MlflowClient
+
+
 class _Fatal(Exception):
     """The run cannot be created (MLflow said no): the tracker stops and drops what it gets."""
 
@@ -93,7 +102,7 @@ class Tracker:
         self._lock = threading.Lock()
         self._points: deque[tuple[str, float, int, int]] = deque()  # (key, value, timestamp ms, step)
         self._in_flight: list[tuple[str, float, int, int]] = []
-        self._registrations: deque[_Registration] = deque()
+        self._ops: deque[_Op] = deque()
         self._registered: dict[str, int] = {}
         self._sent = self._dropped = self._skipped = self._failures = 0
         self._connected = False
@@ -138,11 +147,37 @@ class Tracker:
         if not self.enabled:
             return
         reg = _Registration(str(source), str(version), {str(k): str(v) for k, v in tags.items()}, alias)
+        self._queue(_Op(f"registering drafter {reg.version}", lambda client: self._register(client, reg)))
+
+    def set_alias(self, version: str, alias: str) -> None:
+        """Queue: point alias `alias` of `tracking.registry_model` at the registered drafter `version`."""
+        self._queue(_Op(f"setting alias {alias} to drafter {version}",
+                        lambda client: client.set_registered_model_alias(self.cfg.registry_model, alias, self._number(client, version))))
+
+    def tag_version(self, version: str, tags: dict[str, str]) -> None:
+        """Queue: set tags on the registered drafter `version` (e.g. dvi.rejected)."""
+        def op(client) -> None:
+            number = self._number(client, version)
+            for key, value in tags.items():
+                client.set_model_version_tag(self.cfg.registry_model, number, str(key), str(value))
+        self._queue(_Op(f"tagging drafter {version}", op))
+
+    def log_artifact(self, path: str, artifact_path: str | None = None, remove: bool = False) -> None:
+        """Queue: log the local file `path` as an artifact of the run (deleted afterwards when `remove`)."""
+        def op(client) -> None:
+            client.log_artifact(self._run_id, path, artifact_path)
+            if remove:
+                Path(path).unlink(missing_ok=True)
+        self._queue(_Op(f"logging artifact {Path(path).name}", op))
+
+    def _queue(self, op: _Op) -> None:
+        if not self.enabled:
+            return
         with self._lock:
             if self._closing:
-                log.warning("tracker closed: drafter %s not registered in MLflow", version)
+                log.warning("tracker closed: not done in MLflow: %s", op.what)
                 return
-            self._registrations.append(reg)
+            self._ops.append(op)
         self._wake.set()
 
     def registered(self) -> dict[str, int]:
@@ -184,16 +219,16 @@ class Tracker:
             self._points.clear()
             self._in_flight = []
             self._dropped += unsent
-            regs = [r.version for r in self._registrations]
-            self._registrations.clear()
+            lost = [op.what for op in self._ops]
+            self._ops.clear()
             dropped = self._dropped
         if dropped:
             log.warning(
                 "MLflow tracking at %s: %d metric points lost (%d unsent at close, %d dropped earlier: queue full or rejected)",
                 self.cfg.tracking_uri, dropped, unsent, dropped - unsent,
             )  # fmt: skip
-        if regs:
-            log.warning("MLflow tracking at %s: drafter versions %s were not registered", self.cfg.tracking_uri, ", ".join(regs))
+        if lost:
+            log.warning("MLflow tracking at %s: not done: %s", self.cfg.tracking_uri, "; ".join(lost))
 
     # -- the background thread -----------------------------------------------------------------
 
@@ -221,7 +256,7 @@ class Tracker:
         with self._lock:
             if self._abandoned or time.monotonic() >= self._deadline:
                 return True
-            return self._closing and not (self._points or self._in_flight or self._registrations)
+            return self._closing and not (self._points or self._in_flight or self._ops)
 
     def _pause(self, seconds: float) -> None:
         self._wake.wait(max(0.0, min(seconds, self._deadline - time.monotonic())))
@@ -231,9 +266,9 @@ class Tracker:
         """One pass: the run, pending registrations, then the queued points. False: MLflow is unreachable."""
         try:
             self._ensure_run(client)
-            while (reg := self._next_registration()) is not None:
-                self._attempt(lambda: self._register(client, reg), f"registering drafter {reg.version}")
-                self._registration_done(reg)
+            while (op := self._next_op()) is not None:
+                self._attempt(lambda: op.run(client), op.what)
+                self._op_done(op)
             while not self._done() and self._take_batch():
                 if not self._attempt(lambda: self._send_batch(client), "logging metrics"):
                     self._drop_in_flight()
@@ -338,14 +373,25 @@ class Tracker:
             self._dropped += len(self._in_flight)
             self._in_flight = []
 
-    def _next_registration(self) -> _Registration | None:
+    def _next_op(self) -> _Op | None:
         with self._lock:
-            return self._registrations[0] if self._registrations and not self._abandoned else None
+            return self._ops[0] if self._ops and not self._abandoned else None
 
-    def _registration_done(self, reg: _Registration) -> None:
+    def _op_done(self, op: _Op) -> None:
         with self._lock:
-            if self._registrations and self._registrations[0] is reg:  # close() may have cleared the queue
-                self._registrations.popleft()
+            if self._ops and self._ops[0] is op:  # close() may have cleared the queue
+                self._ops.popleft()
+
+    def _number(self, client, version: str) -> str:
+        """The MLflow model version number of the registered drafter `version`."""
+        with self._lock:
+            known = self._registered.get(version)
+        if known is not None:
+            return str(known)
+        found = self._existing_version(client, self.cfg.registry_model, version)
+        if found is None:
+            raise _Unusable(f"drafter {version} is not registered in {self.cfg.registry_model!r}")
+        return str(found)
 
     def _register(self, client, reg: _Registration) -> None:
         name = self.cfg.registry_model

@@ -24,7 +24,7 @@ import torch
 from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, TrainerConfig
 from dvi.engine import Request, SpeculativeEngine
 from dvi.events import encode, records_from_result
-from dvi.models import build_drafter, load_causal_lm, load_drafter
+from dvi.models import load_causal_lm, load_drafter
 from streams.consumer import DecisionConsumer
 from streams.control import ControlReader
 from streams.control import send as control_send
@@ -35,20 +35,7 @@ from trainers.recipe import Trainer
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
-VOCAB = 49152
-
-
-@pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory, demo_target_dir, make_tiny_llama) -> tuple[Path, Path]:
-    """(target dir, drafter dir): a tiny random Llama with the demo tokenizer, and a drafter from its first layer."""
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("tiny-pair")
-    target = make_tiny_llama(seed=0, layers=2, vocab=VOCAB)
-    target.save_pretrained(root / "target")
-    AutoTokenizer.from_pretrained(demo_target_dir).save_pretrained(root / "target")
-    build_drafter(root / "target", root / "drafter", layers=1)
-    return root / "target", root / "drafter"
+VOCAB = 49152  # the demo tokenizer's, which the tiny pair (tests/conftest.py: tiny_dirs) uses
 
 
 def engine_records(target_dir: Path, drafter_dir: Path, n: int, new_tokens: int = 24, seed: int = 0) -> list:

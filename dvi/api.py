@@ -1,0 +1,247 @@
+"""The HTTP face of a serving replica: OpenAI-compatible completions over a `dvi.server.Service`.
+
+Routes: `POST /v1/completions` and `POST /v1/chat/completions` (JSON, or server-sent events with
+`"stream": true`), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). Every completion carries
+an extension field `dvi` with the request id, the drafter version(s) that drafted for it and its speculative
+stats; a domain or tenant tag may come in as `"dvi": {"domain": "..."}` or the `X-DVI-Domain` header and goes
+into the request's DecisionRecords.
+
+Bodies are parsed by hand (`parse_completion`) so every mistake gets one clear 4xx in OpenAI's error shape
+({"error": {"message", "type", "param", "code"}}): malformed JSON, a missing or empty prompt, an unknown model,
+out-of-range sampling values or max_tokens, `n` > 1, unsupported fields. With an API key set (`serve.api_key`
+or $DVI_API_KEY), `/v1/*` needs `Authorization: Bearer <key>`; /health and /metrics stay open.
+
+This module knows HTTP and the OpenAI request shapes; decoding, batching and swaps are the Service's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from here
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from dvi.errors import DviError
+
+MAX_BODY_BYTES = 4 << 20
+_KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
+          "n", "stop", "user", "dvi", "stream_options"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A parsed completion request."""
+
+    prompt: str | list[int] | None  # text, or token ids (completions)
+    messages: list[dict] | None  # chat
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stream: bool
+    domain: str | None
+
+
+def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tokens: int, max_max_tokens: int,
+                     default_temperature: float, default_top_p: float, domain_header: str | None = None) -> Completion:
+    """The request in `raw`, or ApiError (400 / 404 / 413) naming what is wrong."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    unknown = sorted(set(body) - _KNOWN)
+    if unknown:
+        raise ApiError(400, f"unsupported fields {unknown}", unknown[0])
+    model = body.get("model")
+    if model not in (None, "", model_name, "dvi"):
+        raise ApiError(404, f"model {model!r} not found: this server serves {model_name!r}", "model", "not_found_error")
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n=1 is supported", "n")
+    if body.get("stop") not in (None, [], ""):
+        raise ApiError(400, "stop sequences are not supported; the model stops at its end-of-text token", "stop")
+
+    prompt = messages = None
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ApiError(400, f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ApiError(400, f"messages[{i}].role {m['role']!r} is not system, user or assistant", "messages")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids (one prompt per request)", "prompt")
+        elif not isinstance(prompt, str) or not prompt.strip():
+            raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= max_max_tokens:
+        raise ApiError(400, f"max_tokens must be an integer in [1, {max_max_tokens}], got {max_tokens!r}", "max_tokens")
+    temperature = _number(body, "temperature", default_temperature, lambda x: 0 <= x <= 100, "a number in [0, 100] (0 = greedy)")
+    top_p = _number(body, "top_p", default_top_p, lambda x: 0 < x <= 1, "a number in (0, 1]")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+        raise ApiError(400, f"seed must be an integer in [0, 2^63), got {seed!r}", "seed")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", "stream")
+    ext = body.get("dvi") or {}
+    if not isinstance(ext, dict):
+        raise ApiError(400, "'dvi' must be an object, e.g. {\"domain\": \"code\"}", "dvi")
+    domain = ext.get("domain", domain_header)
+    if domain is not None and (not isinstance(domain, str) or not 0 < len(domain) <= 64):
+        raise ApiError(400, "the domain tag must be a string of 1 to 64 characters", "dvi.domain")
+    return Completion(prompt, messages, max_tokens, temperature, top_p, seed, stream, domain)
+
+
+def _number(body: dict, key: str, default: float, ok, expected: str) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ApiError(400, f"{key} must be {expected}, got {value!r}", key)
+    return float(value)
+
+
+class TextStream:
+    """Incremental detokenization: the text each new batch of token ids adds (held back while it ends mid-character)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+
+    def feed(self, ids: list[int]) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+
+def create_app(service) -> Any:
+    """The FastAPI application over `service` (a `dvi.server.Service`)."""
+
+    app = FastAPI(title="dvi", version="1", docs_url=None, redoc_url=None)
+    key = service.api_key
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                service.metrics.error(401)
+                return JSONResponse(ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                                             kind="authentication_error").body(), status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        service.metrics.error(e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    # health and metrics take the service's locks: plain functions, run in the threadpool, never on the event loop
+    @app.get("/health")
+    def health():
+        return service.health()
+
+    @app.get("/metrics")
+    def metrics():
+        return PlainTextResponse(service.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "dvi"}]}
+
+    async def complete(request: Request, chat: bool):
+        raw = await request.body()
+        c = parse_completion(raw, chat, model_name=service.model_name, default_max_tokens=service.defaults.max_new_tokens,
+                             max_max_tokens=service.cfg.serve.max_max_tokens, default_temperature=service.defaults.temperature,
+                             default_top_p=service.defaults.top_p, domain_header=request.headers.get("x-dvi-domain"))
+        try:
+            req = service.request(c)
+        except DviError as e:  # the engine's checks: prompt too long, ids out of the vocabulary, ...
+            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
+        kind = "chat.completion" if chat else "text_completion"
+        created = int(time.time())
+        if not c.stream:
+            job = service.submit(req, c.domain)
+            result = await asyncio.wrap_future(job.future)
+            text = service.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            return {"id": f"cmpl-{req.request_id}", "object": kind, "created": created, "model": service.model_name,
+                    "choices": [choice], "usage": _usage(req, result), "dvi": service.extension(result)}
+
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+        detok = TextStream(service.tokenizer)
+        job = service.submit(req, c.domain, on_tokens=lambda ids: loop.call_soon_threadsafe(chunks.put_nowait, ids))
+        job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(chunks.put_nowait, None))
+
+        def chunk(delta: str | None, finish: str | None = None, **extra) -> str:
+            choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if chat:
+                choice["delta"] = {"content": delta} if delta is not None else {}
+            else:
+                choice["text"] = delta or ""
+            obj = {"id": f"cmpl-{req.request_id}", "object": f"{kind}.chunk" if chat else kind, "created": created,
+                   "model": service.model_name, "choices": [choice], **extra}
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def events():
+            if chat:
+                yield chunk(None, **{"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
+            while (ids := await chunks.get()) is not None:
+                delta = detok.feed(ids)
+                if delta:
+                    yield chunk(delta)
+            try:
+                result = job.future.result()
+            except Exception as e:  # the decoder failed: say so in the stream, never end it as if complete
+                yield f"data: {json.dumps(ApiError(500, f'decoding failed: {e}', kind='server_error').body())}\n\n"
+                return
+            yield chunk("" if not chat else None, result.finish_reason, usage=_usage(req, result), dvi=service.extension(result))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    return app
+
+
+def _usage(req, result) -> dict:
+    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(result.token_ids),
+            "total_tokens": len(req.prompt_ids) + len(result.token_ids)}

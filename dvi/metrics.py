@@ -1,0 +1,215 @@
+"""Serving metrics as data: what the server decoded, by drafter version and domain, and what happened to drafters.
+
+`ServingMetrics.observe(result, domain)` folds one finished request (`dvi.engine.Result`) in, round by round,
+so a request that spanned a hot swap counts each round for the drafter that drafted it. Readers take what they
+need: `prometheus(...)` renders the /metrics page, `interval()` the points for MLflow since the last call,
+`acceptance_of(version)` feeds the swap judge, and `series` / `markers` the drift plot (`drift_plot`).
+Events (swaps, refusals, rollbacks, promotions) are counted with `event(kind, ...)`.
+
+This module knows the engine's stats; not HTTP, Kafka or MLflow (its readers are in dvi.server).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from dvi.engine import Result, SpecStats
+
+NO_DRAFTER = "none"  # the version label of rounds decoded without a drafter
+NO_DOMAIN = "none"
+
+
+@dataclass
+class Point:
+    """One interval of the drift plot."""
+
+    time: float
+    acceptance: float | None  # accepted / drafted in the interval (None: nothing drafted)
+    tokens_per_s: float  # generated tokens / wall seconds of the interval
+    version: str | None  # the drafter serving at its end
+    domains: dict[str, float] = field(default_factory=dict)  # acceptance by domain in the interval
+
+
+class ServingMetrics:
+    """Thread-safe counters of one serving replica (see the module docstring)."""
+
+    def __init__(self, history: int = 10_000):
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.requests = 0
+        self.tokens = 0  # generated
+        self.decode_seconds = 0.0  # summed over requests (a batch's requests overlap)
+        self.errors: Counter[str] = Counter()  # HTTP status -> count
+        self.events: Counter[str] = Counter()  # swap, rollback, promote, refused:<reason>
+        self.total = SpecStats()
+        self.by_version: dict[str, SpecStats] = {}
+        self.by_domain: dict[tuple[str, str], SpecStats] = {}
+        self.recent_speed: deque[float] = deque(maxlen=256)  # tokens/s of recent requests
+        self.series: deque[Point] = deque(maxlen=history)
+        self.markers: deque[tuple[float, str, str]] = deque(maxlen=history)  # (time, event, version)
+        self._interval = SpecStats()
+        self._interval_domains: dict[str, SpecStats] = {}
+        self._interval_tokens = 0
+        self._interval_start = time.time()
+        self.version: str | None = None  # the drafter serving now
+
+    # -- writers ---------------------------------------------------------------------------------
+
+    def observe(self, result: Result, domain: str | None = None) -> None:
+        domain = domain or NO_DOMAIN
+        with self._lock:
+            self.requests += 1
+            self.tokens += len(result.token_ids)
+            self._interval_tokens += len(result.token_ids)
+            self.decode_seconds += result.seconds
+            if result.seconds > 0:
+                self.recent_speed.append(len(result.token_ids) / result.seconds)
+            for r in result.rounds:
+                version = r.drafter_version or NO_DRAFTER
+                for stats in (self.total, self._interval, self.by_version.setdefault(version, SpecStats()),
+                              self.by_domain.setdefault((version, domain), SpecStats()),
+                              self._interval_domains.setdefault(domain, SpecStats())):
+                    stats.add(r.k, r.accepted)
+
+    def error(self, status: int) -> None:
+        with self._lock:
+            self.errors[str(status)] += 1
+
+    def event(self, kind: str, version: str | None = None) -> None:
+        """Count an event; swaps, rollbacks and promotions also become markers on the drift plot."""
+        with self._lock:
+            self.events[kind] += 1
+            if not kind.startswith("refused"):
+                self.markers.append((time.time(), kind, version or NO_DRAFTER))
+
+    def serving(self, version: str | None) -> None:
+        with self._lock:
+            self.version = version
+
+    # -- readers ---------------------------------------------------------------------------------
+
+    def acceptance_of(self, version: str) -> tuple[int, int]:
+        """(drafted, accepted) of `version` since this replica started."""
+        with self._lock:
+            s = self.by_version.get(version)
+            return (s.drafted, s.accepted) if s else (0, 0)
+
+    def interval(self) -> dict[str, float]:
+        """Metrics since the last call (for MLflow), and a point of the drift plot."""
+        now = time.time()
+        with self._lock:
+            s, tokens, seconds = self._interval, self._interval_tokens, max(now - self._interval_start, 1e-9)
+            domains = {d: st.acceptance_rate for d, st in self._interval_domains.items() if st.drafted}
+            out = {"interval/tokens_per_s": tokens / seconds, "interval/rounds": s.rounds, "interval/drafted": s.drafted}
+            if s.drafted:
+                out["interval/acceptance_rate"] = s.acceptance_rate
+                out["interval/mean_accepted_length"] = s.mean_accepted_length
+                for j, a in enumerate(s.per_position_acceptance):
+                    out[f"interval/acceptance_pos{j + 1}"] = a
+                out.update({f"interval/acceptance.{d}": a for d, a in domains.items()})
+            self.series.append(Point(now, s.acceptance_rate if s.drafted else None, tokens / seconds, self.version, domains))
+            self._interval, self._interval_domains, self._interval_tokens, self._interval_start = SpecStats(), {}, 0, now
+            for version, st in self.by_version.items():
+                if st.drafted:
+                    out[f"version/{version}/acceptance_rate"] = st.acceptance_rate
+                    out[f"version/{version}/mean_accepted_length"] = st.mean_accepted_length
+            out.update({"total/requests": self.requests, "total/tokens": self.tokens, "total/acceptance_rate": self.total.acceptance_rate,
+                        "total/mean_accepted_length": self.total.mean_accepted_length,
+                        **{f"events/{k}": v for k, v in self.events.items()}})
+            return out
+
+    def snapshot(self) -> dict:
+        """A JSON-able summary (for /health and `dvi status`)."""
+        with self._lock:
+            speeds = sorted(self.recent_speed)
+            return {
+                "drafter_version": self.version,
+                "uptime_s": round(time.time() - self.started, 1),
+                "requests": self.requests,
+                "tokens": self.tokens,
+                "acceptance_rate": round(self.total.acceptance_rate, 6),
+                "mean_accepted_length": round(self.total.mean_accepted_length, 6),
+                "median_tokens_per_s": round(speeds[len(speeds) // 2], 3) if speeds else None,
+                "by_version": {v: s.to_dict() for v, s in self.by_version.items()},
+                "events": dict(self.events),
+                "errors": dict(self.errors),
+            }
+
+    def prometheus(self, producer: dict | None = None, queue_depth: int = 0) -> str:
+        """The Prometheus text exposition of the counters (`producer`: the decision producer's stats)."""
+        with self._lock:
+            lines: list[str] = []
+
+            def metric(name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
+                lines.append(f"# HELP dvi_{name} {help_}")
+                lines.append(f"# TYPE dvi_{name} {kind}")
+                for labels, value in samples:
+                    tag = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+                    lines.append(f"dvi_{name}{{{tag}}} {value:.10g}" if tag else f"dvi_{name} {value:.10g}")
+
+            versions = sorted(self.by_version.items())
+            metric("requests_total", "counter", "Requests decoded.", [({}, self.requests)])
+            metric("generated_tokens_total", "counter", "Tokens generated.", [({}, self.tokens)])
+            metric("errors_total", "counter", "Requests answered with an HTTP error, by status.",
+                   [({"status": k}, v) for k, v in sorted(self.errors.items())])
+            metric("drafted_tokens_total", "counter", "Tokens drafted, by drafter version.",
+                   [({"drafter_version": v}, s.drafted) for v, s in versions])
+            metric("accepted_tokens_total", "counter", "Drafted tokens accepted by the target, by drafter version.",
+                   [({"drafter_version": v}, s.accepted) for v, s in versions])
+            metric("rounds_total", "counter", "Verification rounds, by drafter version.",
+                   [({"drafter_version": v}, s.rounds) for v, s in versions])
+            metric("acceptance_rate", "gauge", "Accepted / drafted since start, by drafter version and domain.",
+                   [({"drafter_version": v, "domain": d}, s.acceptance_rate) for (v, d), s in sorted(self.by_domain.items()) if s.drafted])
+            metric("mean_accepted_length", "gauge", "Tokens emitted per round (the bonus or recovered token included).",
+                   [({"drafter_version": v}, s.mean_accepted_length) for v, s in versions if s.rounds])
+            metric("position_acceptance", "gauge", "Acceptance of the j-th drafted token of a round, by drafter version.",
+                   [({"drafter_version": v, "position": str(j + 1)}, a) for v, s in versions for j, a in enumerate(s.per_position_acceptance)])
+            speeds = sorted(self.recent_speed)
+            metric("tokens_per_second", "gauge", "Median decode speed of the last 256 requests (tokens/s).",
+                   [({}, speeds[len(speeds) // 2] if speeds else 0.0)])
+            metric("drafter_info", "gauge", "The drafter serving now (value 1).", [({"drafter_version": self.version or NO_DRAFTER}, 1)])
+            metric("drafter_events_total", "counter", "Drafter swaps, rollbacks, promotions and refusals.",
+                   [({"event": k}, v) for k, v in sorted(self.events.items())])
+            metric("queue_depth", "gauge", "Requests waiting for the engine.", [({}, queue_depth)])
+            producer = producer or {}  # not logging decisions: nothing sent, nothing dropped
+            metric("records_sent_total", "counter", "DecisionRecords acknowledged by Kafka.", [({}, producer.get("sent", 0))])
+            metric("records_dropped_total", "counter", "DecisionRecords dropped (queue full, broker down, invalid).",
+                   [({}, producer.get("dropped", 0))])
+            return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path: str, title: str = "dvi serving") -> None:
+    """Acceptance (overall and by domain) and tokens/s over time, with swap / rollback / promotion markers, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = series[0].time if series else (markers[0][0] if markers else time.time())
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    xs = [(p.time - t0) / 60 for p in series]
+    ax1.plot(xs, [p.acceptance if p.acceptance is not None else float("nan") for p in series], "k.-", label="all")
+    for domain in sorted({d for p in series for d in p.domains}):
+        ax1.plot(xs, [p.domains.get(domain, float("nan")) for p in series], ".-", label=domain, alpha=0.7)
+    ax1.set_ylabel("acceptance rate")
+    ax1.set_ylim(0, 1)
+    ax2.plot(xs, [p.tokens_per_s for p in series], "b.-")
+    ax2.set_ylabel("tokens/s")
+    ax2.set_xlabel("minutes")
+    colours = {"swap": "green", "rollback": "red", "promote": "purple"}
+    for when, kind, version in markers:
+        for ax in (ax1, ax2):
+            ax.axvline((when - t0) / 60, color=colours.get(kind, "grey"), ls="--", lw=0.8)
+        ax1.annotate(f"{kind} {version}", ((when - t0) / 60, 0.97), fontsize=7, rotation=90, va="top")
+    ax1.legend(loc="lower right", fontsize=7)
+    ax1.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

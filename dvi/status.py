@@ -1,0 +1,115 @@
+"""`dvi status`: one look at the loop: what each replica serves and how well, the trainer's lag, the last publish.
+
+It asks each replica's `/health` (default: serve.host:serve.port; `--replica URL` for others), reads the newest
+version in the model store, and asks MLflow for the newest trainer run's last metrics and for the registry's
+aliases. Every source may be down: its line says so and the rest is still printed. This module reads; it never
+changes anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from dvi.procs import local_get
+
+
+def replica(url: str, timeout_s: float = 3.0) -> dict:
+    try:
+        return {"url": url, **json.loads(local_get(url.rstrip("/") + "/health", timeout_s))}
+    except (OSError, ValueError) as e:
+        return {"url": url, "status": f"unreachable ({type(e).__name__}: {e})"}
+
+
+def last_publish(store_root: Path) -> dict | None:
+    from dvi import store
+    from dvi.models import read_drafter_meta
+
+    names = store.versions(store_root)
+    if not names:
+        return None
+    meta = read_drafter_meta(store_root / names[-1])
+    return {"version": names[-1], "versions": len(names), "created": meta.get("created"), "parent": meta.get("parent"),
+            "gate": meta.get("gate")}
+
+
+def mlflow_view(cfg) -> dict:
+    """The newest trainer run's last metrics and the registry's aliases, or why they are not available."""
+    import os
+
+    from trainers.tracking import HTTP_DEFAULTS
+
+    for k, v in HTTP_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=cfg.tracking_uri, registry_uri=cfg.tracking_uri)
+        out: dict = {"uri": cfg.tracking_uri}
+        exp = client.get_experiment_by_name(cfg.experiment)
+        runs = client.search_runs([exp.experiment_id], "tags.`dvi.role` = 'trainer'", order_by=["attributes.start_time DESC"],
+                                  max_results=1) if exp else []
+        if runs:
+            run = runs[0]
+            m = run.data.metrics
+            out["trainer"] = {"run_id": run.info.run_id, "status": run.info.status, "consumer_lag": m.get("consumer_lag"),
+                              "step_metrics": {k: m[k] for k in ("loss", "acceptance", "records_per_s") if k in m}}
+        try:
+            model = client.get_registered_model(cfg.registry_model)
+            out["aliases"] = {a: _dvi_version(client, cfg.registry_model, v) for a, v in (model.aliases or {}).items()}
+        except Exception:
+            out["aliases"] = {}
+        return out
+    except Exception as e:
+        return {"uri": cfg.tracking_uri, "error": f"unreachable ({type(e).__name__}: {str(e)[:160]})"}
+
+
+def _dvi_version(client, name: str, number) -> str:
+    mv = client.get_model_version(name, str(number))
+    return mv.tags.get("dvi.version", f"v{number}")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from dvi.cli import overrides_of
+    from dvi.config import load_config
+    from dvi.server import _store_root
+
+    cfg = load_config(overrides_of(args))
+    urls = args.replica or [f"http://{cfg.serve.host}:{cfg.serve.port}"]
+    view = {"replicas": [replica(u) for u in urls], "last_publish": last_publish(_store_root(cfg)),
+            "mlflow": mlflow_view(cfg.tracking) if cfg.tracking.enabled else None}
+    if args.json:
+        print(json.dumps(view, default=str))
+        return 0
+    for r in view["replicas"]:
+        if r.get("status") != "ok":
+            print(f"replica {r['url']}: {r.get('status')}")
+            continue
+        print(f"replica {r.get('replica_id')} at {r['url']}: drafter {r.get('drafter_version')}"
+              f"{' (on trial)' if r.get('rollout') else ''}, acceptance {r.get('acceptance_rate', 0):.3f}, "
+              f"mean accepted length {r.get('mean_accepted_length', 0):.2f}, {r.get('requests')} requests, "
+              f"median {r.get('median_tokens_per_s')} tok/s, queue {r.get('queue_depth')}, "
+              f"records sent/dropped {(r.get('records') or {}).get('sent')}/{(r.get('records') or {}).get('dropped')}")
+    p = view["last_publish"]
+    if p:
+        age = f"{(time.time() - p['created']) / 60:.1f} min ago" if p.get("created") else "at an unknown time"
+        gate = p.get("gate") or {}
+        print(f"last publish: {p['version']} ({age}, parent {p.get('parent')}, gate {gate.get('candidate_acceptance', float('nan')):.3f} "
+              f"vs {gate.get('serving_acceptance', float('nan')):.3f}); {p['versions']} versions in the store")
+    else:
+        print("last publish: none (the store is empty)")
+    m = view["mlflow"]
+    if m is None:
+        print("mlflow: tracking disabled")
+    elif "error" in m:
+        print(f"mlflow {m['uri']}: {m['error']}")
+    else:
+        t = m.get("trainer")
+        if t:
+            print(f"trainer: run {t['run_id'][:8]} {t['status']}, consumer lag {t['consumer_lag']}, {t['step_metrics']}")
+        else:
+            print("trainer: no run yet")
+        print(f"registry aliases: {m.get('aliases') or 'none'}")
+    return 0

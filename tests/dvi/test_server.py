@@ -1,0 +1,349 @@
+"""The serving replica over real HTTP (uvicorn on a free port), the real broker and a real model store.
+
+The tiny pair (a random Llama with the demo tokenizer, tests/conftest.py) keeps decoding fast; the drafters
+swapped in are noisy copies of the target published into the store with `dvi.store.publish`, and announced on
+a control topic of the test's own. The last test runs `dvi serve` itself on the real demo pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from dvi import store
+from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig
+from dvi.models import resolve_pair, load_causal_lm
+from dvi.server import Service
+from streams.broker import free_port
+from streams.control import ControlReader
+from streams.control import send as control_send
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+
+def publish_noisy(store_root: Path, target_dir: Path, version: str, noise: float, seed: int) -> store.Published:
+    """A copy of the target with relative Gaussian noise `noise` on every matrix (noise 10: unrelated weights)."""
+    model = load_causal_lm(target_dir, "drafter")
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for k, v in model.state_dict().items():
+        weights[k] = v + torch.randn(v.shape, generator=g) * noise * v.std() if v.ndim >= 2 else v.clone()
+    return store.publish(store_root, version, weights, target_dir, {"parent": "test"})
+
+
+def announce(stream_cfg, p: store.Published) -> None:
+    control_send(stream_cfg, "drafter_published", version=p.version, uri=str(p.path), sha256=p.sha256, parent="test")
+
+
+class Running:
+    """A Service behind uvicorn in this process, on a free port."""
+
+    def __init__(self, service: Service):
+        import uvicorn
+
+        from dvi.api import create_app
+
+        self.service = service.start()
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def post(self, path: str, body, **kw) -> requests.Response:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return requests.post(self.url + path, data=data, timeout=120, **kw)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.service.close()
+
+
+def service_config(stream_cfg, dirs, store_root: Path, **serve) -> DviConfig:
+    target, drafter = dirs
+    s = dict(spec=SpecConfig(k=3, adaptive=False), swap=SwapConfig(store=str(store_root), initial="none", window_tokens=10**9),
+             max_batch=4, metrics_every_s=3600, plot_every_s=3600)
+    s.update(serve)
+    return DviConfig(model=ModelConfig(target=str(target), drafter=str(drafter)), stream=stream_cfg,
+                     serve=ServeConfig(**s), tracking=TrackingConfig(enabled=False))
+
+
+@pytest.fixture
+def running(stream_cfg, tiny_dirs, tmp_path):
+    cfg = service_config(stream_cfg, tiny_dirs, tmp_path / "store")
+    r = Running(Service(cfg, resolve_pair(cfg.model)))
+    yield r
+    r.close()
+
+
+PROMPTS = [[(7 * i + 13 * j) % 40000 + 100 for j in range(6 + i % 5)] for i in range(24)]
+
+
+def reference_greedy(dirs, n_tokens: int) -> list[list[int]]:
+    """The target's own greedy continuation of each prompt (engine without a drafter)."""
+    from dvi.engine import Request, SpeculativeEngine
+
+    engine = SpeculativeEngine(load_causal_lm(dirs[0], "target"), None, SpecConfig(), max_batch=8)
+    return [r.token_ids for r in engine.generate([Request(p, max_new_tokens=n_tokens) for p in PROMPTS])]
+
+
+def test_ten_swaps_under_load_keep_every_answer_exact_and_tagged(running, stream_cfg, tiny_dirs, tmp_path):
+    store_root = tmp_path / "store"
+    initial = running.service.engine.drafter.version
+    versions = [publish_noisy(store_root, tiny_dirs[0], f"d{i:04d}", noise=0.05 * (1 + i % 3), seed=i) for i in range(1, 11)]
+    expected = reference_greedy(tiny_dirs, 24)
+
+    def ask(i: int) -> dict:
+        r = running.post("/v1/completions", {"prompt": PROMPTS[i], "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def swaps():
+        for p in versions:
+            announce(stream_cfg, p)
+            time.sleep(0.4)
+
+    with ThreadPoolExecutor(8) as pool:
+        announcer = pool.submit(swaps)
+        answers = list(pool.map(ask, list(range(24)) * 2))
+        announcer.result()
+    deadline = time.monotonic() + 60
+    while running.service.metrics.events["swap"] < 10:
+        assert time.monotonic() < deadline, running.service.metrics.events
+        answers += [ask(0)]
+
+    tokenizer = running.service.tokenizer
+    seen = set()
+    for i, a in zip(list(range(24)) * 2, answers):
+        assert a["choices"][0]["text"] == tokenizer.decode(expected[i], skip_special_tokens=True)
+        assert a["usage"]["completion_tokens"] == len(expected[i])
+        tags = a["dvi"]["drafter_versions"]
+        assert tags and set(tags) <= {initial} | {p.version for p in versions}
+        seen.update(tags)
+    m = running.service.metrics
+    assert m.events["swap"] == 10 and not any(k.startswith("refused") for k in m.events), m.events
+    assert running.service.engine.drafter.version == "d0010"
+    assert len(seen) >= 3, seen  # requests really ran on several drafters
+    assert m.errors == {}
+
+
+def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_path):
+    service, store_root = running.service, tmp_path / "store"
+    good = publish_noisy(store_root, tiny_dirs[0], "d0001", noise=0.05, seed=1)
+    service.on_control({"type": "drafter_published", "version": good.version, "uri": str(good.path), "sha256": good.sha256})
+    assert service.engine.drafter.version == "d0001"
+
+    outside = publish_noisy(tmp_path / "elsewhere", tiny_dirs[0], "d0002", noise=0.05, seed=2)
+    bad_sum = publish_noisy(store_root, tiny_dirs[0], "d0003", noise=0.05, seed=3)
+    nan = publish_noisy(store_root, tiny_dirs[0], "d0004", noise=0.05, seed=4)
+    w = nan.path / store.WEIGHTS  # NaN written after publishing, with SHA256SUMS recomputed: only the NaN check can catch it
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(w))
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(w), metadata={"format": "pt"})
+    from dvi.files import sha256_file
+
+    (nan.path / store.SUMS).write_text("".join(f"{sha256_file(f)}  {f.name}\n" for f in sorted(nan.path.iterdir())
+                                               if f.is_file() and f.name != store.SUMS))
+    pickled = publish_noisy(store_root, tiny_dirs[0], "d0005", noise=0.05, seed=5)
+    (pickled.path / "evil.pkl").write_bytes(b"\x80\x04K\x01.")
+    cases = {
+        "outside_store": {"version": "d0002", "uri": str(outside.path), "sha256": outside.sha256},
+        "checksum": {"version": "d0003", "uri": str(bad_sum.path), "sha256": "f" * 64},
+        "nonfinite": {"version": "d0004", "uri": str(nan.path), "sha256": sha256_file(nan.path / store.SUMS)},
+        "pickle": {"version": "d0005", "uri": str(pickled.path), "sha256": pickled.sha256},
+        "bad_message": {"version": "d0006"},
+    }
+    for reason, msg in cases.items():
+        service.on_control({"type": "drafter_published", **msg})
+        assert service.metrics.events[f"refused:{reason}"] == 1, (reason, service.metrics.events)
+        assert service.engine.drafter.version == "d0001"
+    r = running.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})
+    assert r.status_code == 200 and r.json()["dvi"]["drafter_versions"] == ["d0001"]
+    assert 'dvi_drafter_events_total{event="refused:nonfinite"} 1' in requests.get(running.url + "/metrics", timeout=10).text
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    from trainers.mlflow_server import LocalMlflow
+
+    with LocalMlflow(tmp_path_factory.mktemp("mlflow"), free_port()) as s:
+        yield s
+
+
+def test_live_check_promotes_a_better_drafter_and_rolls_back_a_random_one(stream_cfg, tiny_dirs, tmp_path, mlflow_server):
+    """d0001 (close to the target) replaces the 1-layer drafter and is promoted (alias production); d0002 (random
+    weights) is rolled back, tagged rejected in the registry, announced as rejected and never installed again."""
+    from mlflow import MlflowClient
+
+    from trainers.tracking import Tracker
+
+    store_root = tmp_path / "store"
+    good = publish_noisy(store_root, tiny_dirs[0], "d0001", noise=0.02, seed=1)
+    bad = publish_noisy(store_root, tiny_dirs[0], "d0002", noise=10.0, seed=2)  # unrelated weights
+    tracking = TrackingConfig(uri=mlflow_server.uri, experiment=f"serve-{tmp_path.name}", registry_model=f"m-{tmp_path.name}", retry_s=0.2)
+    with Tracker(tracking, "trainer") as trainer_side:  # what the trainer does when it publishes
+        for p in (good, bad):
+            trainer_side.register_drafter(str(p.path), p.version, {"parent_version": "test"})
+    cfg = service_config(stream_cfg, tiny_dirs, store_root,
+                         swap=SwapConfig(store=str(store_root), initial="none", window_tokens=60, baseline_tokens=30, rollback_margin=0.1))
+    cfg = DviConfig(model=cfg.model, stream=cfg.stream, serve=cfg.serve, tracking=tracking)
+    service = Service(cfg, resolve_pair(cfg.model), tracker=Tracker(tracking, "serve-test", tags={"dvi.role": "serve"}))
+    r = Running(service)
+    initial = service.engine.drafter.version
+
+    def traffic_until(done, i0: int) -> None:
+        deadline, i = time.monotonic() + 90, i0
+        while not done():
+            assert time.monotonic() < deadline, service.metrics.events
+            assert r.post("/v1/completions", {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 24, "dvi": {"domain": "a"}}).status_code == 200
+            i += 1
+
+    try:
+        traffic_until(lambda: service.metrics.acceptance_of(initial)[0] >= 30, 0)  # the baseline
+        announce(stream_cfg, good)
+        traffic_until(lambda: service.metrics.events["promote"] == 1, 4)
+        assert service.engine.drafter.version == "d0001"
+        announce(stream_cfg, bad)
+        traffic_until(lambda: service.metrics.events["rollback"] == 1, 8)
+        assert service.engine.drafter.version == "d0001" and "d0002" in service.rejected
+        rates = {v: s.acceptance_rate for v, s in service.metrics.by_version.items()}
+        assert rates["d0002"] < rates["d0001"] - 0.1 and rates["d0001"] > rates[initial], rates
+        with ControlReader(stream_cfg, from_beginning=True) as reader:
+            msgs, deadline = [], time.monotonic() + 10
+            while not any(m["type"] == "drafter_rejected" for m in msgs) and time.monotonic() < deadline:
+                msgs += reader.poll(0.5)
+        rejected = [m for m in msgs if m["type"] == "drafter_rejected"]
+        assert rejected and rejected[0]["version"] == "d0002" and rejected[0]["previous"] == "d0001"
+        announce(stream_cfg, bad)  # announced again: never re-installed
+        time.sleep(1.5)
+        assert service.engine.drafter.version == "d0001" and service.metrics.events["swap"] == 2
+        service._log_interval()
+        service.plot()
+    finally:
+        r.close()  # closes the tracker: queued MLflow operations are done first
+
+    client = MlflowClient(tracking_uri=mlflow_server.uri, registry_uri=mlflow_server.uri)
+    numbers = trainer_side.registered()
+    assert client.get_model_version_by_alias(tracking.registry_model, "production").version == str(numbers["d0001"])
+    tags = client.get_model_version(tracking.registry_model, str(numbers["d0002"])).tags
+    assert tags.get("dvi.rejected") == "true" and "live acceptance" in tags.get("dvi.rejected_reason", "")
+    run = client.get_run(service.tracker.stats().run_id)
+    assert "interval/acceptance_rate" in run.data.metrics and "version/d0001/acceptance_rate" in run.data.metrics
+    assert "interval/acceptance.a" in run.data.metrics
+    assert [f.path for f in client.list_artifacts(run.info.run_id, "plots")] == ["plots/drift.png"]
+
+
+def test_http_errors_are_clear_4xx_and_streaming_matches_the_plain_answer(running):
+    cases = [
+        (b"{not json", 400, "malformed JSON"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "hi", "model": "gpt-7"}, 404, "not found"),
+        ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "hi", "n": 3}, 400, "n=1"),
+        ({"prompt": "hi", "frobnicate": 1}, 400, "unsupported"),
+        ({"prompt": [1] * 600}, 400, "context window"),
+        ({"prompt": [49152]}, 400, "token ids"),
+        ([1, 2], 400, "JSON object"),
+    ]
+    for body, status, words in cases:
+        r = running.post("/v1/completions", body)
+        assert r.status_code == status, (body, r.status_code, r.text)
+        assert words in r.json()["error"]["message"], (body, r.text)
+    r = running.post("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+
+    plain = running.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 20}).json()
+    with requests.post(running.url + "/v1/chat/completions", stream=True, timeout=60,
+                       data=json.dumps({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 20, "stream": True})) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in s.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == plain["choices"][0]["message"]["content"] and len(chunks) > 2
+    assert chunks[-1]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert chunks[-1]["dvi"]["drafter_versions"] == [running.service.engine.drafter.version] and chunks[-1]["usage"]["completion_tokens"] == 20
+
+    health = requests.get(running.url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["drafter_version"] == running.service.engine.drafter.version
+    metrics = requests.get(running.url + "/metrics", timeout=10).text
+    for name in ("dvi_acceptance_rate{", "dvi_mean_accepted_length{", "dvi_position_acceptance{", "dvi_tokens_per_second",
+                 "dvi_records_dropped_total", "dvi_errors_total{status=\"400\"}"):
+        assert name in metrics, name
+
+
+def test_the_api_key_is_required_on_v1_when_set(stream_cfg, tiny_dirs, tmp_path):
+    cfg = service_config(stream_cfg, tiny_dirs, tmp_path / "store", api_key="s3cret-key")
+    r = Running(Service(cfg, resolve_pair(cfg.model)))
+    try:
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert r.post("/v1/completions", body).status_code == 401
+        assert r.post("/v1/completions", body, headers={"Authorization": "Bearer wrong-key!"}).status_code == 401
+        assert r.post("/v1/completions", body, headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
+        assert requests.get(r.url + "/health", timeout=10).status_code == 200
+    finally:
+        r.close()
+
+
+@pytest.mark.real_model
+def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_target_dir, demo_drafter_dir, tmp_path):
+    """`dvi serve` on the real demo pair: a chat completion over HTTP, its DecisionRecord on the topic, SIGTERM."""
+    from streams.consumer import DecisionConsumer
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "dvi.cli", "serve", f"serve.port={port}", "tracking.enabled=false",
+           f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.topic={stream_cfg.topic}",
+           f"stream.dlq_topic={stream_cfg.dlq_topic}", f"stream.control_topic={stream_cfg.control_topic}",
+           f"serve.swap.store={tmp_path / 'store'}", "stream.replica_id=replica-a"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "dvi serve did not come up"
+            time.sleep(0.5)
+        body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 16,
+                "dvi": {"domain": "math"}}
+        r = requests.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["choices"][0]["message"]["content"].strip() and answer["dvi"]["drafter_versions"] == ["init-L2-full"]
+        with DecisionConsumer(stream_cfg, group_id=f"check-{tmp_path.name}", from_beginning=True) as consumer:
+            got, deadline = [], time.monotonic() + 30
+            while not got and time.monotonic() < deadline:
+                got += [d.record for d in consumer.poll(timeout_s=1.0)]
+        assert got and got[0].request_id == answer["dvi"]["request_id"] and got[0].domain == "math"
+        assert got[0].replica_id == "replica-a" and got[0].drafter_version == "init-L2-full"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
