@@ -303,28 +303,33 @@ def demo_drafter_dir(cache_dir: Path, layers: int, vocab: int | None) -> Path:
     return cache_dir / "models" / f"drafter-L{layers}-{'v' + str(vocab) if vocab else 'full'}"
 
 
-def resolve_pair(cfg, with_drafter: bool = True) -> Pair:
-    """Load the target and drafter named by a `dvi.config.ModelConfig`; null paths mean the demo pair.
-
-    The demo target is fetched and the demo drafter built on first use. The drafter's tokenizer must match
-    the target's.
-    """
+def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
+    """The target and drafter directories a `dvi.config.ModelConfig` names; null paths mean the demo pair,
+    whose target is fetched and whose drafter is built on first use. Loads no model."""
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    target_dir = Path(cfg.target).expanduser() if cfg.target else fetch_demo_target(cache)
+    if not with_drafter:
+        return target_dir, None
+    if cfg.drafter:
+        return target_dir, Path(cfg.drafter).expanduser()
+    drafter_dir = demo_drafter_dir(cache, cfg.drafter_layers, cfg.drafter_vocab)
+    if not (drafter_dir / DRAFTER_META).exists():
+        log.info("building the demo drafter at %s", drafter_dir)
+        build_drafter(target_dir, drafter_dir, cfg.drafter_layers, cfg.drafter_vocab)
+    return target_dir, drafter_dir
+
+
+def resolve_pair(cfg, with_drafter: bool = True) -> Pair:
+    """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
+    tokenizer must match the target's."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    target_dir = Path(cfg.target).expanduser() if cfg.target else fetch_demo_target(cache)
+    target_dir, drafter_dir = pair_dirs(cfg, with_drafter)
     tokenizer = load_tokenizer(target_dir, "target")
     target = load_causal_lm(target_dir, "target", dtype)
-    drafter, drafter_dir = None, None
-    if with_drafter:
-        if cfg.drafter:
-            drafter_dir = Path(cfg.drafter).expanduser()
-        else:
-            drafter_dir = demo_drafter_dir(cache, cfg.drafter_layers, cfg.drafter_vocab)
-            if not (drafter_dir / DRAFTER_META).exists():
-                log.info("building the demo drafter at %s", drafter_dir)
-                build_drafter(target_dir, drafter_dir, cfg.drafter_layers, cfg.drafter_vocab)
+    drafter = None
+    if drafter_dir is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
         drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype)
     return Pair(target, tokenizer, drafter, target_dir, drafter_dir)

@@ -1,0 +1,126 @@
+"""`dvi up`: the restart backoff and the plan as pure logic; then the real stack (broker, MLflow, serve, train)
+started, asked, a part killed and restarted, and stopped with no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+
+from dvi.config import load_config
+from dvi.errors import DviError
+from dvi.stack import MAX_BACKOFF_S, STABLE_S, next_backoff, plan
+from streams.broker import free_port
+
+
+def test_backoff_doubles_to_a_cap_and_starts_over_after_a_stable_run():
+    delays, previous = [], None
+    for _ in range(8):
+        previous = next_backoff(previous, uptime_s=2.0)
+        delays.append(previous)
+    assert delays == [1, 2, 4, 8, 16, 30, 30, 30] and MAX_BACKOFF_S == 30
+    assert next_backoff(30.0, uptime_s=STABLE_S) == 1
+
+
+def test_plan_leaves_out_what_the_config_points_elsewhere():
+    assert [p.name for p in plan(load_config([]))] == ["broker", "mlflow", "serve", "train"]
+    external = load_config(["stream.bootstrap_servers=kafka:9092", "tracking.uri=http://mlflow:5000"])
+    assert [p.name for p in plan(external)] == ["serve", "train"]
+    assert [p.name for p in plan(load_config(["tracking.enabled=false"]), train=False)] == ["broker", "serve"]
+    assert [p.name for p in plan(load_config([]), only={"broker", "serve"})] == ["broker", "serve"]
+    with pytest.raises(DviError, match="unknown part"):
+        plan(load_config([]), only={"serve", "kafka"})
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of processes whose environment holds `marker` (every descendant of `dvi up` inherits it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+class Lines:
+    """The stdout of a process, collected by a thread, waited on line by line."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self._cv = threading.Condition()
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc):
+        for line in proc.stdout:
+            with self._cv:
+                self.lines.append(line.rstrip("\n"))
+                self._cv.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float, after: int = 0) -> int:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while True:
+                for i in range(after, len(self.lines)):
+                    if text in self.lines[i]:
+                        return i
+                left = deadline - time.monotonic()
+                assert left > 0, f"no '{text}' within {timeout_s} s:\n" + "\n".join(self.lines)
+                self._cv.wait(left)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.broker
+def test_dvi_up_answers_restarts_a_killed_part_and_stops_everything(demo_target_dir, demo_drafter_dir, tmp_path):
+    marker = f"DVI_UP_TEST={uuid.uuid4().hex}"
+    api = free_port()
+    overrides = [
+        f"model.target={demo_target_dir}", f"model.drafter={demo_drafter_dir}", f"model.cache_dir={tmp_path / 'cache'}",
+        f"stream.port={free_port()}", f"tracking.port={free_port()}", f"tracking.root={tmp_path / 'mlflow'}",
+        f"serve.port={api}", f"trainer.store={tmp_path / 'store'}", f"trainer.run_dir={tmp_path / 'run'}",
+        "serve.metrics_every_s=5",
+    ]  # fmt: skip
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    out = Lines(proc)
+    try:
+        out.wait_for("Ctrl-C stops everything", 600)
+        assert any(f"API     http://127.0.0.1:{api}/v1" in line for line in out.lines), out.lines
+        for part in ("broker", "mlflow", "serve", "train"):
+            assert (tmp_path / "cache" / "logs" / f"{part}.log").exists()
+
+        def ask() -> dict:
+            r = requests.post(f"http://127.0.0.1:{api}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
+                                                                              "temperature": 0}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = ask()
+        assert first["usage"]["completion_tokens"] == 8 and first["dvi"]["drafter_versions"]
+
+        serve_pid = requests.get(f"http://127.0.0.1:{api}/health", timeout=10).json()["pid"]
+        os.kill(serve_pid, signal.SIGKILL)  # a crash: the supervisor reports it and starts serve again
+        i = out.wait_for("serve exited (status -9)", 30)
+        out.wait_for("serve ready again", 300, after=i)
+        assert ask()["choices"][0]["text"] == first["choices"][0]["text"]
+        assert processes_with(marker), "the stack's processes carry the marker"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+    assert code == 0, "\n".join(out.lines)
+    time.sleep(0.5)
+    assert processes_with(marker) == [], "processes left behind after `dvi up` stopped"
+    stopped = [line for line in out.lines if line.startswith("dvi up:") and " stopped (status" in line]
+    assert [line.split()[2] for line in stopped] == ["train", "serve", "mlflow", "broker"], out.lines
