@@ -328,11 +328,15 @@ class Service:
 
     def _swap_loop(self) -> None:
         from streams.control import ControlReader
+        from streams.topics import ensure_topics
 
         reader, warned = None, False
         while not self._stop.is_set():
             if reader is None:
                 try:
+                    # a reader assigned to a topic that does not exist yet starts at its end once it appears,
+                    # after the messages that created it: create the topics first, as the trainer does
+                    ensure_topics(self.cfg.stream)
                     reader = ControlReader(self.cfg.stream, client_id=f"dvi-serve-{self.replica_id}")
                     warned = False
                 except DviError as e:
