@@ -3,6 +3,7 @@ started, asked, a part killed and restarted, and stopped with no process left be
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -84,10 +85,10 @@ class Lines:
 @pytest.mark.broker
 def test_dvi_up_answers_restarts_a_killed_part_and_stops_everything(demo_target_dir, demo_drafter_dir, tmp_path):
     marker = f"DVI_UP_TEST={uuid.uuid4().hex}"
-    api = free_port()
+    api, mlflow_port = free_port(), free_port()
     overrides = [
         f"model.target={demo_target_dir}", f"model.drafter={demo_drafter_dir}", f"model.cache_dir={tmp_path / 'cache'}",
-        f"stream.port={free_port()}", f"tracking.port={free_port()}", f"tracking.root={tmp_path / 'mlflow'}",
+        f"stream.port={free_port()}", f"tracking.port={mlflow_port}", f"tracking.root={tmp_path / 'mlflow'}",
         f"serve.port={api}", f"trainer.store={tmp_path / 'store'}", f"trainer.run_dir={tmp_path / 'run'}",
         "serve.metrics_every_s=5",
     ]  # fmt: skip
@@ -109,6 +110,12 @@ def test_dvi_up_answers_restarts_a_killed_part_and_stops_everything(demo_target_
 
         first = ask()
         assert first["usage"]["completion_tokens"] == 8 and first["dvi"]["drafter_versions"]
+        status = subprocess.run([sys.executable, "-m", "dvi.cli", "status", "--json", *overrides], capture_output=True, text=True,
+                                timeout=120)
+        assert status.returncode == 0, status.stderr
+        view = json.loads(status.stdout)
+        assert view["replicas"][0]["status"] == "ok" and view["replicas"][0]["drafter_version"] == first["dvi"]["drafter_version"]
+        assert view["mlflow"]["uri"] == f"http://127.0.0.1:{mlflow_port}" and "error" not in view["mlflow"], view
 
         serve_pid = requests.get(f"http://127.0.0.1:{api}/health", timeout=10).json()["pid"]
         os.kill(serve_pid, signal.SIGKILL)  # a crash: the supervisor reports it and starts serve again

@@ -230,8 +230,9 @@ def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_reco
     cfg = config(stream_cfg, tiny_dirs, tmp_path, holdout_share=0.5, gate_min_records=4, max_steps=1)
     produce(stream_cfg, tiny_records)
     publisher = lambda kind, **fields: control_send(stream_cfg, kind, **fields)  # noqa: E731
-    with ControlReader(stream_cfg) as control, DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source:
-        trainer = Trainer(cfg, source, publisher=publisher)
+    with ControlReader(stream_cfg) as control, ControlReader(stream_cfg) as trainer_control, \
+            DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source:
+        trainer = Trainer(cfg, source, control=trainer_control, publisher=publisher)
         trainer.run()
         assert len(trainer.buffer.holdout) >= 4
         candidate = trainer.engine.module.model
@@ -257,6 +258,18 @@ def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_reco
         while not msgs and time.monotonic() < deadline:
             msgs = [m for m in control.poll(0.5) if m["type"] == "drafter_published"]
         assert msgs and msgs[0]["version"] == version and msgs[0]["gate"]["candidate_acceptance"] > msgs[0]["gate"]["serving_acceptance"]
+
+        # the servers roll it back: the gate compares against the drafter before it again
+        control_send(stream_cfg, "drafter_rejected", version=version, reason="live acceptance fell", replica_id="r1")
+        deadline = time.monotonic() + 10
+        while trainer.state.lineage[-1] == version:
+            assert time.monotonic() < deadline, "the trainer did not act on drafter_rejected"
+            trainer._control()
+            time.sleep(0.2)
+        assert trainer.state.serving_dir == str(trainer.initial_dir)
+        initial = load_drafter(trainer.initial_dir, VOCAB)
+        for a, b in zip(trainer.serving.parameters(), initial.model.parameters(), strict=True):
+            assert torch.equal(a, b)
 
 
 def test_non_finite_weights_roll_back_and_are_never_checkpointed_or_published(stream_cfg, tiny_dirs, tiny_records, tmp_path):
