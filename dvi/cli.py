@@ -47,12 +47,10 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
 def cmd_models_fetch(args: argparse.Namespace) -> int:
     from dvi.config import load_config
-    from dvi.models import default_cache_dir, fetch_demo_target
-    from pathlib import Path
+    from dvi.models import cache_dir, fetch_demo_target
 
     cfg = load_config(overrides_of(args))
-    cache = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else default_cache_dir()
-    print(fetch_demo_target(cache))
+    print(fetch_demo_target(cache_dir(cfg.model)))
     return 0
 
 
@@ -60,10 +58,10 @@ def cmd_drafter_init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dvi.config import load_config
-    from dvi.models import build_drafter, default_cache_dir, demo_drafter_dir, fetch_demo_target
+    from dvi.models import build_drafter, cache_dir, demo_drafter_dir, fetch_demo_target
 
     cfg = load_config(overrides_of(args)).model
-    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    cache = cache_dir(cfg)
     target_dir = Path(cfg.target).expanduser() if cfg.target else fetch_demo_target(cache)
     layers = args.layers if args.layers is not None else cfg.drafter_layers
     vocab = args.vocab if args.vocab is not None else cfg.drafter_vocab

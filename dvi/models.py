@@ -46,6 +46,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("DVI_CACHE", Path.home() / ".cache" / "dvi"))
 
 
+def cache_dir(cfg) -> Path:
+    """The cache of a `dvi.config.ModelConfig`: `model.cache_dir`, or $DVI_CACHE (default ~/.cache/dvi)."""
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+
+
 # ----------------------------------------------------------------------------------------------
 # The demo target: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file.
 
@@ -306,7 +311,7 @@ def demo_drafter_dir(cache_dir: Path, layers: int, vocab: int | None) -> Path:
 def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
     """The target and drafter directories a `dvi.config.ModelConfig` names; null paths mean the demo pair,
     whose target is fetched and whose drafter is built on first use. Loads no model."""
-    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    cache = cache_dir(cfg)
     target_dir = Path(cfg.target).expanduser() if cfg.target else fetch_demo_target(cache)
     if not with_drafter:
         return target_dir, None

@@ -393,14 +393,10 @@ class Service:
 
 
 def _store_root(cfg: DviConfig) -> Path:
-    from dvi.models import default_cache_dir
+    """The only directory this replica loads drafters from: `serve.swap.store`, or the trainer's store."""
+    from dvi import store
 
-    if cfg.serve.swap.store:
-        return Path(cfg.serve.swap.store).expanduser().resolve()
-    if cfg.trainer.store:
-        return Path(cfg.trainer.store).expanduser().resolve()
-    cache = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else default_cache_dir()
-    return (cache / "store").resolve()
+    return (Path(cfg.serve.swap.store).expanduser() if cfg.serve.swap.store else store.default_root(cfg)).resolve()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -141,13 +141,13 @@ class Supervisor:
 def cmd_up(args: argparse.Namespace) -> int:
     from dvi.cli import overrides_of
     from dvi.config import load_config
-    from dvi.models import default_cache_dir, pair_dirs
+    from dvi.models import cache_dir, pair_dirs
 
     overrides = overrides_of(args)
     cfg = load_config(overrides)
     only = set(args.only.split(",")) if args.only else None
     parts = plan(cfg, only, train=not args.no_train)
-    cache = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else default_cache_dir()
+    cache = cache_dir(cfg.model)
     if any(p.name in ("serve", "train") for p in parts):
         target, drafter = pair_dirs(cfg.model)  # fetched and built once, before two parts race to do it
         print(f"dvi up: target {target}, drafter {drafter}", flush=True)

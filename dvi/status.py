@@ -37,12 +37,9 @@ def last_publish(store_root: Path) -> dict | None:
 
 def mlflow_view(cfg) -> dict:
     """The newest trainer run's last metrics and the registry's aliases, or why they are not available."""
-    import os
+    from trainers.tracking import bounded_http
 
-    from trainers.tracking import HTTP_DEFAULTS
-
-    for k, v in HTTP_DEFAULTS.items():
-        os.environ.setdefault(k, v)
+    bounded_http()
     try:
         from mlflow import MlflowClient
 

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from dvi.errors import DviError
 from dvi.files import fsync_path, sha256_file
-from dvi.models import DRAFT_HEAD, DRAFTER_META
+from dvi.models import DRAFT_HEAD, DRAFTER_META, cache_dir
 
 SUMS = "SHA256SUMS"
 WEIGHTS = "model.safetensors"
@@ -42,6 +42,11 @@ class Published:
     path: Path
     sha256: str  # of SHA256SUMS: pins every file of the version
     bytes: int
+
+
+def default_root(cfg) -> Path:
+    """The store a `dvi.config.DviConfig` names for its trainer: `trainer.store`, or <cache>/store."""
+    return Path(cfg.trainer.store).expanduser() if cfg.trainer.store else cache_dir(cfg.model) / "store"
 
 
 def check_version_name(version: str) -> None:

@@ -140,7 +140,8 @@ class Trainer:
         """source: a `streams.consumer.DecisionConsumer` (or anything with poll / commit); tracker: a
         `trainers.tracking.Tracker` or None; control: a `streams.control.ControlReader` or None (retrain requests);
         publisher: callable(kind, **fields) that sends a control message, or None; offline: stop when idle."""
-        from dvi.models import resolve_pair
+        from dvi import store
+        from dvi.models import cache_dir, resolve_pair
         from trainers import checkpoint, ds
         from trainers.triggers import Trigger
 
@@ -148,9 +149,9 @@ class Trainer:
         self.source, self.tracker, self.control, self.publisher, self.offline = source, tracker, control, publisher, offline
         torch.manual_seed(self.tcfg.seed)
         self.rank, self.world = ds.init_distributed()
-        self.cache = _cache_dir(cfg)
+        self.cache = cache_dir(cfg.model)
         self.run_dir = Path(self.tcfg.run_dir).expanduser() if self.tcfg.run_dir else self.cache / "trainer"
-        self.store = Path(self.tcfg.store).expanduser() if self.tcfg.store else self.cache / "store"
+        self.store = store.default_root(cfg)
 
         # the drafter to train, and the vocabulary its records must use
         pair = resolve_pair(cfg.model, with_drafter=True)
@@ -580,8 +581,3 @@ def _merged_ledgers(ranks: list[dict]) -> list[list[str]]:
 def _params_finite(module: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in module.parameters())
 
-
-def _cache_dir(cfg: DviConfig) -> Path:
-    from dvi.models import default_cache_dir
-
-    return Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else default_cache_dir()

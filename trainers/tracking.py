@@ -52,6 +52,12 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TI
 _IDLE_S = 0.5  # how often the thread looks for new points when all is sent
 
 
+def bounded_http() -> None:
+    """Give the MLflow client HTTP_DEFAULTS unless the environment sets them (before any client is made)."""
+    for name, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 @dataclass(frozen=True)
 class TrackerStats:
     sent: int  # metric points MLflow acknowledged
@@ -116,8 +122,7 @@ class Tracker:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         if self.enabled:
-            for name, value in HTTP_DEFAULTS.items():
-                os.environ.setdefault(name, value)
+            bounded_http()
             self._thread = threading.Thread(target=self._run, name="dvi-tracker", daemon=True)
             self._thread.start()
 
