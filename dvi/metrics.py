@@ -3,7 +3,7 @@
 `ServingMetrics.observe(result, domain)` folds one finished request (`dvi.engine.Result`) in, round by round,
 so a request that spanned a hot swap counts each round for the drafter that drafted it. Readers take what they
 need: `prometheus(...)` renders the /metrics page, `interval()` the points for MLflow since the last call,
-`acceptance_of(version)` feeds the swap judge, and `series` / `markers` the drift plot (`drift_plot`).
+`recent_acceptance_of(version, tokens)` and `acceptance_of(version)` feed the swap judge, and `series` / `markers` the drift plot (`drift_plot`).
 Events (swaps, refusals, rollbacks, promotions) are counted with `event(kind, ...)`.
 
 This module knows the engine's stats; not HTTP, Kafka or MLflow (its readers are in dvi.server).
@@ -20,6 +20,7 @@ from dvi.engine import Result, SpecStats
 
 NO_DRAFTER = "none"  # the version label of rounds decoded without a drafter
 NO_DOMAIN = "none"
+RECENT_ROUNDS = 4096  # drafting rounds kept per version for `recent_acceptance_of`
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ServingMetrics:
         self.total = SpecStats()
         self.by_version: dict[str, SpecStats] = {}
         self.by_domain: dict[tuple[str, str], SpecStats] = {}
+        self.recent_rounds: dict[str, deque[tuple[int, int]]] = {}  # version -> its latest rounds' (drafted, accepted)
         self.recent_speed: deque[float] = deque(maxlen=256)  # tokens/s of recent requests
         self.series: deque[Point] = deque(maxlen=history)
         self.markers: deque[tuple[float, str, str]] = deque(maxlen=history)  # (time, event, version)
@@ -73,6 +75,8 @@ class ServingMetrics:
                               self.by_domain.setdefault((version, domain), SpecStats()),
                               self._interval_domains.setdefault(domain, SpecStats())):
                     stats.add(r.k, r.accepted)
+                if r.k:
+                    self.recent_rounds.setdefault(version, deque(maxlen=RECENT_ROUNDS)).append((r.k, r.accepted))
 
     def error(self, status: int) -> None:
         with self._lock:
@@ -96,6 +100,17 @@ class ServingMetrics:
         with self._lock:
             s = self.by_version.get(version)
             return (s.drafted, s.accepted) if s else (0, 0)
+
+    def recent_acceptance_of(self, version: str, tokens: int) -> tuple[int, int]:
+        """(drafted, accepted) of `version`'s latest drafting rounds, from the newest back until `tokens` drafted
+        tokens are covered (fewer if it drafted fewer): its acceptance on the traffic of now, not of its whole life."""
+        drafted = accepted = 0
+        with self._lock:
+            for k, a in reversed(self.recent_rounds.get(version, ())):
+                if drafted >= tokens:
+                    break
+                drafted, accepted = drafted + k, accepted + a
+        return drafted, accepted
 
     def interval(self) -> dict[str, float]:
         """Metrics since the last call (for MLflow), and a point of the drift plot."""

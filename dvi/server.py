@@ -269,7 +269,10 @@ class Service:
         drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype)
         with self._swap_lock:
             previous = self.engine.drafter
-            prev_counts = self.metrics.acceptance_of(previous.version) if previous is not None else None
+            # the baseline is the previous drafter on the latest traffic, as much of it as the new one is judged on:
+            # its lifetime figure would hold it to traffic that has since drifted away
+            window = self.cfg.serve.swap.window_tokens
+            prev_counts = self.metrics.recent_acceptance_of(previous.version, window) if previous is not None else None
             self.engine.swap_drafter(drafter)  # takes effect at the next round boundary
             self.rollout = Rollout(drafter, previous, prev_counts, self.metrics.acceptance_of(drafter.version))
         self.metrics.serving(drafter.version)

@@ -17,8 +17,9 @@ It runs on the caller's thread (the server's swap thread), never on the decoding
 
 `judge(...)` is the live check after a swap, a pure function of acceptance counts: wait for `window_tokens`
 drafted tokens of the new drafter, then keep it unless its acceptance is more than `rollback_margin` below
-the previous drafter's (measured over at least `baseline_tokens` drafted tokens; with less, there is nothing
-to compare against and the new drafter is kept).
+the previous drafter's on the traffic just before the swap (its latest `window_tokens` drafted tokens, not its
+lifetime figure, which drifted traffic would inflate; with fewer than `baseline_tokens`, there is nothing to
+compare against and the new drafter is kept).
 
 This module knows the model store, safetensors and the engine's `Drafter`; not Kafka, HTTP or MLflow.
 """
