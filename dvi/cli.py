@@ -19,7 +19,7 @@ from dvi.errors import DviError
 log = logging.getLogger("dvi")
 
 # other packages' subcommands: module paths with a `register(subparsers)` function
-EXTENSIONS: list[str] = ["streams.cli", "trainers.cli", "dvi.stack"]
+EXTENSIONS: list[str] = ["streams.cli", "trainers.cli", "dvi.stack", "dvi.drift"]
 
 
 def _quiet_libraries() -> None:

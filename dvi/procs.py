@@ -168,6 +168,13 @@ def local_get(url: str, timeout_s: float = 2.0) -> bytes:
         return resp.read()
 
 
+def local_post(url: str, data: bytes, timeout_s: float = 2.0, content_type: str = "application/json") -> bytes:
+    """POST `data` to a local server, never via a proxy; urllib's errors (an HTTPError on a non-2xx answer)."""
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": content_type})
+    with _NO_PROXY.open(req, timeout=timeout_s) as resp:
+        return resp.read()
+
+
 def http_ok(url: str, timeout_s: float = 2.0) -> str | None:
     """A probe: None when GET `url` answers 200, else what it answered."""
     try:

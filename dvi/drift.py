@@ -1,0 +1,576 @@
+"""`dvi bench drift`: acceptance falling on new traffic, and the online loop winning it back.
+
+One run, side by side on the same machine and the same prompts:
+
+1. the stack: the embedded broker and MLflow (unless config points at running ones), then
+2. bootstrap: the demo drafter is distilled offline on domain A (its `bootstrap` split, decoded here, then
+   `dvi drafter distill --file ... --steps N`), which publishes the first store version;
+3. three replicas start from that version (`serve.swap.initial=latest`): `online` follows the control topic and
+   logs its decisions for the trainer, `frozen` does neither (the loop off), `plain` decodes target-only;
+   `dvi train` distills from the online replica's decisions and publishes better drafters, which `online`
+   hot-swaps in;
+4. replay: the schedule (A -> B -> C -> A by default) of `live` prompts from `dvi.workloads`, each prompt sent to
+   `online` and `frozen` at once (and to `plain` every few prompts) through the HTTP API, each phase lasting a
+   budget of the online replica's verification rounds;
+5. analysis (pure functions below): acceptance, mean accepted length and tokens/s by phase, domain, side and
+   drafter version; how many rounds each new domain took to recover to within `tolerance` of the level the online
+   drafter reached on A; whether A holds its level when it comes back. A plot, a summary table and every sample
+   go to MLflow (run `drift-<time>`) and to the output directory.
+
+The analysis knows samples, not HTTP; the orchestration knows processes and URLs, not the maths of decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import statistics
+import sys
+import time
+import urllib.error
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dvi.errors import DviError
+
+log = logging.getLogger("dvi.drift")
+
+SIDES = ("online", "frozen", "plain")
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples and their analysis (pure)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One answered request. `slot` pairs the sides: the same prompt sent to each side has the same slot."""
+
+    slot: int
+    phase: int
+    domain: str
+    side: str
+    t: float  # seconds since the replay started, at the answer
+    version: str | None  # the drafter that drafted the request's last round (None: target-only)
+    rounds: int  # verification rounds
+    drafted: int
+    accepted: int
+    tokens: int  # generated tokens
+    seconds: float  # wall time the client waited
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def acceptance(samples: list[Sample]) -> float | None:
+    """accepted / drafted over the samples (None: nothing drafted)."""
+    drafted = sum(s.drafted for s in samples)
+    return sum(s.accepted for s in samples) / drafted if drafted else None
+
+
+def mean_accepted_length(samples: list[Sample]) -> float | None:
+    """Tokens per verification round, the recovered or bonus token included (so at least 1)."""
+    rounds = sum(s.rounds for s in samples)
+    return sum(s.tokens for s in samples) / rounds if rounds else None
+
+
+def median_tokens_per_s(samples: list[Sample]) -> float | None:
+    return statistics.median(s.tokens_per_s for s in samples) if samples else None
+
+
+def paired_ratio(num: list[Sample], den: list[Sample]) -> float | None:
+    """Median over slots served by both of num's tokens/s / den's tokens/s."""
+    by_slot = {s.slot: s for s in den}
+    ratios = [s.tokens_per_s / by_slot[s.slot].tokens_per_s for s in num if s.slot in by_slot and by_slot[s.slot].tokens_per_s > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def trailing(samples: list[Sample], rounds: int) -> list[Sample]:
+    """The latest samples that together cover at least `rounds` verification rounds (all of them if fewer)."""
+    out, covered = [], 0
+    for s in reversed(samples):
+        if covered >= rounds:
+            break
+        out.append(s)
+        covered += s.rounds
+    return out[::-1]
+
+
+def rolling_acceptance(samples: list[Sample], window: int) -> list[tuple[int, float | None]]:
+    """(rounds so far, acceptance over the trailing `window` rounds) after each sample, in order."""
+    out, total = [], 0
+    for i, s in enumerate(samples):
+        total += s.rounds
+        out.append((total, acceptance(trailing(samples[: i + 1], window))))
+    return out
+
+
+def recovery_rounds(samples: list[Sample], level: float, tolerance: float, window: int) -> int | None:
+    """Verification rounds into a phase until the trailing `window` rounds' acceptance first reaches
+    `level - tolerance` (a full window: never fewer than `window` rounds); None if it never does."""
+    for total, acc in rolling_acceptance(samples, window):
+        if total >= window and acc is not None and acc >= level - tolerance:
+            return total
+    return None
+
+
+def thirds(samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """(first third, last third) of a phase's samples by slot: early and late traffic of the same phase."""
+    slots = sorted({s.slot for s in samples})
+    if len(slots) < 3:
+        return samples, samples
+    lo, hi = slots[len(slots) // 3], slots[-(len(slots) // 3)]
+    return [s for s in samples if s.slot < lo], [s for s in samples if s.slot >= hi]
+
+
+@dataclass(frozen=True)
+class Targets:
+    tolerance: float = 0.05  # recovery: within this of domain A's level; forgetting: A falls no more than this
+    recovery_rounds: int = 2000
+    acceptance_gain: float = 0.15  # online over frozen on shifted domains, absolute
+    speedup: float = 1.25  # online over frozen tokens/s on shifted domains
+
+
+def summarize(samples: list[Sample], schedule: list[str], window: int, targets: Targets = Targets()) -> dict:
+    """Per phase and side: acceptance, mean accepted length, tokens/s (whole phase, first and last third),
+    paired speedups, recovery rounds; and the targets, each with its measured value and whether it holds.
+    'Shifted' phases are those whose domain is not the first one; their figures are taken over the last third
+    of the phase (after the loop had time to adapt) and over the whole phase."""
+    def side(rows: list[Sample], name: str) -> list[Sample]:
+        return [s for s in rows if s.side == name]
+
+    first = schedule[0]
+    phase0_online = side([s for s in samples if s.phase == 0], "online")
+    level = acceptance(trailing(phase0_online, window))
+    phases, checks = [], []
+    for i, domain in enumerate(schedule):
+        rows = [s for s in samples if s.phase == i]
+        early, late = thirds(rows)
+        p = {"phase": i, "domain": domain, "slots": len({s.slot for s in rows}),
+             "online_rounds": sum(s.rounds for s in side(rows, "online"))}
+        for name in SIDES:
+            for part, subset in (("", rows), ("early_", early), ("late_", late)):
+                these = side(subset, name)
+                p[f"{part}{name}_acceptance"] = acceptance(these)
+                p[f"{part}{name}_tokens_per_s"] = median_tokens_per_s(these)
+            p[f"{name}_mean_accepted_length"] = mean_accepted_length(side(rows, name))
+        for part, subset in (("", rows), ("late_", late)):
+            p[f"{part}online_vs_frozen"] = paired_ratio(side(subset, "online"), side(subset, "frozen"))
+            p[f"{part}online_vs_plain"] = paired_ratio(side(subset, "online"), side(subset, "plain"))
+            p[f"{part}frozen_vs_plain"] = paired_ratio(side(subset, "frozen"), side(subset, "plain"))
+        p["versions"] = sorted({s.version for s in side(rows, "online") if s.version})
+        if i > 0 and level is not None:
+            p["recovery_rounds"] = recovery_rounds(side(rows, "online"), level, targets.tolerance, window)
+        phases.append(p)
+        if i == 0 or level is None:
+            continue
+        if domain != first:
+            rec = p["recovery_rounds"]
+            checks.append({"target": f"phase {i} ({domain}): recovers to within {targets.tolerance} of {first}'s level "
+                           f"{level:.3f} within {targets.recovery_rounds} rounds", "measured": rec,
+                           "ok": rec is not None and rec <= targets.recovery_rounds})
+            gain = _diff(p["late_online_acceptance"], p["late_frozen_acceptance"])
+            checks.append({"target": f"phase {i} ({domain}): acceptance online - frozen >= {targets.acceptance_gain} "
+                           "(last third)", "measured": gain, "ok": gain is not None and gain >= targets.acceptance_gain})
+            ratio = p["late_online_vs_frozen"]
+            checks.append({"target": f"phase {i} ({domain}): tokens/s online / frozen >= {targets.speedup} (last third)",
+                           "measured": ratio, "ok": ratio is not None and ratio >= targets.speedup})
+        else:
+            acc = p["online_acceptance"]
+            checks.append({"target": f"phase {i} ({domain} again): acceptance >= {first}'s level {level:.3f} - "
+                           f"{targets.tolerance} (no forgetting)", "measured": acc,
+                           "ok": acc is not None and acc >= level - targets.tolerance})
+    return {"schedule": schedule, "window_rounds": window, "level": level, "phases": phases, "targets": checks,
+            "swaps": swaps(side(samples, "online"))}
+
+
+def rounds_axis(samples: list[Sample]) -> dict[int, int]:
+    """slot -> the online replica's verification rounds up to and including that slot: the time axis of the plot
+    and of the MLflow metrics, on which every side's sample of a slot stands at the same place."""
+    x_of, total = {}, 0
+    for s in sorted((s for s in samples if s.side == "online"), key=lambda s: s.slot):
+        total += s.rounds
+        x_of[s.slot] = total
+    return x_of
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def swaps(online: list[Sample]) -> list[dict]:
+    """Where the online replica's drafter changed: the first sample answered by each new version."""
+    out, current = [], None
+    for s in sorted(online, key=lambda s: s.slot):
+        if s.version and s.version != current:
+            if current is not None:
+                out.append({"slot": s.slot, "t": s.t, "phase": s.phase, "version": s.version, "previous": current})
+            current = s.version
+    return out
+
+
+def _fmt(v, digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def table(summary: dict) -> str:
+    """The summary as a markdown table, then the targets."""
+    lines = ["| phase | domain | prompts | online rounds | acceptance online | frozen | plain tok/s | "
+             "online tok/s | frozen tok/s | online / frozen | online / plain | last third: acc. online | frozen | "
+             "online / frozen | recovered in (rounds) | drafters |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in summary["phases"]:
+        lines.append("| " + " | ".join([
+            str(p["phase"]), p["domain"], str(p["slots"]), str(p["online_rounds"]), _fmt(p["online_acceptance"]),
+            _fmt(p["frozen_acceptance"]), _fmt(p["plain_tokens_per_s"], 1), _fmt(p["online_tokens_per_s"], 1),
+            _fmt(p["frozen_tokens_per_s"], 1), _fmt(p["online_vs_frozen"], 2), _fmt(p["online_vs_plain"], 2),
+            _fmt(p["late_online_acceptance"]), _fmt(p["late_frozen_acceptance"]), _fmt(p["late_online_vs_frozen"], 2),
+            _fmt(p.get("recovery_rounds")), ", ".join(p["versions"])]) + " |")
+    lines.append("")
+    level = summary["level"]
+    lines.append(f"Level on {summary['schedule'][0]}: {_fmt(level)} (online acceptance over the last "
+                 f"{summary['window_rounds']} rounds of phase 0); swaps on the online replica: {len(summary['swaps'])}.")
+    lines.append("")
+    for c in summary["targets"]:
+        lines.append(f"- {'met' if c['ok'] else 'NOT met'}: {c['target']}: measured {_fmt(c['measured'])}")
+    return "\n".join(lines)
+
+
+def plot(samples: list[Sample], summary: dict, path: str) -> None:
+    """Acceptance (trailing window) and tokens/s over the online replica's verification rounds, by side; domain
+    boundaries as dashed lines, swaps as dotted ones, domain A's level minus the tolerance as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    window = summary["window_rounds"]
+    online = sorted((s for s in samples if s.side == "online"), key=lambda s: s.slot)
+    x_of = rounds_axis(samples)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    colors = {"online": "tab:blue", "frozen": "tab:orange", "plain": "tab:gray"}
+    for name in SIDES:
+        rows = sorted((s for s in samples if s.side == name and s.slot in x_of), key=lambda s: s.slot)
+        if not rows:
+            continue
+        xs = [x_of[s.slot] for s in rows]
+        if name != "plain":
+            accs = [acceptance(trailing(rows[: i + 1], window)) for i in range(len(rows))]
+            ax1.plot(xs, [a if a is not None else float("nan") for a in accs], color=colors[name], label=f"{name} drafter")
+        speeds = [statistics.median(r.tokens_per_s for r in rows[max(0, i - 4): i + 1]) for i in range(len(rows))]
+        ax2.plot(xs, speeds, color=colors[name], label="target only" if name == "plain" else f"{name} drafter")
+    if summary["level"] is not None:
+        ax1.axhline(summary["level"] - 0.05, color="tab:green", lw=0.8, ls="-.", label=f"{summary['schedule'][0]} level - 0.05")
+    for p in summary["phases"]:
+        starts = [x_of[s.slot] - s.rounds for s in online if s.phase == p["phase"]]
+        if starts:
+            for ax in (ax1, ax2):
+                ax.axvline(min(starts), color="black", lw=0.8, ls="--")
+            ax1.text(min(starts), 1.01, f" {p['domain']}", transform=ax1.get_xaxis_transform(), fontsize=9)
+    for sw in summary["swaps"]:
+        for ax in (ax1, ax2):
+            ax.axvline(x_of.get(sw["slot"], 0), color="tab:blue", lw=0.5, ls=":", alpha=0.7)
+    ax1.set_ylabel(f"acceptance (last {window} rounds)")
+    ax1.set_ylim(0, 1)
+    ax1.legend(loc="upper right", fontsize=8)
+    ax2.set_ylabel("tokens/s (5-request median)")
+    ax2.set_xlabel("verification rounds of the online replica (dotted: drafter swaps; dashed: domain switches)")
+    ax2.legend(loc="upper right", fontsize=8)
+    fig.suptitle("dvi drift: online loop vs frozen drafter vs target only")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class Options:
+    schedule: list[str] = field(default_factory=lambda: ["code", "prose", "qa", "code"])
+    rounds: int = 2400  # online verification rounds per phase
+    first_rounds: int | None = None  # the first phase's budget (None: `rounds`)
+    boot_prompts: int = 48
+    boot_steps: int = 60
+    max_tokens: int = 48
+    concurrency: int = 2
+    plain_every: int = 4  # every n-th prompt also goes to the target-only replica
+    window: int = 300  # rounds of the trailing acceptance window (level and recovery)
+    seed: int = 0
+    out: Path = Path("outputs/drift")
+
+
+    def budgets(self) -> list[int]:
+        return [self.first_rounds or self.rounds] + [self.rounds] * (len(self.schedule) - 1)
+
+
+# the CI-sized run: a short first phase, a longer shifted one, small bootstrap
+QUICK = dict(schedule=["code", "prose"], rounds=900, first_rounds=120, boot_prompts=12, boot_steps=12, max_tokens=32,
+             plain_every=2, window=100)
+
+
+def parse_schedule(text: str) -> list[str]:
+    from dvi.workloads import DOMAINS
+
+    schedule = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in schedule if d not in DOMAINS]
+    if bad or len(schedule) < 2:
+        raise DviError(f"--schedule {text!r}: expected two or more of {', '.join(DOMAINS)}, comma-separated")
+    return schedule
+
+
+def ask(base: str, prompt, max_tokens: int) -> tuple[dict, float]:
+    """One request to a replica's API: (its answer, the seconds the client waited); DviError when it fails."""
+    from dvi.procs import local_post
+
+    url = base + prompt.path
+    t0 = time.perf_counter()
+    try:
+        answer = json.loads(local_post(url, json.dumps(prompt.body(max_tokens)).encode(), timeout_s=600))
+    except urllib.error.HTTPError as e:
+        raise DviError(f"{url}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from e
+    except (urllib.error.URLError, OSError) as e:
+        raise DviError(f"{url}: {getattr(e, 'reason', e)}") from e
+    return answer, time.perf_counter() - t0
+
+
+def sample_of(answer: dict, seconds: float, *, slot: int, phase: int, domain: str, side: str, t: float) -> Sample:
+    ext, stats = answer["dvi"], answer["dvi"]["stats"]
+    versions = ext.get("drafter_versions") or []
+    return Sample(slot=slot, phase=phase, domain=domain, side=side, t=round(t, 3), version=versions[-1] if versions else None,
+                  rounds=int(stats["rounds"]), drafted=int(stats["drafted"]), accepted=int(stats["accepted"]),
+                  tokens=int(answer["usage"]["completion_tokens"]), seconds=round(seconds, 4))
+
+
+def bootstrap(cfg, opt: Options, overrides: list[str], work: Path, say) -> str:
+    """Distill the demo drafter offline on the first domain's bootstrap prompts; returns the published version."""
+    import subprocess
+
+    import torch
+
+    from dvi import workloads
+    from dvi.engine import Request, SpeculativeEngine
+    from dvi.events import records_from_result
+    from dvi.models import resolve_pair
+
+    pair = resolve_pair(cfg.model, with_drafter=True)
+    engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids={pair.tokenizer.eos_token_id}, max_batch=4)
+    chosen = workloads.prompts(opt.schedule[0], "bootstrap", opt.seed)[: opt.boot_prompts]
+    records_file = work / "bootstrap.jsonl"
+    t0 = time.perf_counter()
+    with records_file.open("w") as f, torch.inference_mode():
+        for i in range(0, len(chosen), 4):
+            batch = chosen[i: i + 4]
+            reqs = [Request(_encode(pair.tokenizer, p), max_new_tokens=opt.max_tokens) for p in batch]
+            for p, req, res in zip(batch, reqs, engine.generate(reqs)):
+                for rec in records_from_result(res, replica_id="bootstrap", target_name=pair.target_dir.name,
+                                               vocab_size=engine.vocab_size, sampling=req, domain=p.domain, topk=cfg.stream.topk):
+                    f.write(json.dumps(rec.to_dict()) + "\n")
+    say(f"dvi bench drift: bootstrap records: {len(chosen)} {opt.schedule[0]} prompts decoded in {time.perf_counter() - t0:.0f} s")
+    del engine, pair
+    # its gate judges on the records it holds out: one is enough (a few bootstrap prompts hold out few)
+    cmd = [sys.executable, "-m", "dvi.cli", "-v", "drafter", "distill", "--file", str(records_file), "--steps",
+           str(opt.boot_steps), *overrides, f"trainer.run_dir={work / 'bootstrap'}", "trainer.gate_min_records=1",
+           f"trainer.gate_every={opt.boot_steps}"]  # one version at the end
+    t0 = time.perf_counter()
+    with (work / "logs" / "bootstrap.log").open("w") as logf:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=logf, text=True)
+    if done.returncode != 0:
+        raise DviError(f"the bootstrap distillation failed (status {done.returncode}); see {work / 'logs' / 'bootstrap.log'}")
+    served = Path(done.stdout.strip().splitlines()[-1])
+    from dvi import store
+
+    if served.parent.resolve() != store.default_root(cfg).resolve():
+        raise DviError(f"the bootstrap distillation published nothing ({done.stdout.strip().splitlines()[0]}); "
+                       f"see {work / 'logs' / 'bootstrap.log'}")
+    say(f"dvi bench drift: bootstrap drafter {served.name}: {opt.boot_steps} steps in {time.perf_counter() - t0:.0f} s "
+        f"({done.stdout.strip().splitlines()[0]})")
+    return served.name
+
+
+def _encode(tokenizer, prompt) -> list[int]:
+    from dvi.cli import encode_prompt
+
+    return encode_prompt(tokenizer, prompt.text, raw=not prompt.chat)
+
+
+def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None) -> list[Sample]:
+    """The schedule through the replicas' HTTP APIs (see the module docstring); every answer becomes a Sample."""
+    from dvi import workloads
+
+    streams = {d: workloads.cycle(workloads.prompts(d, "live", opt.seed)) for d in set(opt.schedule)}  # A again: fresh prompts
+    samples: list[Sample] = []
+    slot, errors, t0, budgets = 0, 0, time.monotonic(), opt.budgets()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(SIDES) * opt.concurrency) as pool:
+        for phase, domain in enumerate(opt.schedule):
+            done_rounds, started = 0, time.monotonic()
+            while done_rounds < budgets[phase]:
+                asks = []
+                for _ in range(opt.concurrency):
+                    prompt = next(streams[domain])
+                    sides = [s for s in SIDES if s in urls and (s != "plain" or slot % opt.plain_every == 0)]
+                    asks += [(slot, side, pool.submit(ask, urls[side], prompt, opt.max_tokens)) for side in sides]
+                    slot += 1
+                for s, side, fut in asks:
+                    try:
+                        answer, seconds = fut.result()
+                    except DviError as e:
+                        errors += 1
+                        log.warning("slot %d, %s: %s", s, side, e)
+                        if errors > 20:
+                            raise DviError(f"more than 20 requests failed; the last: {e}") from e
+                        continue
+                    sample = sample_of(answer, seconds, slot=s, phase=phase, domain=domain, side=side, t=time.monotonic() - t0)
+                    samples.append(sample)
+                    if side == "online":
+                        done_rounds += sample.rounds
+                tick()
+            ph = [s for s in samples if s.phase == phase]
+            say(f"dvi bench drift: phase {phase} ({domain}) done in {time.monotonic() - started:.0f} s: "
+                + ", ".join(f"{name} acceptance {_fmt(acceptance([s for s in ph if s.side == name]))}" for name in ("online", "frozen"))
+                + f"; online drafters {sorted({s.version for s in ph if s.side == 'online' and s.version})}")
+    return samples
+
+
+def run(overrides: list[str], opt: Options, say=print) -> dict:
+    """The whole benchmark (see the module docstring); returns the summary, and writes it with the plot and the
+    samples into `opt.out`."""
+    from dvi.config import flat_params, load_config
+    from dvi.procs import http_ok
+    from dvi.stack import Part, Supervisor, banner, plan
+    from streams.broker import free_port
+    from trainers.tracking import Tracker
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    work = opt.out.expanduser().resolve()
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    user = load_config(overrides)
+    # a store and topics of this run's own; the broker and MLflow of its own too, unless config names running ones
+    base = ["+experiment=drift", f"trainer.store={work / 'store'}", f"stream.topic=dvi.drift-{stamp}.decisions",
+            f"stream.dlq_topic=dvi.drift-{stamp}.decisions.dlq", f"stream.control_topic=dvi.drift-{stamp}.control",
+            f"trainer.group_id=dvi-drift-{stamp}"]
+    if user.stream.bootstrap_servers is None:
+        base.append(f"stream.port={free_port()}")
+    if user.tracking.enabled and user.tracking.uri is None:
+        base += [f"tracking.port={free_port()}", f"tracking.root={work / 'mlflow'}"]
+    common = [*base, *overrides]
+    cfg = load_config(common)
+    infra = Supervisor(plan(cfg, only={"broker", "mlflow"}), common, work / "logs", say=say)
+    infra.start()
+    tracker = Tracker(cfg.tracking, run_name=f"drift-{stamp}", params={"bench": {k: str(v) for k, v in asdict(opt).items()},
+                      **flat_params(cfg)}, tags={"dvi.role": "bench", "dvi.bench": "drift"})
+    try:
+        version = bootstrap(cfg, opt, common, work, say)
+        ports = {side: free_port() for side in SIDES}
+        urls = {side: f"http://{cfg.serve.host}:{port}" for side, port in ports.items()}
+
+        def replica(side: str, *extra: str) -> Part:
+            return Part(side, ["serve", *extra, f"serve.port={ports[side]}", f"stream.replica_id={side}"],
+                        lambda _: http_ok(f"{urls[side]}/health"), 300)
+
+        services = Supervisor([
+            replica("online"),
+            replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false"),
+            replica("plain", "--no-draft", "serve.swap.enabled=false", "serve.log_decisions=false"),
+            Part("train", ["train", f"model.drafter={work / 'store' / version}", f"trainer.run_dir={work / 'trainer'}"],
+                 banner("dvi train:"), 300),
+        ], common, work / "logs", say=say)
+        try:
+            services.start()
+            say(f"dvi bench drift: replaying {' -> '.join(opt.schedule)} ({', '.join(map(str, opt.budgets()))} online "
+                f"rounds) against {', '.join(urls.values())}")
+            samples = replay(urls, opt, say, tick=services.tick)
+        finally:
+            services.stop()
+        summary = summarize(samples, opt.schedule, opt.window)
+        summary.update(bootstrap_version=version, options={k: str(v) for k, v in asdict(opt).items()})
+        (work / "samples.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
+        (work / "summary.json").write_text(json.dumps(summary, indent=2))
+        (work / "summary.md").write_text(table(summary) + "\n")
+        plot(samples, summary, str(work / "drift.png"))
+        _track(tracker, samples, summary, work)
+    finally:
+        stats = tracker.close(timeout_s=60)  # before MLflow stops
+        infra.stop()
+    if cfg.tracking.enabled and stats.dropped:
+        say(f"dvi bench drift: MLflow lost {stats.dropped} metric points")
+    return summary
+
+
+def _track(tracker, samples: list[Sample], summary: dict, work: Path) -> None:
+    """The run in MLflow: trailing acceptance and tokens/s per side over the online replica's rounds (the plot's
+    x axis), the phase index and the online drafter's publish number; summary figures; the files as artifacts."""
+    window = summary["window_rounds"]
+    x_of = rounds_axis(samples)
+    total = max(x_of.values(), default=0)
+    for name in SIDES:
+        rows = sorted((s for s in samples if s.side == name and s.slot in x_of), key=lambda s: s.slot)
+        for i, s in enumerate(rows):
+            point = {f"{name}/tokens_per_s": s.tokens_per_s}
+            if name != "plain":
+                acc = acceptance(trailing(rows[: i + 1], window))
+                if acc is not None:
+                    point[f"{name}/acceptance"] = acc
+                    point[f"{name}/acceptance/{s.domain}"] = acc
+            if name == "online":
+                point["phase"] = s.phase
+            tracker.log_metrics(point, step=x_of[s.slot])
+    flat = {}
+    for p in summary["phases"]:
+        for k, v in p.items():
+            if isinstance(v, (int, float)) and k != "phase":
+                flat[f"summary/phase{p['phase']}_{p['domain']}/{k}"] = float(v)
+    flat["summary/targets_met"] = float(sum(c["ok"] for c in summary["targets"]))
+    flat["summary/targets"] = float(len(summary["targets"]))
+    tracker.log_metrics(flat, step=total)
+    for name in ("drift.png", "summary.md", "summary.json", "samples.jsonl"):
+        tracker.log_artifact(str(work / name), "drift")
+
+
+# ----------------------------------------------------------------------------------------------
+# dvi bench drift
+
+
+def cmd_drift(args: argparse.Namespace) -> int:
+    from dvi.cli import overrides_of
+
+    overrides = overrides_of(args)
+    opt = Options(**(QUICK if args.quick else {}))
+    for name in ("rounds", "first_rounds", "boot_prompts", "boot_steps", "max_tokens", "concurrency", "plain_every", "window", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            if value < (0 if name == "seed" else 1):
+                raise DviError(f"--{name.replace('_', '-')}={value}: expected a positive integer")
+            setattr(opt, name, value)
+    if args.schedule:
+        opt.schedule = parse_schedule(args.schedule)
+    opt.out = Path(args.out) if args.out else Path("outputs") / f"drift-{time.strftime('%Y%m%d-%H%M%S')}"
+    summary = run(overrides, opt)
+    print(table(summary))
+    print(f"\ndvi bench drift: plot, table and samples in {opt.out.resolve()} (and the MLflow run's artifacts, drift/)")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="benchmarks that run the whole loop")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    d = bsub.add_parser("drift", help="acceptance under domain drift: online loop vs frozen drafter vs target-only")
+    d.add_argument("--schedule", help="domains in order, comma-separated (default code,prose,qa,code)")
+    d.add_argument("--rounds", type=int, help="online verification rounds per phase (default 2400)")
+    d.add_argument("--first-rounds", type=int, dest="first_rounds", help="the first phase's budget (default --rounds)")
+    d.add_argument("--boot-prompts", type=int, dest="boot_prompts", help="bootstrap prompts of the first domain (default 48)")
+    d.add_argument("--boot-steps", type=int, dest="boot_steps", help="bootstrap distillation steps (default 60)")
+    d.add_argument("--max-tokens", type=int, dest="max_tokens", help="new tokens per request (default 48)")
+    d.add_argument("--concurrency", type=int, help="prompts in flight per replica (default 2)")
+    d.add_argument("--plain-every", type=int, dest="plain_every", help="every n-th prompt also goes target-only (default 4)")
+    d.add_argument("--window", type=int, help="rounds of the trailing acceptance window (default 300)")
+    d.add_argument("--seed", type=int, help="workload shuffle seed (default 0)")
+    d.add_argument("--out", help="output directory (default outputs/drift-<time>)")
+    d.add_argument("--quick", action="store_true", help="the CI-sized run: code -> prose, small budgets (minutes)")
+    d.set_defaults(func=cmd_drift)

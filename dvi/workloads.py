@@ -1,0 +1,207 @@
+"""Workloads: prompts from distinct domains, built offline from real text, deterministic from a seed.
+
+Three domains, all written from the Python standard library that every installation carries:
+
+- `code`: the signature and docstring of a real stdlib function, sent raw; the model continues with its body;
+- `prose`: the opening sentences of a paragraph from the documentation topics (`pydoc_data.topics`, the text
+  behind `help('with')`), sent raw; the model continues the prose;
+- `qa`: a question or instruction written from those texts (what a module is for, what a statement does,
+  explain a passage), sent through the chat template; the model answers as an assistant.
+
+A pool per domain is shuffled with the seed and cut into disjoint splits (`bootstrap`, `live`, `eval`), so an
+offline bootstrap never sees the prompts that live traffic replays. Every prompt carries its domain tag, which
+the server puts into its DecisionRecords and per-domain metrics.
+
+This module knows text and prompts; it knows nothing about tokenizers, models or HTTP (`Prompt.body()` is the
+request body an OpenAI-compatible server takes).
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+import sysconfig
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from dvi.errors import DviError
+
+DOMAINS = ("code", "prose", "qa")
+SPLITS = {"bootstrap": 0.3, "live": 0.6, "eval": 0.1}  # shares of each shuffled pool, in this order
+
+MAX_PROMPT_CHARS = 600
+
+
+@dataclass(frozen=True)
+class Prompt:
+    domain: str
+    text: str
+    chat: bool  # True: a user message through the chat template; False: raw text to continue
+
+    def body(self, max_tokens: int, **extra) -> dict:
+        """The JSON body for /v1/chat/completions (chat) or /v1/completions (raw), tagged with the domain."""
+        base = {"max_tokens": max_tokens, "temperature": 0, "dvi": {"domain": self.domain}, **extra}
+        if self.chat:
+            return {"messages": [{"role": "user", "content": self.text}], **base}
+        return {"prompt": self.text, **base}
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+
+# ----------------------------------------------------------------------------------------------
+# the raw material
+
+
+def _stdlib() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@lru_cache(maxsize=1)
+def _topics() -> tuple[tuple[str, str], ...]:
+    try:
+        from pydoc_data import topics
+    except ImportError as e:  # some distributions strip it
+        raise DviError("the documentation topics (pydoc_data) are missing from this Python: the prose and qa "
+                       "workloads are built from them") from e
+    return tuple(sorted(topics.topics.items()))
+
+
+def _paragraphs(body: str) -> list[str]:
+    """Prose paragraphs of a topic: no code samples, grammar productions or tables; whitespace joined."""
+    out = []
+    for block in re.split(r"\n\s*\n", body):
+        lines = block.splitlines()
+        if not lines or any(l.startswith((" ", "\t", ">>>", "...")) for l in lines) or "::=" in block or "|" in block:
+            continue
+        text = " ".join(l.strip() for l in lines)
+        if len(text) >= 160 and text[0].isupper() and text.count(" ") >= 25:
+            out.append(text)
+    return out
+
+
+def _sentences(text: str, n: int) -> str:
+    parts = re.split(r"(?<=[.!?])\s+", text)
+    return " ".join(parts[:n])
+
+
+@lru_cache(maxsize=1)
+def _functions() -> tuple[tuple[str, str, str], ...]:
+    """(module, function name, prompt text) for stdlib functions with a docstring: the source from `def`
+    through the docstring, then a new line at the body's indentation (so the continuation is code)."""
+    out = []
+    for f in sorted(_stdlib().glob("*.py")):
+        src = f.read_text(errors="ignore")
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        lines = src.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("__") or len(node.body) < 3:
+                continue
+            doc = node.body[0]
+            if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+                continue
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            head = lines[start:doc.end_lineno]
+            indent = lines[doc.lineno - 1][: len(lines[doc.lineno - 1]) - len(lines[doc.lineno - 1].lstrip())]
+            base = len(head[0]) - len(head[0].lstrip())
+            text = "\n".join(l[base:] for l in head) + "\n" + indent[base:]
+            if 40 <= len(text) <= MAX_PROMPT_CHARS:
+                out.append((f.stem, node.name, text))
+    return tuple(out)
+
+
+@lru_cache(maxsize=1)
+def _module_summaries() -> tuple[tuple[str, str], ...]:
+    """(module, first sentence of its docstring) for public stdlib modules."""
+    out = []
+    for f in sorted(_stdlib().glob("*.py")):
+        if f.stem.startswith("_"):
+            continue
+        try:
+            doc = ast.get_docstring(ast.parse(f.read_text(errors="ignore")))
+        except SyntaxError:
+            continue
+        if doc:
+            first = " ".join(_sentences(doc.split("\n\n")[0], 1).split())
+            if 20 <= len(first) <= 240:
+                out.append((f.stem, first))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# the pools
+
+
+def _code_pool() -> list[Prompt]:
+    return [Prompt("code", text, chat=False) for _, _, text in _functions()]
+
+
+def _prose_pool() -> list[Prompt]:
+    out = []
+    for _, body in _topics():
+        for para in _paragraphs(body):
+            text = _sentences(para, 2)
+            if 80 <= len(text) <= MAX_PROMPT_CHARS:
+                out.append(Prompt("prose", text, chat=False))
+    return out
+
+
+QA_TOPIC = ["What does the Python documentation topic '{key}' cover? Explain it briefly for a beginner.",
+            "In Python, explain '{key}' in a few sentences, with one small example."]
+QA_MODULE = ["What is the Python standard library module `{mod}` for? Its documentation says: \"{doc}\" "
+             "Explain in your own words when you would use it.",
+             "Give a short overview of Python's `{mod}` module. It is described as: \"{doc}\""]
+QA_PASSAGE = ["Read this passage from the Python documentation and summarize it in one or two sentences:\n\n{text}",
+              "Here is a passage from the Python reference:\n\n{text}\n\nWhat is the main point, in plain words?"]
+
+
+def _qa_pool() -> list[Prompt]:
+    out = []
+    for i, (key, body) in enumerate(_topics()):
+        out.append(Prompt("qa", QA_TOPIC[i % 2].format(key=key.replace("-", " ")), chat=True))
+        paras = _paragraphs(body)
+        if paras:
+            out.append(Prompt("qa", QA_PASSAGE[i % 2].format(text=_sentences(paras[-1], 2)), chat=True))
+    for i, (mod, doc) in enumerate(_module_summaries()):
+        out.append(Prompt("qa", QA_MODULE[i % 2].format(mod=mod, doc=doc), chat=True))
+    return out
+
+
+POOLS = {"code": _code_pool, "prose": _prose_pool, "qa": _qa_pool}
+
+
+def split_bounds(n: int, split: str) -> tuple[int, int]:
+    """[start, end) of `split` in a pool of n prompts (SPLITS' shares, in order; the last split takes the rest)."""
+    if split not in SPLITS:
+        raise DviError(f"unknown workload split {split!r}: expected one of {', '.join(SPLITS)}")
+    names, start = list(SPLITS), 0
+    for name in names:
+        end = n if name == names[-1] else start + round(n * SPLITS[name])
+        if name == split:
+            return start, end
+        start = end
+    raise AssertionError("unreachable")
+
+
+def prompts(domain: str, split: str = "live", seed: int = 0) -> list[Prompt]:
+    """The `split` of `domain`'s pool, shuffled with `seed`: the same list for the same arguments on the same Python."""
+    if domain not in POOLS:
+        raise DviError(f"unknown workload domain {domain!r}: expected one of {', '.join(DOMAINS)}")
+    pool = list({p.text: p for p in POOLS[domain]() if len(p.text) <= MAX_PROMPT_CHARS}.values())  # each text once
+    random.Random(f"{domain}:{seed}").shuffle(pool)
+    start, end = split_bounds(len(pool), split)
+    return pool[start:end]
+
+
+def cycle(items: list[Prompt]):
+    """The prompts over and over (a phase may need more requests than a split has)."""
+    if not items:
+        raise DviError("an empty workload cannot be replayed")
+    while True:
+        yield from items

@@ -1,0 +1,87 @@
+"""The drift benchmark's analysis as pure functions over hand-made samples, against plain reference sums."""
+
+from __future__ import annotations
+
+import pytest
+
+from dvi import drift
+from dvi.drift import Sample
+from dvi.errors import DviError
+
+
+def s(slot, side="online", phase=0, domain="code", rounds=10, accepted=20, k=4, seconds=1.0, version="d0001", tokens=None):
+    drafted = rounds * k
+    return Sample(slot=slot, phase=phase, domain=domain, side=side, t=float(slot), version=version, rounds=rounds,
+                  drafted=drafted, accepted=accepted, tokens=tokens if tokens is not None else accepted + rounds, seconds=seconds)
+
+
+def test_acceptance_length_and_speed_are_the_plain_sums():
+    rows = [s(0, accepted=10), s(1, accepted=30, rounds=20, seconds=2.0)]
+    assert drift.acceptance(rows) == pytest.approx(40 / 120)
+    assert drift.mean_accepted_length(rows) == pytest.approx((20 + 50) / 30)  # bonus tokens included: >= 1
+    assert drift.median_tokens_per_s(rows) == pytest.approx((20 + 25) / 2)
+    assert drift.acceptance([]) is None and drift.median_tokens_per_s([]) is None
+
+
+def test_paired_ratio_pairs_by_slot_and_takes_the_median():
+    online = [s(0, seconds=1.0), s(1, seconds=1.0), s(2, seconds=1.0), s(3)]
+    frozen = [s(0, "frozen", seconds=2.0), s(1, "frozen", seconds=4.0), s(2, "frozen", seconds=1.0)]  # no slot 3
+    assert drift.paired_ratio(online, frozen) == pytest.approx(2.0)
+
+
+def test_trailing_window_and_recovery_rounds():
+    # 10 requests of 10 rounds each: acceptance 0.1 for five, then 0.6
+    rows = [s(i, accepted=4 if i < 5 else 24) for i in range(10)]
+    assert [r.slot for r in drift.trailing(rows, 25)] == [7, 8, 9]  # at least 25 rounds: three requests
+    assert drift.trailing(rows, 1000) == rows
+    rolling = drift.rolling_acceptance(rows, 20)
+    assert rolling[0] == (10, pytest.approx(0.1)) and rolling[-1] == (100, pytest.approx(0.6))
+    # level 0.6 within 0.05: the first full 20-round window at >= 0.55 ends after request 6 (slots 5, 6)
+    assert drift.recovery_rounds(rows, level=0.6, tolerance=0.05, window=20) == 70
+    assert drift.recovery_rounds(rows, level=0.9, tolerance=0.05, window=20) is None
+    # a window is never judged before it is full, even when the very first request is good
+    assert drift.recovery_rounds([s(0, accepted=40)], level=0.5, tolerance=0.05, window=20) is None
+
+
+def test_summary_finds_recovery_gain_speedup_forgetting_and_swaps():
+    rows = []
+    slot = 0
+    plan = [("code", [36] * 6), ("prose", [8, 8, 20, 30, 34, 36]), ("code", [34] * 6)]  # accepted of 40 drafted
+    for phase, (domain, accs) in enumerate(plan):
+        for acc in accs:
+            version = "d0001" if slot < 8 else "d0002"  # the online replica swaps at slot 8
+            rows.append(s(slot, phase=phase, domain=domain, accepted=acc, version=version, tokens=30, seconds=1.0))
+            rows.append(s(slot, "frozen", phase=phase, domain=domain, accepted=36 if domain == "code" else 8, tokens=30,
+                          seconds=1.5))
+            slot += 1
+    summary = drift.summarize(rows, ["code", "prose", "code"], window=20)
+    assert summary["level"] == pytest.approx(0.9)
+    prose = summary["phases"][1]
+    assert prose["recovery_rounds"] == 60  # slots 10-11 (accepted 34, 36) make the first window at >= 0.85
+    assert prose["late_online_acceptance"] == pytest.approx(70 / 80) and prose["late_frozen_acceptance"] == pytest.approx(0.2)
+    assert prose["online_vs_frozen"] == pytest.approx(1.5)
+    assert summary["swaps"] == [{"slot": 8, "t": 8.0, "phase": 1, "version": "d0002", "previous": "d0001"}]
+    assert [c["ok"] for c in summary["targets"]] == [True, True, True, True]  # recovery, gain, speedup, no forgetting
+    assert [c["measured"] for c in summary["targets"]] == [60, pytest.approx(70 / 80 - 0.2), pytest.approx(1.5),
+                                                             pytest.approx(34 / 40)]
+    text = drift.table(summary)
+    assert "| 1 | prose | 6 | 60 |" in text and "NOT met" not in text
+
+
+def test_summary_says_when_a_target_is_missed():
+    rows = [s(i, phase=0, accepted=36) for i in range(3)]
+    rows += [s(3 + i, phase=1, domain="prose", accepted=8) for i in range(3)]
+    rows += [s(3 + i, "frozen", phase=1, domain="prose", accepted=8) for i in range(3)]
+    summary = drift.summarize(rows, ["code", "prose"], window=20)
+    assert [c["ok"] for c in summary["targets"]] == [False, False, False]
+    assert summary["phases"][1]["recovery_rounds"] is None
+    assert drift.table(summary).count("NOT met") == 3
+
+
+def test_schedule_parsing():
+    assert drift.parse_schedule("code, prose,qa") == ["code", "prose", "qa"]
+    with pytest.raises(DviError, match="two or more"):
+        drift.parse_schedule("code,poetry")
+    with pytest.raises(DviError, match="two or more"):
+        drift.parse_schedule("code")
+    assert drift.Options(rounds=50, first_rounds=10, schedule=["code", "prose", "qa"]).budgets() == [10, 50, 50]
