@@ -296,8 +296,8 @@ class Options:
     schedule: list[str] = field(default_factory=lambda: ["code", "prose", "qa", "code"])
     rounds: int = 2400  # online verification rounds per phase
     first_rounds: int | None = None  # the first phase's budget (None: `rounds`)
-    boot_prompts: int = 48
-    boot_steps: int = 60
+    boot_prompts: int = 96
+    boot_steps: int = 100
     max_tokens: int = 48
     concurrency: int = 2
     plain_every: int = 4  # every n-th prompt also goes to the target-only replica
@@ -383,14 +383,15 @@ def bootstrap(cfg, opt: Options, overrides: list[str], work: Path, say) -> str:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=logf, text=True)
     if done.returncode != 0:
         raise DviError(f"the bootstrap distillation failed (status {done.returncode}); see {work / 'logs' / 'bootstrap.log'}")
-    served = Path(done.stdout.strip().splitlines()[-1])
+    lines = done.stdout.strip().splitlines()
+    served, result = Path(lines[-1]), next((l for l in lines if l.startswith("step ")), "")  # see trainers.cli
     from dvi import store
 
     if served.parent.resolve() != store.default_root(cfg).resolve():
-        raise DviError(f"the bootstrap distillation published nothing ({done.stdout.strip().splitlines()[0]}); "
+        raise DviError(f"the bootstrap distillation published nothing ({result}); "
                        f"see {work / 'logs' / 'bootstrap.log'}")
     say(f"dvi bench drift: bootstrap drafter {served.name}: {opt.boot_steps} steps in {time.perf_counter() - t0:.0f} s "
-        f"({done.stdout.strip().splitlines()[0]})")
+        f"({result})")
     return served.name
 
 
@@ -564,8 +565,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--schedule", help="domains in order, comma-separated (default code,prose,qa,code)")
     d.add_argument("--rounds", type=int, help="online verification rounds per phase (default 2400)")
     d.add_argument("--first-rounds", type=int, dest="first_rounds", help="the first phase's budget (default --rounds)")
-    d.add_argument("--boot-prompts", type=int, dest="boot_prompts", help="bootstrap prompts of the first domain (default 48)")
-    d.add_argument("--boot-steps", type=int, dest="boot_steps", help="bootstrap distillation steps (default 60)")
+    d.add_argument("--boot-prompts", type=int, dest="boot_prompts", help="bootstrap prompts of the first domain (default 96)")
+    d.add_argument("--boot-steps", type=int, dest="boot_steps", help="bootstrap distillation steps (default 100)")
     d.add_argument("--max-tokens", type=int, dest="max_tokens", help="new tokens per request (default 48)")
     d.add_argument("--concurrency", type=int, help="prompts in flight per replica (default 2)")
     d.add_argument("--plain-every", type=int, dest="plain_every", help="every n-th prompt also goes target-only (default 4)")
