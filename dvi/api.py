@@ -179,7 +179,7 @@ def create_app(service) -> Any:
         return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "dvi"}]}
 
     async def complete(request: Request, chat: bool):
-        raw = await request.body()
+        raw = await read_body(request, MAX_BODY_BYTES)
         c = parse_completion(raw, chat, model_name=service.model_name, default_max_tokens=service.defaults.max_new_tokens,
                              max_max_tokens=service.cfg.serve.max_max_tokens, default_temperature=service.defaults.temperature,
                              default_top_p=service.defaults.top_p, domain_header=request.headers.get("x-dvi-domain"))
@@ -240,6 +240,21 @@ def create_app(service) -> Any:
         return await complete(request, chat=True)
 
     return app
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused with 413 as soon as it is known to exceed `limit` bytes (by its Content-Length,
+    or while it streams in): a huge body is never held in memory whole."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body of {int(length)} bytes exceeds {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _usage(req, result) -> dict:

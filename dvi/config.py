@@ -128,6 +128,7 @@ class ServeConfig:
     api_key: str | None = None  # null: $DVI_API_KEY, or no authentication when that is unset too
     max_queue: int = 64  # requests waiting for the engine; beyond it the server answers 503
     max_max_tokens: int = 2048  # the largest max_tokens a request may ask for
+    max_connections: int = 256  # open HTTP connections and requests in flight; beyond it the server answers 503
     log_decisions: bool = True  # send a DecisionRecord per request to stream.topic
     metrics_every_s: float = 15.0  # serving metrics to MLflow (a run per replica)
     plot_every_s: float = 120.0  # the drift plot artifact
@@ -139,6 +140,7 @@ class ServeConfig:
         _check(self.api_key is None or len(str(self.api_key)) >= 8, "serve.api_key", "***", "null or at least 8 characters")
         _check(self.max_queue >= 1, "serve.max_queue", self.max_queue, "an integer >= 1")
         _check(self.max_max_tokens >= 1, "serve.max_max_tokens", self.max_max_tokens, "an integer >= 1")
+        _check(self.max_connections >= 1, "serve.max_connections", self.max_connections, "an integer >= 1")
         _check(self.metrics_every_s > 0, "serve.metrics_every_s", self.metrics_every_s, "> 0 seconds")
         _check(self.plot_every_s > 0, "serve.plot_every_s", self.plot_every_s, "> 0 seconds")
 

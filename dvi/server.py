@@ -435,7 +435,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service.start()
     app = create_app(service)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
-                                           timeout_graceful_shutdown=5, access_log=False))
+                                           timeout_graceful_shutdown=5, access_log=False,
+                                           limit_concurrency=cfg.serve.max_connections))
     print(f"dvi serve: http://{cfg.serve.host}:{cfg.serve.port}/v1 (model {service.model_name}, drafter "
           f"{service.metrics.version}, replica {service.replica_id}{', API key required' if service.api_key else ''}); "
           "Ctrl-C stops it", flush=True)

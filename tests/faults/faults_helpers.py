@@ -1,0 +1,56 @@
+"""Helpers of the fault-injection suite (issue: kill every part under load, feed it bad input, lose nothing).
+
+Every test here is marked `faults` (run them all with `pytest -m faults`, one scenario with its file) and runs against real
+parts: `dvi serve` / `dvi train` processes on the real demo pair, the embedded Kafka-protocol broker, a real MLflow
+server, DeepSpeed. Each asserts its pass criterion and prints its figures (`pytest -s` shows them).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from dvi.procs import Child, http_ok, spawn, wait_ready
+from streams.broker import free_port
+
+
+def clean_env() -> dict:
+    """This environment without a DeepSpeed world of the test process (a child starts its own)."""
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+
+
+def stream_overrides(stream_cfg) -> list[str]:
+    return [f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.topic={stream_cfg.topic}",
+            f"stream.dlq_topic={stream_cfg.dlq_topic}", f"stream.control_topic={stream_cfg.control_topic}"]
+
+
+class Serve:
+    """A `dvi serve` process on a free port, waited on until /health answers."""
+
+    def __init__(self, log_dir: Path, *overrides: str, name: str = "serve", no_draft: bool = False, ready_s: float = 240):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "dvi.cli", "serve", *(["--no-draft"] if no_draft else []), f"serve.port={self.port}", *overrides]
+        self.child: Child = spawn(name, cmd, log_path=log_dir / f"{name}.log", env=clean_env())
+        wait_ready(self.child, lambda: http_ok(self.url + "/health"), ready_s, f"dvi serve ({name})", interval_s=0.25)
+
+    def health(self) -> dict:
+        return requests.get(self.url + "/health", timeout=10).json()
+
+    def stop(self) -> int | None:
+        return self.child.stop(grace_s=30)
+
+
+def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(interval_s)
