@@ -191,7 +191,10 @@ def create_app(service) -> Any:
         created = int(time.time())
         if not c.stream:
             job = service.submit(req, c.domain)
-            result = await asyncio.wrap_future(job.future)
+            try:
+                result = await asyncio.wrap_future(job.future)
+            except DviError as e:  # the server drained it on shutdown
+                raise ApiError(503, str(e), kind="server_error") from None
             text = service.tokenizer.decode(result.token_ids, skip_special_tokens=True)
             choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -223,8 +226,10 @@ def create_app(service) -> Any:
                     yield chunk(delta)
             try:
                 result = job.future.result()
-            except Exception as e:  # the decoder failed: say so in the stream, never end it as if complete
-                yield f"data: {json.dumps(ApiError(500, f'decoding failed: {e}', kind='server_error').body())}\n\n"
+            except Exception as e:  # shut down or failed: say so in the stream, never end it as if complete
+                error = ApiError(503, str(e), kind="server_error") if isinstance(e, DviError) else \
+                    ApiError(500, f"decoding failed: {e}", kind="server_error")
+                yield f"data: {json.dumps(error.body())}\n\n"
                 return
             yield chunk("" if not chat else None, result.finish_reason, usage=_usage(req, result), dvi=service.extension(result))
             yield "data: [DONE]\n\n"

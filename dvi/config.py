@@ -102,7 +102,9 @@ class SwapConfig:
 
     enabled: bool = True  # follow drafter_published messages on stream.control_topic
     store: str | None = None  # the only directory drafters are loaded from; null: trainer.store (<cache>/store)
-    initial: str = "latest"  # at start: "latest" (newest store version, if any), "none" (the configured drafter), or a version
+    # at start: "production" (the newest version live traffic kept, else the newest never rejected), "latest" (the
+    # newest never rejected), "none" (the configured drafter), or a version name
+    initial: str = "production"
     smoke_tokens: int = 8  # greedy tokens of a smoke decode a new drafter must survive before it is swapped in
     window_tokens: int = 512  # drafted tokens of live traffic before a swapped-in drafter is judged
     rollback_margin: float = 0.05  # roll back when its acceptance is this much below the previous drafter's
@@ -113,7 +115,7 @@ class SwapConfig:
         _check(self.window_tokens >= 1, "serve.swap.window_tokens", self.window_tokens, "an integer >= 1")
         _check(0 <= self.rollback_margin <= 1, "serve.swap.rollback_margin", self.rollback_margin, "in [0, 1]")
         _check(self.baseline_tokens >= 1, "serve.swap.baseline_tokens", self.baseline_tokens, "an integer >= 1")
-        _check(bool(self.initial), "serve.swap.initial", self.initial, "latest, none or a version name")
+        _check(bool(self.initial), "serve.swap.initial", self.initial, "production, latest, none or a version name")
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for the engine; beyond it the server answers 503
     max_max_tokens: int = 2048  # the largest max_tokens a request may ask for
     max_connections: int = 256  # open HTTP connections and requests in flight; beyond it the server answers 503
+    drain_s: float = 20.0  # on SIGTERM: how long requests in flight may take to finish; the rest end with an error
     log_decisions: bool = True  # send a DecisionRecord per request to stream.topic
     metrics_every_s: float = 15.0  # serving metrics to MLflow (a run per replica)
     plot_every_s: float = 120.0  # the drift plot artifact
@@ -141,6 +144,7 @@ class ServeConfig:
         _check(self.max_queue >= 1, "serve.max_queue", self.max_queue, "an integer >= 1")
         _check(self.max_max_tokens >= 1, "serve.max_max_tokens", self.max_max_tokens, "an integer >= 1")
         _check(self.max_connections >= 1, "serve.max_connections", self.max_connections, "an integer >= 1")
+        _check(self.drain_s >= 0, "serve.drain_s", self.drain_s, ">= 0 seconds")
         _check(self.metrics_every_s > 0, "serve.metrics_every_s", self.metrics_every_s, "> 0 seconds")
         _check(self.plot_every_s > 0, "serve.plot_every_s", self.plot_every_s, "> 0 seconds")
 

@@ -5,7 +5,7 @@ One run, side by side on the same machine and the same prompts:
 1. the stack: the embedded broker and MLflow (unless config points at running ones), then
 2. bootstrap: the demo drafter is distilled offline on domain A (its `bootstrap` split, decoded here, then
    `dvi drafter distill --file ... --steps N`), which publishes the first store version;
-3. three replicas start from that version (`serve.swap.initial=latest`): `online` follows the control topic and
+3. three replicas start from that version (the store's newest, `serve.swap.initial`): `online` follows the control topic and
    logs its decisions for the trainer, `frozen` does neither (the loop off), `plain` decodes target-only;
    `dvi train` distills from the online replica's decisions and publishes better drafters, which `online`
    hot-swaps in;

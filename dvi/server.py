@@ -40,7 +40,7 @@ from dvi.errors import DviError
 from dvi.metrics import ServingMetrics, drift_plot
 from dvi.models import Drafter, Pair
 from dvi.swap import Announcement, Refused, judge, load_announced
-from streams.control import PUBLISHED, REJECTED
+from streams.control import PROMOTED, PUBLISHED, REJECTED
 
 log = logging.getLogger("dvi.server")
 
@@ -84,6 +84,8 @@ class Service:
         self.rollout: Rollout | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=cfg.serve.max_queue)
         self._stop = threading.Event()
+        self._draining = threading.Event()
+        self._decoding: list[Job] = []  # the batch the decode thread is on
         self._threads: list[threading.Thread] = []
         self._swap_lock = threading.Lock()
         self._initial_drafter()
@@ -101,15 +103,35 @@ class Service:
             self._threads.append(t)
         return self
 
+    def drain(self, grace_s: float) -> int:
+        """Take no new requests; give the queued and decoding ones `grace_s` seconds to finish; fail the rest with a
+        clear error, so that a streamed answer ends with an error event and a plain one with a 503, never cut short
+        as if complete. Returns how many were failed."""
+        self._draining.set()
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (self._queue.qsize() or self._decoding):
+            time.sleep(0.05)
+        error = DviError(f"the server is shutting down: the request did not finish within serve.drain_s={grace_s:g} s")
+        unfinished = [j for j in list(self._decoding) + self._take_queued() if not j.future.done()]
+        for job in unfinished:
+            job.future.set_exception(error)
+        return len(unfinished)
+
+    def _take_queued(self) -> list[Job]:
+        jobs = []
+        while True:
+            try:
+                jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                return jobs
+
     def close(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(timeout_s)
-        while True:  # requests still queued get an answer, not silence
-            try:
-                self._queue.get_nowait().future.set_exception(DviError("the server is shutting down"))
-            except queue.Empty:
-                break
+        for job in self._take_queued():  # requests still queued get an answer, not silence
+            if not job.future.done():
+                job.future.set_exception(DviError("the server is shutting down"))
         if self.tracker is not None:
             self._log_interval()
             self.tracker.close(timeout_s)
@@ -137,7 +159,7 @@ class Service:
         """Queue a request; its `future` resolves to the engine's Result. ApiError 503 when the queue is full."""
         from dvi.api import ApiError
 
-        if self._stop.is_set():
+        if self._stop.is_set() or self._draining.is_set():
             raise ApiError(503, "the server is shutting down", kind="server_error")
         job = Job(req, domain, on_tokens)
         try:
@@ -184,17 +206,22 @@ class Service:
                 except Exception:  # a client gone away must not stop the batch
                     log.debug("streaming callback failed", exc_info=True)
 
+        self._decoding = jobs
         try:
             results = self.engine.generate([j.request for j in jobs], on_tokens=emit)
         except Exception as e:
             log.exception("decoding a batch of %d requests failed", len(jobs))
             for j in jobs:
-                j.future.set_exception(e)
+                if not j.future.done():
+                    j.future.set_exception(e)
             return
+        finally:
+            self._decoding = []
         for job, result in zip(jobs, results):
             self.metrics.observe(result, job.domain)
             self._log_decisions(job, result)
-            job.future.set_result(result)
+            if not job.future.done():  # a drain may have failed it already
+                job.future.set_result(result)
 
     def _log_decisions(self, job: Job, result: Result) -> None:
         if self.producer is None:
@@ -219,17 +246,19 @@ class Service:
         return d.version if d is not None else None
 
     def _initial_drafter(self) -> None:
-        """serve.swap.initial: the newest store version (latest), a named one, or the configured drafter (none)."""
+        """serve.swap.initial: the store's production version (production: the newest kept by live traffic, else the
+        newest never rejected), the newest never rejected (latest), a named one, or the configured drafter (none)."""
         from dvi import store
         from dvi.files import sha256_file
 
         choice = self.cfg.serve.swap.initial
         if choice == "none" or self.pair.drafter is None:
             return
-        names = store.versions(self.store_root) if choice == "latest" else [choice]
-        if not names:
+        automatic = choice in ("production", "latest")
+        version = store.serving_version(self.store_root, prefer_production=choice == "production") if automatic else choice
+        if version is None:
             return
-        version = names[-1]
+        self.rejected |= {v for v, verdict in store.verdicts(self.store_root).items() if verdict == store.REJECTED}
         path = self.store_root / version
         if not (path / store.SUMS).is_file():
             raise DviError(f"serve.swap.initial={choice}: no published drafter {version} in the store {self.store_root}")
@@ -237,9 +266,9 @@ class Service:
         try:
             drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype)
         except Refused as e:
-            if choice != "latest":
+            if not automatic:
                 raise
-            log.warning("not serving the store's newest drafter: %s; serving %s", e, self._version())
+            log.warning("not serving the store's drafter %s: %s; serving %s", version, e, self._version())
             self.metrics.event(f"refused:{e.reason}", version)
             return
         self.engine.swap_drafter(drafter)
@@ -297,6 +326,7 @@ class Service:
             log.info("drafter %s kept: acceptance %.3f over %d drafted tokens", r.drafter.version, current[1] / current[0], current[0])
             if self.tracker is not None:
                 self.tracker.set_alias(r.drafter.version, "production")
+            self._announce(PROMOTED, version=r.drafter.version, acceptance=current[1] / current[0])
         elif decision == "rollback":
             prev = r.previous_counts
             why = (f"live acceptance {current[1] / current[0]:.3f} over {current[0]} drafted tokens is more than "
@@ -319,13 +349,18 @@ class Service:
         if self.tracker is not None:
             self.tracker.tag_version(version, {"dvi.rejected": "true", "dvi.rejected_reason": why[:500], "dvi.rejected_by": self.replica_id})
         if announce:
-            from streams.control import send
+            self._announce(REJECTED, version=version, previous=r.previous.version if r.previous else None, reason=why)
 
-            try:
-                send(self.cfg.stream, REJECTED, version=version, previous=r.previous.version if r.previous else None,
-                     reason=why, replica_id=self.replica_id)
-            except DviError as e:
-                log.warning("could not announce the rollback of %s: %s", version, e)
+    def _announce(self, kind: str, **fields) -> None:
+        """Tell trainers and the other replicas what this replica decided (a broker that is down: logged)."""
+        if not self.control:
+            return
+        from streams.control import send
+
+        try:
+            send(self.cfg.stream, kind, replica_id=self.replica_id, **fields)
+        except DviError as e:
+            log.warning("could not announce %s of %s: %s", kind, fields.get("version"), e)
 
     # -- swap thread -----------------------------------------------------------------------------
 
@@ -395,6 +430,30 @@ class Service:
         return path
 
 
+def draining_server(config, service: Service, grace_s: float):
+    """A uvicorn server that, on the first SIGINT / SIGTERM, drains the service (`Service.drain`) before it shuts
+    down: requests in flight finish or end with an error, never cut off as if complete. A second signal stops at once."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.draining:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+
+            def drain() -> None:
+                failed = service.drain(grace_s)
+                if failed:
+                    log.warning("shutting down: %d request(s) still unfinished after %g s ended with an error", failed, grace_s)
+                uvicorn.Server.handle_exit(self, sig, frame)
+
+            threading.Thread(target=drain, name="dvi-drain", daemon=True).start()
+
+    return _Server(config)
+
+
 def _store_root(cfg: DviConfig) -> Path:
     """The only directory this replica loads drafters from: `serve.swap.store`, or the trainer's store."""
     from dvi import store
@@ -434,9 +493,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   tags={"dvi.role": "serve", "dvi.replica": service.replica_id})
     service.start()
     app = create_app(service)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
+    server = draining_server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
                                            timeout_graceful_shutdown=5, access_log=False,
-                                           limit_concurrency=cfg.serve.max_connections))
+                                           limit_concurrency=cfg.serve.max_connections), service, cfg.serve.drain_s)
     print(f"dvi serve: http://{cfg.serve.host}:{cfg.serve.port}/v1 (model {service.model_name}, drafter "
           f"{service.metrics.version}, replica {service.replica_id}{', API key required' if service.api_key else ''}); "
           "Ctrl-C stops it", flush=True)

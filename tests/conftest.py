@@ -168,3 +168,20 @@ def tiny_dirs(tmp_path_factory, demo_target_dir) -> tuple[Path, Path]:
     AutoTokenizer.from_pretrained(demo_target_dir).save_pretrained(root / "target")
     build_drafter(root / "target", root / "drafter", layers=1)
     return root / "target", root / "drafter"
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed (the trainer and fault tests): one process group per process, so one per session.
+
+
+@pytest.fixture(scope="session")
+def ds_world() -> tuple[int, int]:
+    """(rank, world size) after `trainers.ds.init_distributed()`: a world of one over gloo in a plain pytest run.
+
+    It leaves RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in this process's environment: a test that starts
+    a trainer subprocess must drop or blank them, or the child takes them for a launcher's and joins this
+    process's rendezvous port.
+    """
+    from trainers.ds import init_distributed
+
+    return init_distributed()

@@ -71,14 +71,21 @@ def save(engine: DeepSpeedEngine, root: Path, step: int, state: dict, *, keep: i
     if _rank() == 0:
         _remove(tmp)
     _barrier()
-    engine.save_checkpoint(str(tmp), tag=tag, client_state={"dvi_step": step}, save_latest=False)
-    if _rank() == 0:  # DeepSpeed's save ends in a barrier: every rank's files are written
-        manifest_sha = _seal(tmp / tag, state_bytes)
-        _install(tmp, tag, final)
-        marker = {"step": step, "manifest_sha256": manifest_sha, "zero_stage": engine.zero_optimization_stage(),
-                  "world_size": _world_size(), "time": time.time()}
-        _write_marker(final, marker)
-        _prune(root, final, keep)
+    try:
+        engine.save_checkpoint(str(tmp), tag=tag, client_state={"dvi_step": step}, save_latest=False)
+        if _rank() == 0:  # DeepSpeed's save ends in a barrier: every rank's files are written
+            manifest_sha = _seal(tmp / tag, state_bytes)
+            _install(tmp, tag, final)
+            marker = {"step": step, "manifest_sha256": manifest_sha, "zero_stage": engine.zero_optimization_stage(),
+                      "world_size": _world_size(), "time": time.time()}
+            _write_marker(final, marker)
+            _prune(root, final, keep)
+    except BaseException:  # a failed write (disk full): give the space back; the previous checkpoints stay as they are
+        if _rank() == 0:
+            _remove(tmp)
+            if final.exists() and not (final / MARKER).exists():
+                _remove(final)
+        raise
     _barrier()
     return final
 

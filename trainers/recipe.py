@@ -68,6 +68,7 @@ class Counters:
     nonfinite: int = 0  # batches skipped for a non-finite loss
     published: int = 0
     refused: int = 0  # gate checks the candidate lost
+    checkpoint_failures: int = 0  # checkpoints that could not be written (disk full, I/O error): the previous one stands
     positions: int = 0  # teacher positions trained on (fresh and replayed)
 
     def to_dict(self) -> dict:
@@ -187,6 +188,7 @@ class Trainer:
         self.stop_requested = False
         self.last_record_at = time.monotonic()
         self.last_checkpoint_step = self.state.step
+        self.checkpoint_ok = True  # the last checkpoint written (or resumed from) is complete
         if last is None:
             self.checkpoint()  # step 0: there is always a complete checkpoint to roll back to
 
@@ -363,6 +365,21 @@ class Trainer:
                 self.trigger.request(time.monotonic())
             elif msg.get("type") == "drafter_rejected":
                 self.rejected(msg.get("version"), msg.get("reason"))
+                self._verdict(msg, "rejected")
+            elif msg.get("type") == "drafter_promoted":
+                self._verdict(msg, "production")
+
+    def _verdict(self, msg: dict, verdict: str) -> None:
+        """Record what a server decided about one of this store's versions (a restarting server reads it)."""
+        from dvi import store
+
+        version = msg.get("version")
+        if self.rank != 0 or not isinstance(version, str) or not (self.store / version / store.SUMS).is_file():
+            return
+        try:
+            store.record_verdict(self.store, version, verdict, replica_id=msg.get("replica_id"), reason=msg.get("reason"))
+        except (OSError, DviError) as e:
+            log.warning("could not record the verdict %s on %s in the store %s: %s", verdict, version, self.store, e)
 
     def rejected(self, version, reason) -> None:
         """A server rolled back `version`: if it is the drafter the gate compares against, the one before it
@@ -467,12 +484,23 @@ class Trainer:
                            "(restart resumes from the last complete checkpoint)")
         committable = self.offsets.committable({(tp[0], tp[1]): off for tp, off in self.source.positions().items()})
         s = self.state
+        self.checkpoint_ok = False
         ranks = self._gathered({"counters": s.counters.to_dict(), "ledger": self.ledger.entries(),
                                 "offsets": {f"{topic}:{part}": off for (topic, part), off in committable.items()}})
         state = {"step": s.step, "lineage": s.lineage, "serving_dir": s.serving_dir, "counters": _summed(ranks),
                  "ledger": _merged_ledgers(ranks), "offsets": {k: v for r in ranks for k, v in r["offsets"].items()},
                  "ranks": [r["counters"] for r in ranks]}
-        path = checkpoint.save(self.engine, self.run_dir, s.step, state, keep=self.tcfg.keep_checkpoints)
+        try:
+            path = checkpoint.save(self.engine, self.run_dir, s.step, state, keep=self.tcfg.keep_checkpoints)
+        except (OSError, RuntimeError) as e:  # torch reports a failed write (ENOSPC) as a RuntimeError
+            s.counters.checkpoint_failures += 1
+            log.error("step %d: the checkpoint could not be written (%s: %s); the last complete one (%s) stands, no "
+                      "offsets are committed and nothing is published until a checkpoint succeeds",
+                      s.step, type(e).__name__, str(e).splitlines()[0] if str(e) else "", checkpoint.latest(self.run_dir, clean=False))
+            if self.tracker is not None:
+                self.tracker.log_metrics({"count/checkpoint_failures": s.counters.checkpoint_failures}, step=s.step)
+            return None
+        self.checkpoint_ok = True
         self.last_checkpoint_step = s.step
         if committable and self.source.group_id is not None:
             try:
@@ -487,12 +515,14 @@ class Trainer:
     def gate_and_publish(self) -> bool:
         """Publish the candidate if it beats the serving drafter on the held-out records; True if published.
         Every rank calls it: rank 0 gates and writes the version, the others follow its lineage."""
+        if not self.checkpoint_ok:  # a version published now could not be resumed from after a crash
+            log.warning("not gating or publishing at step %d: the last checkpoint failed", self.state.step)
+            return False
         gate = self._gate() if self.rank == 0 else None
         gate = self._from_rank0(gate)
         if gate is None:
             return False
-        self.publish(gate)
-        return True
+        return self.publish(gate)
 
     def _gate(self) -> dict | None:
         """Gate metrics when the candidate wins, else None (refusals are counted and logged)."""
@@ -514,9 +544,12 @@ class Trainer:
             return None
         return gate
 
-    def publish(self, gate: dict) -> None:
+    def publish(self, gate: dict) -> bool:
         """Write the candidate as a new version (rank 0: store, registry, control topic); every rank then serves
-        from it and checkpoints, since the lineage moved and a restart must know which drafter serves."""
+        from it and checkpoints, since the lineage moved and a restart must know which drafter serves. False when
+        the store could not take it (nothing was announced, the lineage stays)."""
+        from safetensors import SafetensorError
+
         from dvi import store
         from trainers import ds
 
@@ -527,17 +560,25 @@ class Trainer:
             version = store.next_version(self.store)
             meta = {"parent": parent, "step": self.state.step, "records_trained": self.state.counters.trained,
                     "offsets": {f"{t}:{p}": o for (t, p), o in self.offsets.committable().items()}, "gate": gate}
-            published = store.publish(self.store, version, weights, Path(self.state.serving_dir), meta, self.vocab_map)
+            try:
+                published = store.publish(self.store, version, weights, Path(self.state.serving_dir), meta, self.vocab_map)
+            except (OSError, SafetensorError) as e:  # full or unwritable: nothing half-written is left, nothing announced
+                log.error("could not write drafter %s into the store %s (%s); not published", version, self.store, e)
+        if self.rank == 0 and published is not None:
             log.info("published drafter %s (%s): expected acceptance %.4f > %.4f", version, published.path,
                      gate["candidate_acceptance"], gate["serving_acceptance"])
             self._announce(published, parent, gate, meta)
             self.state.counters.published += 1
-        version, path = self._from_rank0((published.version, str(published.path)) if published else None)
+        shared = self._from_rank0((published.version, str(published.path)) if published else None)
+        if shared is None:
+            return False
+        version, path = shared
         self.state.lineage.append(version)
         self.state.serving_dir = path
         if self.rank == 0:
             self.serving = self._serving_model()
         self.checkpoint()
+        return True
 
     def _announce(self, published, parent: str, gate: dict, meta: dict) -> None:
         tags = {"parent_version": parent, "records_trained": str(self.state.counters.trained), "step": str(self.state.step),

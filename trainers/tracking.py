@@ -115,6 +115,7 @@ class Tracker:
         self._run_id: str | None = None
         self._params_logged = False
         self._outage_reported = False
+        self._outage: tuple[float, int, int] | None = None  # (started, points sent, points dropped) when contact was lost
         self._last_rejection: dict[str, float] = {}
         self._closing = False
         self._deadline = math.inf  # set by close(): the thread gives up after it
@@ -283,7 +284,12 @@ class Tracker:
             self._lost_contact(e)
             return False
         if self._outage_reported:
-            log.info("MLflow at %s is reachable again: backlog sent to run %s", self.cfg.tracking_uri, self._run_id)
+            started, sent, dropped = self._outage
+            with self._lock:
+                sent, dropped = self._sent - sent, self._dropped - dropped
+            log.warning("MLflow at %s is reachable again after %.0f s: %d metric points logged during the outage sent "
+                        "to run %s with their original times, %d lost (queue full)", self.cfg.tracking_uri,
+                        time.monotonic() - started, sent, self._run_id, dropped)
             self._outage_reported = False
         with self._lock:
             self._connected = True
@@ -311,6 +317,8 @@ class Tracker:
             self._connected = False
         if not self._outage_reported:  # once per outage: a long one must not flood the log
             self._outage_reported = True
+            with self._lock:
+                self._outage = (time.monotonic(), self._sent, self._dropped)
             log.warning(
                 "MLflow at %s unreachable (%s): keeping up to %d metric points, retrying every %g s",
                 self.cfg.tracking_uri, _short(e), self.cfg.queue_size, self.cfg.retry_s,

@@ -89,3 +89,27 @@ def test_bad_names_existing_versions_and_crashed_publishes(tmp_path, parent_dirs
     (tmp_path / ".tmp-d0002-abcd").mkdir()  # a publish that crashed mid-write
     assert versions(tmp_path) == ["d0001"]
     assert next_version(tmp_path) == "d0003"
+
+
+def test_verdicts_decide_what_a_restarting_replica_serves(tmp_path, parent_dirs):
+    from dvi.store import PRODUCTION, REJECTED, VERDICTS, record_verdict, serving_version, verdicts
+
+    weights = load_drafter(parent_dirs[0], VOCAB).model.state_dict()
+    assert serving_version(tmp_path) is None
+    for v in ("d0001", "d0002", "d0003"):
+        publish(tmp_path, v, weights, parent_dirs[0], {"parent": "init"})
+    assert serving_version(tmp_path) == "d0003"  # nothing judged yet: the newest
+    record_verdict(tmp_path, "d0001", PRODUCTION, replica_id="r1")
+    record_verdict(tmp_path, "d0003", REJECTED, replica_id="r1", reason="acceptance 0.1 < 0.5")
+    with open(tmp_path / VERDICTS, "a") as f:
+        f.write("not json\n")  # a torn or foreign line is skipped, not fatal
+    assert verdicts(tmp_path) == {"d0001": PRODUCTION, "d0003": REJECTED}
+    assert serving_version(tmp_path) == "d0001"  # the version live traffic kept, not the unjudged d0002
+    assert serving_version(tmp_path, prefer_production=False) == "d0002"  # latest: newest never rejected
+    record_verdict(tmp_path, "d0001", REJECTED)  # the latest verdict counts
+    assert serving_version(tmp_path) == "d0002"
+    assert versions(tmp_path) == ["d0001", "d0002", "d0003"] and next_version(tmp_path) == "d0004"
+    with pytest.raises(DviError, match="unknown verdict"):
+        record_verdict(tmp_path, "d0002", "great")
+    with pytest.raises(DviError, match="invalid drafter version"):
+        record_verdict(tmp_path, "../d0002", PRODUCTION)

@@ -28,6 +28,7 @@ from dvi.models import load_causal_lm, load_drafter
 from streams.consumer import DecisionConsumer
 from streams.control import ControlReader
 from streams.control import send as control_send
+from broker_fixtures import engine_records
 from streams.producer import DecisionProducer
 from trainers import checkpoint
 from trainers.data import TRAINED
@@ -36,19 +37,6 @@ from trainers.recipe import Trainer
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 VOCAB = 49152  # the demo tokenizer's, which the tiny pair (tests/conftest.py: tiny_dirs) uses
-
-
-def engine_records(target_dir: Path, drafter_dir: Path, n: int, new_tokens: int = 24, seed: int = 0) -> list:
-    """Real DecisionRecords: the engine decoding n random prompts with the pair (greedy, K = 3, top-8 teacher)."""
-    target = load_causal_lm(target_dir, "target")
-    drafter = load_drafter(drafter_dir, VOCAB)
-    engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=8)
-    g = torch.Generator().manual_seed(seed)
-    requests = [Request(torch.randint(0, VOCAB, (12,), generator=g).tolist(), max_new_tokens=new_tokens) for _ in range(n)]
-    records = []
-    for req, res in zip(requests, engine.generate(requests)):
-        records += records_from_result(res, replica_id="test", target_name="tiny", vocab_size=VOCAB, sampling=req, topk=8)
-    return records
 
 
 @pytest.fixture(scope="session")
@@ -179,6 +167,60 @@ def test_kill_9_and_restart_trains_every_acked_record_exactly_once(stream_cfg, t
     assert after["counters"]["trained"] == len(records)  # the counter survives restarts with the ledger
     assert trained[: len(trained_before)] == trained_before
     assert committed(cfg) == end_offsets(cfg)
+
+
+@pytest.mark.faults
+def test_three_kill_9s_one_mid_checkpoint_lose_nothing_and_never_publish_a_torn_drafter(stream_cfg, tiny_dirs, tmp_path):
+    """Fault scenario 1: the trainer is SIGKILLed three times while it trains and publishes, the second time while
+    a checkpoint is being written. After each kill the newest complete checkpoint loads and every published
+    version verifies; after the last restart every acked record is in the ledger exactly once."""
+    from dvi import store
+
+    records = engine_records(*tiny_dirs, n=96, new_tokens=32, seed=3)
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, batch_tokens=32, checkpoint_every=2, idle_exit_s=4.0,
+                 holdout_share=0.2, gate_min_records=2, gate_every=4, min_gain=-1.0)  # publish often: kills meet publishes
+    produce(stream_cfg, records)
+    run_dir, store_root = Path(cfg.trainer.run_dir), Path(cfg.trainer.store)
+    cmd = [sys.executable, "-m", "dvi.cli", "train", *train_overrides(cfg, stream_cfg, **{"trainer.min_gain": -1.0,
+                                                                                          "trainer.gate_min_records": 2})]
+    torn_at_kill, progress = [], []
+    for kill in range(3):
+        proc = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        start = _step_of(checkpoint.latest(run_dir, clean=False)) if checkpoint.latest(run_dir, clean=False) else 0
+        deadline = time.monotonic() + 240
+        while (latest := checkpoint.latest(run_dir, clean=False)) is None or _step_of(latest) < start + 4:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the trainer made no progress in time"
+            time.sleep(0.05)
+        if kill == 1:  # mid-checkpoint: the moment a checkpoint's temporary directory appears
+            while not any(p.name.startswith(".tmp-step") for p in run_dir.iterdir()):
+                assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint write to interrupt"
+                time.sleep(0.002)
+            torn_at_kill.append(sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".tmp-")))
+        else:
+            time.sleep(0.7)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        latest = checkpoint.latest(run_dir, clean=False)
+        state = json.loads((latest / checkpoint.STATE).read_text())  # the newest complete checkpoint reads
+        for version in store.versions(store_root):
+            store.verify(store_root / version)  # every published drafter is whole
+        progress.append((_step_of(latest), len(store.versions(store_root)), state["counters"]["trained"]))
+    assert torn_at_kill and torn_at_kill[0], "the second kill did not land inside a checkpoint write"
+
+    final = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-3000:]
+    after = last_state(cfg)
+    trained = [rid for rid, fate in after["ledger"] if fate == TRAINED]
+    held_out = [rid for rid, fate in after["ledger"] if fate != TRAINED]
+    assert sorted(trained + held_out) == sorted(r.record_id for r in records)  # every record once: none lost, none twice
+    assert len(set(trained)) == len(trained) and after["counters"]["trained"] == len(trained)
+    assert committed(cfg) == end_offsets(cfg)
+    for version in store.versions(store_root):
+        store.verify(store_root / version)
+    print(f"\nthree SIGKILLs (step, versions published, records trained at each): {progress}; "
+          f"the second inside a checkpoint write ({torn_at_kill[0]}); final: {len(trained)} trained + "
+          f"{len(held_out)} held out = {len(records)} records, each once; {len(store.versions(store_root))} versions, all whole")
 
 
 def train_overrides(cfg: DviConfig, stream_cfg, **extra) -> list[str]:
@@ -431,3 +473,29 @@ def test_distill_offline_from_a_tail_file(stream_cfg, tiny_dirs, tiny_records, t
     load_drafter(serving, VOCAB)  # a loadable drafter version
     state = last_state(cfg)  # 256 positions a step: every record is read within the 6 steps, then replayed
     assert sorted(rid for rid, _ in state["ledger"]) == sorted(r.record_id for r in tiny_records)
+
+
+def test_servers_verdicts_are_recorded_in_the_store_for_restarting_replicas(stream_cfg, tiny_dirs, tmp_path):
+    """drafter_promoted / drafter_rejected from the servers become lines of <store>/VERDICTS (the trainer is the
+    store's writer; replicas may mount it read-only); a version that is not in this store is ignored."""
+    from dvi import store
+
+    cfg = config(stream_cfg, tiny_dirs, tmp_path)
+    root = Path(cfg.trainer.store)
+    weights = load_drafter(tiny_dirs[1], VOCAB).model.state_dict()
+    for v in ("d0001", "d0002"):
+        store.publish(root, v, weights, tiny_dirs[1], {"parent": "init"})
+    with ControlReader(stream_cfg) as control, DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source:
+        trainer = Trainer(cfg, source, control=control)
+        control_send(stream_cfg, "drafter_promoted", version="d0001", replica_id="r1", acceptance=0.4)
+        control_send(stream_cfg, "drafter_rejected", version="d0002", replica_id="r1", reason="acceptance fell")
+        control_send(stream_cfg, "drafter_promoted", version="d0099", replica_id="r2")  # not in this store
+        control_send(stream_cfg, "drafter_promoted", version="../d0001", replica_id="r3")  # not a version name
+        deadline = time.monotonic() + 30
+        while len(store.verdicts(root)) < 2 and time.monotonic() < deadline:
+            trainer._control()
+            time.sleep(0.2)
+        trainer._control()
+    assert store.verdicts(root) == {"d0001": store.PRODUCTION, "d0002": store.REJECTED}
+    assert len((root / store.VERDICTS).read_text().splitlines()) == 2
+    assert store.serving_version(root) == "d0001"
