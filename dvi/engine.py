@@ -311,6 +311,7 @@ class SpeculativeEngine:
         self.target = target
         self._drafter = drafter
         self._lock = threading.Lock()
+        self._abort = threading.Event()  # set by abort(): decoding stops at the next round boundary
         self.spec = spec
         self.stop_ids = frozenset(stop_ids)
         self.max_batch = max_batch
@@ -326,6 +327,11 @@ class SpeculativeEngine:
     def drafter(self) -> Drafter | None:
         with self._lock:
             return self._drafter
+
+    def abort(self) -> None:
+        """Stop decoding for good (shutdown): a `generate` in progress raises DviError at its next round boundary,
+        so the decoding thread is out of the model's code before the process exits."""
+        self._abort.set()
 
     def swap_drafter(self, drafter: Drafter | None) -> None:
         """Install a new drafter; decoding picks it up at the next round boundary."""
@@ -385,6 +391,8 @@ class SpeculativeEngine:
         first_round = True
 
         while rows:
+            if self._abort.is_set():
+                raise DviError("decoding was aborted: the server is shutting down")
             current = self.drafter  # one drafter for the whole round
             if current is not drafter:  # hot-swapped: the new drafter starts from a fresh cache
                 drafter = current

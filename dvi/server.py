@@ -115,6 +115,8 @@ class Service:
         unfinished = [j for j in list(self._decoding) + self._take_queued() if not j.future.done()]
         for job in unfinished:
             job.future.set_exception(error)
+        if unfinished:
+            self.engine.abort()  # the decode thread leaves the model at the next round, before the process exits
         return len(unfinished)
 
     def _take_queued(self) -> list[Job]:
@@ -210,7 +212,10 @@ class Service:
         try:
             results = self.engine.generate([j.request for j in jobs], on_tokens=emit)
         except Exception as e:
-            log.exception("decoding a batch of %d requests failed", len(jobs))
+            if self._draining.is_set():
+                log.info("decoding stopped for shutdown: %s", e)
+            else:
+                log.exception("decoding a batch of %d requests failed", len(jobs))
             for j in jobs:
                 if not j.future.done():
                     j.future.set_exception(e)

@@ -558,3 +558,18 @@ def test_swap_drafter_repeatedly_while_generating(tiny_target, tiny_drafter, sel
         assert res.token_ids == target_greedy(tiny_target, prompt, NEW)
         used = {r.drafter_version for r in res.rounds if r.k}
         assert set(res.drafter_versions) == used and used <= {"self", "noisy-v1"}
+
+
+def test_abort_stops_a_generation_in_progress_at_a_round_boundary(tiny_target, tiny_drafter):
+    """Shutdown: abort() from another thread makes the running generate raise DviError between two rounds."""
+    engine = SpeculativeEngine(tiny_target, tiny_drafter, fixed(3))
+    rounds = {"n": 0}
+
+    def on_tokens(i, ids):  # called on the decoding thread after every round
+        rounds["n"] += 1
+        if rounds["n"] == 5:
+            engine.abort()
+
+    with pytest.raises(DviError, match="aborted"):
+        engine.generate([Request(PROMPTS[0], max_new_tokens=400)], on_tokens=on_tokens)
+    assert rounds["n"] == 5  # not a round more
