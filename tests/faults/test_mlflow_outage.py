@@ -86,7 +86,7 @@ def test_serving_and_training_go_on_while_mlflow_is_down_and_tracking_catches_up
         exp = mc.get_experiment_by_name(experiment)
         runs = {r.data.tags.get("dvi.role"): r for r in mc.search_runs([exp.experiment_id])}
         assert {"serve", "trainer"} <= set(runs), runs.keys()
-        for role, key in (("serve", "tokens_per_s"), ("trainer", "loss")):
+        for role, key in (("serve", "interval/tokens_per_s"), ("trainer", "loss")):
             history = mc.get_metric_history(runs[role].info.run_id, key)
             during = [m for m in history if down_at * 1000 < m.timestamp < up_at * 1000]
             assert during, f"no {role} {key} point from the outage in MLflow"
