@@ -143,6 +143,7 @@ def test_ten_swaps_under_load_keep_every_answer_exact_and_tagged(running, stream
     assert m.errors == {}
 
 
+@pytest.mark.faults
 def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_path):
     service, store_root = running.service, tmp_path / "store"
     good = publish_noisy(store_root, tiny_dirs[0], "d0001", noise=0.05, seed=1)
@@ -188,6 +189,7 @@ def mlflow_server(tmp_path_factory):
         yield s
 
 
+@pytest.mark.faults
 def test_live_check_promotes_a_better_drafter_and_rolls_back_a_random_one(stream_cfg, tiny_dirs, tmp_path, mlflow_server):
     """d0001 (close to the target) replaces the 1-layer drafter and is promoted (alias production); d0002 (random
     weights) is rolled back, tagged rejected in the registry, announced as rejected and never installed again."""

@@ -51,6 +51,7 @@ def test_announcements_missing_fields_or_with_path_names_are_refused():
         assert e.value.reason == "bad_message"
 
 
+@pytest.mark.faults
 def test_paths_outside_the_store_are_refused(tiny_dirs, target, tmp_path):
     root, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
     p = publish_version(elsewhere, tiny_dirs[1], "d0001")
@@ -64,6 +65,7 @@ def test_paths_outside_the_store_are_refused(tiny_dirs, target, tmp_path):
     assert resolve_in_store(str(root / "d0001"), "d0001", root) == (root / "d0001").resolve()
 
 
+@pytest.mark.faults
 def test_a_pickle_in_the_version_is_refused_and_never_unpickled(tiny_dirs, target, tmp_path):
     p = publish_version(tmp_path, tiny_dirs[1], "d0001")
     marker = tmp_path / "payload-ran"
@@ -79,6 +81,7 @@ def test_a_pickle_in_the_version_is_refused_and_never_unpickled(tiny_dirs, targe
     assert not marker.exists()
 
 
+@pytest.mark.faults
 def test_checksum_mismatches_are_refused(tiny_dirs, target, tmp_path):
     p = publish_version(tmp_path, tiny_dirs[1], "d0001")
     with pytest.raises(Refused) as e:  # the announced digest is not the version's
@@ -93,6 +96,7 @@ def test_checksum_mismatches_are_refused(tiny_dirs, target, tmp_path):
     assert e.value.reason == "checksum" and store.WEIGHTS in str(e.value)
 
 
+@pytest.mark.faults
 def test_wrong_shapes_and_missing_weights_are_refused(tiny_dirs, target, tmp_path):
     def shrink(w):
         w["model.layers.0.mlp.up_proj.weight"] = w["model.layers.0.mlp.up_proj.weight"][:-1].clone()
@@ -107,6 +111,7 @@ def test_wrong_shapes_and_missing_weights_are_refused(tiny_dirs, target, tmp_pat
         assert e.value.reason in ("shapes", "load") and (words in str(e.value) or "size mismatch" in str(e.value)), e.value
 
 
+@pytest.mark.faults
 def test_non_finite_weights_are_refused(tiny_dirs, target, tmp_path):
     def poison(w):
         w["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")

@@ -23,6 +23,7 @@ def unchecked(record) -> bytes:
         return encode(record)
 
 
+@pytest.mark.faults
 def test_bad_records_go_to_the_dead_letter_topic(broker, stream_config, make_record):
     from streams.topics import ensure_topics
 

@@ -123,6 +123,7 @@ def end_offsets(cfg: DviConfig) -> dict[int, int]:
         c.close()
 
 
+@pytest.mark.faults
 def test_each_record_trained_once_duplicates_and_garbage_set_aside(stream_cfg, tiny_dirs, tiny_records, tmp_path):
     cfg = config(stream_cfg, tiny_dirs, tmp_path)
     produce(stream_cfg, tiny_records + tiny_records[:5])  # five records delivered twice
