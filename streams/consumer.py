@@ -81,6 +81,7 @@ class DecisionConsumer:
         self.vocab_size = vocab_size
         self.dead_letter = dead_letter
         self._received = self._delivered = self._invalid = self._dead = self._dlq_errors = 0
+        self._unreachable = False  # the broker was down at the last poll
         self._next: dict = {}  # TopicPartition -> offset after the last message returned (the commit point)
         self._dlq = None
         self._dlq_futures: list = []
@@ -121,8 +122,20 @@ class DecisionConsumer:
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Delivered]:
         """Valid records that arrived within `timeout_s` (possibly none); invalid ones are dead-lettered."""
         from kafka import TopicPartition
+        from kafka.errors import KafkaError
 
-        batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        try:
+            batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except KafkaError as e:  # the broker is down (the client raises from its coordinator lookup): nothing arrived
+            if not self._unreachable:
+                log.warning("the broker at %s is unreachable (%s: %s): no records until it is back; retrying",
+                            self.cfg.bootstrap, type(e).__name__, e)
+            self._unreachable = True
+            time.sleep(min(timeout_s, 1.0))
+            return []
+        if self._unreachable:
+            log.warning("the broker at %s is reachable again", self.cfg.bootstrap)
+            self._unreachable = False
         out = []
         for tp, messages in batches.items():
             for m in messages:
