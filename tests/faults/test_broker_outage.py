@@ -96,8 +96,9 @@ def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_record
         speed = {kind: [] for kind in ("up", "down")}
         for kind, start, end in windows:
             inside = [r[4] / (r[1] - r[0]) for r in results if start <= r[0] and r[1] <= end]
-            speed[kind].append(statistics.median(inside))
-        ratio = statistics.median(speed["down"]) / statistics.median(speed["up"])
+            if inside:  # a window no request fitted into (a slow machine) has no figure
+                speed[kind].append(statistics.median(inside))
+        ratio = statistics.median(speed["down"]) / statistics.median(speed["up"]) if speed["down"] and speed["up"] else float("nan")
         # drops are counted; the decision log resumed: records of requests made after the restart are on the topic
         assert health["records"]["dropped"] > 0 and health["records"]["sent"] > 0
         late_ids = {r[3] for r in results if r[0] > after_restart}
