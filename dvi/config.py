@@ -164,6 +164,7 @@ class StreamConfig:
     bootstrap_servers: str | None = None  # null: the embedded broker on 127.0.0.1:port
     port: int = 19092  # the embedded broker's port
     storage_engine: str | None = None  # embedded broker storage, e.g. s3://tansu/ (null: in memory)
+    data_dir: str | None = None  # a durable embedded broker: its data as files in this folder (a local S3 store)
     topic: str = "dvi.decisions"
     dlq_topic: str = "dvi.decisions.dlq"
     control_topic: str = "dvi.control"
@@ -204,6 +205,9 @@ class StreamConfig:
         _check(self.delivery_timeout_ms >= 1000, "stream.delivery_timeout_ms", self.delivery_timeout_ms, "an integer >= 1000")
         _check(self.session_timeout_ms >= 1000, "stream.session_timeout_ms", self.session_timeout_ms, "an integer >= 1000")
         _check(self.replica_id is None or bool(str(self.replica_id).strip()), "stream.replica_id", self.replica_id, "null or a non-empty name")
+        _check(self.data_dir is None or self.storage_engine is None, "stream.data_dir", self.data_dir,
+               "null when stream.storage_engine is set (one place for the embedded broker's data)")
+        _check(self.data_dir is None or bool(str(self.data_dir).strip()), "stream.data_dir", self.data_dir, "null or a folder")
         unknown = sorted(set(self.security) - SECURITY_KEYS)
         _check(not unknown, "stream.security", unknown, f"only Kafka client security options ({', '.join(sorted(SECURITY_KEYS))})")
 

