@@ -69,7 +69,7 @@ class Service:
     def __init__(self, cfg: DviConfig, pair: Pair, *, producer=None, tracker=None, control: bool = True):
         from streams.producer import default_replica_id
 
-        self.cfg, self.pair = cfg, pair
+        self.cfg = cfg  # no reference to `pair` is kept: its drafter is freed once newer ones have replaced it
         self.tokenizer = pair.tokenizer
         self.defaults = cfg.serve.sampling
         self.model_name = pair.target_dir.name
@@ -88,7 +88,7 @@ class Service:
         self._decoding: list[Job] = []  # the batch the decode thread is on
         self._threads: list[threading.Thread] = []
         self._swap_lock = threading.Lock()
-        self._initial_drafter()
+        self._initial_drafter(configured=pair.drafter is not None)
         self.metrics.serving(self._version())
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -250,14 +250,14 @@ class Service:
         d = self.engine.drafter
         return d.version if d is not None else None
 
-    def _initial_drafter(self) -> None:
+    def _initial_drafter(self, configured: bool) -> None:
         """serve.swap.initial: the store's production version (production: the newest kept by live traffic, else the
         newest never rejected), the newest never rejected (latest), a named one, or the configured drafter (none)."""
         from dvi import store
         from dvi.files import sha256_file
 
         choice = self.cfg.serve.swap.initial
-        if choice == "none" or self.pair.drafter is None:
+        if choice == "none" or not configured:
             return
         automatic = choice in ("production", "latest")
         version = store.serving_version(self.store_root, prefer_production=choice == "production") if automatic else choice
@@ -488,8 +488,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         quiet_kafka_logs(args.verbose)
         producer = DecisionProducer(cfg.stream)
-    pair = resolve_pair(cfg.model, with_drafter=not args.no_draft)
-    service = Service(cfg, pair, producer=producer)
+    # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed
+    service = Service(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft), producer=producer)
     if cfg.tracking.enabled:
         from dvi.config import flat_params
         from trainers.tracking import Tracker

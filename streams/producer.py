@@ -11,11 +11,13 @@ key = request id so a request's chunks stay in order on one partition) and count
 - errors: failures seen by the sender, for alerting: records that failed to encode, send or be delivered,
   and failed connection attempts.
 
-With the broker unreachable, at start or mid-run, the thread keeps reconnecting with backoff while the queue
-fills and further records are dropped; when the broker is back, sending resumes. A KafkaProducer left in a
-fatal state, or one that has reported no outcome for records in flight for twice the delivery timeout (a stuck
-client), is closed and recreated; its unresolved records count as dropped. Records handed to the client but not yet resolved are bounded by `stream.queue_size`
-too, so memory stays bounded. This module knows records and Kafka, not the engine.
+With every bootstrap server unreachable (a TCP probe once a second), at start or mid-run, the thread holds no
+Kafka client at all (a disconnected kafka-python client keeps about 5% of a core busy reconnecting, which a decode
+thread sharing the GIL feels): records in flight count as dropped, new ones wait in the queue (beyond
+`stream.queue_size` they are dropped), and once a probe connects a new client sends the queue. A KafkaProducer
+left in a fatal state, or one that has reported no outcome for records in flight for twice the delivery timeout
+(a stuck client), is closed and recreated; its unresolved records count as dropped. Records handed to the client
+but not yet resolved are bounded by `stream.queue_size` too, so memory stays bounded. This module knows records and Kafka, not the engine.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from streams.client import client_options
 log = logging.getLogger("dvi.streams.producer")
 
 _MAX_BATCH = 512  # records taken from the queue per send pass
+_PROBE_S = 1.0  # between TCP probes of the bootstrap servers while a client is open
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class DecisionProducer:
         self._fatal = False
         self._last_warn: dict[str, float] = {}
         self._last_outcome = time.monotonic()  # of a record in flight (or when the client got its first one)
+        self._next_probe = 0.0
         self._generation = 0  # of the KafkaProducer: outcomes a closed client reports late are ignored
         self._thread = threading.Thread(target=self._run, name="dvi-producer", daemon=True)
         self._thread.start()
@@ -134,6 +138,12 @@ class DecisionProducer:
         backoff = 0.1
         try:
             while not self._stop.is_set():
+                if self._producer is not None and not self._fatal and time.monotonic() >= self._next_probe:
+                    self._next_probe = time.monotonic() + _PROBE_S
+                    if not self._reachable():
+                        self._warn("down", "no Kafka broker answers at %s: the client is closed until one does; records "
+                                   "wait in the queue (up to stream.queue_size)", self.cfg.bootstrap)
+                        self._close_client()
                 if self._producer is None or self._fatal:
                     if not self._connect():
                         self._stop.wait(backoff)
@@ -186,6 +196,11 @@ class DecisionProducer:
                 self._recreated += 1
         self._fatal = False
         cfg = self.cfg
+        if not self._reachable():
+            with self._lock:
+                self._errors += 1
+            self._warn("connect", "cannot reach Kafka at %s: records wait in the queue until it is back", cfg.bootstrap)
+            return False
         request_timeout = max(1000, min(5000, cfg.delivery_timeout_ms - cfg.linger_ms))
         try:
             self._producer = KafkaProducer(
@@ -265,11 +280,28 @@ class DecisionProducer:
                 self._settled.notify_all()
         return True
 
+    def _reachable(self) -> bool:
+        """Whether any bootstrap server accepts a TCP connection (cheap; says nothing about Kafka itself)."""
+        for server in self.cfg.bootstrap.split(","):
+            host, _, port = server.strip().rpartition(":")
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+                    return True
+            except (OSError, ValueError):
+                continue
+        return False
+
     def _close_client(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
             try:
-                producer.close(timeout=0)  # unresolved batches fail: their errbacks count them as dropped
+                # kafka-python 3.0's close() flushes first and, with batches pending, raises before it stops its
+                # sender thread, which then lives on, reconnecting; stop the sender first (its pending batches fail)
+                sender = getattr(producer, "_sender", None)
+                if sender is not None:
+                    sender.force_close()
+                    sender.join(2.0)
+                producer.close(timeout=0)
             except Exception as e:  # closing a broken client must not stop the thread
                 log.debug("closing the Kafka producer: %s", e)
             with self._lock:  # what it did not report is dropped; its late reports are ignored

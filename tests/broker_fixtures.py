@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dvi.config import StreamConfig
-from dvi.events import DecisionRecord, RoundRecord, Sampling, Target, records_from_result
+from dvi.events import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
 from streams.broker import EmbeddedBroker, free_port
 from streams.topics import ensure_topics
 
@@ -112,6 +112,63 @@ def make_record_fixture():
 @pytest.fixture(name="stream_config")
 def stream_config_fixture():
     return stream_config
+
+
+def unchecked(record: DecisionRecord) -> bytes:
+    """Encode without the producer-side validation (what a buggy or foreign producer could send)."""
+    from unittest import mock
+
+    with mock.patch("dvi.events.validate"):
+        return encode(record)
+
+
+def poison(max_record_bytes: int) -> dict[bytes, tuple[bytes, str]]:
+    """Bad messages for the decisions topic, key -> (value, part of the error the consumer reports): garbage, a
+    truncated record, an unknown schema version, one over `max_record_bytes`, ids outside the vocabulary, NaN log-probs."""
+    import struct
+
+    valid = encode(make_record("x", rounds=2))
+    out_of_range = make_record("x", rounds=2)
+    out_of_range.rounds[1].drafted[0] = DEMO_VOCAB + 7
+    nan = make_record("x", rounds=2)
+    nan.rounds[0].topk_logprobs[2, 3] = np.nan
+    oversized = encode(make_record("big", rounds=200, prompt_len=4000))
+    assert len(oversized) > max_record_bytes
+    return {
+        b"garbage": (b"\x00\xffhello, not a record" * 3, "magic"),
+        b"truncated": (valid[: len(valid) // 2], "truncated"),
+        b"schema": (valid[:4] + struct.pack("<H", 9) + valid[6:], "unknown schema version 9"),
+        b"oversized": (oversized, f"exceeds the bound of {max_record_bytes}"),
+        b"out-of-range": (unchecked(out_of_range), "outside the vocabulary"),
+        b"nan": (unchecked(nan), "non-finite"),
+    }
+
+
+def dead_letters(cfg: StreamConfig, bad: dict, origin: dict) -> list:
+    """The dead-letter topic's messages, checked: one per `bad` key (see `poison`), each with headers naming its origin
+    (`origin`: key -> (partition, offset) on `cfg.topic`) and its error (class RecordError, the expected message)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    from streams.consumer import DLQ_HEADERS
+
+    dlq = KafkaConsumer(bootstrap_servers=cfg.bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
+    dlq.assign([TopicPartition(cfg.dlq_topic, 0)])
+    letters = []
+    for _ in range(40):
+        for msgs in dlq.poll(timeout_ms=500).values():
+            letters += msgs
+        if len(letters) >= len(bad):
+            break
+    dlq.close()
+    assert sorted(m.key for m in letters) == sorted(bad)
+    for m in letters:
+        headers = {k: v.decode() for k, v in m.headers}
+        assert set(DLQ_HEADERS) <= set(headers)
+        where = (headers["dvi.origin.topic"], int(headers["dvi.origin.partition"]), int(headers["dvi.origin.offset"]))
+        assert where == (cfg.topic, *origin[m.key]), (m.key, where)
+        assert headers["dvi.error.class"] == "RecordError"
+        assert bad[m.key][1] in headers["dvi.error.message"], headers
+    return letters
 
 
 def engine_records(target_dir: Path, drafter_dir: Path, n: int, new_tokens: int = 24, seed: int = 0) -> list:

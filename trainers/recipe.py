@@ -451,8 +451,8 @@ class Trainer:
                 **{f"count/{k}": v for k, v in c.to_dict().items()},
             }, step=self.state.step)
         if self.state.step % t.log_every == 0:
-            log.info("step %d: loss %.4f, acceptance %.3f, %d positions in %.2f s", self.state.step, loss.item(),
-                     metrics["acceptance"], batch.positions, dt)
+            log.info("step %d: loss %.4f, acceptance %.3f, %d positions in %.2f s, %d records so far", self.state.step,
+                     loss.item(), metrics["acceptance"], batch.positions, dt, c.records)
 
     def _lag(self) -> dict[str, float]:
         lag = self.source.lag() if hasattr(self.source, "lag") else None

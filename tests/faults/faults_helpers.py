@@ -7,7 +7,6 @@ server, DeepSpeed. Each asserts its pass criterion and prints its figures (`pyte
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -15,13 +14,9 @@ from pathlib import Path
 import pytest
 import requests
 
+from child_env import clean_env
 from dvi.procs import Child, http_ok, spawn, wait_ready
 from streams.broker import free_port
-
-
-def clean_env() -> dict:
-    """This environment without a DeepSpeed world of the test process (a child starts its own)."""
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
 
 
 def stream_overrides(stream_cfg) -> list[str]:

@@ -15,7 +15,8 @@ import pytest
 import requests
 
 from broker_fixtures import stream_config
-from faults_helpers import Serve, clean_env, stream_overrides, wait_until
+from child_env import clean_env
+from faults_helpers import Serve, stream_overrides, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker]
 

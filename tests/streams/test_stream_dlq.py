@@ -4,23 +4,15 @@ the consumer keeps going and delivers the good records around them."""
 from __future__ import annotations
 
 import dataclasses
-import struct
-from unittest import mock
 
-import numpy as np
 import pytest
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer, TopicPartition
 
+from broker_fixtures import dead_letters, poison
 from dvi.events import encode
-from streams.consumer import DLQ_HEADERS, DecisionConsumer
+from streams.consumer import DecisionConsumer
 
 pytestmark = pytest.mark.broker
-
-
-def unchecked(record) -> bytes:
-    """Encode without the producer-side validation (what a buggy or foreign producer could send)."""
-    with mock.patch("dvi.events.validate"):
-        return encode(record)
 
 
 @pytest.mark.faults
@@ -30,20 +22,7 @@ def test_bad_records_go_to_the_dead_letter_topic(broker, stream_config, make_rec
     cfg = stream_config(broker.bootstrap, partitions=1, max_record_bytes=16384)
     ensure_topics(cfg)
     good = [make_record(f"good-{i}", rounds=2, seed=i) for i in range(4)]
-    valid = encode(good[0])
-    out_of_range = make_record("x", rounds=2)
-    out_of_range.rounds[1].drafted[0] = 49152 + 7
-    nan = make_record("x", rounds=2)
-    nan.rounds[0].topk_logprobs[2, 3] = np.nan
-    bad = {
-        b"garbage": (b"\x00\xffhello, not a record" * 3, "magic"),
-        b"truncated": (valid[: len(valid) // 2], "truncated"),
-        b"schema": (valid[:4] + struct.pack("<H", 9) + valid[6:], "unknown schema version 9"),
-        b"oversized": (encode(make_record("big", rounds=200, prompt_len=4000)), "exceeds the bound of 16384"),
-        b"out-of-range": (unchecked(out_of_range), "outside the vocabulary"),
-        b"nan": (unchecked(nan), "non-finite"),
-    }
-    assert len(bad[b"oversized"][0]) > cfg.max_record_bytes
+    bad = poison(cfg.max_record_bytes)
 
     raw = KafkaProducer(bootstrap_servers=broker.bootstrap)
     offsets = {}
@@ -62,24 +41,8 @@ def test_bad_records_go_to_the_dead_letter_topic(broker, stream_config, make_rec
     assert [d.record.request_id for d in got] == [r.request_id for r in good]  # the consumer kept going
     assert (stats.received, stats.delivered, stats.invalid, stats.dead_lettered, stats.dlq_errors) == (10, 4, 6, 6, 0)
 
-    dlq = KafkaConsumer(bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
-    dlq.assign([TopicPartition(cfg.dlq_topic, 0)])
-    letters = []
-    for _ in range(40):
-        for msgs in dlq.poll(timeout_ms=500).values():
-            letters += msgs
-        if len(letters) >= len(bad):
-            break
-    dlq.close()
-    assert sorted(m.key for m in letters) == sorted(bad)
+    letters = dead_letters(cfg, bad, {k: (0, off) for k, off in offsets.items()})
     for m in letters:
-        headers = {k: v.decode() for k, v in m.headers}
-        assert set(DLQ_HEADERS) <= set(headers)
-        assert headers["dvi.origin.topic"] == cfg.topic
-        assert headers["dvi.origin.partition"] == "0"
-        assert headers["dvi.origin.offset"] == str(offsets[m.key])
-        assert headers["dvi.error.class"] == "RecordError"
-        assert bad[m.key][1] in headers["dvi.error.message"], headers
         if m.key != b"oversized":
             assert m.value == bad[m.key][0]  # the original bytes, for inspection and replay
 

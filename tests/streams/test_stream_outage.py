@@ -106,11 +106,11 @@ class _SilentClient:
         pass
 
 
-def test_a_client_that_never_answers_is_recreated_and_its_records_counted(stream_config, make_record, monkeypatch):
+def test_a_client_that_never_answers_is_recreated_and_its_records_counted(broker, stream_config, make_record, monkeypatch):
     import kafka
 
     monkeypatch.setattr(kafka, "KafkaProducer", _SilentClient)
-    cfg = stream_config(f"127.0.0.1:{free_port()}", delivery_timeout_ms=1000)
+    cfg = stream_config(broker.bootstrap, delivery_timeout_ms=1000)  # a broker that accepts connections
     producer = DecisionProducer(cfg)
     try:
         for i in range(5):

@@ -9,7 +9,6 @@ its records come from the real engine. Learning itself is tested on the real dem
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -28,7 +27,8 @@ from dvi.models import load_causal_lm, load_drafter
 from streams.consumer import DecisionConsumer
 from streams.control import ControlReader
 from streams.control import send as control_send
-from broker_fixtures import engine_records
+from broker_fixtures import dead_letters, engine_records, poison
+from child_env import clean_env
 from streams.producer import DecisionProducer
 from trainers import checkpoint
 from trainers.data import TRAINED
@@ -236,12 +236,6 @@ def train_overrides(cfg: DviConfig, stream_cfg, **extra) -> list[str]:
     return out + [f"{k}={v}" for k, v in extra.items()]
 
 
-def clean_env(**extra) -> dict[str, str]:
-    """This process's environment without the distributed variables the in-process DeepSpeed world left."""
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
-
-
 def test_two_ranks_share_the_stream_and_train_every_record_once(stream_cfg, tiny_dirs, tmp_path):
     """Two trainer processes in one DeepSpeed world (the environment the `deepspeed` launcher sets) split the
     partitions in their consumer group, step together, and checkpoint one ledger covering every record once."""
@@ -263,6 +257,57 @@ def test_two_ranks_share_the_stream_and_train_every_record_once(stream_cfg, tiny
     assert state["counters"]["trained"] == len(records)
     assert len(state["ranks"]) == 2 and all(r["trained"] > 0 for r in state["ranks"])  # both ranks had partitions
     assert committed(cfg) == end_offsets(cfg)
+
+
+@pytest.mark.faults
+def test_one_percent_poison_into_a_running_trainer_is_dead_lettered_and_the_lag_returns_to_zero(broker, stream_config,
+                                                                                               tiny_dirs, tmp_path):
+    """Scenario 5: while `dvi train` runs, 594 good records and 6 poison ones (garbage, truncated, unknown schema,
+    oversized, ids outside the vocabulary, NaN log-probs: 1%) arrive mixed in 6 bursts. Every poison record lands in
+    the dead-letter topic with its origin and error; every good one is trained once; the group's committed offsets
+    reach the end of every partition (lag 0); the one trainer process never crashes."""
+    import random
+
+    from kafka import KafkaProducer
+
+    from streams.topics import ensure_topics
+
+    scfg = stream_config(broker.bootstrap, partitions=2, max_record_bytes=16384)
+    ensure_topics(scfg)
+    good = engine_records(*tiny_dirs, n=594, new_tokens=12, seed=5)
+    assert len(good) == 594
+    bad = poison(scfg.max_record_bytes)
+    mixed = [(r.request_id.encode(), encode(r)) for r in good] + [(k, v) for k, (v, _) in bad.items()]
+    random.Random(0).shuffle(mixed)
+    cfg = config(scfg, tiny_dirs, tmp_path, batch_tokens=96, checkpoint_every=4, idle_exit_s=8.0)
+    cmd = [sys.executable, "-m", "dvi.cli", "-v", "train", *train_overrides(cfg, scfg), "stream.max_record_bytes=16384"]
+    train = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    raw = KafkaProducer(bootstrap_servers=broker.bootstrap, max_request_size=1 << 20)
+    origin = {}
+    try:
+        for burst in range(6):  # while the trainer runs: it joins, then trains between bursts
+            time.sleep(3.0)
+            assert train.poll() is None, "the trainer died"
+            for key, value in mixed[burst * 100:(burst + 1) * 100]:
+                meta = raw.send(scfg.topic, key=key, value=value).get(timeout=10)
+                if key in bad:
+                    origin[key] = (meta.partition, meta.offset)
+        out, _ = train.communicate(timeout=600)  # it stops by itself once the stream has been idle for 8 s
+    finally:
+        raw.close()
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+    state = last_state(cfg)
+    trained = [rid for rid, fate in state["ledger"] if fate == TRAINED]
+    assert sorted(trained) == sorted(r.record_id for r in good)  # every good record once
+    assert committed(cfg) == end_offsets(cfg)  # lag 0: the group committed past every record, the poison included
+
+    letters = dead_letters(scfg, bad, origin)
+    print(f"\npoison 1%: {len(good)} good records trained once, {len(letters)} of {len(bad)} poison records "
+          f"dead-lettered with origin and error, committed == end offsets {committed(cfg)}, one trainer process, exit 0")
 
 
 def _step_of(path: Path) -> int:
