@@ -17,7 +17,8 @@ thread sharing the GIL feels): records in flight count as dropped, new ones wait
 `stream.queue_size` they are dropped), and once a probe connects a new client sends the queue. A KafkaProducer
 left in a fatal state, or one that has reported no outcome for records in flight for twice the delivery timeout
 (a stuck client), is closed and recreated; its unresolved records count as dropped. Records handed to the client
-but not yet resolved are bounded by `stream.queue_size` too, so memory stays bounded. This module knows records and Kafka, not the engine.
+but not yet resolved are bounded by `stream.queue_size` too, so memory stays bounded.
+This module knows records and Kafka, not the engine.
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ def slope_mib_per_min(samples: list[tuple[float, float]]) -> float:
     return 60.0 * sum((t - mt) * (m - mm) for t, m in samples) / var if var else 0.0
 
 
+@pytest.mark.timeout(MINUTES * 60 + 900)  # the run itself, plus starting and stopping the stack
 def test_soak_mixed_traffic_with_swaps_keeps_memory_flat_and_greedy_exact(broker, tmp_path):
     from dvi.procs import spawn
     from streams.topics import ensure_topics

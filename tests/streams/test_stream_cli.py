@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from kafka import KafkaAdminClient, KafkaProducer
@@ -58,17 +59,20 @@ def test_tail_of_a_missing_topic_is_one_line(stream_cfg):
     assert proc.returncode == 2 and proc.stderr.startswith("dvi: error: topic 'no.such.topic' does not exist"), proc.stderr
 
 
-def test_broker_command_runs_until_sigterm(stream_config):
+@pytest.mark.parametrize("durable", [False, True], ids=["memory", "data_dir"])
+def test_broker_command_runs_until_sigterm(stream_config, durable, tmp_path):
     port = free_port()
     cfg = stream_config(f"127.0.0.1:{port}")
+    data = [f"stream.data_dir={tmp_path / 'broker'}"] if durable else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "dvi.cli", "broker", f"stream.port={port}", f"stream.topic={cfg.topic}",
-         f"stream.dlq_topic={cfg.dlq_topic}", f"stream.control_topic={cfg.control_topic}", "stream.partitions=2"],
+         f"stream.dlq_topic={cfg.dlq_topic}", f"stream.control_topic={cfg.control_topic}", "stream.partitions=2", *data],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         first = proc.stdout.readline()  # blocks until the broker is ready (or dvi exits)
         assert f"Tansu on 127.0.0.1:{port}" in first, first + proc.stderr.read() if proc.poll() is not None else first
+        assert ("(durable)" in first) == durable and ("memory (lost on stop)" in first) == (not durable), first
         admin = KafkaAdminClient(bootstrap_servers=f"127.0.0.1:{port}")
         topics = {t["name"]: len(t["partitions"]) for t in admin.describe_topics([cfg.topic, cfg.dlq_topic, cfg.control_topic])}
         admin.close()
@@ -84,6 +88,10 @@ def test_broker_command_runs_until_sigterm(stream_config):
     while time.monotonic() < deadline and not _free(port):
         time.sleep(0.05)
     assert _free(port)
+    if durable:  # the topics are files in the folder, and no S3 store process is left behind
+        assert any((tmp_path / "broker").rglob("*")), "nothing was written to stream.data_dir"
+        left = [cmd for cmd in map(_cmdline, Path("/proc").glob("[0-9]*/cmdline")) if f"localbucket {tmp_path / 'broker'} " in cmd + " "]
+        assert not left, left
 
 
 def _free(port: int) -> bool:
@@ -91,6 +99,13 @@ def _free(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _cmdline(path: Path) -> str:
+    try:
+        return path.read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def test_broker_command_refuses_external_kafka():
