@@ -4,7 +4,6 @@ its store holding a version kept in production (d0001) and a newer one that live
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 
@@ -13,7 +12,7 @@ import requests
 import torch
 
 from broker_fixtures import stream_config
-from faults_helpers import Serve, stream_overrides
+from faults_helpers import Serve, stream_end, stream_overrides
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model]
 
@@ -32,11 +31,7 @@ def read_stream(url: str, body: dict, events: list, started: threading.Event) ->
                     continue
                 events.append(line[6:].decode())
                 started.set()
-        done = events and events[-1] == "[DONE]"
-        finished = any(e != "[DONE]" and json.loads(e).get("choices", [{}])[0].get("finish_reason") for e in events)
-        if done and finished:
-            return "complete"
-        return "error" if events and "error" in json.loads(events[-1]) else "truncated"
+        return stream_end(events)
     except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
         return "error"
     finally:
