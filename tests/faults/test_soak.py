@@ -5,9 +5,10 @@ trainer publishes a drafter every few steps (its gate opened: `trainer.min_gain=
 Asserted: no request fails and no stream ends in an error; neither process dies or logs a traceback; drafters are
 swapped in during the run; greedy answers to a fixed probe set, asked after every swap under load, are identical to
 the target-only server's; memory stays flat, in runs of MEMORY_MINUTES or more (the suite's 3-minute run prints
-the memory figures only: its halves are decided by warm-up and transients). Resident memory (sampled every 2 s) after
-the warm-up (the first third of the run, and at least until the first swap: a replica holds the serving drafter and the previous one, kept for a
-rollback) peaks in its second half at most 5% above its peak in its first half, for the server and the trainer.
+the memory figures only: its halves are decided by warm-up and transients). Resident memory (sampled every 2 s)
+after the warm-up (the first third of the run, and at least until the first swap: a replica holds the serving
+drafter and the previous one, kept for a rollback) peaks in its second half at most 5% above its peak in its first
+half, for the server and the trainer.
 The slope of a least-squares line through the samples after the warm-up is printed in MiB per minute."""
 
 from __future__ import annotations
