@@ -20,6 +20,27 @@ def client_options(cfg: StreamConfig, client_cls: type, **overrides: Any) -> dic
     return opts
 
 
+class ReadAfterClose(logging.Filter):
+    """Folds kafka-python's traceback for a read on a transport it has just closed into one line.
+
+    kafka-python 3.0 closes a transport (its socket becomes None) while the transport's read task may still be
+    waiting on that socket; the task then calls `None.recv` and the library logs the AttributeError with a
+    traceback. It happens when dvi closes a client, and loses nothing. Any other record passes unchanged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        transport = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        if isinstance(exc, AttributeError) and getattr(transport, "_sock", True) is None:
+            record.msg, record.args = "%s: read on a closed socket ignored", (transport,)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
 def quiet_kafka_logs(verbose: bool = False) -> None:
     """kafka-python logs every refused connection at ERROR level; outages are expected here and counted."""
     logging.getLogger("kafka").setLevel(logging.INFO if verbose else logging.CRITICAL)
+    transport = logging.getLogger("kafka.net.transport")
+    if not any(isinstance(f, ReadAfterClose) for f in transport.filters):
+        transport.addFilter(ReadAfterClose())
