@@ -251,6 +251,9 @@ def _accept_overrides(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dvi.alloc import limit_arenas
+
+    limit_arenas()  # before any thread starts (see dvi.alloc)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
