@@ -5,11 +5,13 @@ trainer publishes a drafter every few steps (its gate opened: `trainer.min_gain=
 Asserted: no request fails and no stream ends in an error; neither process dies or logs a traceback; drafters are
 swapped in during the run; greedy answers to a fixed probe set, asked after every swap under load, are identical to
 the target-only server's; memory stays flat, in runs of MEMORY_MINUTES or more (the suite's 3-minute run prints
-the memory figures only: its halves are decided by warm-up and transients). Resident memory (sampled every 2 s)
-after the warm-up (the first third of the run, and at least until the first swap: a replica holds the serving
-drafter and the previous one, kept for a rollback) peaks in its second half at most 5% above its peak in its first
-half, for the server and the trainer.
-The slope of a least-squares line through the samples after the warm-up is printed in MiB per minute."""
+the memory figures only: its halves are decided by warm-up and transients). Memory is resident memory (sampled
+every 2 s) of the server and of the trainer after the warm-up (the first third of the run, and at least until the
+first swap: a replica holds the serving drafter and the previous one, kept for a rollback). Flat means: the
+median of its second half is at most 5% above the median of its first half, and the least-squares line through
+it (its slope printed in MiB per minute) rises by at most 5% of the first half's median across the window.
+Peaks are printed, not asserted: each swap loads a 139 MiB drafter beside the two a replica holds and each
+checkpoint copies the trainer's state, so a peak is set by which transients coincide, not by what is kept."""
 
 from __future__ import annotations
 
@@ -160,20 +162,24 @@ def test_soak_mixed_traffic_with_swaps_keeps_memory_flat_and_greedy_exact(broker
     warm = max(MINUTES * 60 / 3, swapped_at[0] if swapped_at else 0.0)
     half = (warm + MINUTES * 60) / 2
 
-    def flat(samples):
+    def flat(samples) -> dict:
         first, second = [m for t, m in samples if warm <= t < half], [m for t, m in samples if t >= half]
         if not first or not second:  # the first swap came too late to leave a window after the warm-up
-            return float("nan"), float("nan"), ""
-        halves = " / ".join(f"{min(h):.0f}, {statistics.median(h):.0f}, {max(h):.0f}" for h in (first, second))
-        return max(second) / max(first), slope_mib_per_min([(t, m) for t, m in samples if t >= warm]), halves
+            return {"median": float("nan"), "growth": float("nan"), "peak": float("nan"), "slope": float("nan"), "halves": ""}
+        slope = slope_mib_per_min([(t, m) for t, m in samples if t >= warm])
+        return {"median": statistics.median(second) / statistics.median(first),
+                "growth": slope * (MINUTES * 60 - warm) / 60 / statistics.median(first),
+                "peak": max(second) / max(first), "slope": slope,
+                "halves": " / ".join(f"{min(h):.0f}, {statistics.median(h):.0f}, {max(h):.0f}" for h in (first, second))}
 
     figures = {name: flat(s) for name, s in memory.items()}
     print(f"\nsoak {MINUTES:g} min: requests {dict(statuses)}; {published} published, {swaps} swaps (first at "
           f"{swapped_at[0] if swapped_at else float('nan'):.0f} s, warm-up until {warm:.0f} s), "
           f"{health['events'].get('rollback', 0)} rollbacks; probes (version, differing) {probes}; memory: " + ", ".join(
-              f"{name} {memory[name][0][1]:.0f} -> {memory[name][-1][1]:.0f} MiB (second/first half peak {r:.3f}, "
-              f"slope {s:+.1f} MiB/min; min, median, max by half {halves})"
-              for name, (r, s, halves) in figures.items()))
+              f"{name} {memory[name][0][1]:.0f} -> {memory[name][-1][1]:.0f} MiB (slope {f['slope']:+.1f} MiB/min, "
+              f"{100 * f['growth']:+.1f}% over the window; second/first half median {f['median']:.3f}, peak {f['peak']:.3f}; "
+              f"min, median, max by half {f['halves']})"
+              for name, f in figures.items()))
     (tmp_path / "soak.json").write_text(json.dumps({"memory": memory, "probes": probes, "statuses": dict(statuses)}))
 
     assert set(statuses) == {200}, (statuses, broken[:3])
@@ -182,5 +188,6 @@ def test_soak_mixed_traffic_with_swaps_keeps_memory_flat_and_greedy_exact(broker
     assert all(differ == 0 for _, differ in probes), probes
     if MINUTES < MEMORY_MINUTES:  # warm-up and transients decide a shorter run's halves: figures only
         return
-    for name, (ratio, _, _) in figures.items():
-        assert ratio <= 1.05, f"{name}: resident memory grew {100 * (ratio - 1):.1f}% after the warm-up"
+    for name, f in figures.items():
+        assert f["median"] <= 1.05, f"{name}: resident memory's median rose {100 * (f['median'] - 1):.1f}% after the warm-up"
+        assert f["growth"] <= 0.05, f"{name}: resident memory grew {f['slope']:+.1f} MiB/min, {100 * f['growth']:.1f}% over the window"
