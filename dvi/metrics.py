@@ -5,6 +5,9 @@ so a request that spanned a hot swap counts each round for the drafter that draf
 need: `prometheus(...)` renders the /metrics page, `interval()` the points for MLflow since the last call,
 `recent_acceptance_of(version, tokens)` and `acceptance_of(version)` feed the swap judge, and `series` / `markers` the drift plot (`drift_plot`).
 Events (swaps, refusals, rollbacks, promotions) are counted with `event(kind, ...)`.
+Figures by version are kept for the VERSIONS_KEPT versions most recently seen (the serving one always): a replica
+that swaps every few minutes for weeks would otherwise grow them, its /metrics page and its MLflow points without
+bound. An older version's rounds stay in the totals.
 
 This module knows the engine's stats; not HTTP, Kafka or MLflow (its readers are in dvi.server).
 """
@@ -21,6 +24,7 @@ from dvi.engine import Result, SpecStats
 NO_DRAFTER = "none"  # the version label of rounds decoded without a drafter
 NO_DOMAIN = "none"
 RECENT_ROUNDS = 4096  # drafting rounds kept per version for `recent_acceptance_of`
+VERSIONS_KEPT = 16  # versions whose figures are kept (a rollout compares the newest two)
 
 
 @dataclass
@@ -71,12 +75,23 @@ class ServingMetrics:
                 self.recent_speed.append(len(result.token_ids) / result.seconds)
             for r in result.rounds:
                 version = r.drafter_version or NO_DRAFTER
+                if version not in self.by_version:
+                    self._forget_old_versions(keep=version)
                 for stats in (self.total, self._interval, self.by_version.setdefault(version, SpecStats()),
                               self.by_domain.setdefault((version, domain), SpecStats()),
                               self._interval_domains.setdefault(domain, SpecStats())):
                     stats.add(r.k, r.accepted)
                 if r.k:
                     self.recent_rounds.setdefault(version, deque(maxlen=RECENT_ROUNDS)).append((r.k, r.accepted))
+
+    def _forget_old_versions(self, keep: str) -> None:
+        """Make room for `keep`: drop the figures of the versions seen longest ago, never the serving one."""
+        seen = [v for v in self.by_version if v not in (keep, self.version)]
+        for old in seen[: max(0, len(self.by_version) + 1 - VERSIONS_KEPT)]:
+            del self.by_version[old]
+            self.recent_rounds.pop(old, None)
+            for key in [k for k in self.by_domain if k[0] == old]:
+                del self.by_domain[key]
 
     def error(self, status: int) -> None:
         with self._lock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from dvi.metrics import ServingMetrics
+from dvi.metrics import VERSIONS_KEPT, ServingMetrics
 
 
 def result(version: str, rounds: list[tuple[int, int]]):
@@ -22,3 +22,18 @@ def test_recent_acceptance_covers_the_latest_tokens_while_the_lifetime_figure_re
     assert m.recent_acceptance_of("d1", 102) == (104, 29)  # whole rounds: it covers at least the tokens asked for
     assert m.recent_acceptance_of("d1", 10_000) == (500, 425)  # asked for more than it has: everything
     assert m.recent_acceptance_of("d2", 100) == (0, 0)
+
+
+def test_figures_by_version_are_kept_for_the_latest_versions_and_the_serving_one():
+    m = ServingMetrics()
+    m.serving("d00")
+    for i in range(VERSIONS_KEPT + 8):
+        m.observe(result(f"d{i:02d}", [(4, 2)] * 3), "code")
+    kept = list(m.by_version)
+    assert len(kept) == VERSIONS_KEPT and len(m.recent_rounds) <= VERSIONS_KEPT
+    assert "d00" in kept  # serving: kept however old
+    assert kept[1:] == [f"d{i:02d}" for i in range(9, VERSIONS_KEPT + 8)]  # then the newest
+    assert {v for v, _ in m.by_domain} == set(kept)
+    assert m.acceptance_of("d01") == (0, 0) and m.recent_acceptance_of("d01", 100) == (0, 0)
+    assert m.total.drafted == 4 * 3 * (VERSIONS_KEPT + 8)  # the totals keep every round
+    assert sum(k.startswith("version/") for k in m.interval()) == 2 * VERSIONS_KEPT
