@@ -150,12 +150,12 @@ def swaps_under_load(model: ModelConfig, n_swaps: int, every_s: float, clients: 
 class Server:
     """A `dvi serve` subprocess on a free port."""
 
-    def __init__(self, overrides: list[str], no_draft: bool):
+    def __init__(self, overrides: list[str], no_draft: bool, env: dict[str, str] | None = None):
         self.port = free_port()
         cmd = [sys.executable, "-m", "dvi.cli", "serve", *(["--no-draft"] if no_draft else []), f"serve.port={self.port}",
                "serve.log_decisions=false", "tracking.enabled=false", "serve.swap.enabled=false", "serve.swap.initial=none", *overrides]
         self.log = tempfile.NamedTemporaryFile(prefix="bench-serve-", suffix=".log")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
         while http_ok(self.url + "/health") is not None:
