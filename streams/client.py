@@ -1,4 +1,5 @@
-"""Options shared by every Kafka client of dvi: where to connect and the pass-through security settings.
+"""Options shared by every Kafka client of dvi: where to connect, the pass-through security settings, and how
+kafka-python's logs are quieted (outages are expected and counted) and cleaned (a close race, `ReadAfterClose`).
 
 Knows `dvi.config.StreamConfig` and kafka-python's client classes; nothing about records.
 """
