@@ -65,6 +65,7 @@ def main() -> int:
     print(f"capped / default: median {statistics.median(ratios):.3f} (IQR {q[0]:.3f}-{q[2]:.3f})")
     print(f"resident memory after the run: capped {memory['capped']:.0f} MiB, default {memory['default']:.0f} MiB")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"blocks": blocks, "ratios": ratios, "memory_mib": memory}, indent=2))
     return 0
 

@@ -254,6 +254,7 @@ def main() -> int:
                  for b in http if b["server"] == "target-only" and b["clients"] == a["clients"]]
         print("\nspeculative / target-only tokens/s: " + ", ".join(f"{n} clients {r:.2f}x" for n, r in ratio))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"swap": swap, "http": http}, indent=2))
     return 0
 
