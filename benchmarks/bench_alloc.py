@@ -24,14 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serve import Server, http_load, log  # noqa: E402
-
-
-def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+from bench_serve import Server, http_load, log  # noqa: E402  (bench_serve puts the repository on sys.path)
+from dvi.procs import rss_mib  # noqa: E402
 
 
 def main() -> int:

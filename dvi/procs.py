@@ -3,8 +3,9 @@
 Owns the life of one child: spawned in a session (and process group) of its own with its output in a log file,
 stopped at exit if its owner forgets, waited on until a probe says it is ready (failing fast when it exits
 first), stopped with a signal to its whole group and SIGKILL after a grace period. Also the foreground loop of
-a command that keeps one server up until Ctrl-C or SIGTERM, and the two probes the servers share (a TCP port,
-an HTTP 200). It knows nothing about what the children are, how they are configured, or what they serve.
+a command that keeps one server up until Ctrl-C or SIGTERM, the two probes the servers share (a TCP port,
+an HTTP 200), and a process's resident memory (with its children's). It knows nothing about what the children
+are, how they are configured, or what they serve.
 """
 
 from __future__ import annotations
@@ -154,6 +155,22 @@ def wait_ready(child: Child, probe: Probe, timeout_s: float, what: str, interval
 
 # ----------------------------------------------------------------------------------------------
 # Probes
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of `pid` and its children, MiB (from /proc)."""
+    total, pids = 0.0, [pid]
+    children = f"/proc/{pid}/task/{pid}/children"
+    if os.path.exists(children):
+        pids += [int(c) for c in open(children).read().split()]
+    for p in pids:
+        try:
+            for line in open(f"/proc/{p}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        except OSError:
+            pass
+    return total
 
 
 def port_in_use(port: int, host: str = HOST) -> bool:

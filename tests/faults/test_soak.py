@@ -30,6 +30,7 @@ import requests
 from broker_fixtures import stream_config
 from child_env import clean_env
 from dvi.workloads import prompts
+from dvi.procs import rss_mib
 from faults_helpers import Serve, stream_end, stream_overrides, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model]
@@ -44,22 +45,6 @@ def answer(server: Serve, prompt, max_tokens: int = 24) -> str:
     assert r.status_code == 200, r.text[:500]
     choice = r.json()["choices"][0]
     return choice["text"] if "text" in choice else choice["message"]["content"]
-
-
-def rss_mib(pid: int) -> float:
-    """Resident memory of `pid` and its children, MiB (from /proc)."""
-    total, pids = 0.0, [pid]
-    children = f"/proc/{pid}/task/{pid}/children"
-    if os.path.exists(children):
-        pids += [int(c) for c in open(children).read().split()]
-    for p in pids:
-        try:
-            for line in open(f"/proc/{p}/status"):
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) / 1024
-        except OSError:
-            pass
-    return total
 
 
 def slope_mib_per_min(samples: list[tuple[float, float]]) -> float:
