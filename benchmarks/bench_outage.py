@@ -1,6 +1,6 @@
 """Broker-outage benchmark: does a serving replica decode slower while the broker is down?
 
-A `dvi.server.Service` (in process, the real demo pair, greedy, fixed K = 4) logs every request's decisions to
+A `dvi.serving.replica.Replica` (in process, the real demo pair, greedy, fixed K = 4) logs every request's decisions to
 the real embedded broker through its non-blocking producer. One client sends a fixed set of chat prompts back
 to back. The broker is alternately up and down (killed with SIGKILL; restarted empty, with its topics created
 again, as `dvi broker` does), one pass over the prompts per state, in ABBA order (up, down, down, up, ...) so
@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, StreamConfig, SwapConfig, TrackingConfig  # noqa: E402
 from dvi.engine import Request  # noqa: E402
 from dvi.models import resolve_pair  # noqa: E402
-from dvi.server import Service  # noqa: E402
-from streams.broker import EmbeddedBroker, free_port  # noqa: E402
+from dvi.procs import free_port  # noqa: E402
+from dvi.serving.replica import Replica  # noqa: E402
+from streams.broker import EmbeddedBroker  # noqa: E402
 from streams.client import quiet_kafka_logs  # noqa: E402
 from streams.producer import DecisionProducer  # noqa: E402
 from streams.topics import ensure_topics  # noqa: E402
@@ -65,7 +66,7 @@ def main() -> int:
     prompts = [list(pair.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                        tokenize=True)["input_ids"]) for q in QUESTIONS]
     producer = DecisionProducer(stream)
-    service = Service(cfg, pair, producer=producer, control=False).start()
+    service = Replica(cfg, pair, producer=producer).start()  # no control channel: no swaps
     speed: dict[str, dict[tuple[int, int], float]] = {"up": {}, "down": {}}
 
     def one_pass(state: str, cycle: int) -> None:

@@ -1,7 +1,8 @@
 """Serving benchmark: what a hot swap costs a running replica, how fast a publish reaches decoding, and HTTP
 throughput and latency at 1, 8 and 32 concurrent clients, speculative vs target-only.
 
-1. Swaps under load (in process, the real demo pair, the real embedded broker): a `dvi.server.Service` decodes
+1. Swaps under load (in process, the real demo pair, the real embedded broker): a `dvi.serving.replica.Replica` (handed a
+   `streams.control.ControlChannel`) decodes
    a steady load of streamed requests (4 client threads, greedy, fixed K = 4, so every round drafts) while
    noisy copies of the demo drafter are published to a model store and announced on the control topic every
    few seconds. Each request's token deliveries are timestamped; a delivery's gap is the inter-token latency a
@@ -38,10 +39,13 @@ sys.path.insert(0, str(ROOT))
 
 from dvi import store  # noqa: E402
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, StreamConfig, SwapConfig, TrackingConfig  # noqa: E402
+from dvi.control import DrafterPublished  # noqa: E402
+from dvi.engine import Request  # noqa: E402
 from dvi.models import load_causal_lm, pair_dirs, resolve_pair  # noqa: E402
-from dvi.procs import http_ok  # noqa: E402
-from dvi.server import Service  # noqa: E402
-from streams.broker import EmbeddedBroker, free_port  # noqa: E402
+from dvi.procs import free_port, http_ok  # noqa: E402
+from dvi.serving.replica import Replica  # noqa: E402
+from streams.broker import EmbeddedBroker  # noqa: E402
+from streams.control import ControlChannel  # noqa: E402
 from streams.control import send as control_send  # noqa: E402
 
 QUESTIONS = ["Write a Python function that reverses a string.", "What is the difference between a list and a tuple?",
@@ -86,11 +90,10 @@ def swaps_under_load(model: ModelConfig, n_swaps: int, every_s: float, clients: 
         pair = resolve_pair(cfg.model)
         prompts = [list(pair.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                            tokenize=True)["input_ids"]) for q in QUESTIONS]
-        service = Service(cfg, pair).start()
+        service = Replica(cfg, pair, control=ControlChannel(stream, client_id="bench-serve")).start()
         time.sleep(3)  # the control reader joins the topic
         stop = threading.Event()
         finished: list[tuple[list[float], list[str]]] = []  # per request: delivery times, round drafter versions
-        from dvi.engine import Request
 
         def client(c: int) -> None:
             i = c
@@ -107,7 +110,7 @@ def swaps_under_load(model: ModelConfig, n_swaps: int, every_s: float, clients: 
             time.sleep(every_s)
             for p in versions:
                 announced[p.version] = time.perf_counter()
-                control_send(stream, "drafter_published", version=p.version, uri=str(p.path), sha256=p.sha256, parent="bench")
+                control_send(stream, DrafterPublished(version=p.version, uri=str(p.path), sha256=p.sha256, parent="bench"))
                 log(f"  announced {p.version}")
                 time.sleep(every_s)
             stop.set()
@@ -170,7 +173,7 @@ class Server:
 
 
 def http_load(url: str, clients: int, total: int, max_tokens: int) -> dict:
-    import requests
+    import requests  # the test extra's HTTP client: only this part of the benchmark needs it
 
     session_local = threading.local()
     lock = threading.Lock()

@@ -2,7 +2,7 @@
 
 One process, one run, against the real embedded Tansu broker (started here on a free port, or --bootstrap):
 
-1. Record size in bytes per generated token (`dvi.events.encode`, zlib): for the demo pair's real records (an
+1. Record size in bytes per generated token (`dvi.records.encode`, zlib): for the demo pair's real records (an
    engine `Result` per prompt, greedy, the default adaptive K, chunked every `stream.chunk_rounds` rounds), and
    for synthetic records with the demo shapes and every round drafting K = 4 (the size a trained drafter's
    records approach), each with top-8 log-probs in float16, in float32, and without teacher signal (topk = 0).
@@ -38,10 +38,15 @@ import time
 import uuid
 
 import numpy as np
+import torch
+import transformers
 
 from dvi.config import StreamConfig, load_config
-from dvi.events import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
-from streams.broker import EmbeddedBroker, free_port
+from dvi.engine import Request, SpeculativeEngine
+from dvi.models import encode_prompt, resolve_pair
+from dvi.procs import free_port
+from dvi.records import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
+from streams.broker import EmbeddedBroker
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
 from streams.topics import ensure_topics
@@ -133,10 +138,6 @@ def throughput(cfg: StreamConfig, records: list[DecisionRecord], compression: st
 
 
 def decode_on_off(cfg, pair, prompts: list[list[int]], repeats: int, max_new: int) -> dict:
-    import torch
-
-    from dvi.engine import Request, SpeculativeEngine
-
     engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids={pair.tokenizer.eos_token_id})
     producer = DecisionProducer(cfg.stream)
     rates = {"off": [], "on": []}
@@ -214,17 +215,9 @@ def main() -> int:
 
         pair, real, prompts = None, [], []
         if not args.synthetic:
-            from dvi.models import resolve_pair
-            import torch
-
-            import transformers
-
             transformers.utils.logging.disable_progress_bar()
             log("loading the demo pair ...")
             pair = resolve_pair(cfg.model)
-            from dvi.cli import encode_prompt
-            from dvi.engine import Request, SpeculativeEngine
-
             prompts = [encode_prompt(pair.tokenizer, p, raw=False) for p in PROMPTS]
             engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids={pair.tokenizer.eos_token_id})
             log("decoding the prompts once for real records ...")
@@ -247,7 +240,7 @@ def main() -> int:
             broker.stop()
     results["load_after"] = os.getloadavg()
 
-    print(f"\nRecord size (dvi.events.encode, zlib level 6; {'demo pair and ' if real else ''}synthetic records)")
+    print(f"\nRecord size (dvi.records.encode, zlib level 6; {'demo pair and ' if real else ''}synthetic records)")
     print(table(results["sizes"], ["records", "teacher", "n", "tokens", "drafted/token", "bytes/record", "bytes/token"]))
     print(f"\nProducer / consumer throughput (kafka-python 3.0.12, Tansu at {bootstrap}, one partition per request key)")
     print(table(results["throughput"], ["compression", "records", "bytes/record", "sent", "dropped", "submit us", "submit max ms",

@@ -32,9 +32,23 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from dvi import store  # noqa: E402
+from dvi.config import DviConfig, ModelConfig, SpecConfig, StreamConfig, TrackingConfig, TrainerConfig  # noqa: E402
+from dvi.engine import Request, SpeculativeEngine  # noqa: E402
+from dvi.models import Drafter, build_drafter, default_cache_dir, demo_drafter_dir, fetch_demo_target, load_causal_lm, load_drafter, load_tokenizer  # noqa: E402
+from dvi.procs import free_port  # noqa: E402
+from dvi.records import records_from_result  # noqa: E402
+from streams.broker import EmbeddedBroker  # noqa: E402
+from streams.consumer import DecisionConsumer  # noqa: E402
+from streams.producer import DecisionProducer  # noqa: E402
+from streams.topics import ensure_topics  # noqa: E402
+from trainers.ds import merged_state_dict  # noqa: E402
+from trainers.recipe import Trainer, evaluate  # noqa: E402
 
 TASKS = ["reverses a string", "checks whether a number is prime", "returns the largest element of a list",
          "counts the vowels in a string", "computes the factorial of n", "merges two sorted lists",
@@ -63,8 +77,6 @@ def prompts(tokenizer) -> list[list[int]]:
 
 def decode_eval(engine_cls, target, drafter, spec, stop_ids, prompts_, new_tokens):
     """Per prompt: (tokens/s, drafted, accepted) decoding alone (batch 1), greedy."""
-    from dvi.engine import Request
-
     engine = engine_cls(target, drafter, spec, stop_ids=stop_ids, max_batch=1)
     rows = []
     for ids in prompts_:
@@ -87,19 +99,6 @@ def main() -> int:
     ap.add_argument("--save", type=Path, default=None, help="publish the trained drafter into this store directory")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-
-    import transformers
-
-    from dvi.config import DviConfig, ModelConfig, SpecConfig, StreamConfig, TrackingConfig, TrainerConfig
-    from dvi.engine import Request, SpeculativeEngine
-    from dvi.events import records_from_result
-    from dvi.models import Drafter, build_drafter, default_cache_dir, demo_drafter_dir, fetch_demo_target, load_causal_lm, load_drafter, load_tokenizer
-    from streams.broker import EmbeddedBroker, free_port
-    from streams.consumer import DecisionConsumer
-    from streams.producer import DecisionProducer
-    from streams.topics import ensure_topics
-    from trainers.recipe import Trainer, evaluate
-
     transformers.utils.logging.set_verbosity_error()
     torch.manual_seed(0)
     cache = default_cache_dir()
@@ -145,8 +144,8 @@ def main() -> int:
             while trainer.state.counters.records + trainer.state.counters.duplicates < len(records) and time.monotonic() < deadline:
                 trainer.ingest(source.poll(0.5))
             holdout = list(trainer.buffer.holdout)
-            ev = lambda model: evaluate(model, holdout, vocab, trainer.vocab_map, trainer.target, 1024)  # noqa: E731
-            before = ev(trainer.engine.module)
+            ev = lambda model: evaluate(model, holdout, vocab, trainer.vocab_map, trainer.teacher_lm, 1024)  # noqa: E731
+            before = ev(trainer.student.module)
             step_times = []
             t_train = time.perf_counter()
             while time.perf_counter() - t_train < args.minutes * 60:
@@ -155,18 +154,15 @@ def main() -> int:
                 trainer.step()
                 step_times.append(time.perf_counter() - s0)
             train_s = time.perf_counter() - t_train
-            after = ev(trainer.engine.module)
+            after = ev(trainer.student.module)
     c = trainer.state.counters
     if args.save:
-        from dvi import store
-        from trainers.ds import merged_state_dict
-
         version = store.next_version(args.save, prefix="bench")
-        pub = store.publish(args.save, version, merged_state_dict(trainer.engine.module.model), drafter_dir,
+        pub = store.publish(args.save, version, merged_state_dict(trainer.student.module.model), drafter_dir,
                             {"parent": untrained.version, "minutes": args.minutes, "steps": trainer.state.step,
                              "held_out_acceptance": after["acceptance"]}, trainer.vocab_map)
         print(f"trained drafter published at {pub.path}")
-    trained = Drafter(model=trainer.engine.module.model.eval(), version="trained", vocab_map=trainer.vocab_map)
+    trained = Drafter(model=trainer.student.module.model.eval(), version="trained", vocab_map=trainer.vocab_map)
 
     # decode on prompts no record came from: untrained vs trained, side by side (interleaved per prompt)
     rows = {"target-only": [], "untrained K=4": [], "trained K=4": [], "untrained adaptive": [], "trained adaptive": []}

@@ -1,17 +1,26 @@
 """Typed configuration: frozen dataclasses, validated on construction, composed by Hydra from conf/.
 
-Entry points call `load_config(overrides)` once and pass the typed objects down; nothing below the
-entry point reads raw config. Each dataclass mirrors one Hydra group in conf/. This module knows the
-shape of the configuration, not what the parts do with it.
+Entry points call `load_config(overrides_of(args))` once and pass the typed objects down; nothing below the
+entry point reads raw config. Each dataclass mirrors one Hydra group in conf/ and checks its own fields;
+`DviConfig` checks the values that must agree across groups. This module knows the shape of the
+configuration, not what the parts do with it.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from dvi.errors import DviError
 
@@ -89,8 +98,6 @@ class SamplingConfig:
 
 
 def check_sampling(temperature: float, top_p: float, max_new_tokens: int, prefix: str = "") -> None:
-    import math
-
     _check(math.isfinite(temperature) and temperature >= 0, f"{prefix}temperature", temperature, "a finite number >= 0 (0 = greedy)")
     _check(math.isfinite(top_p) and 0 < top_p <= 1, f"{prefix}top_p", top_p, "a number in (0, 1]")
     _check(isinstance(max_new_tokens, int) and max_new_tokens >= 1, f"{prefix}max_new_tokens", max_new_tokens, "an integer >= 1")
@@ -374,14 +381,18 @@ class DviConfig:
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
+    def __post_init__(self) -> None:
+        """Checks across groups (each group checks its own fields)."""
+        _check(self.stream.topk <= self.serve.spec.topk_logprobs, "stream.topk", self.stream.topk,
+               f"<= serve.spec.topk_logprobs={self.serve.spec.topk_logprobs} (the stream logs the teacher log-probs the "
+               "engine keeps): raise serve.spec.topk_logprobs or lower stream.topk")
+
 
 SECRET_KEYS = frozenset(["security", "api_key"])  # never logged as params
 
 
 def flat_params(cfg: Any, prefix: str = "") -> dict[str, Any]:
     """A config as flat `group.key` -> value params (for MLflow), without credentials."""
-    import dataclasses
-
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -392,13 +403,17 @@ def flat_params(cfg: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    """The Hydra overrides given on a command line (`args.overrides`); anything else left over is an error."""
+    extra = list(getattr(args, "overrides", []) or [])
+    bad = [w for w in extra if "=" not in w or w.startswith("-")]
+    if bad:
+        raise DviError(f"unrecognized arguments: {' '.join(bad)} (config overrides look like key=value)")
+    return extra
+
+
 def load_config(overrides: list[str] | None = None, config_name: str = "config") -> DviConfig:
     """Compose conf/<config_name>.yaml with Hydra overrides and build the typed, validated config."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     if not CONF_DIR.is_dir():
         raise DviError(f"config directory {str(CONF_DIR)!r} not found; set DVI_CONF_DIR")
     try:
@@ -413,8 +428,6 @@ def load_config(overrides: list[str] | None = None, config_name: str = "config")
 
 
 def _writable(node) -> None:
-    from omegaconf import DictConfig, OmegaConf
-
     OmegaConf.set_readonly(node, False)
     for key in node:
         child = node._get_node(key)

@@ -9,7 +9,7 @@ Figures by version are kept for the VERSIONS_KEPT versions most recently seen (t
 that swaps every few minutes for weeks would otherwise grow them, its /metrics page and its MLflow points without
 bound. An older version's rounds stay in the totals.
 
-This module knows the engine's stats; not HTTP, Kafka or MLflow (its readers are in dvi.server).
+This module knows the engine's stats; not HTTP, Kafka or MLflow (its readers are in dvi.serving.replica).
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def _escape(value: str) -> str:
 
 def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path: str, title: str = "dvi serving") -> None:
     """Acceptance (overall and by domain) and tokens/s over time, with swap / rollback / promotion markers, as a PNG."""
-    import matplotlib
+    import matplotlib  # heavy: only a replica that plots pays for it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,4 +1,5 @@
-"""Model pairs: fetching the demo target, building drafters from a target, loading and checking a pair.
+"""Model pairs: fetching the demo target, building drafters from a target, loading and checking a pair, and
+turning a prompt into its token ids (`encode_prompt`).
 
 Owns the on-disk layout of a drafter checkpoint:
 
@@ -21,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import zipfile
 from collections import Counter
@@ -128,6 +130,16 @@ def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = t
     return model.eval()
 
 
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool) -> list[int]:
+    """Token ids of a prompt: through the chat template unless `raw` (or the tokenizer has none)."""
+    if not prompt.strip():
+        raise DviError("empty prompt: give some text to continue")
+    if raw or not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
 def check_same_tokenizer(target: PreTrainedTokenizerBase, drafter: PreTrainedTokenizerBase) -> None:
     """Raise unless the two tokenizers map text to the same ids (same vocabulary and special tokens)."""
     tv, dv = target.get_vocab(), drafter.get_vocab()
@@ -198,11 +210,9 @@ def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = 
 
 def corpus_texts(max_chars: int = 4_000_000) -> list[str]:
     """Offline text for token statistics: the Python standard library's sources and its doc topics."""
-    import sysconfig
-
     texts, total = [], 0
     try:
-        from pydoc_data import topics
+        from pydoc_data import topics  # optional: some distributions strip it
 
         for body in topics.topics.values():
             texts.append(body)

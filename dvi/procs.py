@@ -35,6 +35,18 @@ Probe = Callable[[], "str | None"]  # None: ready; otherwise what is still missi
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local probe never goes via a proxy
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def default_replica_id() -> str:
+    """This process's name where `stream.replica_id` is not set: <host>-<pid>."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 class Child:
     """One spawned child process; see `spawn`. A Child is one launch: to start again, spawn a new one."""
 

@@ -109,19 +109,6 @@ def rejection_sample(
     return n, sample_from(p_n, u_sample)
 
 
-def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification: accept while the draft equals the target's argmax.
-
-    draft_ids: [B, Kmax]; target_logits: [B, Kmax + 1, V]; k: [B]. Returns n_accepted [B], next_token [B].
-    Equal to `rejection_sample` with one-hot p and q; kept as the readable special case and test reference.
-    """
-    choice = target_logits.argmax(-1)  # [B, Kmax + 1]
-    kmax = draft_ids.shape[1]
-    ok = (draft_ids == choice[:, :kmax]) & (torch.arange(kmax, device=draft_ids.device) < k.unsqueeze(-1))
-    n = ok.long().cumprod(-1).sum(-1)
-    return n, choice.gather(-1, n.unsqueeze(-1)).squeeze(-1)
-
-
 def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Probability that a draft from q is accepted against p: sum_x min(p(x), q(x)) = 1 - TV(p, q).
 

@@ -58,6 +58,11 @@ def default_root(cfg) -> Path:
     return Path(cfg.trainer.store).expanduser() if cfg.trainer.store else cache_dir(cfg.model) / "store"
 
 
+def serving_root(cfg) -> Path:
+    """The only directory a replica loads drafters from: `serve.swap.store`, or the trainer's store (resolved)."""
+    return (Path(cfg.serve.swap.store).expanduser() if cfg.serve.swap.store else default_root(cfg)).resolve()
+
+
 def check_version_name(version: str) -> None:
     if not isinstance(version, str) or not _VERSION.fullmatch(version) or version in (".", "..") or version.startswith(_TMP):
         raise DviError(f"invalid drafter version name {version!r}: use letters, digits, '.', '_' and '-' only")

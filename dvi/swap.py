@@ -1,9 +1,10 @@
 """Hot-swap: turning a `drafter_published` announcement into a drafter that is safe to serve, and judging it live.
 
-`load_announced(announcement, ...)` is the only way a running server gets new drafter weights. In order, it
+`load_announced(published, ...)`, given a `dvi.control.DrafterPublished`, is the only way a running server gets new drafter weights. In order, it
 refuses (raising `Refused` with a reason code and a message saying what and where):
 
-- `bad_message`: the announcement lacks a version, a uri or a sha256, or the version name is not a plain name;
+- `bad_message`: the version name is not a plain name (a message without a version, a uri or a sha256 never
+  gets here: `dvi.control.decode` refuses it);
 - `outside_store`: the uri does not resolve to `<store root>/<version>` (symlinks and `..` resolved first);
 - `pickle`: the directory holds a pickle-capable weight file (nothing here ever unpickles);
 - `checksum`: SHA256SUMS does not match the announced sha256, or a file does not match SHA256SUMS;
@@ -27,12 +28,14 @@ This module knows the model store, safetensors and the engine's `Drafter`; not K
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from dvi import store
+from dvi.control import DrafterPublished
 from dvi.errors import DviError
 from dvi.models import DRAFT_HEAD, Drafter, load_drafter
 
@@ -49,28 +52,6 @@ class Refused(DviError):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class Announcement:
-    version: str
-    uri: str
-    sha256: str
-    parent: str | None = None
-
-    @classmethod
-    def of(cls, msg: dict) -> Announcement:
-        """From a control message; Refused("bad_message") when a field is missing or not a string."""
-        fields = {k: msg.get(k) for k in ("version", "uri", "sha256")}
-        bad = [k for k, v in fields.items() if not isinstance(v, str) or not v]
-        if bad:
-            raise Refused("bad_message", f"drafter announcement without {', '.join(bad)}: {msg!r:.200}")
-        try:
-            store.check_version_name(fields["version"])
-        except DviError as e:
-            raise Refused("bad_message", str(e)) from None
-        parent = msg.get("parent")
-        return cls(**fields, parent=parent if isinstance(parent, str) else None)
-
-
 def resolve_in_store(uri: str, version: str, store_root: Path) -> Path:
     """The version's directory, which must be exactly <store_root>/<version> once resolved."""
     root = Path(store_root).expanduser().resolve()
@@ -80,9 +61,13 @@ def resolve_in_store(uri: str, version: str, store_root: Path) -> Path:
     return path
 
 
-def load_announced(ann: Announcement, store_root: Path, target: torch.nn.Module, smoke_tokens: int = 8,
+def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Module, smoke_tokens: int = 8,
                    dtype: torch.dtype = torch.float32) -> Drafter:
     """Check and load an announced drafter (see the module docstring). Returns it, or raises Refused."""
+    try:
+        store.check_version_name(ann.version)
+    except DviError as e:
+        raise Refused("bad_message", str(e)) from None
     path = resolve_in_store(ann.uri, ann.version, store_root)
     if not path.is_dir():
         raise Refused("load", f"drafter {ann.version}: {path} does not exist (a store not shared with the trainer?)")
@@ -113,9 +98,6 @@ def _check_shapes(path: Path, version: str) -> None:
     """Every parameter the config implies must come from the file with its shape, checked before anything is
     loaded (transformers fills a missing weight with random values and only warns, and its error on a wrong
     shape does not say which). The expected shapes come from the config on the meta device: no memory, no init."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}

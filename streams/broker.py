@@ -16,12 +16,14 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
+from kafka import KafkaAdminClient
+from kafka.errors import KafkaError
+
 from dvi.errors import DviError
-from dvi.procs import HOST, ServerProcess, http_ok, local_post, port_in_use
+from dvi.procs import HOST, ServerProcess, free_port, http_ok, local_post, port_in_use
 
 log = logging.getLogger("dvi.streams.broker")
 
@@ -42,17 +44,8 @@ def tansu_binary() -> Path:
     return path
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def kafka_answers(bootstrap: str) -> str | None:
     """A probe (dvi.procs): None once a broker at `bootstrap` answers a metadata request, else why not."""
-    from kafka import KafkaAdminClient
-    from kafka.errors import KafkaError
 
     host, _, port = bootstrap.rpartition(":")
     if not port_in_use(int(port), host):

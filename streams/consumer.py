@@ -23,24 +23,19 @@ import logging
 import time
 from dataclasses import dataclass
 
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
+
 from dvi.config import StreamConfig
 from dvi.errors import DviError
-from dvi.events import DecisionRecord, decode
+from dvi.records import Delivered, decode
 from streams.client import client_options
 
 log = logging.getLogger("dvi.streams.consumer")
 
 DLQ_HEADERS = ("dvi.origin.topic", "dvi.origin.partition", "dvi.origin.offset", "dvi.error.class", "dvi.error.message")
 _MAX_ERROR_CHARS = 1000
-
-
-@dataclass(frozen=True)
-class Delivered:
-    record: DecisionRecord
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
 
 
 @dataclass(frozen=True)
@@ -77,9 +72,6 @@ class DecisionConsumer:
         dead_letter: bool = True,
         client_id: str = "dvi-consumer",
     ):
-        from kafka import KafkaConsumer, TopicPartition
-        from kafka.errors import KafkaError
-
         self.cfg = cfg
         self.topic = topic or cfg.topic
         self.dlq_topic = dlq_topic or cfg.dlq_topic
@@ -129,8 +121,6 @@ class DecisionConsumer:
 
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Delivered]:
         """Valid records that arrived within `timeout_s` (possibly none); invalid ones are dead-lettered."""
-        from kafka import TopicPartition
-        from kafka.errors import KafkaError
 
         try:
             batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
@@ -228,8 +218,6 @@ class DecisionConsumer:
 
         The dead-letter producer is flushed first, so every bad record before a committed offset is in the DLQ.
         """
-        from kafka.structs import OffsetAndMetadata, TopicPartition
-
         if self.group_id is None:
             raise DviError("commit() needs a consumer group: pass group_id")
         self.flush_dead_letters()
@@ -255,7 +243,6 @@ class DecisionConsumer:
     # -- the dead-letter path -------------------------------------------------------------------
 
     def _dead_letter(self, m, error: BaseException) -> None:
-        from kafka import KafkaProducer
 
         self._dead += 1
         message = str(error)[:_MAX_ERROR_CHARS]
@@ -289,7 +276,6 @@ class DecisionConsumer:
     def flush_dead_letters(self, timeout_s: float = 10.0) -> None:
         if self._dlq is None:
             return
-        from kafka.errors import KafkaError
 
         try:
             self._dlq.flush(timeout=timeout_s)

@@ -1,74 +1,51 @@
-"""The control topic: small JSON messages between the trainer, the servers and the operator.
+"""The control topic: `dvi.control` messages over Kafka.
 
-Messages are JSON objects with a `type`:
-- `drafter_published` (trainer -> servers): version, uri (a directory in the model store), sha256 (of its
-  SHA256SUMS), parent, gate metrics, mlflow version, time;
-- `drafter_rejected` (a server -> trainers and the other servers): version, previous, reason, replica_id, time:
-  the live check rolled the version back; the others roll back too and trainers gate against the previous one;
-- `drafter_promoted` (a server -> trainers): version, acceptance, replica_id, time: the live check kept it;
-  trainers record both verdicts in the model store, where a restarting server reads them;
-- `retrain` (`dvi retrain` -> trainer): reason, time.
-The control topic has one partition, so messages keep their order. `send` waits for the broker's
-acknowledgement (a control message matters more than latency); `ControlReader` reads the topic without a
-consumer group, from the end by default, and skips (and counts) anything that is not a JSON object with a
-type. This module knows Kafka and JSON, not what the trainer or the servers do with the messages.
+The control topic has one partition, so messages keep their order. `send` waits for the broker's acknowledgement
+(a control message matters more than latency). `ControlReader` reads the topic without a consumer group, from
+the end by default; anything `dvi.control.decode` refuses is skipped, logged with its offset and counted, and
+never raises. `ControlChannel` is what a serving replica is handed: a reader that (re)connects by itself, so a
+broker that is down or a reader that broke costs a log line and a retry, never an exception in the caller, plus
+`send`. This module knows Kafka; the messages' shapes are `dvi.control`'s, what they make happen is not known here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
 
 from dvi.config import StreamConfig
+from dvi.control import ControlError, Message, decode, encode
 from dvi.errors import DviError
 from streams.client import client_options
+from streams.topics import ensure_topics
 
 log = logging.getLogger("dvi.streams.control")
 
-PUBLISHED, REJECTED, PROMOTED, RETRAIN = "drafter_published", "drafter_rejected", "drafter_promoted", "retrain"
 
-
-def encode_message(kind: str, **fields: Any) -> bytes:
-    return json.dumps({"type": kind, "time": time.time(), **fields}, sort_keys=True).encode()
-
-
-def decode_message(data: bytes) -> dict:
-    """The message in `data`; ValueError when it is not a JSON object with a string `type`."""
-    msg = json.loads(data.decode("utf-8"))
-    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-        raise ValueError("not a JSON object with a string 'type'")
-    return msg
-
-
-def send(cfg: StreamConfig, kind: str, timeout_s: float = 10.0, **fields: Any) -> dict:
-    """Send one control message and wait for the broker to acknowledge it. Returns the message."""
-    from kafka import KafkaProducer
-    from kafka.errors import KafkaError
-
-    data = encode_message(kind, **fields)
+def send(cfg: StreamConfig, msg: Message, timeout_s: float = 10.0) -> None:
+    """Send one control message and wait for the broker to acknowledge it; DviError when it is not."""
+    data = encode(msg)
     try:
         producer = KafkaProducer(**client_options(cfg, KafkaProducer, client_id="dvi-control", bootstrap_timeout_ms=int(timeout_s * 1000)))
     except KafkaError as e:
-        raise DviError(f"cannot reach Kafka at {cfg.bootstrap} to send a {kind} message ({type(e).__name__}: {e})") from None
+        raise DviError(f"cannot reach Kafka at {cfg.bootstrap} to send a {msg.kind} message ({type(e).__name__}: {e})") from None
     try:
         producer.send(cfg.control_topic, data).get(timeout=timeout_s)
     except KafkaError as e:
-        raise DviError(f"the {kind} message to topic {cfg.control_topic!r} was not acknowledged ({type(e).__name__}: {e})") from None
+        raise DviError(f"the {msg.kind} message to topic {cfg.control_topic!r} was not acknowledged ({type(e).__name__}: {e})") from None
     finally:
         producer.close(timeout=timeout_s)
-    return json.loads(data)
 
 
 class ControlReader:
     """Read control messages (see the module docstring). A context manager; `poll()` never raises on bad data."""
 
     def __init__(self, cfg: StreamConfig, from_beginning: bool = False, client_id: str = "dvi-control-reader"):
-        from kafka import KafkaConsumer, TopicPartition
-        from kafka.errors import KafkaError
-
         self.invalid = 0
+        self._topic = cfg.control_topic
         try:
             self._consumer = KafkaConsumer(**client_options(cfg, KafkaConsumer, client_id=client_id, enable_auto_commit=False,
                                                             bootstrap_timeout_ms=5000))
@@ -79,15 +56,15 @@ class ControlReader:
         (self._consumer.seek_to_beginning if from_beginning else self._consumer.seek_to_end)(tp)
         self._consumer.position(tp)  # resolve "the end" now, so a message sent after this call is seen
 
-    def poll(self, timeout_s: float = 0.0) -> list[dict]:
+    def poll(self, timeout_s: float = 0.0) -> list[Message]:
         out = []
         for messages in self._consumer.poll(timeout_ms=int(timeout_s * 1000)).values():
             for m in messages:
                 try:
-                    out.append(decode_message(m.value))
-                except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                    out.append(decode(m.value))
+                except ControlError as e:
                     self.invalid += 1
-                    log.warning("skipping control message at offset %d: %s", m.offset, e)
+                    log.warning("skipping control message at %s[%d]@%d: %s", m.topic, m.partition, m.offset, e)
         return out
 
     def close(self) -> None:
@@ -98,3 +75,68 @@ class ControlReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ControlChannel:
+    """A replica's side of the control topic: `poll` (connecting and reconnecting as needed) and `send`."""
+
+    def __init__(self, cfg: StreamConfig, client_id: str, retry_s: float = 5.0):
+        self.cfg, self.client_id, self.retry_s = cfg, client_id, retry_s
+        self._reader: ControlReader | None = None
+        self._next_try = 0.0
+        self._warned = False
+        self._invalid_before = 0  # skipped by readers since replaced
+
+    def poll(self, timeout_s: float = 0.5) -> list[Message]:
+        """Messages sent since the last poll; [] (after waiting up to `timeout_s`) while the topic cannot be read."""
+        if self._reader is None and not self._connect():
+            time.sleep(min(timeout_s, max(0.0, self._next_try - time.monotonic())))
+            return []
+        try:
+            return self._reader.poll(timeout_s)
+        except Exception:  # a broken client: log, reconnect on the next poll
+            log.exception("reading the control topic %s failed; reconnecting", self.cfg.control_topic)
+            self._drop_reader()
+            self._next_try = time.monotonic() + 1.0
+            return []
+
+    def _connect(self) -> bool:
+        if time.monotonic() < self._next_try:
+            return False
+        try:
+            # a reader assigned to a topic that does not exist yet starts at its end once it appears, after the
+            # messages that created it: create the topics first, as the trainer does
+            ensure_topics(self.cfg)
+            self._reader = ControlReader(self.cfg, client_id=self.client_id)
+        except DviError as e:
+            if not self._warned:
+                log.warning("hot swap waits for the control topic: %s (retrying every %g s)", e, self.retry_s)
+                self._warned = True
+            self._next_try = time.monotonic() + self.retry_s
+            return False
+        self._warned = False
+        return True
+
+    @property
+    def connected(self) -> bool:
+        return self._reader is not None
+
+    @property
+    def invalid(self) -> int:
+        """Messages skipped because `dvi.control.decode` refused them."""
+        return self._invalid_before + (self._reader.invalid if self._reader is not None else 0)
+
+    def send(self, msg: Message) -> None:
+        send(self.cfg, msg)
+
+    def _drop_reader(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            self._invalid_before += reader.invalid
+            try:
+                reader.close()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        self._drop_reader()

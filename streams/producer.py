@@ -1,7 +1,7 @@
 """The decision producer: DecisionRecords to Kafka without ever making decoding wait.
 
 `submit(record)` only puts the record in a bounded in-memory queue (a few microseconds) and returns; if the
-queue is full the record is dropped and counted. A background thread encodes records (`dvi.events.encode`,
+queue is full the record is dropped and counted. A background thread encodes records (`dvi.records.encode`,
 size-bounded), hands them to a kafka-python `KafkaProducer` (batching with linger, gzip batch compression,
 key = request id so a request's chunks stay in order on one partition) and counts the outcome of each:
 
@@ -24,7 +24,6 @@ This module knows records and Kafka, not the engine.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
 import threading
@@ -32,8 +31,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from kafka import KafkaProducer
+from kafka import errors as ke
+from kafka.errors import KafkaError, KafkaTimeoutError
+
 from dvi.config import StreamConfig
-from dvi.events import DecisionRecord, RecordError, encode
+from dvi.procs import default_replica_id
+from dvi.records import DecisionRecord, RecordError, encode
 from streams.client import client_options
 
 log = logging.getLogger("dvi.streams.producer")
@@ -53,10 +57,6 @@ class ProducerStats:
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-def default_replica_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 class DecisionProducer:
@@ -187,8 +187,6 @@ class DecisionProducer:
         return batch
 
     def _connect(self) -> bool:
-        from kafka import KafkaProducer
-        from kafka.errors import KafkaError
 
         if self._producer is not None:  # fatal state: this client will never send again
             self._warn("fatal", "Kafka producer in a fatal state (%s): recreating it", "broker restarted?")
@@ -234,7 +232,6 @@ class DecisionProducer:
         return True
 
     def _send(self, record: DecisionRecord) -> None:
-        from kafka.errors import KafkaTimeoutError
 
         try:
             value = encode(record, logprob_dtype=self.cfg.logprob_dtype, max_bytes=self.cfg.max_record_bytes)
@@ -338,8 +335,6 @@ class DecisionProducer:
 
 def _is_fatal(producer, exc: BaseException | None) -> bool:
     """Whether a KafkaProducer can never send again and must be recreated."""
-    from kafka import errors as ke
-
     fatal = tuple(
         getattr(ke, name)
         for name in ("UnknownProducerIdError", "OutOfOrderSequenceNumberError", "InvalidProducerEpochError", "ProducerFencedError")

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import logging
 
+from kafka import KafkaAdminClient
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+
 from dvi.config import StreamConfig
 from dvi.errors import DviError
 from streams.client import client_options
@@ -21,8 +24,6 @@ def stream_topics(cfg: StreamConfig) -> dict[str, int]:
 
 def ensure_topics(cfg: StreamConfig, topics: dict[str, int] | None = None, timeout_s: float = 10.0) -> list[str]:
     """Create the topics (default: `stream_topics(cfg)`) that do not exist yet; return the names created."""
-    from kafka import KafkaAdminClient
-    from kafka.errors import KafkaError, TopicAlreadyExistsError
 
     topics = stream_topics(cfg) if topics is None else topics
     try:

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from dvi.config import StreamConfig
-from dvi.events import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
-from streams.broker import EmbeddedBroker, free_port
+from dvi.procs import free_port
+from dvi.records import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
+from streams.broker import EmbeddedBroker
 from streams.topics import ensure_topics
 
 DEMO_VOCAB = 49152
@@ -118,7 +119,7 @@ def unchecked(record: DecisionRecord) -> bytes:
     """Encode without the producer-side validation (what a buggy or foreign producer could send)."""
     from unittest import mock
 
-    with mock.patch("dvi.events.validate"):
+    with mock.patch("dvi.records.validate"):
         return encode(record)
 
 

@@ -1,1 +1,8 @@
-"""Training side of dvi: DeepSpeed distillation recipe, losses, replay buffer, triggers, MLflow tracking."""
+"""Training side of dvi: the online distillation recipe that turns the decision stream into better drafters.
+
+`trainers.recipe` (the `Trainer`) wires the parts together; `trainers.losses` holds the objective's maths,
+`trainers.data` turns records into batches and keeps the replay buffer, ledger and offsets, `trainers.triggers`
+decides when to train, `trainers.ds` builds the DeepSpeed engine and `trainers.checkpoint` writes its checkpoints.
+MLflow tracking is `dvi.tracking`'s, the Kafka side `streams`', and the command line (`dvi train`, `dvi retrain`,
+`dvi drafter distill`) `dvi.cli.train`'s.
+"""

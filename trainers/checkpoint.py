@@ -7,7 +7,7 @@ written last, the completion marker `COMPLETE` (step, the manifest's sha256, ZeR
 knows DeepSpeed and files; it does not know what `state` holds (record-id ledger, consumer offsets, lineage
 are the trainer's), nor records or Kafka.
 
-How a save stays atomic (DESIGN.md, Guarantees): DeepSpeed writes into `<root>/.tmp-<tag>/`; every file is
+How a save stays atomic: DeepSpeed writes into `<root>/.tmp-<tag>/`; every file is
 hashed and fsynced, the manifest written, the directory renamed into place and fsynced, and only then the
 marker is written (itself through a rename) and fsynced. A crash at any point leaves either a `.tmp-*`
 leftover (removed by `latest`) or a step directory without a marker (skipped by `latest`, removed by the
@@ -28,15 +28,12 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from deepspeed import DeepSpeedEngine
 
 from dvi.errors import DviError
 from dvi.files import fsync_path, sha256_file, write_synced
-
-if TYPE_CHECKING:
-    from deepspeed import DeepSpeedEngine
 
 log = logging.getLogger("dvi.trainers.checkpoint")
 

@@ -16,24 +16,40 @@ they were never judged, and the one-forward layout leaves them out.
 
 The `Buffer` holds fresh records waiting to be trained (oldest skipped, and counted, when full), records held
 out for the gate, and already-trained records for replay (weighted down by drafter-version age). The `Ledger`
-remembers the fate of every record id (trained, held out, skipped) for deduplication and for the
+remembers the `Fate` of every record id (trained, held out, skipped) for deduplication and for the
 exactly-once check after a restart; `Offsets` tracks which consumed offsets are done, so a checkpoint commits
-only offsets whose records it covers. This module knows records and tensors, not models, Kafka or DeepSpeed.
+only offsets whose records it covers. `FileSource` reads a JSON-lines file of records (`dvi stream tail --json`)
+behind the same poll interface as the stream's consumer, returning `dvi.records.Delivered`.
+
+This module knows records, tensors and files; not models, Kafka (the stream's consumer is `streams.consumer`'s)
+or DeepSpeed. Records arrive validated: the codec (`dvi.records.decode` / `from_dict`) checks them at the wire.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from dvi.events import DecisionRecord
+from dvi.errors import DviError
+from dvi.records import DecisionRecord, Delivered, from_dict
 
-# record fates in the ledger
-TRAINED, HELD_OUT, SKIPPED = "t", "h", "s"
+log = logging.getLogger("dvi.trainer")
+
+
+class Fate(str, Enum):
+    """What became of a record, as the ledger (and a checkpoint on disk) stores it."""
+
+    TRAINED = "t"
+    HELD_OUT = "h"  # kept for the gate
+    SKIPPED = "s"  # dropped from a full queue, or its batch had a non-finite loss
 
 
 @dataclass(frozen=True)
@@ -164,11 +180,11 @@ def collate(examples: list[Example], weights: list[float] | None = None) -> Batc
 
 
 class Ledger:
-    """Record id -> fate (TRAINED, HELD_OUT, SKIPPED), in arrival order, bounded to the newest `size` ids."""
+    """Record id -> `Fate`, in arrival order, bounded to the newest `size` ids."""
 
     def __init__(self, size: int, entries: list[list[str]] | None = None):
         self.size = size
-        self._fates: OrderedDict[str, str] = OrderedDict((rid, fate) for rid, fate in entries or [])
+        self._fates: OrderedDict[str, Fate] = OrderedDict((rid, Fate(fate)) for rid, fate in entries or [])
 
     def __contains__(self, record_id: str) -> bool:
         return record_id in self._fates
@@ -176,19 +192,16 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._fates)
 
-    def add(self, record_id: str, fate: str) -> None:
+    def add(self, record_id: str, fate: Fate) -> None:
         if record_id in self._fates:
-            raise ValueError(f"record {record_id} is already in the ledger ({self._fates[record_id]})")
-        self._fates[record_id] = fate
+            raise ValueError(f"record {record_id} is already in the ledger ({self._fates[record_id].name})")
+        self._fates[record_id] = Fate(fate)
         while len(self._fates) > self.size:
             self._fates.popitem(last=False)
 
-    def count(self, fate: str) -> int:
-        return sum(1 for f in self._fates.values() if f == fate)
-
     def entries(self) -> list[list[str]]:
-        """JSON-able form for the checkpoint."""
-        return [[rid, fate] for rid, fate in self._fates.items()]
+        """JSON-able form for the checkpoint: [record id, fate value ("t", "h", "s")]."""
+        return [[rid, fate.value] for rid, fate in self._fates.items()]
 
 
 class Offsets:
@@ -228,9 +241,6 @@ class Offsets:
             nxt[p] = max(nxt.get(p, 0), n)
         return {p: min(self._open[p]) if self._open.get(p) else n for p, n in nxt.items()}
 
-    def outstanding(self) -> int:
-        return sum(len(s) for s in self._open.values())
-
 
 # ----------------------------------------------------------------------------------------------
 # The buffer.
@@ -264,16 +274,16 @@ class Buffer:
         self.rng = random.Random(seed)
         self._holdout_credit = 0.0
 
-    def add(self, item: Item) -> tuple[str | None, Item | None]:
+    def add(self, item: Item) -> tuple[Fate | None, Item | None]:
         """Route a fresh record: held out for the gate, or queued for training.
 
-        Returns (HELD_OUT or None, the oldest pending item skipped to make room or None).
+        Returns (Fate.HELD_OUT or None, the oldest pending item skipped to make room or None).
         """
         self._holdout_credit += self.holdout_share
         if self._holdout_credit >= 1.0:  # every 1 / holdout_share-th record, deterministic and evenly spread
             self._holdout_credit -= 1.0
             self.holdout.append(item.example)
-            return HELD_OUT, None
+            return Fate.HELD_OUT, None
         self.pending.append(item)
         dropped = self.pending.popleft() if len(self.pending) > self.pending_size else None
         return None, dropped
@@ -317,31 +327,23 @@ class Buffer:
 
 class FileSource:
     """Records from a JSON-lines file (`dvi stream tail --json` output) behind the consumer's interface
-    (poll / positions / rewind; no group, so nothing to commit). Lines that do not parse or validate are
-    logged with their line number, counted (`stats.invalid`) and skipped."""
+    (poll / positions / rewind; no group, so nothing to commit). Each line is parsed and validated once, by
+    `dvi.records.from_dict`; lines that do not parse or validate are logged with their line number, counted
+    (`stats.invalid`) and skipped."""
 
     group_id = None
 
     def __init__(self, path: str, vocab_size: int | None = None):
-        from pathlib import Path
-
         self.path = Path(path).expanduser()
         if not self.path.is_file():
-            from dvi.errors import DviError
-
             raise DviError(f"record file {str(self.path)!r} not found (write one with `dvi stream tail --json > FILE`)")
         self.vocab_size = vocab_size
         self._lines = self.path.read_text().splitlines()
         self._next = 0
         self.stats = _FileStats()
 
-    def poll(self, timeout_s: float = 0.0, max_records: int = 500) -> list:
-        import json
-        import logging
-
-        from dvi.events import RecordError, from_dict, validate
-        from streams.consumer import Delivered
-
+    def poll(self, timeout_s: float = 0.0, max_records: int = 500) -> list[Delivered]:
+        """Up to `max_records` records from the next lines (the file as `topic`, partition 0, the line index as offset)."""
         out = []
         while self._next < len(self._lines) and len(out) < max_records:
             n, line = self._next, self._lines[self._next]
@@ -349,13 +351,12 @@ class FileSource:
             if not line.strip():
                 continue
             try:
-                record = from_dict(json.loads(line))
-                validate(record, self.vocab_size)
-            except (ValueError, RecordError) as e:  # JSONDecodeError is a ValueError
+                record = from_dict(json.loads(line), self.vocab_size)
+            except (ValueError, RecursionError) as e:  # RecordError and JSONDecodeError are ValueErrors
                 self.stats.invalid += 1
-                logging.getLogger("dvi.trainer").warning("%s:%d: skipping an invalid record: %s", self.path, n + 1, e)
+                log.warning("%s:%d: skipping an invalid record: %s", self.path, n + 1, e)
                 continue
-            out.append(Delivered(record, str(self.path), 0, n, None))
+            out.append(Delivered(record, str(self.path), 0, n))
         return out
 
     def positions(self) -> dict:
@@ -373,5 +374,4 @@ class FileSource:
 
 @dataclass
 class _FileStats:
-    invalid: int = 0
-    dead_lettered: int = 0
+    invalid: int = 0  # lines skipped: not JSON, or not a valid record

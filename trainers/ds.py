@@ -24,7 +24,7 @@ from deepspeed import DeepSpeedEngine
 
 from dvi.config import TrainerConfig
 from dvi.errors import DviError
-from streams.broker import HOST, free_port
+from dvi.procs import HOST, free_port
 
 log = logging.getLogger("dvi.trainers.ds")
 
@@ -89,6 +89,7 @@ def apply_lora(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
     """Wrap `model` in LoRA adapters (only they train) when trainer.finetune is lora; else return it as is."""
     if cfg.finetune != "lora":
         return model
+    # lazy: LoRA is optional (trainer.finetune=lora), and importing peft adds about 2 s to every trainer start
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_targets), lora_dropout=0.0)
@@ -115,6 +116,7 @@ def _gathered(module: torch.nn.Module) -> contextlib.AbstractContextManager:
 
 
 def _merged(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # lazy, as in apply_lora
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 

@@ -10,8 +10,11 @@ Vocabulary (as in `dvi.speculative`; a round drafts d_1..d_k, n of them are acce
 
 - position j = 0..k of a round: the context prompt + accepted output + d_1..d_j. Positions 0..k-1 are the
   drafted positions (the student's distribution there proposed d_{j+1}); position k is the bonus position.
-  The teacher (the target's top-k ids / log-probs) is logged at all k + 1 positions; `Kmax` is the largest
-  k in a batch and shorter rounds are padded.
+  The teacher (the target's top-k ids / log-probs) is logged at all k + 1 positions. The objective
+  (`position_loss`) takes a flat list of P teacher positions: those that produced a generated token
+  (j = 0..n; `trainers.data` lays them out, one causal forward per record).
+- reward of a drafted position: +1 if its draft was accepted (j < n), -penalty if it was the first rejected
+  one (j = n < k); positions after the first rejection and the bonus position were never judged.
 - p: the teacher's next-token distribution (temperature 1, unwarped, like the logged log-probs).
   q: the student's (drafter's) distribution, softmax of its logits at temperature 1.
 - V: the target vocabulary. N: the student's vocabulary: N = V for a full-vocabulary drafter, or a reduced
@@ -210,41 +213,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch
 # The reward term (DVI: the verifier's accept / reject decisions as a reward for the drafter).
 
 
-def round_rewards(k: torch.Tensor, n: torch.Tensor, kmax: int, penalty: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per drafted position j (0-based, draft d_{j+1}) of rounds with k drafts and n accepted.
-
-    k, n: [B]; kmax: the padded width. Reward +1 for j < n (accepted), -penalty for j == n < k (the first
-    rejected draft); positions after the first rejection, and j >= k, were never judged and are masked out.
-    Returns reward [B, Kmax] float32 and mask [B, Kmax] bool.
-    """
-    j = torch.arange(kmax, device=k.device).unsqueeze(0)  # [1, Kmax]
-    k, n = k.unsqueeze(1), n.unsqueeze(1)  # [B, 1]
-    accepted = j < n
-    rejected = (j == n) & (j < k)
-    reward = accepted.float() - penalty * rejected.float()
-    return reward, accepted | rejected
-
-
-def reward_loss(
-    log_q: torch.Tensor,
-    drafted_ids: torch.Tensor,
-    k: torch.Tensor,
-    n: torch.Tensor,
-    penalty: float = 1.0,
-    vocab_map: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Policy-gradient loss -(reward * log q(d_{j+1})) averaged over judged drafts. Returns a scalar.
-
-    log_q: [B, Kmax, N] student log-probs at the drafted positions; drafted_ids: [B, Kmax] target ids (padding
-    past k is ignored); k, n: [B]. log q(d) is clamped at LOG_FLOOR, so pushing a rejected draft's
-    probability below 1e-8 earns nothing more. Drafts the student cannot produce (a record from a drafter
-    with another vocabulary) are masked out.
-    """
-    log_q_d, inside = draft_log_prob(log_q, drafted_ids, vocab_map)  # [B, Kmax]
-    reward, mask = round_rewards(k, n, drafted_ids.shape[1], penalty)
-    return masked_mean(-(reward * log_q_d), mask & inside)
-
-
 def draft_log_prob(log_q: torch.Tensor, drafted_ids: torch.Tensor, vocab_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """log q(d) of each draft, clamped at LOG_FLOOR. log_q: [..., N]; drafted_ids: [...] target ids (any value
     where there is no draft). Returns log q(d) [...] and inside [...] bool (the student can produce d)."""
@@ -273,48 +241,6 @@ def kl_reward_weights(step: int, warmup: int, total: int, max_reward: float = 0.
 # The combined objective.
 
 
-def distill_loss(
-    student_logits: torch.Tensor,
-    teacher: Teacher,
-    drafted_ids: torch.Tensor,
-    k: torch.Tensor,
-    n: torch.Tensor,
-    divergence_name: str = "fkl",
-    w_kl: float = 1.0,
-    w_reward: float = 0.0,
-    beta: float = 0.5,
-    penalty: float = 1.0,
-    vocab_map: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """w_kl * mean divergence(teacher, student) + w_reward * reward_loss, for a batch of rounds.
-
-    student_logits: [B, Kmax + 1, N] at the drafted positions 0..Kmax-1 and the bonus position (position j of a
-    row with k < Kmax past k is padding); teacher: Teacher(probs [B, Kmax + 1, N], outside [B, Kmax + 1]) from
-    `teacher_from_topk` or `teacher_from_logits`; drafted_ids: [B, Kmax] target ids; k, n: [B] drafts and
-    accepted per round; divergence_name: one of DIVERGENCES; vocab_map: [N] or None; mask: [B, Kmax + 1] bool
-    positions that get the divergence (default: j <= k, every drafted position and the row's bonus position).
-    Returns the loss and metrics of `position_loss` over the same positions.
-    """
-    batch, positions, width = student_logits.shape
-    if teacher.probs.shape != student_logits.shape:
-        raise ValueError(
-            f"distill_loss: teacher probs {tuple(teacher.probs.shape)} do not match student logits "
-            f"{tuple(student_logits.shape)} (both [B, Kmax + 1, N]; build the teacher with the student's vocab_map)"
-        )
-    if drafted_ids.shape != (batch, positions - 1):
-        raise ValueError(f"distill_loss: drafted_ids {tuple(drafted_ids.shape)} should be [B, Kmax] = {(batch, positions - 1)}")
-    if mask is None:
-        mask = torch.arange(positions, device=k.device).unsqueeze(0) <= k.unsqueeze(1)  # [B, Kmax + 1]
-    reward, judged = round_rewards(k, n, positions - 1, penalty)  # [B, Kmax]
-    pad = lambda x, v: torch.cat([x, torch.full_like(x[:, :1], v)], dim=1).reshape(-1)  # noqa: E731  [B * (Kmax + 1)]
-    flat = Teacher(teacher.probs.reshape(-1, width), teacher.outside.reshape(-1))
-    return position_loss(
-        student_logits.reshape(-1, width), flat, pad(drafted_ids.long(), -1), pad(reward, 0.0), pad(judged, False),
-        mask.reshape(-1).float(), divergence_name, w_kl, w_reward, beta, vocab_map,
-    )
-
-
 def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """sum(weight * values) / sum(weight) over positions with weight > 0 (others never reach the result, even
     NaN ones); 0 when no weight is positive. values, weight: [...]. Returns a scalar."""
@@ -339,8 +265,8 @@ def position_loss(
     """The objective over a flat list of P teacher positions (e.g. every generated token of packed records).
 
     student_logits: [P, N]; teacher: Teacher(probs [P, N], outside [P]); drafted_ids: [P] the draft proposed at
-    each position (target ids, -1 for none); reward: [P] float (+1 accepted, -penalty rejected; see
-    `round_rewards`); judged: [P] bool positions whose draft was accepted or rejected; weight: [P] float
+    each position (target ids, -1 for none); reward: [P] float (+1 accepted, -penalty rejected; 0 where not
+    judged); judged: [P] bool positions whose draft was accepted or rejected; weight: [P] float
     per-position weight of the divergence term (None: 1; 0 excludes a position).
     loss = w_kl * weighted mean divergence + w_reward * mean over judged positions of -(reward * log q(draft)),
     drafts the student cannot produce excluded. Returns the loss (scalar, with grad) and metrics computed

@@ -1,9 +1,15 @@
 """The distillation recipe: the drafter learns from the decision stream, and better drafters are published.
 
-`run(cfg)` reads top to bottom as setup -> loop (ingest, step, checkpoint, gate and publish) -> cleanup:
+`Trainer.run()` reads top to bottom as setup -> loop (ingest, step, checkpoint, gate and publish) -> cleanup:
 
-- ingest: records from the consumer group are deduplicated by record id (the `Ledger`), routed to the gate's
-  held-out set or the fresh queue (`trainers.data.Buffer`), and counted by the trigger's rolling acceptance;
+- setup: the drafter under training is `Trainer.student` (a DeepSpeed engine over a `PositionLM`, a causal LM
+  whose forward returns logits only at the teacher positions); `Trainer.teacher_lm` is the trainer's copy of the
+  target, the teacher for records logged without top-k; `Trainer.baseline` is a frozen copy of the drafter now
+  serving, the gate's baseline. A complete checkpoint in the run directory is resumed from;
+- ingest: records from the source (a consumer group, or a file) arrive validated by the record codec; records
+  for another target vocabulary or without generated tokens are counted as `foreign` and set aside; the rest
+  are deduplicated by record id (the `Ledger`, each id with its `Fate`), routed to the gate's held-out set or the
+  fresh queue (`trainers.data.Buffer`), and counted by the trigger's rolling acceptance;
 - step: while the trigger says the trainer is active, a batch of fresh records (plus a replayed share) is
   packed and the drafter takes one DeepSpeed step on `trainers.losses.position_loss` (divergence to the
   teacher + the DVI reward term on the KL-to-reward schedule). A non-finite loss skips the batch (counted);
@@ -11,14 +17,21 @@
   committable offsets and the lineage is written atomically (`trainers.checkpoint`); only then are the offsets
   committed, so a crash re-reads exactly the records the last checkpoint does not cover;
 - gate and publish: every `trainer.gate_every` steps (and at the end of a triggered session) the candidate's
-  expected acceptance on held-out records is compared with the serving drafter's; only a better candidate is
-  written to the model store (`dvi.store`), registered in MLflow (alias `candidate`) and announced on the
-  control topic for the servers. A server that rolls a published drafter back (`drafter_rejected`) puts the
-  previous one back as the gate's baseline.
+  expected acceptance on held-out records is compared with the baseline's; only a better candidate is written
+  to the model store (`dvi.store`), registered in MLflow (alias `candidate`, through the tracker it is handed)
+  and announced as a `dvi.control.DrafterPublished` through the publisher it is handed. `Trainer.published`
+  lists the versions published in this run.
+
+Control messages are `dvi.control`'s typed messages, read from the control reader it is handed:
+`RetrainRequested` starts a session; `DrafterRejected` (a replica rolled a version back) puts the previous
+drafter back as the gate's baseline and records the verdict `store.REJECTED` in the model store;
+`DrafterPromoted` records `store.PRODUCTION`.
 
 The same recipe runs offline (`dvi drafter distill`) over a topic read from the beginning by a group of its
-own, stopping when it is idle. This module knows the parts it wires together; the maths is in
-`trainers.losses`, the record layout in `trainers.data`, files in `trainers.checkpoint` and `dvi.store`.
+own, or over a file of records, stopping when it is idle. This module knows records, DeepSpeed (through
+`trainers.ds`) and the model store; the maths is in `trainers.losses`, the record layout in `trainers.data`,
+checkpoint files in `trainers.checkpoint`. It does not know Kafka or MLflow clients: its source, control
+reader, publisher and tracker are passed in.
 """
 
 from __future__ import annotations
@@ -32,17 +45,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
 
+from dvi import store
 from dvi.config import DviConfig
+from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
-from dvi.events import RecordError, validate
-from trainers.data import HELD_OUT, SKIPPED, TRAINED, Batch, Buffer, Example, Item, Ledger, Offsets, collate, example_from_record
+from dvi.models import cache_dir, load_drafter, resolve_pair
+from dvi.records import DecisionRecord, Delivered
+from trainers import checkpoint, ds
+from trainers.data import Batch, Buffer, Example, Fate, Item, Ledger, Offsets, collate, example_from_record
 from trainers.losses import Teacher, kl_reward_weights, position_loss, teacher_from_logits, teacher_from_topk
+from trainers.triggers import Trigger
 
 log = logging.getLogger("dvi.trainer")
 
 
-class Student(torch.nn.Module):
+class PositionLM(torch.nn.Module):
     """A causal LM whose forward returns logits only at the teacher positions: [P, N].
 
     Skipping the output layer at prompt positions matters: the 576 x 49,152 head is most of the drafter's cost.
@@ -59,7 +79,7 @@ class Student(torch.nn.Module):
 
 @dataclass
 class Counters:
-    records: int = 0  # valid records received
+    records: int = 0  # records for this target received (not duplicates, not foreign)
     duplicates: int = 0  # records whose id was already in the ledger
     foreign: int = 0  # records for another target vocabulary or without generated tokens
     trained: int = 0
@@ -85,26 +105,28 @@ class State:
     counters: Counters = field(default_factory=Counters)
 
 
-def teacher_for(batch: Batch, vocab_size: int, vocab_map: torch.Tensor | None, target: Student | None) -> Teacher:
-    """The batch's teacher: the logged top-k, or the full distribution of the trainer's copy of the target."""
+def teacher_for(batch: Batch, vocab_size: int, vocab_map: torch.Tensor | None, teacher_lm: PositionLM | None) -> Teacher:
+    """The batch's teacher: the logged top-k, or the full distribution of `teacher_lm` (the trainer's copy of
+    the target)."""
     if batch.topk_ids is not None:
         return teacher_from_topk(batch.topk_ids, batch.topk_logprobs, vocab_size, vocab_map)
-    if target is None:
+    if teacher_lm is None:
         raise DviError("records without teacher log-probs need the target: set trainer.teacher=auto or logits")
     with torch.no_grad():
-        return teacher_from_logits(target(batch.input_ids, batch.attention_mask, batch.rows, batch.cols), vocab_map)
+        return teacher_from_logits(teacher_lm(batch.input_ids, batch.attention_mask, batch.rows, batch.cols), vocab_map)
 
 
-def evaluate(student: Student, examples: list[Example], vocab_size: int, vocab_map, target: Student | None,
+def evaluate(student: PositionLM, examples: list[Example], vocab_size: int, vocab_map, teacher_lm: PositionLM | None,
              batch_tokens: int) -> dict[str, float]:
-    """Expected acceptance (sum over tokens of min(p, q), the engine's measure) and the greedy match rate
-    (argmax q = argmax p) of `student` on `examples`, averaged over their teacher positions."""
+    """Expected acceptance (sum over tokens of min(p, q), the speculative engine's measure) and the greedy match rate
+    (argmax q = argmax p) of `student` (a candidate or the baseline) on `examples`, averaged over their teacher
+    positions; `teacher_lm` as in `teacher_for`."""
     totals = {"acceptance": 0.0, "greedy": 0.0}
     positions = 0
     with torch.no_grad():
         for group in _chunks(examples, batch_tokens):
             batch = collate(group)
-            teacher = teacher_for(batch, vocab_size, vocab_map, target)
+            teacher = teacher_for(batch, vocab_size, vocab_map, teacher_lm)
             logits = student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
             _, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged)
             best = logits.argmax(-1) if vocab_map is None else vocab_map[logits.argmax(-1)]
@@ -138,14 +160,10 @@ class Trainer:
     """One trainer process. `run()` until stopped; see the module docstring."""
 
     def __init__(self, cfg: DviConfig, source, tracker=None, control=None, publisher=None, offline: bool = False):
-        """source: a `streams.consumer.DecisionConsumer` (or anything with poll / commit); tracker: a
-        `trainers.tracking.Tracker` or None; control: a `streams.control.ControlReader` or None (retrain requests);
-        publisher: callable(kind, **fields) that sends a control message, or None; offline: stop when idle."""
-        from dvi import store
-        from dvi.models import cache_dir, resolve_pair
-        from trainers import checkpoint, ds
-        from trainers.triggers import Trigger
-
+        """source: a `streams.consumer.DecisionConsumer`, a `trainers.data.FileSource` (anything whose poll returns
+        `dvi.records.Delivered`); tracker: a `dvi.tracking.Tracker` or None; control: a
+        `streams.control.ControlReader` (its poll returns `dvi.control` messages) or None; publisher: a callable
+        taking one `dvi.control` message (a `DrafterPublished`), or None; offline: stop when idle."""
         self.cfg, self.tcfg = cfg, cfg.trainer
         self.source, self.tracker, self.control, self.publisher, self.offline = source, tracker, control, publisher, offline
         torch.manual_seed(self.tcfg.seed)
@@ -161,23 +179,23 @@ class Trainer:
         self.state = State(lineage=[pair.drafter.version], serving_dir=str(pair.drafter_dir))
         self.initial_dir = pair.drafter_dir  # serves again if every published version is rejected
         needs_target = self.tcfg.teacher in ("auto", "logits")
-        self.target = Student(pair.target.eval()) if needs_target else None
-        if self.target is not None:
-            self.target.requires_grad_(False)
+        # the trainer's copy of the target: the teacher of records logged without top-k
+        self.teacher_lm = PositionLM(pair.target.eval()).requires_grad_(False) if needs_target else None
         model = pair.drafter.model
         if self.tcfg.finetune == "lora":
             model = ds.apply_lora(model, self.tcfg)
-        self.engine = ds.build_engine(Student(model), self.tcfg)
+        self.student = ds.build_engine(PositionLM(model), self.tcfg)  # the DeepSpeed engine training the drafter
         self.ledger = Ledger(self.tcfg.ledger_size)
+        self.published: list[str] = []  # versions this trainer published in this run, oldest first
 
         # resume from the last complete checkpoint
         self.run_dir.mkdir(parents=True, exist_ok=True)
         last = checkpoint.latest(self.run_dir)
         if last is not None:
-            saved = checkpoint.load(self.engine, last)
+            saved = checkpoint.load(self.student, last)
             self._restore(saved)
             log.info("resumed from %s at step %d (%d records in the ledger)", last, self.state.step, len(self.ledger))
-        self.serving = self._serving_model()
+        self.baseline = self._baseline_model()
 
         t = self.tcfg
         self.buffer = Buffer(t.pending_size, t.replay_size, t.holdout_size, t.replay_share, t.holdout_share,
@@ -207,18 +225,14 @@ class Trainer:
     def _gathered(self, obj: dict) -> list[dict]:
         if self.world == 1:
             return [obj]
-        import torch.distributed as dist
-
         out = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
 
-    def _serving_model(self) -> Student:
+    def _baseline_model(self) -> PositionLM:
         """A frozen copy of the drafter now serving (the gate's baseline), read from its directory."""
-        from dvi.models import load_drafter
-
         drafter = load_drafter(self.state.serving_dir, self.vocab_size)
-        return Student(drafter.model.eval()).requires_grad_(False)
+        return PositionLM(drafter.model.eval()).requires_grad_(False)
 
     def version_age(self, version: str | None) -> int | None:
         """Publishes between `version` and the serving drafter (0: serving); None for a version not in the lineage."""
@@ -272,8 +286,6 @@ class Trainer:
         all-reduce needs every rank in every step)."""
         if self.world == 1:
             return stop, active and ready
-        import torch.distributed as dist
-
         flags = torch.tensor([-float(stop), float(active) if self.rank == 0 else 0.0, float(ready)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0] < 0), bool(flags[1] > 0) and bool(flags[2] > 0)
@@ -282,8 +294,6 @@ class Trainer:
         """True on every rank when `flag` is true on every rank."""
         if self.world == 1:
             return flag
-        import torch.distributed as dist
-
         t = torch.tensor([0.0 if flag else 1.0])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t[0] == 0)
@@ -292,8 +302,6 @@ class Trainer:
         """Rank 0's `value` on every rank (a decision only rank 0 takes)."""
         if self.world == 1:
             return value
-        import torch.distributed as dist
-
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -319,7 +327,8 @@ class Trainer:
         budget = self.tcfg.batch_tokens * (1.0 - self.tcfg.replay_share)
         return self.buffer.pending_positions() >= budget or now - self.last_record_at > 1.0
 
-    def ingest(self, delivered: list) -> None:
+    def ingest(self, delivered: list[Delivered]) -> None:
+        """Take records the source read (validated by the record codec at the wire)."""
         c = self.state.counters
         for d in delivered:
             record, where = d.record, (d.topic, d.partition)
@@ -327,74 +336,79 @@ class Trainer:
                 c.duplicates += 1
                 self.offsets.seen(where, d.offset)
                 continue
-            try:
-                validate(record, self.vocab_size)
-                if not record.generated_ids:
-                    raise RecordError("generated_ids", "empty")
-            except RecordError as e:
+            why = self._foreign(record)
+            if why is not None:
                 c.foreign += 1
-                log.warning("record %s at %s[%d]@%d is not for this target: %s", record.record_id, d.topic, d.partition, d.offset, e)
+                log.warning("record %s at %s[%d]@%d is not for this target: %s", record.record_id, d.topic, d.partition, d.offset, why)
                 self.offsets.seen(where, d.offset)
                 continue
             c.records += 1
             self.last_record_at = time.monotonic()
             self.trigger.observe(record.accepted, record.drafted, self.last_record_at)
             example = example_from_record(record, self.tcfg.max_seq_len, self.tcfg.reward_penalty)
-            if example.topk_ids is None and self.target is None:
+            if example.topk_ids is None and self.teacher_lm is None:
                 raise DviError("records carry no teacher log-probs (stream.topk=0) and trainer.teacher=topk: "
                                "set trainer.teacher=auto so the trainer recomputes them with the target")
             self.offsets.consumed(where, d.offset)
             self.inflight.add(record.record_id)
             fate, dropped = self.buffer.add(Item(example, where, d.offset))
-            if fate == HELD_OUT:
-                self._done(example.record_id, where, d.offset, HELD_OUT)
+            if fate == Fate.HELD_OUT:
+                self._done(example.record_id, where, d.offset, Fate.HELD_OUT)
                 c.held_out += 1
             if dropped is not None:
-                self._done(dropped.example.record_id, dropped.partition, dropped.offset, SKIPPED)
+                self._done(dropped.example.record_id, dropped.partition, dropped.offset, Fate.SKIPPED)
                 c.skipped += 1
 
-    def _done(self, record_id: str, partition, offset: int, fate: str) -> None:
+    def _foreign(self, record: DecisionRecord) -> str | None:
+        """Why a valid record is of no use to this trainer (another target vocabulary, no generated tokens), or None."""
+        if record.target.vocab_size != self.vocab_size:
+            return f"target.vocab_size: record says {record.target.vocab_size}, this trainer's target has {self.vocab_size}"
+        if not record.generated_ids:
+            return "generated_ids: empty"
+        return None
+
+    def _done(self, record_id: str, partition, offset: int, fate: Fate) -> None:
         self.inflight.discard(record_id)
         self.ledger.add(record_id, fate)
         self.offsets.done(partition, offset)
 
     def _control(self) -> None:
+        """Act on the control messages sent since the last call (other kinds, e.g. DrafterPublished, are not ours)."""
         if self.control is None:
             return
         for msg in self.control.poll():
-            if msg.get("type") == "retrain":
-                log.info("retrain requested: %s", msg.get("reason") or "no reason given")
+            if isinstance(msg, RetrainRequested):
+                log.info("retrain requested: %s", msg.reason or "no reason given")
                 self.trigger.request(time.monotonic())
-            elif msg.get("type") == "drafter_rejected":
-                self.rejected(msg.get("version"), msg.get("reason"))
-                self._verdict(msg, "rejected")
-            elif msg.get("type") == "drafter_promoted":
-                self._verdict(msg, "production")
+            elif isinstance(msg, DrafterRejected):
+                self.rejected(msg.version, msg.reason)
+                self._verdict(msg, store.REJECTED)
+            elif isinstance(msg, DrafterPromoted):
+                self._verdict(msg, store.PRODUCTION)
 
-    def _verdict(self, msg: dict, verdict: str) -> None:
-        """Record what a server decided about one of this store's versions (a restarting server reads it)."""
-        from dvi import store
-
-        version = msg.get("version")
-        if self.rank != 0 or not isinstance(version, str) or not (self.store / version / store.SUMS).is_file():
+    def _verdict(self, msg: DrafterRejected | DrafterPromoted, verdict: str) -> None:
+        """Record what a replica decided about one of this store's versions (a restarting replica reads it)."""
+        version = msg.version
+        if self.rank != 0 or not (self.store / version / store.SUMS).is_file():
             return
+        reason = msg.reason if isinstance(msg, DrafterRejected) else None
         try:
-            store.record_verdict(self.store, version, verdict, replica_id=msg.get("replica_id"), reason=msg.get("reason"))
+            store.record_verdict(self.store, version, verdict, replica_id=msg.replica_id, reason=reason)
         except (OSError, DviError) as e:
             log.warning("could not record the verdict %s on %s in the store %s: %s", verdict, version, self.store, e)
 
-    def rejected(self, version, reason) -> None:
-        """A server rolled back `version`: if it is the drafter the gate compares against, the one before it
+    def rejected(self, version: str, reason: str) -> None:
+        """A replica rolled back `version`: if it is the drafter the gate compares against, the one before it
         serves again, so the next candidate must beat that one (training goes on from the current weights)."""
         lineage = self.state.lineage
-        if not isinstance(version, str) or len(lineage) < 2 or lineage[-1] != version:
+        if len(lineage) < 2 or lineage[-1] != version:
             return
         lineage.pop()
         previous = self.store / lineage[-1]
-        self.state.serving_dir = str(previous if (previous / "SHA256SUMS").is_file() else self.initial_dir)
+        self.state.serving_dir = str(previous if (previous / store.SUMS).is_file() else self.initial_dir)
         if self.rank == 0:
-            self.serving = self._serving_model()
-        log.warning("drafter %s was rejected by the servers (%s): the gate compares against %s again", version,
+            self.baseline = self._baseline_model()
+        log.warning("drafter %s was rejected by the replicas (%s): the gate compares against %s again", version,
                     reason or "no reason given", lineage[-1])
 
     # -- one optimizer step ----------------------------------------------------------------------
@@ -409,33 +423,33 @@ class Trainer:
         t0 = time.perf_counter()
         if examples:
             batch = collate(examples, [1.0] * len(fresh) + weights)
-            teacher = teacher_for(batch, self.vocab_size, self.vocab_map, self.target)
-            logits = self.engine(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
+            teacher = teacher_for(batch, self.vocab_size, self.vocab_map, self.teacher_lm)
+            logits = self.student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
             loss, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight,
                                           t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
         else:  # another rank has a batch: join its step with a zero gradient (every rank must step together)
             batch, metrics = None, {}
             one = torch.zeros(1, 1, dtype=torch.long)
-            loss = self.engine(one, torch.ones_like(one), one[0], one[0]).sum() * 0.0
+            loss = self.student(one, torch.ones_like(one), one[0], one[0]).sum() * 0.0
         if not self._all(math.isfinite(loss.item())):  # every rank skips the backward together, or none does
             c.nonfinite += 1
-            if not self._all(_params_finite(self.engine.module)):
+            if not self._all(_params_finite(self.student.module)):
                 self.rollback(f"step {self.state.step}: the drafter's weights are not finite")
                 return
             log.warning("step %d: non-finite loss (%s): batch of %d records skipped", self.state.step, loss.item(), len(fresh))
             for item in fresh:
-                self._done(item.example.record_id, item.partition, item.offset, SKIPPED)
+                self._done(item.example.record_id, item.partition, item.offset, Fate.SKIPPED)
             c.skipped += len(fresh)
             return  # no backward: nothing of this batch reaches the weights
-        self.engine.backward(loss)
-        self.engine.step()
-        if not self._all(_params_finite(self.engine.module)):  # a step that blew up never reaches a checkpoint or the store
+        self.student.backward(loss)
+        self.student.step()
+        if not self._all(_params_finite(self.student.module)):  # a step that blew up never reaches a checkpoint or the store
             c.nonfinite += 1
             self.rollback(f"step {self.state.step}: the optimizer step made the drafter's weights non-finite")
             return
         self.state.step += 1
         for item in fresh:
-            self._done(item.example.record_id, item.partition, item.offset, TRAINED)
+            self._done(item.example.record_id, item.partition, item.offset, Fate.TRAINED)
         self.buffer.trained([i.example for i in fresh])
         c.trained += len(fresh)
         if batch is None:
@@ -463,13 +477,11 @@ class Trainer:
     def rollback(self, why: str) -> None:
         """Back to the last complete checkpoint: weights, optimizer, ledger and counters; the stream is re-read
         from the committed offsets, so records trained since then are trained again, once."""
-        from trainers import checkpoint
-
         path = checkpoint.latest(self.run_dir)
         if path is None:
             raise DviError(f"{why}, and there is no complete checkpoint in {self.run_dir} to go back to")
         nonfinite = self.state.counters.nonfinite
-        self._restore(checkpoint.load(self.engine, path))
+        self._restore(checkpoint.load(self.student, path))
         self.state.counters.nonfinite = nonfinite  # what went wrong stays counted
         self.buffer.pending.clear()
         self.offsets = Offsets()
@@ -479,9 +491,7 @@ class Trainer:
 
     def checkpoint(self) -> Path | None:
         """Write a complete checkpoint, then commit the offsets it covers."""
-        from trainers import checkpoint
-
-        if not _params_finite(self.engine.module):
+        if not _params_finite(self.student.module):
             raise DviError(f"step {self.state.step}: the drafter's weights are not finite; not checkpointing them "
                            "(restart resumes from the last complete checkpoint)")
         committable = self.offsets.committable({(tp[0], tp[1]): off for tp, off in self.source.positions().items()})
@@ -493,7 +503,7 @@ class Trainer:
                  "ledger": _merged_ledgers(ranks), "offsets": {k: v for r in ranks for k, v in r["offsets"].items()},
                  "ranks": [r["counters"] for r in ranks]}
         try:
-            path = checkpoint.save(self.engine, self.run_dir, s.step, state, keep=self.tcfg.keep_checkpoints)
+            path = checkpoint.save(self.student, self.run_dir, s.step, state, keep=self.tcfg.keep_checkpoints)
         except (OSError, RuntimeError) as e:  # torch reports a failed write (ENOSPC) as a RuntimeError
             s.counters.checkpoint_failures += 1
             log.error("step %d: the checkpoint could not be written (%s: %s); the last complete one (%s) stands, no "
@@ -515,7 +525,7 @@ class Trainer:
     # -- gate and publish ------------------------------------------------------------------------
 
     def gate_and_publish(self) -> bool:
-        """Publish the candidate if it beats the serving drafter on the held-out records; True if published.
+        """Publish the candidate if it beats the baseline (the serving drafter) on the held-out records; True if published.
         Every rank calls it: rank 0 gates and writes the version, the others follow its lineage."""
         if not self.checkpoint_ok:  # a version published now could not be resumed from after a crash
             log.warning("not gating or publishing at step %d: the last checkpoint failed", self.state.step)
@@ -531,8 +541,8 @@ class Trainer:
         holdout = list(self.buffer.holdout)
         if len(holdout) < self.tcfg.gate_min_records:
             return None
-        cand = evaluate(self.engine.module, holdout, self.vocab_size, self.vocab_map, self.target, self.tcfg.batch_tokens)
-        base = evaluate(self.serving, holdout, self.vocab_size, self.vocab_map, self.target, self.tcfg.batch_tokens)
+        cand = evaluate(self.student.module, holdout, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens)
+        base = evaluate(self.baseline, holdout, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens)
         gate = {"candidate_acceptance": cand["acceptance"], "serving_acceptance": base["acceptance"],
                 "candidate_greedy": cand["greedy"], "serving_greedy": base["greedy"], "holdout_records": len(holdout)}
         if self.tracker is not None:
@@ -541,48 +551,45 @@ class Trainer:
             self.state.counters.refused += 1
             log.info("gate: candidate %.4f does not beat serving %.4f: not published", cand["acceptance"], base["acceptance"])
             return None
-        if not _params_finite(self.engine.module):
+        if not _params_finite(self.student.module):
             log.warning("gate: the candidate's weights are not finite: not published")
             return None
         return gate
 
     def publish(self, gate: dict) -> bool:
-        """Write the candidate as a new version (rank 0: store, registry, control topic); every rank then serves
-        from it and checkpoints, since the lineage moved and a restart must know which drafter serves. False when
-        the store could not take it (nothing was announced, the lineage stays)."""
-        from safetensors import SafetensorError
-
-        from dvi import store
-        from trainers import ds
-
+        """Write the candidate as a new version (rank 0: store, registry, publisher); every rank then takes it as the
+        serving drafter (the gate's next baseline), adds it to `published` and checkpoints, since the lineage moved
+        and a restart must know which drafter serves. False when the store could not take it (nothing was
+        announced, the lineage stays)."""
         parent = self.state.lineage[-1]
-        weights = ds.merged_state_dict(self.engine.module.model)  # collective under ZeRO-3
-        published = None
+        weights = ds.merged_state_dict(self.student.module.model)  # collective under ZeRO-3
+        written = None
         if self.rank == 0:
             version = store.next_version(self.store)
             meta = {"parent": parent, "step": self.state.step, "records_trained": self.state.counters.trained,
                     "offsets": {f"{t}:{p}": o for (t, p), o in self.offsets.committable().items()}, "gate": gate}
             try:
-                published = store.publish(self.store, version, weights, Path(self.state.serving_dir), meta, self.vocab_map)
+                written = store.publish(self.store, version, weights, Path(self.state.serving_dir), meta, self.vocab_map)
             except (OSError, SafetensorError) as e:  # full or unwritable: nothing half-written is left, nothing announced
                 log.error("could not write drafter %s into the store %s (%s); not published", version, self.store, e)
-        if self.rank == 0 and published is not None:
-            log.info("published drafter %s (%s): expected acceptance %.4f > %.4f", version, published.path,
+        if self.rank == 0 and written is not None:
+            log.info("published drafter %s (%s): expected acceptance %.4f > %.4f", version, written.path,
                      gate["candidate_acceptance"], gate["serving_acceptance"])
-            self._announce(published, parent, gate, meta)
+            self._announce(written, parent, gate, meta)
             self.state.counters.published += 1
-        shared = self._from_rank0((published.version, str(published.path)) if published else None)
+        shared = self._from_rank0((written.version, str(written.path)) if written else None)
         if shared is None:
             return False
         version, path = shared
         self.state.lineage.append(version)
         self.state.serving_dir = path
+        self.published.append(version)
         if self.rank == 0:
-            self.serving = self._serving_model()
+            self.baseline = self._baseline_model()
         self.checkpoint()
         return True
 
-    def _announce(self, published, parent: str, gate: dict, meta: dict) -> None:
+    def _announce(self, published: store.Published, parent: str, gate: dict, meta: dict) -> None:
         tags = {"parent_version": parent, "records_trained": str(self.state.counters.trained), "step": str(self.state.step),
                 "offsets": ",".join(f"{k}={v}" for k, v in meta["offsets"].items()), "sha256": published.sha256,
                 **{f"gate.{k}": f"{v:.6g}" for k, v in gate.items()}}
@@ -590,8 +597,8 @@ class Trainer:
             self.tracker.register_drafter(str(published.path), published.version, tags, alias="candidate")
         if self.publisher is not None:
             try:
-                self.publisher("drafter_published", version=published.version, uri=str(published.path),
-                               sha256=published.sha256, parent=parent, gate=gate)
+                self.publisher(DrafterPublished(version=published.version, uri=str(published.path),
+                                                sha256=published.sha256, parent=parent, gate=gate))
             except DviError as e:  # the version is in the store and the registry; servers can still be pointed at it
                 log.warning("published %s but could not announce it on the control topic: %s", published.version, e)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dvi.cli import build_parser, overrides_of
-from dvi.config import load_config
+from dvi.cli import COMMANDS, build_parser
+from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
 
 try:
@@ -186,7 +186,7 @@ def dvi_config(service: str):
     args, unknown = build_parser().parse_known_args(argv[1:])
     if unknown:
         args.overrides = list(getattr(args, "overrides", []) or []) + unknown
-    assert callable(getattr(args, "func", None)), f"{service}: {argv[1:3]} is not a dvi command"
+    assert getattr(args, "run", None), f"{service}: {argv[1:3]} is not a dvi command"
     overrides = overrides_of(args)
     return args, overrides, load_config(overrides)
 
@@ -329,8 +329,7 @@ def test_a_bad_override_fails_the_check():
 
 
 def test_images_run_the_dvi_commands():
-    parser = build_parser()
-    commands = parser._subparsers._group_actions[0].choices
+    commands = {c.words[0] for c in COMMANDS}
     for dockerfile, sub in (("Dockerfile.serve", "serve"), ("Dockerfile.train", "train")):
         entrypoint = exec_form(read_dockerfile(DOCKER / dockerfile), "ENTRYPOINT")
         assert entrypoint == ["dvi", sub]
@@ -342,7 +341,7 @@ def test_images_run_the_dvi_commands():
 
 
 def test_serve_and_trainer_share_stream_tracking_models_and_store():
-    from dvi.server import _store_root
+    from dvi.store import serving_root
 
     _, _, serve = dvi_config("serve")
     _, _, train = dvi_config("trainer")
@@ -360,7 +359,7 @@ def test_serve_and_trainer_share_stream_tracking_models_and_store():
 
     # drafters are announced by their path in the trainer's store: the same path must hold the same volume
     store = Path(train.trainer.store)
-    assert _store_root(serve) == store
+    assert serving_root(serve) == store
     assert volume_mounts("trainer")[str(store)] == ("model-store", False)
     assert volume_mounts("serve")[str(store)] == ("model-store", True)
     assert volume_mounts("trainer")[train.trainer.run_dir][0] == "trainer-runs"

@@ -10,21 +10,10 @@ import math
 
 import pytest
 import torch
+from stat_checks import chi_square_pvalue
 
 from dvi.engine import SpecStats
-from stat_checks import chi_square_pvalue
-from dvi.speculative import (
-    acceptance_estimate,
-    choose_k,
-    expand_draft_probs,
-    expected_acceptance,
-    expected_tokens_per_round,
-    greedy_accept,
-    ideal_speedup,
-    logits_to_probs,
-    rejection_sample,
-    sample_from,
-)
+from dvi.speculative import acceptance_estimate, choose_k, expand_draft_probs, expected_acceptance, expected_tokens_per_round, ideal_speedup, logits_to_probs, rejection_sample, sample_from
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,6 +44,18 @@ def ref_rejection_round(draft, q, p, k, u_accept, u_sample) -> tuple[int, int]:
         residual = [max(0.0, a - b) for a, b in zip(p[j], q[j])]
         return j, ref_inverse_cdf(residual, u_sample)  # recovered token
     return k, ref_inverse_cdf(p[k], u_sample)  # bonus token
+
+
+def ref_greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification, the readable special case: accept while the draft equals the target's argmax.
+
+    draft_ids: [B, Kmax]; target_logits: [B, Kmax + 1, V]; k: [B]. Returns n_accepted [B], next_token [B].
+    """
+    choice = target_logits.argmax(-1)  # [B, Kmax + 1]
+    kmax = draft_ids.shape[1]
+    ok = (draft_ids == choice[:, :kmax]) & (torch.arange(kmax, device=draft_ids.device) < k.unsqueeze(-1))
+    n = ok.long().cumprod(-1).sum(-1)
+    return n, choice.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
 
 def random_probs(gen: torch.Generator, shape: tuple[int, ...], zero_frac: float = 0.3) -> torch.Tensor:
@@ -104,7 +105,7 @@ def assert_follows(tokens: torch.Tensor, probs: torch.Tensor, what: str) -> None
 
 
 # ----------------------------------------------------------------------------------------------
-# rejection_sample and greedy_accept against the reference.
+# rejection_sample against the references.
 
 
 @pytest.mark.parametrize("kmax,vocab", [(0, 5), (1, 2), (3, 7), (5, 11), (4, 3)])
@@ -159,7 +160,7 @@ def test_rejection_sample_ignores_drafts_past_k():
     assert torch.equal(n, n2) and torch.equal(token, token2)
 
 
-def test_greedy_accept_equals_rejection_sample_with_one_hot_probs():
+def test_rejection_sample_with_one_hot_probs_is_greedy_acceptance():
     gen = torch.Generator().manual_seed(3)
     batch, kmax, vocab = 500, 5, 13
     target_logits = torch.randn(batch, kmax + 1, vocab, generator=gen)
@@ -171,7 +172,7 @@ def test_greedy_accept_equals_rejection_sample_with_one_hot_probs():
     draft_ids = q.argmax(-1)
     k = torch.randint(0, kmax + 1, (batch,), generator=gen)
 
-    n_greedy, tok_greedy = greedy_accept(draft_ids, target_logits, k)
+    n_greedy, tok_greedy = ref_greedy_accept(draft_ids, target_logits, k)
     for _ in range(3):  # any uniforms: one-hot p and q leave nothing to chance
         n, tok = rejection_sample(draft_ids, q, p, k, torch.rand(batch, kmax, generator=gen), torch.rand(batch, generator=gen))
         assert torch.equal(n, n_greedy) and torch.equal(tok, tok_greedy)

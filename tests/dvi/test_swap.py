@@ -6,6 +6,7 @@ the demo tokenizer, tests/conftest.py), then damaged the way a broken or malicio
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from dvi import store
+from dvi.control import ControlError, DrafterPublished, decode
 from dvi.models import load_causal_lm
-from dvi.swap import Announcement, Refused, judge, load_announced, resolve_in_store
+from dvi.swap import Refused, judge, load_announced, resolve_in_store
 
 
 def publish_version(store_root: Path, source_dir: Path, version: str, mutate=None) -> store.Published:
@@ -26,8 +28,8 @@ def publish_version(store_root: Path, source_dir: Path, version: str, mutate=Non
     return store.publish(store_root, version, weights, source_dir, {"parent": "test"})
 
 
-def announcement(p: store.Published) -> Announcement:
-    return Announcement(p.version, str(p.path), p.sha256)
+def announcement(p: store.Published) -> DrafterPublished:
+    return DrafterPublished(p.version, str(p.path), p.sha256)
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +45,14 @@ def test_a_good_version_loads_under_its_announced_name(tiny_dirs, target, tmp_pa
     assert all(torch.equal(v, ref[k]) for k, v in drafter.model.state_dict().items())
 
 
-def test_announcements_missing_fields_or_with_path_names_are_refused():
-    for msg in ({}, {"version": "d1", "uri": "/x"}, {"version": "../d1", "uri": "/x", "sha256": "ab"},
-                {"version": 7, "uri": "/x", "sha256": "ab"}):
-        with pytest.raises(Refused) as e:
-            Announcement.of(msg)
-        assert e.value.reason == "bad_message"
+def test_announcements_missing_fields_or_with_path_names_are_refused(target, tmp_path):
+    for msg in ({}, {"version": "d1", "uri": "/x"}, {"version": 7, "uri": "/x", "sha256": "ab"}):
+        with pytest.raises(ControlError):  # the wire boundary: never reaches load_announced
+            decode(json.dumps({"type": "drafter_published", **msg}).encode())
+    ann = decode(json.dumps({"type": "drafter_published", "version": "../d1", "uri": "/x", "sha256": "ab"}).encode())
+    with pytest.raises(Refused) as e:
+        load_announced(ann, tmp_path, target)
+    assert e.value.reason == "bad_message"
 
 
 @pytest.mark.faults
@@ -60,7 +64,7 @@ def test_paths_outside_the_store_are_refused(tiny_dirs, target, tmp_path):
     for uri, version in ((str(p.path), "d0001"), (str(root / ".." / "elsewhere" / "d0001"), "d0001"),
                          (str(root / "d0002"), "d0002"), (str(root / "d0003"), "d0001")):
         with pytest.raises(Refused) as e:
-            load_announced(Announcement(version, uri, p.sha256), root, target)
+            load_announced(DrafterPublished(version, uri, p.sha256), root, target)
         assert e.value.reason == "outside_store", uri
     assert resolve_in_store(str(root / "d0001"), "d0001", root) == (root / "d0001").resolve()
 
@@ -85,7 +89,7 @@ def test_a_pickle_in_the_version_is_refused_and_never_unpickled(tiny_dirs, targe
 def test_checksum_mismatches_are_refused(tiny_dirs, target, tmp_path):
     p = publish_version(tmp_path, tiny_dirs[1], "d0001")
     with pytest.raises(Refused) as e:  # the announced digest is not the version's
-        load_announced(Announcement(p.version, str(p.path), "0" * 64), tmp_path, target)
+        load_announced(DrafterPublished(p.version, str(p.path), "0" * 64), tmp_path, target)
     assert e.value.reason == "checksum"
     weights = p.path / store.WEIGHTS
     data = bytearray(weights.read_bytes())

@@ -1,4 +1,4 @@
-"""The drift benchmark end to end, CI-sized (`dvi bench drift --quick`: code -> prose, a few minutes): the real
+"""The drift benchmark end to end, CI-sized (`python -m benchmarks.drift --quick`: code -> prose, a few minutes): the real
 broker, a real MLflow server, DeepSpeed distillation and the real demo pair, through the HTTP API of three
 replicas. With the loop on, acceptance on the shifted domain rises; with it off (the frozen replica, same prompts,
 same moments) it does not."""
@@ -9,30 +9,32 @@ import json
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
+
+from dvi.mlflow_server import LocalMlflow
+from dvi.procs import free_port
+
+REPO = Path(__file__).resolve().parents[2]  # `python -m benchmarks.drift` runs from the checkout root
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model, pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    from streams.broker import free_port
-    from trainers.mlflow_server import LocalMlflow
-
     with LocalMlflow(tmp_path_factory.mktemp("mlflow"), free_port()) as s:
         yield s
 
 
 def test_quick_drift_run_wins_back_acceptance_on_the_shifted_domain(broker, mlflow_server, demo_target_dir, tmp_path):
-    from mlflow import MlflowClient
-
     name = uuid.uuid4().hex[:8]
     out = tmp_path / "drift"
-    cmd = [sys.executable, "-m", "dvi.cli", "bench", "drift", "--quick", "--out", str(out),
+    cmd = [sys.executable, "-m", "benchmarks.drift", "--quick", "--out", str(out),
            f"stream.bootstrap_servers={broker.bootstrap}", f"tracking.uri={mlflow_server.uri}",
            f"tracking.experiment=drift-{name}", f"tracking.registry_model=drafter-{name}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=REPO)
     logs = "\n".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted((out / "logs").glob("*.log")))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + logs
     print(done.stdout)

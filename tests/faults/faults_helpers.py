@@ -12,12 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import requests
-
 from child_env import clean_env
-from dvi.procs import Child, http_ok, spawn, wait_ready
-from streams.broker import free_port
+
+from dvi.procs import Child, free_port, http_ok, spawn, wait_ready
 
 
 def stream_overrides(stream_cfg) -> list[str]:
@@ -44,7 +42,7 @@ class Serve:
 
 def stream_end(events: list[str]) -> str:
     """How a streamed completion's `data:` events end: 'complete' (a finish_reason, then [DONE]), 'error' (an error
-    event: dvi.api's {"error": {...}}), or 'truncated' (it just stopped). An event that is not JSON raises."""
+    event: dvi.serving.api's {"error": {...}}), or 'truncated' (it just stopped). An event that is not JSON raises."""
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
     if any("error" in c for c in chunks):
         return "error"

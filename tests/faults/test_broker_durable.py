@@ -11,7 +11,8 @@ import time
 import pytest
 
 from dvi.config import StreamConfig
-from streams.broker import EmbeddedBroker, free_port
+from dvi.procs import free_port
+from streams.broker import EmbeddedBroker
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
 from streams.topics import ensure_topics

@@ -18,7 +18,6 @@ import time
 
 import pytest
 import requests
-
 from broker_fixtures import stream_config
 from child_env import clean_env
 from faults_helpers import Serve, stream_overrides, wait_until
@@ -30,8 +29,8 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time,",
 
 
 def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_records(demo_target_dir, tiny_dirs, tmp_path):
-    from dvi.procs import spawn
-    from streams.broker import EmbeddedBroker, free_port
+    from dvi.procs import free_port, spawn
+    from streams.broker import EmbeddedBroker
     from streams.consumer import DecisionConsumer
     from streams.topics import ensure_topics
 

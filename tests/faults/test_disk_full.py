@@ -43,10 +43,11 @@ def fill(disk: Path, leave_bytes: int) -> Path:
 
 
 def test_a_full_disk_fails_the_checkpoint_cleanly_and_nothing_is_published(small_disk, stream_cfg, tiny_dirs, tmp_path, caplog, ds_world):
+    from broker_fixtures import engine_records
+
     from dvi import store
     from dvi.config import DviConfig, ModelConfig, TrackingConfig, TrainerConfig
     from streams.consumer import DecisionConsumer
-    from broker_fixtures import engine_records
     from streams.producer import DecisionProducer
     from trainers.recipe import Trainer
 
@@ -79,7 +80,7 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_nothing_is_published(small
         # the previous checkpoint is the newest complete one and loads; the failed one left nothing behind
         assert checkpoint.latest(Path(cfg.trainer.run_dir), clean=False) == good
         assert sorted(p.name for p in Path(cfg.trainer.run_dir).iterdir()) == [good.name]
-        checkpoint.load(trainer.engine, good)
+        checkpoint.load(trainer.student, good)
         # nothing is published while the last checkpoint failed, however good the candidate
         assert trainer.gate_and_publish() is False and store.versions(Path(cfg.trainer.store)) == []
         # and a publish that meets the full disk itself leaves nothing behind and announces nothing

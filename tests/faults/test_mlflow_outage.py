@@ -13,7 +13,6 @@ from collections import Counter
 
 import pytest
 import requests
-
 from broker_fixtures import stream_config
 from child_env import clean_env
 from faults_helpers import Serve, stream_overrides, wait_until
@@ -26,10 +25,9 @@ OUTAGE_S = 60.0
 def test_serving_and_training_go_on_while_mlflow_is_down_and_tracking_catches_up(broker, tiny_dirs, tmp_path):
     from mlflow import MlflowClient
 
-    from dvi.procs import spawn
-    from streams.broker import free_port
+    from dvi.mlflow_server import LocalMlflow
+    from dvi.procs import free_port, spawn
     from streams.topics import ensure_topics
-    from trainers.mlflow_server import LocalMlflow
 
     scfg = stream_config(broker.bootstrap)
     ensure_topics(scfg)

@@ -26,12 +26,12 @@ from collections import Counter
 
 import pytest
 import requests
-
 from broker_fixtures import stream_config
 from child_env import clean_env
-from dvi.workloads import prompts
+from faults_helpers import Serve, stream_end, stream_overrides
+
+from benchmarks.workloads import prompts
 from dvi.procs import rss_mib
-from faults_helpers import Serve, stream_end, stream_overrides, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model]
 

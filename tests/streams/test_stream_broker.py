@@ -7,8 +7,9 @@ from kafka import KafkaAdminClient
 
 from dvi.config import StreamConfig
 from dvi.errors import DviError
+from dvi.procs import free_port
 from streams import broker as broker_mod
-from streams.broker import EmbeddedBroker, free_port
+from streams.broker import EmbeddedBroker
 from streams.topics import ensure_topics, stream_topics
 
 pytestmark = pytest.mark.broker

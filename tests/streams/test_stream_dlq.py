@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from broker_fixtures import dead_letters, poison
 from kafka import KafkaProducer, TopicPartition
 
-from broker_fixtures import dead_letters, poison
-from dvi.events import encode
+from dvi.records import encode
 from streams.consumer import DecisionConsumer
 
 pytestmark = pytest.mark.broker

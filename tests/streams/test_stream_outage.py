@@ -7,10 +7,12 @@ import time
 
 import pytest
 
+import streams.producer
 from dvi.config import SpecConfig
 from dvi.engine import Request, SpeculativeEngine
-from dvi.events import records_from_result
-from streams.broker import EmbeddedBroker, free_port
+from dvi.procs import free_port
+from dvi.records import records_from_result
+from streams.broker import EmbeddedBroker
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
 from streams.topics import ensure_topics
@@ -98,7 +100,7 @@ class _SilentClient:
         type(self).instances += 1
 
     def send(self, *_, **__):
-        from kafka.producer.future import FutureRecordMetadata, FutureProduceResult
+        from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
 
         return FutureRecordMetadata(FutureProduceResult(None), 0, 0, 0, 0, 0, 0)
 
@@ -107,9 +109,7 @@ class _SilentClient:
 
 
 def test_a_client_that_never_answers_is_recreated_and_its_records_counted(broker, stream_config, make_record, monkeypatch):
-    import kafka
-
-    monkeypatch.setattr(kafka, "KafkaProducer", _SilentClient)
+    monkeypatch.setattr(streams.producer, "KafkaProducer", _SilentClient)
     cfg = stream_config(broker.bootstrap, delivery_timeout_ms=1000)  # a broker that accepts connections
     producer = DecisionProducer(cfg)
     try:

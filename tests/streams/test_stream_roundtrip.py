@@ -8,7 +8,7 @@ import pytest
 
 from dvi.config import SpecConfig
 from dvi.engine import Request, SpeculativeEngine
-from dvi.events import decode, encode, records_from_result
+from dvi.records import decode, encode, records_from_result
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
 

@@ -1,12 +1,16 @@
-"""Records to training data: examples against a plain per-round reference, packing, the ledger, offsets, the buffer."""
+"""Records to training data: examples against a plain per-round reference, packing, the ledger, offsets, the buffer,
+a file of records."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 import torch
 
-from trainers.data import HELD_OUT, SKIPPED, TRAINED, Buffer, Item, Ledger, Offsets, collate, example_from_record
+from dvi.records import Delivered
+from trainers.data import Buffer, Fate, FileSource, Item, Ledger, Offsets, collate, example_from_record
 
 
 def reference_positions(record):
@@ -71,13 +75,14 @@ def test_collate_points_at_the_positions_that_predict_each_target(make_record):
 
 def test_ledger_remembers_fates_and_forgets_the_oldest():
     ledger = Ledger(size=3)
-    for i, fate in enumerate([TRAINED, HELD_OUT, SKIPPED, TRAINED]):
+    for i, fate in enumerate([Fate.TRAINED, Fate.HELD_OUT, Fate.SKIPPED, Fate.TRAINED]):
         ledger.add(f"r{i}", fate)
     assert "r0" not in ledger and "r3" in ledger and len(ledger) == 3
     with pytest.raises(ValueError, match="already"):
-        ledger.add("r3", TRAINED)
-    again = Ledger(3, ledger.entries())
-    assert again.entries() == ledger.entries() and again.count(TRAINED) == 1
+        ledger.add("r3", Fate.TRAINED)
+    again = Ledger(3, json.loads(json.dumps(ledger.entries())))  # through a checkpoint's JSON
+    assert again.entries() == ledger.entries() == [["r1", "h"], ["r2", "s"], ["r3", "t"]]  # the values on disk
+    assert [fate for _, fate in again.entries()].count(Fate.TRAINED) == 1
 
 
 def test_offsets_commit_only_below_the_first_outstanding_record():
@@ -92,7 +97,7 @@ def test_offsets_commit_only_below_the_first_outstanding_record():
     assert off.committable() == {"p0": 4, "p1": 8}
     off.done("p0", 4)
     assert off.committable({"p0": 9}) == {"p0": 9, "p1": 8}  # the reader dead-lettered 5..8
-    assert off.outstanding() == 0
+    assert off.committable() == {"p0": 5, "p1": 8}  # nothing outstanding: the next offset
 
 
 def test_offsets_of_a_lost_log_are_forgotten():
@@ -115,7 +120,7 @@ def test_buffer_holds_out_a_share_and_skips_the_oldest_when_full(make_record):
     buf = Buffer(pending_size=4, replay_size=8, holdout_size=8, replay_share=0.0, holdout_share=0.25,
                  version_decay=0.5, max_version_age=2)
     fates = [buf.add(item) for item in _items(make_record, 12)]
-    held = [i for i, (fate, _) in enumerate(fates) if fate == HELD_OUT]
+    held = [i for i, (fate, _) in enumerate(fates) if fate == Fate.HELD_OUT]
     assert held == [3, 7, 11]
     dropped = [d.offset for _, d in fates if d is not None]
     assert dropped == [0, 1, 2, 4, 5]  # 9 queued, 4 fit
@@ -152,3 +157,26 @@ def test_buffer_never_mixes_teacher_widths(make_record):
     fresh, _, _ = buf.take(10_000, lambda v: 0)
     assert [i.example.topk_ids is None for i in fresh] == [True, True]
     assert np.array_equal(fresh[0].example.tokens, b[0].example.tokens)
+
+
+def test_file_source_delivers_valid_records_and_counts_the_rest(make_record, tmp_path, caplog):
+    good = [make_record(rounds=2, seed=i) for i in range(3)]
+    other_vocab = make_record(rounds=2, vocab=1000, seed=9)
+    bad_ids = make_record(rounds=2, seed=7).to_dict()
+    bad_ids["generated_ids"][0] = 10**9  # outside the vocabulary
+    lines = [json.dumps(good[0].to_dict()), "{not json", json.dumps(good[1].to_dict()), "",
+             json.dumps(bad_ids), json.dumps(other_vocab.to_dict()), json.dumps(good[2].to_dict())]
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    source = FileSource(str(path), vocab_size=good[0].target.vocab_size)
+    first = source.poll(max_records=2)
+    rest = source.poll()
+    assert all(isinstance(d, Delivered) for d in first + rest)
+    assert [d.record.record_id for d in first + rest] == [r.record_id for r in good]
+    assert [(d.topic, d.partition, d.offset) for d in first + rest] == [(str(path), 0, n) for n in (0, 2, 6)]
+    assert source.stats.invalid == 3  # not JSON, an id outside the vocabulary, another target's vocabulary
+    assert "records.jsonl:2: skipping an invalid record" in caplog.text
+    assert "records.jsonl:6: skipping an invalid record: target.vocab_size" in caplog.text
+    assert source.positions() == {(str(path), 0): len(lines)} and source.lag() == 0
+    source.rewind()
+    assert len(source.poll()) == 3

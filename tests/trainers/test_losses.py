@@ -18,15 +18,13 @@ from trainers.losses import (
     DIVERGENCES,
     PROB_FLOOR,
     Teacher,
-    distill_loss,
     divergence,
     forward_kl,
     jsd,
     kl_reward_weights,
     masked_mean,
+    position_loss,
     reverse_kl,
-    reward_loss,
-    round_rewards,
     student_index,
     student_log_probs,
     teacher_from_logits,
@@ -247,43 +245,57 @@ def test_masked_mean():
     assert masked_mean(torch.tensor([1.0, 3.0])).item() == 2.0
 
 
-def batch_of_rounds(seed: int = 8, vocab: int = 10, topk: int = 4):
-    """Three rounds, Kmax = 3: k = 3, 1, 0; n = 1, 1, 0."""
+def ref_reward_loss(log_q: torch.Tensor, drafted: torch.Tensor, reward: torch.Tensor, judged: torch.Tensor) -> float:
+    """The reward term by its definition: the mean over judged positions of -(reward * max(log q(draft), log 1e-8))."""
+    log_q = log_q.detach()
+    terms = [-float(reward[i]) * max(float(log_q[i, drafted[i]]), math.log(PROB_FLOOR))
+             for i in range(len(drafted)) if judged[i]]
+    return sum(terms) / len(terms) if terms else 0.0
+
+
+def flat_positions(seed: int = 8, vocab: int = 10, topk: int = 4):
+    """Seven teacher positions laid out flat, as `trainers.data` does: a round with k = 3, n = 1 (its draft accepted
+    +1, its first rejected draft -1), a round of a replayed record (weight 0.5) with k = 1, n = 1 (+1, then the
+    bonus position, not judged), a plain round (k = 0, not judged); then two positions of weight 0, never judged,
+    which `position_loss` must ignore."""
     g = torch.Generator().manual_seed(seed)
-    k, n = torch.tensor([3, 1, 0]), torch.tensor([1, 1, 0])
-    teacher_logits = torch.randn(3, 4, vocab, generator=g)
-    top_lp, top_ids = torch.log_softmax(teacher_logits, -1).topk(topk, -1)  # [B, Kmax + 1, topk]
-    teacher = teacher_from_topk(top_ids, top_lp, vocab)
-    drafted = torch.randint(0, vocab, (3, 3), generator=g)
-    logits = torch.randn(3, 4, vocab, generator=g)
-    return logits, teacher, drafted, k, n
+    lp, ids = torch.log_softmax(torch.randn(7, vocab, generator=g), -1).topk(topk, -1)  # [P, topk]
+    teacher = teacher_from_topk(ids, lp, vocab)
+    drafted = torch.tensor([4, 1, 7, -1, -1, -1, -1])  # [P]
+    reward = torch.tensor([1.0, -1.0, 1.0, 0, 0, 0, 0])
+    judged = torch.tensor([True, True, True, False, False, False, False])
+    weight = torch.tensor([1.0, 1.0, 0.5, 0.5, 1.0, 0.0, 0.0])
+    logits = torch.randn(7, vocab, generator=g)
+    return logits, teacher, drafted, reward, judged, weight
 
 
 @pytest.mark.parametrize("name", DIVERGENCES)
-def test_distill_loss_ignores_padding_positions(name):
-    logits, teacher, drafted, k, n = batch_of_rounds()
+def test_position_loss_ignores_positions_of_weight_zero(name):
+    logits, teacher, drafted, reward, judged, weight = flat_positions()
     logits = logits.requires_grad_()
-    loss, metrics = distill_loss(logits, teacher, drafted, k, n, name, w_kl=1.0, w_reward=0.5)
+    loss, metrics = position_loss(logits, teacher, drafted, reward, judged, weight, name, w_kl=1.0, w_reward=0.5)
     loss.backward()
-    pad = torch.arange(4).unsqueeze(0) > k.unsqueeze(1)  # [B, Kmax + 1]: j > k
-    assert (logits.grad[pad] == 0).all() and (logits.grad[~pad] != 0).any()
-    # garbage in the padding changes nothing
+    off = weight == 0  # [P]
+    assert (logits.grad[off] == 0).all() and (logits.grad[~off] != 0).any()
+    # garbage there changes nothing
     junk = logits.detach().clone()
-    junk[pad] = 1e3 * torch.randn(int(pad.sum()), junk.shape[-1])
+    junk[off] = 1e3 * torch.randn(int(off.sum()), junk.shape[-1])
     probs = teacher.probs.clone()
-    probs[pad] = 1.0
-    loss2, metrics2 = distill_loss(junk, Teacher(probs, teacher.outside), drafted, k, n, name, w_kl=1.0, w_reward=0.5)
+    probs[off] = 1.0
+    loss2, metrics2 = position_loss(junk, Teacher(probs, teacher.outside), drafted, reward, judged, weight, name,
+                                    w_kl=1.0, w_reward=0.5)
     assert loss2.item() == pytest.approx(loss.item(), rel=1e-6)
     assert metrics2 == pytest.approx(metrics, rel=1e-6)
 
 
-def test_distill_loss_metrics_and_weights():
-    logits, teacher, drafted, k, n = batch_of_rounds()
-    mask = torch.arange(4).unsqueeze(0) <= k.unsqueeze(1)
+def test_position_loss_metrics_and_weights():
+    logits, teacher, drafted, reward, judged, weight = flat_positions()
     log_q = student_log_probs(logits)
-    want = {d: masked_mean(divergence(d, teacher.probs, log_q, teacher.outside), mask).item() for d in DIVERGENCES}
-    rl = reward_loss(log_q[:, :-1], drafted, k, n).item()
-    loss, metrics = distill_loss(logits.clone().requires_grad_(), teacher, drafted, k, n, "jsd", w_kl=0.7, w_reward=0.3)
+    w = f64(weight)
+    want = {d: float((w * f64(divergence(d, teacher.probs, log_q, teacher.outside))).sum() / w.sum()) for d in DIVERGENCES}
+    rl = ref_reward_loss(log_q, drafted, reward, judged)
+    loss, metrics = position_loss(logits.clone().requires_grad_(), teacher, drafted, reward, judged, weight, "jsd",
+                                  w_kl=0.7, w_reward=0.3)
     assert set(metrics) == {*DIVERGENCES, "acceptance", "reward_loss", "outside"}
     assert all(isinstance(v, float) for v in metrics.values())
     for d in DIVERGENCES:
@@ -293,71 +305,64 @@ def test_distill_loss_metrics_and_weights():
     assert metrics["outside"] == 0.0
     assert loss.requires_grad and loss.item() == pytest.approx(0.7 * want["jsd"] + 0.3 * rl, rel=1e-5)
     with pytest.raises(ValueError, match="unknown divergence 'kl'"):
-        distill_loss(logits, teacher, drafted, k, n, "kl")
-    with pytest.raises(ValueError, match="vocab_map"):
-        distill_loss(logits[..., :5], teacher, drafted, k, n)
+        position_loss(logits, teacher, drafted, reward, judged, weight, "kl")
 
 
-def test_distill_loss_reduced_vocab_and_no_drafts():
+def test_position_loss_reduced_vocab_and_no_drafts():
     vocab, vocab_map = 10, torch.tensor([3, 1, 8, 0, 6, 5])
     g = torch.Generator().manual_seed(9)
-    lp, ids = torch.log_softmax(torch.randn(2, 3, vocab, generator=g), -1).topk(5, -1)
+    lp, ids = torch.log_softmax(torch.randn(4, vocab, generator=g), -1).topk(5, -1)
     teacher = teacher_from_topk(ids, lp, vocab, vocab_map)
-    drafted = torch.tensor([[3, 8], [6, 2]])  # target id 2 is not in the student's vocabulary
-    logits = torch.randn(2, 3, 6, generator=g, requires_grad=True)
-    loss, metrics = distill_loss(logits, teacher, drafted, torch.tensor([2, 2]), torch.tensor([1, 1]), "tv", vocab_map=vocab_map)
+    drafted = torch.tensor([3, 8, 6, 2])  # target id 2 is not in the student's vocabulary
+    reward, judged = torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones(4, dtype=torch.bool)
+    logits = torch.randn(4, 6, generator=g, requires_grad=True)
+    loss, metrics = position_loss(logits, teacher, drafted, reward, judged, None, "tv", w_reward=0.5, vocab_map=vocab_map)
     loss.backward()
     assert torch.isfinite(logits.grad).all() and metrics["outside"] > 0
-    # rounds that drafted nothing (Kmax = 0) still train on the teacher at the bonus position
-    loss, metrics = distill_loss(logits[:, :1], Teacher(teacher.probs[:, :1], teacher.outside[:, :1]),
-                                 torch.zeros(2, 0, dtype=torch.long), torch.tensor([0, 0]), torch.tensor([0, 0]), "fkl")
-    assert torch.isfinite(loss) and metrics["reward_loss"] == 0.0
+    rows = torch.tensor([0, 2, 4])  # the student's rows of target ids 3, 8, 6; the draft outside (2) is excluded
+    assert metrics["reward_loss"] == pytest.approx(ref_reward_loss(student_log_probs(logits), rows, reward[:3], judged[:3]),
+                                                   rel=1e-5)
+    # positions that drafted nothing (plain rounds) still train on the teacher
+    none = torch.full((4,), -1)
+    loss, metrics = position_loss(logits, teacher, none, torch.zeros(4), torch.zeros(4, dtype=torch.bool), None, "fkl",
+                                  w_reward=0.5, vocab_map=vocab_map)
+    assert torch.isfinite(loss) and loss.item() > 0 and metrics["reward_loss"] == 0.0
 
 
 # ----------------------------------------------------------------------------------------------
 # The reward term.
 
 
-def test_round_rewards_by_hand():
-    k, n = torch.tensor([3, 3, 3, 0, 2]), torch.tensor([0, 2, 3, 0, 1])
-    reward, mask = round_rewards(k, n, 3, penalty=0.5)
-    assert mask.tolist() == [
-        [True, False, False],  # first draft rejected: nothing after it was judged
-        [True, True, True],
-        [True, True, True],  # all accepted
-        [False, False, False],  # no drafts
-        [True, True, False],  # k = 2: the third column is padding
-    ]
-    assert (reward * mask).tolist() == [[-0.5, 0, 0], [1, 1, -0.5], [1, 1, 1], [0, 0, 0], [1, -0.5, 0]]
-
-
-def test_reward_loss_value_and_signs():
-    k, n = torch.tensor([3, 3, 2]), torch.tensor([1, 3, 0])
-    drafted = torch.tensor([[4, 1, 2], [0, 0, 5], [3, 2, -1]])  # -1: padding
+def test_reward_term_value_and_signs():
+    # three rounds laid out flat: k = 3, n = 1 | k = 3, n = 3 | k = 2, n = 0; penalty 2
+    drafted = torch.tensor([4, 1, 0, 0, 5, 3])
+    reward = torch.tensor([1.0, -2.0, 1.0, 1.0, 1.0, -2.0])
+    judged = torch.ones(6, dtype=torch.bool)
+    unjudged = torch.tensor([-1, -1])  # the second round's bonus position and a plain round's position
+    drafted, reward = torch.cat([drafted, unjudged]), torch.cat([reward, torch.zeros(2)])
+    judged = torch.cat([judged, torch.zeros(2, dtype=torch.bool)])
     g = torch.Generator().manual_seed(10)
-    logits = torch.randn(3, 3, 6, generator=g, requires_grad=True)
+    logits = torch.randn(8, 6, generator=g, requires_grad=True)
     log_q = student_log_probs(logits)
-    loss = reward_loss(log_q, drafted, k, n, penalty=2.0)
-    # by hand: judged (row, j, reward)
-    judged = [(0, 0, 1.0), (0, 1, -2.0), (1, 0, 1.0), (1, 1, 1.0), (1, 2, 1.0), (2, 0, -2.0)]
-    want = sum(-r * log_q[b, j, drafted[b, j]].item() for b, j, r in judged) / len(judged)
+    teacher = teacher_from_logits(torch.zeros(8, 6))  # any teacher: w_kl = 0
+    loss, _ = position_loss(logits, teacher, drafted, reward, judged, None, "fkl", w_kl=0.0, w_reward=1.0)
+    want = sum(-float(reward[i]) * log_q[i, drafted[i]].item() for i in range(6)) / 6
     assert loss.item() == pytest.approx(want, rel=1e-6)
     loss.backward()
-    mask = torch.zeros(3, 3, dtype=torch.bool)
-    for b, j, _ in judged:
-        mask[b, j] = True
-    assert (logits.grad[~mask] == 0).all()  # after the first rejection: no gradient
+    assert (logits.grad[6:] == 0).all()  # not judged: no gradient
     # one SGD step raises accepted drafts' probabilities and lowers the rejected ones'
     with torch.no_grad():
         after = student_log_probs(logits - 1.0 * logits.grad)
-    for b, j, r in judged:
-        d = drafted[b, j]
-        assert (after[b, j, d] > log_q[b, j, d]) == (r > 0)
+    for i in range(6):
+        d = drafted[i]
+        assert (after[i, d] > log_q[i, d]) == (reward[i] > 0)
 
 
-def test_reward_loss_is_bounded_below_for_rejected_drafts():
-    logits = torch.tensor([[[0.0, -1e4, 0.0]]], requires_grad=True)  # q(d) = 0 for the rejected draft d = 1
-    loss = reward_loss(student_log_probs(logits), torch.tensor([[1]]), torch.tensor([1]), torch.tensor([0]))
+def test_reward_term_is_bounded_below_for_rejected_drafts():
+    logits = torch.tensor([[0.0, -1e4, 0.0]], requires_grad=True)  # q(d) = 0 for the rejected draft d = 1
+    teacher = teacher_from_logits(torch.zeros(1, 3))
+    loss, _ = position_loss(logits, teacher, torch.tensor([1]), torch.tensor([-1.0]), torch.tensor([True]), None, "fkl",
+                            w_kl=0.0, w_reward=1.0)
     assert loss.item() == pytest.approx(math.log(PROB_FLOOR), rel=1e-5)
     loss.backward()
     assert (logits.grad == 0).all()

@@ -9,7 +9,6 @@ its records come from the real engine. Learning itself is tested on the real dem
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,19 +18,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from broker_fixtures import dead_letters, engine_records, make_record, poison
+from child_env import clean_env
 
 from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, TrainerConfig
+from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected
 from dvi.engine import Request, SpeculativeEngine
-from dvi.events import encode, records_from_result
 from dvi.models import load_causal_lm, load_drafter
+from dvi.records import encode, records_from_result
 from streams.consumer import DecisionConsumer
 from streams.control import ControlReader
 from streams.control import send as control_send
-from broker_fixtures import dead_letters, engine_records, poison
-from child_env import clean_env
 from streams.producer import DecisionProducer
 from trainers import checkpoint
-from trainers.data import TRAINED
+from trainers.data import Fate
 from trainers.recipe import Trainer
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -126,14 +126,16 @@ def end_offsets(cfg: DviConfig) -> dict[int, int]:
 @pytest.mark.faults
 def test_each_record_trained_once_duplicates_and_garbage_set_aside(stream_cfg, tiny_dirs, tiny_records, tmp_path):
     cfg = config(stream_cfg, tiny_dirs, tmp_path)
-    produce(stream_cfg, tiny_records + tiny_records[:5])  # five records delivered twice
+    other_target = make_record(vocab=1000)  # valid, but for another target's vocabulary
+    produce(stream_cfg, tiny_records + tiny_records[:5] + [other_target])  # five records delivered twice
     send_raw(stream_cfg, [b"garbage", encode(tiny_records[0])[:40]])
     trainer = run_trainer(cfg)
     c = trainer.state.counters
     assert (c.trained, c.duplicates, c.held_out, c.skipped, c.nonfinite) == (len(tiny_records), 5, 0, 0, 0)
+    assert c.foreign == 1 and other_target.record_id not in trainer.ledger
     assert trainer.source.stats.dead_lettered == 2
     state = last_state(cfg)
-    trained = [rid for rid, fate in state["ledger"] if fate == TRAINED]
+    trained = [rid for rid, fate in state["ledger"] if fate == Fate.TRAINED]
     assert sorted(trained) == sorted(r.record_id for r in tiny_records)
     assert state["counters"]["trained"] == len(tiny_records) and state["step"] == trainer.state.step > 1
     assert committed(cfg) == end_offsets(cfg)  # everything read is inside the final checkpoint
@@ -157,13 +159,13 @@ def test_kill_9_and_restart_trains_every_acked_record_exactly_once(stream_cfg, t
     first.send_signal(signal.SIGKILL)
     first.wait()
     before = last_state(cfg)
-    trained_before = [rid for rid, fate in before["ledger"] if fate == TRAINED]
+    trained_before = [rid for rid, fate in before["ledger"] if fate == Fate.TRAINED]
     assert 0 < len(trained_before) < len(records), "the kill should land mid-run"
 
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     after = last_state(cfg)
-    trained = [rid for rid, fate in after["ledger"] if fate == TRAINED]
+    trained = [rid for rid, fate in after["ledger"] if fate == Fate.TRAINED]
     assert sorted(trained) == sorted(r.record_id for r in records)  # none lost, none twice
     assert after["counters"]["trained"] == len(records)  # the counter survives restarts with the ledger
     assert trained[: len(trained_before)] == trained_before
@@ -212,8 +214,8 @@ def test_three_kill_9s_one_mid_checkpoint_lose_nothing_and_never_publish_a_torn_
     final = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-3000:]
     after = last_state(cfg)
-    trained = [rid for rid, fate in after["ledger"] if fate == TRAINED]
-    held_out = [rid for rid, fate in after["ledger"] if fate != TRAINED]
+    trained = [rid for rid, fate in after["ledger"] if fate == Fate.TRAINED]
+    held_out = [rid for rid, fate in after["ledger"] if fate != Fate.TRAINED]
     assert sorted(trained + held_out) == sorted(r.record_id for r in records)  # every record once: none lost, none twice
     assert len(set(trained)) == len(trained) and after["counters"]["trained"] == len(trained)
     assert committed(cfg) == end_offsets(cfg)
@@ -239,7 +241,7 @@ def train_overrides(cfg: DviConfig, stream_cfg, **extra) -> list[str]:
 def test_two_ranks_share_the_stream_and_train_every_record_once(stream_cfg, tiny_dirs, tmp_path):
     """Two trainer processes in one DeepSpeed world (the environment the `deepspeed` launcher sets) split the
     partitions in their consumer group, step together, and checkpoint one ledger covering every record once."""
-    from streams.broker import free_port
+    from dvi.procs import free_port
 
     records = engine_records(*tiny_dirs, n=30, new_tokens=24, seed=2)
     produce(stream_cfg, records)
@@ -252,7 +254,7 @@ def test_two_ranks_share_the_stream_and_train_every_record_once(stream_cfg, tiny
     outs = [p.communicate(timeout=400)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     state = last_state(cfg)
-    trained = [rid for rid, fate in state["ledger"] if fate == TRAINED]
+    trained = [rid for rid, fate in state["ledger"] if fate == Fate.TRAINED]
     assert sorted(trained) == sorted(r.record_id for r in records)
     assert state["counters"]["trained"] == len(records)
     assert len(state["ranks"]) == 2 and all(r["trained"] > 0 for r in state["ranks"])  # both ranks had partitions
@@ -301,7 +303,7 @@ def test_one_percent_poison_into_a_running_trainer_is_dead_lettered_and_the_lag_
     assert "Traceback" not in out, out[-3000:]
 
     state = last_state(cfg)
-    trained = [rid for rid, fate in state["ledger"] if fate == TRAINED]
+    trained = [rid for rid, fate in state["ledger"] if fate == Fate.TRAINED]
     assert sorted(trained) == sorted(r.record_id for r in good)  # every good record once
     assert committed(cfg) == end_offsets(cfg)  # lag 0: the group committed past every record, the poison included
 
@@ -317,13 +319,13 @@ def _step_of(path: Path) -> int:
 def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_records, tmp_path):
     cfg = config(stream_cfg, tiny_dirs, tmp_path, holdout_share=0.5, gate_min_records=4, max_steps=1)
     produce(stream_cfg, tiny_records)
-    publisher = lambda kind, **fields: control_send(stream_cfg, kind, **fields)  # noqa: E731
+    publisher = lambda msg: control_send(stream_cfg, msg)  # noqa: E731
     with ControlReader(stream_cfg) as control, ControlReader(stream_cfg) as trainer_control, \
             DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source:
         trainer = Trainer(cfg, source, control=trainer_control, publisher=publisher)
         trainer.run()
         assert len(trainer.buffer.holdout) >= 4
-        candidate = trainer.engine.module.model
+        candidate = trainer.student.module.model
         original = {k: v.clone() for k, v in candidate.state_dict().items()}
         with torch.no_grad():
             for p in candidate.parameters():
@@ -333,30 +335,31 @@ def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_reco
 
         candidate.load_state_dict(original)
         with torch.no_grad():
-            for p in trainer.serving.parameters():
+            for p in trainer.baseline.parameters():
                 p.add_(torch.randn_like(p) * 0.5)  # now the serving drafter is the worse one
         assert trainer.gate_and_publish() is True
         version = trainer.state.lineage[-1]
         assert version != cfg.model.drafter and (Path(cfg.trainer.store) / version).is_dir()
+        assert trainer.published == [version]
         published = load_drafter(Path(cfg.trainer.store) / version, VOCAB)
         for k, v in published.model.state_dict().items():
             assert torch.equal(v, original[k]), k
         deadline = time.monotonic() + 10
         msgs = []
         while not msgs and time.monotonic() < deadline:
-            msgs = [m for m in control.poll(0.5) if m["type"] == "drafter_published"]
-        assert msgs and msgs[0]["version"] == version and msgs[0]["gate"]["candidate_acceptance"] > msgs[0]["gate"]["serving_acceptance"]
+            msgs = [m for m in control.poll(0.5) if isinstance(m, DrafterPublished)]
+        assert msgs and msgs[0].version == version and msgs[0].gate["candidate_acceptance"] > msgs[0].gate["serving_acceptance"]
 
         # the servers roll it back: the gate compares against the drafter before it again
-        control_send(stream_cfg, "drafter_rejected", version=version, reason="live acceptance fell", replica_id="r1")
+        control_send(stream_cfg, DrafterRejected(version=version, reason="live acceptance fell", replica_id="r1"))
         deadline = time.monotonic() + 10
         while trainer.state.lineage[-1] == version:
-            assert time.monotonic() < deadline, "the trainer did not act on drafter_rejected"
+            assert time.monotonic() < deadline, "the trainer did not act on DrafterRejected"
             trainer._control()
             time.sleep(0.2)
         assert trainer.state.serving_dir == str(trainer.initial_dir)
         initial = load_drafter(trainer.initial_dir, VOCAB)
-        for a, b in zip(trainer.serving.parameters(), initial.model.parameters(), strict=True):
+        for a, b in zip(trainer.baseline.parameters(), initial.model.parameters(), strict=True):
             assert torch.equal(a, b)
 
 
@@ -369,7 +372,7 @@ def test_non_finite_weights_roll_back_and_are_never_checkpointed_or_published(st
         good = checkpoint.latest(Path(cfg.trainer.run_dir))
         trained = trainer.state.counters.trained
         with torch.no_grad():
-            next(trainer.engine.module.parameters()).fill_(float("nan"))
+            next(trainer.student.module.parameters()).fill_(float("nan"))
         assert trainer.gate_and_publish() is False and not list(Path(cfg.trainer.store).glob("d*"))
         deadline = time.monotonic() + 20
         while not trainer.buffer.pending and time.monotonic() < deadline:
@@ -377,7 +380,7 @@ def test_non_finite_weights_roll_back_and_are_never_checkpointed_or_published(st
         trainer.step()  # non-finite loss with non-finite weights: back to the last checkpoint
         assert trainer.state.counters.nonfinite == 1
         assert checkpoint.latest(Path(cfg.trainer.run_dir)) == good  # nothing new written
-        assert all(bool(torch.isfinite(p).all()) for p in trainer.engine.module.parameters())
+        assert all(bool(torch.isfinite(p).all()) for p in trainer.student.module.parameters())
         assert trainer.state.counters.trained == trained and trainer.state.step == 2
         # the stream is read again from the committed offsets: the rest trains normally, each record once
         trainer.tcfg = replace(trainer.tcfg, max_steps=None)
@@ -385,7 +388,7 @@ def test_non_finite_weights_roll_back_and_are_never_checkpointed_or_published(st
     state = last_state(cfg)
     fates = [fate for _, fate in state["ledger"]]
     assert len(fates) == len(tiny_records) and state["counters"]["nonfinite"] == 1
-    assert state["counters"]["trained"] == fates.count(TRAINED)
+    assert state["counters"]["trained"] == fates.count(Fate.TRAINED)
 
 
 PYTHON_QUESTIONS = [
@@ -432,10 +435,10 @@ def test_training_on_demo_records_raises_held_out_acceptance(stream_cfg, demo_ta
         while len(trainer.buffer.holdout) < 3 and time.monotonic() < deadline:
             trainer.ingest(source.poll(0.5))
         holdout = list(trainer.buffer.holdout)
-        args = (VOCAB, None, trainer.target, 512)
-        before = evaluate(trainer.engine.module, holdout, *args)
+        args = (VOCAB, None, trainer.teacher_lm, 512)
+        before = evaluate(trainer.student.module, holdout, *args)
         trainer.run()
-        after = evaluate(trainer.engine.module, holdout, *args)
+        after = evaluate(trainer.student.module, holdout, *args)
     assert trainer.state.step == 24
     print(f"held-out expected acceptance {before['acceptance']:.3f} -> {after['acceptance']:.3f}, "
           f"greedy match {before['greedy']:.3f} -> {after['greedy']:.3f}")
@@ -450,9 +453,9 @@ def test_manual_retrain_runs_a_session_then_publishes_to_store_registry_and_cont
     from mlflow import MlflowClient
 
     from dvi.config import TriggerConfig
-    from streams.broker import free_port
-    from trainers.mlflow_server import LocalMlflow
-    from trainers.tracking import Tracker
+    from dvi.mlflow_server import LocalMlflow
+    from dvi.procs import free_port
+    from dvi.tracking import Tracker
 
     produce(stream_cfg, tiny_records)
     with LocalMlflow(tmp_path / "mlflow", free_port()) as server:
@@ -461,7 +464,7 @@ def test_manual_retrain_runs_a_session_then_publishes_to_store_registry_and_cont
         cfg = replace(cfg, trigger=TriggerConfig(kind="manual", session_steps=3),
                       tracking=TrackingConfig(uri=server.uri, experiment="trigger-test"))
         tracker = Tracker(cfg.tracking, run_name="trigger-test", params={"trainer": {"lr": cfg.trainer.lr}})
-        publisher = lambda kind, **fields: control_send(stream_cfg, kind, **fields)  # noqa: E731
+        publisher = lambda msg: control_send(stream_cfg, msg)  # noqa: E731
         with ControlReader(stream_cfg) as control, DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source, \
                 ControlReader(stream_cfg) as announcements:
             trainer = Trainer(cfg, source, tracker=tracker, control=control, publisher=publisher)
@@ -481,15 +484,16 @@ def test_manual_retrain_runs_a_session_then_publishes_to_store_registry_and_cont
             assert not thread.is_alive()
             assert trainer.state.step == 3 and trainer.state.counters.published == 1
             version = trainer.state.lineage[-1]
-            msgs = [m for m in announcements.poll(5.0) if m["type"] == "drafter_published"]
-            assert [m["version"] for m in msgs] == [version]
+            assert trainer.published == [version]
+            msgs = [m for m in announcements.poll(5.0) if isinstance(m, DrafterPublished)]
+            assert [m.version for m in msgs] == [version]
         stats = tracker.close(timeout_s=60)
         assert stats.connected and stats.dropped == 0
 
         client = MlflowClient(tracking_uri=server.uri, registry_uri=server.uri)
         mv = client.get_model_version_by_alias(cfg.tracking.registry_model, "candidate")
         assert mv.tags["dvi.version"] == version and mv.tags["parent_version"] == trainer.state.lineage[-2]
-        assert "gate.candidate_acceptance" in mv.tags and mv.tags["sha256"] == msgs[0]["sha256"]
+        assert "gate.candidate_acceptance" in mv.tags and mv.tags["sha256"] == msgs[0].sha256
         run = client.get_run(stats.run_id)
         assert {"loss", "train/acceptance", "gate/candidate_acceptance", "step_time_s"} <= set(run.data.metrics)
         assert run.data.params["trainer.lr"] == str(cfg.trainer.lr)
@@ -522,7 +526,7 @@ def test_distill_offline_from_a_tail_file(stream_cfg, tiny_dirs, tiny_records, t
 
 
 def test_servers_verdicts_are_recorded_in_the_store_for_restarting_replicas(stream_cfg, tiny_dirs, tmp_path):
-    """drafter_promoted / drafter_rejected from the servers become lines of <store>/VERDICTS (the trainer is the
+    """DrafterPromoted / DrafterRejected from the replicas become lines of <store>/VERDICTS (the trainer is the
     store's writer; replicas may mount it read-only); a version that is not in this store is ignored."""
     from dvi import store
 
@@ -533,10 +537,10 @@ def test_servers_verdicts_are_recorded_in_the_store_for_restarting_replicas(stre
         store.publish(root, v, weights, tiny_dirs[1], {"parent": "init"})
     with ControlReader(stream_cfg) as control, DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source:
         trainer = Trainer(cfg, source, control=control)
-        control_send(stream_cfg, "drafter_promoted", version="d0001", replica_id="r1", acceptance=0.4)
-        control_send(stream_cfg, "drafter_rejected", version="d0002", replica_id="r1", reason="acceptance fell")
-        control_send(stream_cfg, "drafter_promoted", version="d0099", replica_id="r2")  # not in this store
-        control_send(stream_cfg, "drafter_promoted", version="../d0001", replica_id="r3")  # not a version name
+        control_send(stream_cfg, DrafterPromoted(version="d0001", replica_id="r1", acceptance=0.4))
+        control_send(stream_cfg, DrafterRejected(version="d0002", replica_id="r1", reason="acceptance fell"))
+        control_send(stream_cfg, DrafterPromoted(version="d0099", replica_id="r2"))  # not in this store
+        control_send(stream_cfg, DrafterPromoted(version="../d0001", replica_id="r3"))  # not a version name
         deadline = time.monotonic() + 30
         while len(store.verdicts(root)) < 2 and time.monotonic() < deadline:
             trainer._control()

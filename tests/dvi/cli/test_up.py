@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, next_backoff, plan
 from dvi.config import load_config
 from dvi.errors import DviError
-from dvi.stack import MAX_BACKOFF_S, STABLE_S, next_backoff, plan
-from streams.broker import free_port
+from dvi.procs import free_port
 
 
 def test_backoff_doubles_to_a_cap_and_starts_over_after_a_stable_run():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dvi import drift
-from dvi.drift import Sample
+from benchmarks import drift
+from benchmarks.drift import Sample
 from dvi.errors import DviError
 
 
@@ -85,3 +85,32 @@ def test_schedule_parsing():
     with pytest.raises(DviError, match="two or more"):
         drift.parse_schedule("code")
     assert drift.Options(rounds=50, first_rounds=10, schedule=["code", "prose", "qa"]).budgets() == [10, 50, 50]
+
+
+def test_the_plot_is_drawn_from_the_samples(tmp_path):
+    rows = [s(i, phase=i // 4, domain="code" if i < 4 else "prose", accepted=36 if i < 4 else 8 + 4 * i) for i in range(8)]
+    rows += [s(i, "frozen", phase=i // 4, domain="code" if i < 4 else "prose", seconds=1.5) for i in range(8)]
+    rows += [s(i, "plain", phase=i // 4, domain="code" if i < 4 else "prose", version=None, seconds=2.0) for i in range(0, 8, 2)]
+    summary = drift.summarize(rows, ["code", "prose"], window=20)
+    drift.plot(rows, summary, str(tmp_path / "drift.png"))
+    assert (tmp_path / "drift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_bootstrap_version_is_the_last_one_the_distillation_published(tmp_path):
+    log_file = tmp_path / "bootstrap.log"
+    out = ('some progress\n{"step": 12, "published": 2, "serving": "d0002", "serving_dir": "/s/d0002", '
+           '"published_versions": ["d0001", "d0002"]}\n')
+    assert drift.distill_result(out, log_file)["published_versions"] == ["d0001", "d0002"]
+    for bad in ("", "step 12: ...\n/s/d0002\n", '{"step": 12, "published": 2}\n'):
+        with pytest.raises(DviError, match="bootstrap.log"):
+            drift.distill_result(bad, log_file)
+
+
+def test_command_line_options_and_errors(capsys):
+    args = drift.build_parser().parse_args(["--quick", "--rounds", "50", "--schedule", "qa,code", "--out", "o"])
+    opt = drift.options_of(args)
+    assert (opt.rounds, opt.first_rounds, opt.schedule, opt.out) == (50, 120, ["qa", "code"], drift.Path("o"))
+    assert drift.main(["--rounds", "0"]) == 2
+    assert "drift: error: --rounds=0: expected a positive integer" in capsys.readouterr().err
+    assert drift.main(["--quick", "--bogus"]) == 2
+    assert "drift: error: unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The trainer's MLflow sink: metrics, params and drafter registrations that never block or crash training.
+"""The MLflow client: metrics, params and drafter registrations that never block or crash their caller.
 
 `Tracker.log_metrics(metrics, step)` stamps the wall-clock time, puts the points in a bounded in-memory queue
 (`tracking.queue_size` points plus the one batch being sent; when it is full the oldest points are dropped and
@@ -21,8 +21,11 @@ a failure, rather than retrying it forever. The client's HTTP retries and timeou
 user set MLFLOW_HTTP_REQUEST_* variables) so a dead server costs the thread seconds, not minutes.
 `close(timeout_s)` flushes for at most that long, ends the run and says how many points were lost.
 
-This module knows MLflow, not training: what the metrics mean, when to log and what a drafter version holds
-are the trainer's business.
+`loop_view` answers `dvi status` (the newest trainer run, the registry's aliases). The mlflow package is imported
+where it is first used, not at the top: it takes seconds to import, and a process with tracking off never needs it.
+
+This module is dvi's one MLflow client. It knows MLflow, not training or serving: what the metrics mean, when to
+log and what a drafter version holds are its callers' business.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any, Callable
 
 from dvi.config import TrackingConfig
 
-log = logging.getLogger("dvi.trainers.tracking")
+log = logging.getLogger("dvi.tracking")
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
 MAX_PARAMS_PER_BATCH = 100
@@ -186,11 +189,6 @@ class Tracker:
             self._ops.append(op)
         self._wake.set()
 
-    def registered(self) -> dict[str, int]:
-        """dvi drafter version -> MLflow model version number, for the registrations done so far."""
-        with self._lock:
-            return dict(self._registered)
-
     def stats(self) -> TrackerStats:
         with self._lock:
             queued = len(self._points) + len(self._in_flight)
@@ -240,7 +238,7 @@ class Tracker:
 
     def _run(self) -> None:
         try:
-            from mlflow import MlflowClient
+            from mlflow import MlflowClient  # heavy: see the module docstring
 
             client = MlflowClient(tracking_uri=self.cfg.tracking_uri, registry_uri=self.cfg.tracking_uri)
             while not self._done():
@@ -357,7 +355,7 @@ class Tracker:
             return client.get_experiment_by_name(name).experiment_id
 
     def _log_params(self, client) -> None:
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # heavy: see the module docstring
 
         params = [Param(k, v) for k, v in self._params.items()]
         for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
@@ -371,7 +369,7 @@ class Tracker:
             return bool(self._in_flight)
 
     def _send_batch(self, client) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # heavy: see the module docstring
 
         with self._lock:
             batch = list(self._in_flight)
@@ -454,7 +452,7 @@ def _rejected(e: Exception) -> bool:
     """Whether MLflow answered and said no (4xx except 429): retrying the same request cannot help."""
     if isinstance(e, _Unusable):
         return True
-    from mlflow.exceptions import RestException
+    from mlflow.exceptions import RestException  # heavy: see the module docstring
 
     if not isinstance(e, RestException):
         return False  # connection errors, timeouts, 5xx: transient
@@ -496,3 +494,35 @@ def flatten(params: dict, prefix: str = "") -> dict[str, str]:
         else:
             out[name] = str(value)
     return out
+
+
+def loop_view(cfg: TrackingConfig) -> dict:
+    """What MLflow says of the loop (for `dvi status`): the newest trainer run's last metrics and the registry's
+    aliases (alias -> dvi drafter version), or why MLflow could not be asked."""
+    bounded_http()
+    try:
+        from mlflow import MlflowClient  # heavy: see the module docstring
+
+        client = MlflowClient(tracking_uri=cfg.tracking_uri, registry_uri=cfg.tracking_uri)
+        out: dict = {"uri": cfg.tracking_uri}
+        exp = client.get_experiment_by_name(cfg.experiment)
+        runs = client.search_runs([exp.experiment_id], "tags.`dvi.role` = 'trainer'", order_by=["attributes.start_time DESC"],
+                                  max_results=1) if exp else []
+        if runs:
+            run = runs[0]
+            m = run.data.metrics
+            out["trainer"] = {"run_id": run.info.run_id, "status": run.info.status, "consumer_lag": m.get("consumer_lag"),
+                              "step_metrics": {k: m[k] for k in ("loss", "acceptance", "records_per_s") if k in m}}
+        try:
+            model = client.get_registered_model(cfg.registry_model)
+            out["aliases"] = {a: _dvi_version(client, cfg.registry_model, v) for a, v in (model.aliases or {}).items()}
+        except Exception:
+            out["aliases"] = {}
+        return out
+    except Exception as e:
+        return {"uri": cfg.tracking_uri, "error": f"unreachable ({type(e).__name__}: {str(e)[:160]})"}
+
+
+def _dvi_version(client, name: str, number) -> str:
+    mv = client.get_model_version(name, str(number))
+    return mv.tags.get(VERSION_TAG, f"v{number}")

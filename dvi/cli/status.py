@@ -1,9 +1,9 @@
 """`dvi status`: one look at the loop: what each replica serves and how well, the trainer's lag, the last publish.
 
 It asks each replica's `/health` (default: serve.host:serve.port; `--replica URL` for others), reads the newest
-version in the model store, and asks MLflow for the newest trainer run's last metrics and for the registry's
-aliases. Every source may be down: its line says so and the rest is still printed. This module reads; it never
-changes anything.
+version in the model store, and asks MLflow (`dvi.tracking.loop_view`) for the newest trainer run's last metrics
+and the registry's aliases. Every source may be down: its line says so and the rest is still printed. This
+module reads; it never changes anything.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ import json
 import time
 from pathlib import Path
 
+from dvi import store
+from dvi.config import load_config, overrides_of
+from dvi.models import read_drafter_meta
 from dvi.procs import local_get
+from dvi.tracking import loop_view
 
 
 def replica(url: str, timeout_s: float = 3.0) -> dict:
@@ -24,9 +28,6 @@ def replica(url: str, timeout_s: float = 3.0) -> dict:
 
 
 def last_publish(store_root: Path) -> dict | None:
-    from dvi import store
-    from dvi.models import read_drafter_meta
-
     names = store.versions(store_root)
     if not names:
         return None
@@ -35,48 +36,11 @@ def last_publish(store_root: Path) -> dict | None:
             "gate": meta.get("gate")}
 
 
-def mlflow_view(cfg) -> dict:
-    """The newest trainer run's last metrics and the registry's aliases, or why they are not available."""
-    from trainers.tracking import bounded_http
-
-    bounded_http()
-    try:
-        from mlflow import MlflowClient
-
-        client = MlflowClient(tracking_uri=cfg.tracking_uri, registry_uri=cfg.tracking_uri)
-        out: dict = {"uri": cfg.tracking_uri}
-        exp = client.get_experiment_by_name(cfg.experiment)
-        runs = client.search_runs([exp.experiment_id], "tags.`dvi.role` = 'trainer'", order_by=["attributes.start_time DESC"],
-                                  max_results=1) if exp else []
-        if runs:
-            run = runs[0]
-            m = run.data.metrics
-            out["trainer"] = {"run_id": run.info.run_id, "status": run.info.status, "consumer_lag": m.get("consumer_lag"),
-                              "step_metrics": {k: m[k] for k in ("loss", "acceptance", "records_per_s") if k in m}}
-        try:
-            model = client.get_registered_model(cfg.registry_model)
-            out["aliases"] = {a: _dvi_version(client, cfg.registry_model, v) for a, v in (model.aliases or {}).items()}
-        except Exception:
-            out["aliases"] = {}
-        return out
-    except Exception as e:
-        return {"uri": cfg.tracking_uri, "error": f"unreachable ({type(e).__name__}: {str(e)[:160]})"}
-
-
-def _dvi_version(client, name: str, number) -> str:
-    mv = client.get_model_version(name, str(number))
-    return mv.tags.get("dvi.version", f"v{number}")
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from dvi.cli import overrides_of
-    from dvi.config import load_config
-    from dvi.server import _store_root
-
+def status(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     urls = args.replica or [f"http://{cfg.serve.host}:{cfg.serve.port}"]
-    view = {"replicas": [replica(u) for u in urls], "last_publish": last_publish(_store_root(cfg)),
-            "mlflow": mlflow_view(cfg.tracking) if cfg.tracking.enabled else None}
+    view = {"replicas": [replica(u) for u in urls], "last_publish": last_publish(store.serving_root(cfg)),
+            "mlflow": loop_view(cfg.tracking) if cfg.tracking.enabled else None}
     if args.json:
         print(json.dumps(view, default=str))
         return 0

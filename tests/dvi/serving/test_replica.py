@@ -23,10 +23,11 @@ import torch
 
 from dvi import store
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig
-from dvi.models import resolve_pair, load_causal_lm
-from dvi.server import Service
-from streams.broker import free_port
-from streams.control import ControlReader
+from dvi.control import DrafterPublished, DrafterRejected
+from dvi.models import load_causal_lm, resolve_pair
+from dvi.procs import free_port
+from dvi.serving.replica import Replica
+from streams.control import ControlChannel, ControlReader
 from streams.control import send as control_send
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -43,16 +44,21 @@ def publish_noisy(store_root: Path, target_dir: Path, version: str, noise: float
 
 
 def announce(stream_cfg, p: store.Published) -> None:
-    control_send(stream_cfg, "drafter_published", version=p.version, uri=str(p.path), sha256=p.sha256, parent="test")
+    control_send(stream_cfg, DrafterPublished(p.version, str(p.path), p.sha256, parent="test"))
+
+
+def replica(cfg: DviConfig, **channels) -> Replica:
+    """A replica of the tiny pair following the test's control topic (as `dvi serve` wires it)."""
+    return Replica(cfg, resolve_pair(cfg.model), control=ControlChannel(cfg.stream, client_id="test-replica"), **channels)
 
 
 class Running:
-    """A Service behind uvicorn in this process, on a free port."""
+    """A replica behind uvicorn in this process, on a free port."""
 
-    def __init__(self, service: Service):
+    def __init__(self, service: Replica):
         import uvicorn
 
-        from dvi.api import create_app
+        from dvi.serving.api import create_app
 
         self.service = service.start()
         self.port = free_port()
@@ -87,7 +93,7 @@ def service_config(stream_cfg, dirs, store_root: Path, **serve) -> DviConfig:
 @pytest.fixture
 def running(stream_cfg, tiny_dirs, tmp_path):
     cfg = service_config(stream_cfg, tiny_dirs, tmp_path / "store")
-    r = Running(Service(cfg, resolve_pair(cfg.model)))
+    r = Running(replica(cfg))
     yield r
     r.close()
 
@@ -147,7 +153,7 @@ def test_ten_swaps_under_load_keep_every_answer_exact_and_tagged(running, stream
 def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_path):
     service, store_root = running.service, tmp_path / "store"
     good = publish_noisy(store_root, tiny_dirs[0], "d0001", noise=0.05, seed=1)
-    service.on_control({"type": "drafter_published", "version": good.version, "uri": str(good.path), "sha256": good.sha256})
+    service.on_control(DrafterPublished(good.version, str(good.path), good.sha256))
     assert service.engine.drafter.version == "d0001"
 
     outside = publish_noisy(tmp_path / "elsewhere", tiny_dirs[0], "d0002", noise=0.05, seed=2)
@@ -166,14 +172,14 @@ def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_
     pickled = publish_noisy(store_root, tiny_dirs[0], "d0005", noise=0.05, seed=5)
     (pickled.path / "evil.pkl").write_bytes(b"\x80\x04K\x01.")
     cases = {
-        "outside_store": {"version": "d0002", "uri": str(outside.path), "sha256": outside.sha256},
-        "checksum": {"version": "d0003", "uri": str(bad_sum.path), "sha256": "f" * 64},
-        "nonfinite": {"version": "d0004", "uri": str(nan.path), "sha256": sha256_file(nan.path / store.SUMS)},
-        "pickle": {"version": "d0005", "uri": str(pickled.path), "sha256": pickled.sha256},
-        "bad_message": {"version": "d0006"},
+        "outside_store": DrafterPublished("d0002", str(outside.path), outside.sha256),
+        "checksum": DrafterPublished("d0003", str(bad_sum.path), "f" * 64),
+        "nonfinite": DrafterPublished("d0004", str(nan.path), sha256_file(nan.path / store.SUMS)),
+        "pickle": DrafterPublished("d0005", str(pickled.path), pickled.sha256),
+        "bad_message": DrafterPublished("../d0006", str(store_root / "d0006"), "ab"),  # a message without fields: dvi.control.decode
     }
     for reason, msg in cases.items():
-        service.on_control({"type": "drafter_published", **msg})
+        service.on_control(msg)
         assert service.metrics.events[f"refused:{reason}"] == 1, (reason, service.metrics.events)
         assert service.engine.drafter.version == "d0001"
     r = running.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})
@@ -183,7 +189,7 @@ def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    from trainers.mlflow_server import LocalMlflow
+    from dvi.mlflow_server import LocalMlflow
 
     with LocalMlflow(tmp_path_factory.mktemp("mlflow"), free_port()) as s:
         yield s
@@ -195,7 +201,7 @@ def test_live_check_promotes_a_better_drafter_and_rolls_back_a_random_one(stream
     weights) is rolled back, tagged rejected in the registry, announced as rejected and never installed again."""
     from mlflow import MlflowClient
 
-    from trainers.tracking import Tracker
+    from dvi.tracking import Tracker
 
     store_root = tmp_path / "store"
     good = publish_noisy(store_root, tiny_dirs[0], "d0001", noise=0.02, seed=1)
@@ -207,7 +213,7 @@ def test_live_check_promotes_a_better_drafter_and_rolls_back_a_random_one(stream
     cfg = service_config(stream_cfg, tiny_dirs, store_root,
                          swap=SwapConfig(store=str(store_root), initial="none", window_tokens=60, baseline_tokens=30, rollback_margin=0.1))
     cfg = DviConfig(model=cfg.model, stream=cfg.stream, serve=cfg.serve, tracking=tracking)
-    service = Service(cfg, resolve_pair(cfg.model), tracker=Tracker(tracking, "serve-test", tags={"dvi.role": "serve"}))
+    service = replica(cfg, tracker=Tracker(tracking, "serve-test", tags={"dvi.role": "serve"}))
     r = Running(service)
     initial = service.engine.drafter.version
 
@@ -230,10 +236,10 @@ def test_live_check_promotes_a_better_drafter_and_rolls_back_a_random_one(stream
         assert rates["d0002"] < rates["d0001"] - 0.1 and rates["d0001"] > rates[initial], rates
         with ControlReader(stream_cfg, from_beginning=True) as reader:
             msgs, deadline = [], time.monotonic() + 10
-            while not any(m["type"] == "drafter_rejected" for m in msgs) and time.monotonic() < deadline:
+            while not any(isinstance(m, DrafterRejected) for m in msgs) and time.monotonic() < deadline:
                 msgs += reader.poll(0.5)
-        rejected = [m for m in msgs if m["type"] == "drafter_rejected"]
-        assert rejected and rejected[0]["version"] == "d0002" and rejected[0]["previous"] == "d0001"
+        rejected = [m for m in msgs if isinstance(m, DrafterRejected)]
+        assert rejected and rejected[0].version == "d0002" and rejected[0].previous == "d0001"
         announce(stream_cfg, bad)  # announced again: never re-installed
         time.sleep(1.5)
         assert service.engine.drafter.version == "d0001" and service.metrics.events["swap"] == 2
@@ -243,7 +249,7 @@ def test_live_check_promotes_a_better_drafter_and_rolls_back_a_random_one(stream
         r.close()  # closes the tracker: queued MLflow operations are done first
 
     client = MlflowClient(tracking_uri=mlflow_server.uri, registry_uri=mlflow_server.uri)
-    numbers = trainer_side.registered()
+    numbers = {mv.tags["dvi.version"]: mv.version for mv in client.search_model_versions(f"name='{tracking.registry_model}'")}
     assert client.get_model_version_by_alias(tracking.registry_model, "production").version == str(numbers["d0001"])
     tags = client.get_model_version(tracking.registry_model, str(numbers["d0002"])).tags
     assert tags.get("dvi.rejected") == "true" and "live acceptance" in tags.get("dvi.rejected_reason", "")
@@ -297,7 +303,7 @@ def test_http_errors_are_clear_4xx_and_streaming_matches_the_plain_answer(runnin
 
 def test_the_api_key_is_required_on_v1_when_set(stream_cfg, tiny_dirs, tmp_path):
     cfg = service_config(stream_cfg, tiny_dirs, tmp_path / "store", api_key="s3cret-key")
-    r = Running(Service(cfg, resolve_pair(cfg.model)))
+    r = Running(replica(cfg))
     try:
         body = {"prompt": "hi", "max_tokens": 2}
         assert r.post("/v1/completions", body).status_code == 401

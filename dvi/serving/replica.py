@@ -1,31 +1,31 @@
-"""A serving replica (`dvi serve`): the engine behind a request queue, its decision log, hot swaps and metrics.
+"""A serving replica: the engine behind a request queue, its decision log, hot swaps and metrics.
 
-`Service` owns four threads around one `SpeculativeEngine`:
+`Replica` owns three threads around one `SpeculativeEngine`:
 
 - **decode**: takes up to `serve.max_batch` waiting requests, decodes them together (static batches: a request
   arriving mid-batch waits for the next one), fulfils their futures, feeds `ServingMetrics`, and hands each
-  request's DecisionRecords to the non-blocking producer;
-- **swap**: follows `stream.control_topic`; a `drafter_published` drafter is checked and loaded off the decode
+  request's DecisionRecords to the producer;
+- **swap** (when handed a control channel): a `DrafterPublished` drafter is checked and loaded off the decode
   thread (`dvi.swap.load_announced`) and swapped in between rounds; after `serve.swap.window_tokens` drafted
-  tokens the live check (`dvi.swap.judge`) either promotes it (MLflow alias `production`) or swaps the previous
-  drafter back, tags the version rejected in the registry and announces `drafter_rejected` to trainers and the
-  other replicas (which then roll back too); refusals are logged and counted, the current drafter keeps serving;
-- **tracking**: every `serve.metrics_every_s` the interval's metrics go to this replica's MLflow run, and every
-  `serve.plot_every_s` a drift plot (acceptance and tokens/s over time, swap markers) as an artifact;
-- the HTTP server itself (uvicorn, `dvi.api`).
+  tokens the live check (`dvi.swap.judge`) either promotes it (MLflow alias `production`, `DrafterPromoted` on the
+  control channel) or swaps the previous drafter back, tags the version rejected in the registry and announces
+  `DrafterRejected` to trainers and the other replicas (which then roll back too); refusals are logged and
+  counted, the current drafter keeps serving;
+- **tracking**: every `serve.metrics_every_s` the interval's metrics go to the tracker, and every
+  `serve.plot_every_s` a drift plot (acceptance and tokens/s over time, swap markers) as an artifact.
 
-A broker or MLflow that is down never stops serving: the producer drops and counts, the swap thread keeps
-trying to reach the control topic, the tracker buffers. This module wires the parts; it does not know the
-maths (dvi.speculative), the HTTP shapes (dvi.api) or Kafka's and MLflow's clients (streams/, trainers/).
+The replica is handed its channels, each optional: `producer` (takes DecisionRecords without blocking, e.g.
+`streams.producer.DecisionProducer`), `control` (`poll(timeout_s)` of `dvi.control` messages and `send(msg)`,
+e.g. `streams.control.ControlChannel`) and `tracker` (`dvi.tracking.Tracker`). A channel that is down never
+stops serving. This module wires the engine, the swap policy and the metrics; it does not know the maths
+(dvi.speculative), HTTP (dvi.serving.api), or how the channels reach Kafka and MLflow.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import logging
 import os
-import signal
 import queue
 import tempfile
 import threading
@@ -34,15 +34,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from dvi import store
 from dvi.config import DviConfig
+from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, Message
 from dvi.engine import Request, Result, SpeculativeEngine
 from dvi.errors import DviError
+from dvi.files import sha256_file
 from dvi.metrics import ServingMetrics, drift_plot
-from dvi.models import Drafter, Pair
-from dvi.swap import Announcement, Refused, judge, load_announced
-from streams.control import PROMOTED, PUBLISHED, REJECTED
+from dvi.models import Drafter, Pair, encode_prompt
+from dvi.procs import default_replica_id
+from dvi.records import records_from_result
+from dvi.swap import Refused, judge, load_announced
 
-log = logging.getLogger("dvi.server")
+log = logging.getLogger("dvi.serving.replica")
+
+
+class Unavailable(DviError):
+    """The replica cannot take a request now (shutting down, or its queue is full): retry later."""
 
 
 @dataclass
@@ -63,19 +71,17 @@ class Rollout:
     start_counts: tuple[int, int]  # the new drafter's counts at the swap (non-zero if it served before)
 
 
-class Service:
+class Replica:
     """One serving replica (see the module docstring). `start()`, then `submit` from any thread; `close()`."""
 
-    def __init__(self, cfg: DviConfig, pair: Pair, *, producer=None, tracker=None, control: bool = True):
-        from streams.producer import default_replica_id
-
+    def __init__(self, cfg: DviConfig, pair: Pair, *, producer=None, control=None, tracker=None):
         self.cfg = cfg  # no reference to `pair` is kept: its drafter is freed once newer ones have replaced it
         self.tokenizer = pair.tokenizer
         self.defaults = cfg.serve.sampling
         self.model_name = pair.target_dir.name
         self.replica_id = cfg.stream.replica_id or default_replica_id()
         self.api_key = cfg.serve.api_key or os.environ.get("DVI_API_KEY") or None
-        self.store_root = _store_root(cfg)
+        self.store_root = store.serving_root(cfg)
         self.metrics = ServingMetrics()
         self.producer, self.tracker, self.control = producer, tracker, control
         stop_ids = {pair.tokenizer.eos_token_id} if pair.tokenizer.eos_token_id is not None else set()
@@ -93,9 +99,9 @@ class Service:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> Service:
+    def start(self) -> Replica:
         loops = [("dvi-decode", self._decode_loop), ("dvi-tracking", self._tracking_loop)]
-        if self.control and self.cfg.serve.swap.enabled:
+        if self.control is not None and self.cfg.serve.swap.enabled:
             loops.append(("dvi-swap", self._swap_loop))
         for name, target in loops:
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -139,13 +145,13 @@ class Service:
             self.tracker.close(timeout_s)
         if self.producer is not None:
             self.producer.close(timeout_s)
+        if self.control is not None:
+            self.control.close()
 
     # -- requests --------------------------------------------------------------------------------
 
     def request(self, c) -> Request:
-        """An engine request from a parsed completion (`dvi.api.Completion`); DviError when the engine refuses it."""
-        from dvi.cli import encode_prompt
-
+        """An engine request from a parsed completion (`dvi.serving.api.Completion`); DviError when the engine refuses it."""
         if c.messages is not None:
             enc = self.tokenizer.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=True)
             ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
@@ -158,16 +164,14 @@ class Service:
         return req
 
     def submit(self, req: Request, domain: str | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> Job:
-        """Queue a request; its `future` resolves to the engine's Result. ApiError 503 when the queue is full."""
-        from dvi.api import ApiError
-
+        """Queue a request; its `future` resolves to the engine's Result. `Unavailable` when shutting down or full."""
         if self._stop.is_set() or self._draining.is_set():
-            raise ApiError(503, "the server is shutting down", kind="server_error")
+            raise Unavailable("the server is shutting down")
         job = Job(req, domain, on_tokens)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            raise ApiError(503, f"{self._queue.maxsize} requests are already waiting; retry later", kind="server_error") from None
+            raise Unavailable(f"{self._queue.maxsize} requests are already waiting; retry later") from None
         return job
 
     def extension(self, result: Result) -> dict:
@@ -231,8 +235,6 @@ class Service:
     def _log_decisions(self, job: Job, result: Result) -> None:
         if self.producer is None:
             return
-        from dvi.events import records_from_result
-
         s = self.cfg.stream
         try:
             records = records_from_result(result, replica_id=self.replica_id, target_name=self.model_name,
@@ -253,9 +255,6 @@ class Service:
     def _initial_drafter(self, configured: bool) -> None:
         """serve.swap.initial: the store's production version (production: the newest kept by live traffic, else the
         newest never rejected), the newest never rejected (latest), a named one, or the configured drafter (none)."""
-        from dvi import store
-        from dvi.files import sha256_file
-
         choice = self.cfg.serve.swap.initial
         if choice == "none" or not configured:
             return
@@ -267,7 +266,7 @@ class Service:
         path = self.store_root / version
         if not (path / store.SUMS).is_file():
             raise DviError(f"serve.swap.initial={choice}: no published drafter {version} in the store {self.store_root}")
-        ann = Announcement(version, str(path), sha256_file(path / store.SUMS))
+        ann = DrafterPublished(version, str(path), sha256_file(path / store.SUMS))
         try:
             drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype)
         except Refused as e:
@@ -279,22 +278,20 @@ class Service:
         self.engine.swap_drafter(drafter)
         log.info("serving drafter %s from the store %s", version, self.store_root)
 
-    def on_control(self, msg: dict) -> None:
+    def on_control(self, msg: Message) -> None:
         """Act on one control message (the swap thread calls it; tests may too)."""
-        kind = msg.get("type")
-        if kind == PUBLISHED:
+        if isinstance(msg, DrafterPublished):
             try:
-                self.install(Announcement.of(msg))
+                self.install(msg)
             except Refused as e:
-                self.metrics.event(f"refused:{e.reason}", msg.get("version") if isinstance(msg.get("version"), str) else None)
+                self.metrics.event(f"refused:{e.reason}", msg.version)
                 log.warning("refused a published drafter (%s): %s; still serving %s", e.reason, e, self._version())
-        elif kind == REJECTED and isinstance(msg.get("version"), str):
-            version = msg["version"]
-            self.rejected.add(version)
-            if msg.get("replica_id") != self.replica_id and self._version() == version:
-                self._roll_back(f"rejected by replica {msg.get('replica_id')}", announce=False)
+        elif isinstance(msg, DrafterRejected):
+            self.rejected.add(msg.version)
+            if msg.replica_id != self.replica_id and self._version() == msg.version:
+                self._roll_back(f"rejected by replica {msg.replica_id}", announce=False)
 
-    def install(self, ann: Announcement) -> bool:
+    def install(self, ann: DrafterPublished) -> bool:
         """Check, load and swap in an announced drafter; False when it is already serving or was rejected."""
         if ann.version in self.rejected or ann.version == self._version():
             log.info("ignoring drafter %s: %s", ann.version, "rejected before" if ann.version in self.rejected else "already serving")
@@ -331,7 +328,7 @@ class Service:
             log.info("drafter %s kept: acceptance %.3f over %d drafted tokens", r.drafter.version, current[1] / current[0], current[0])
             if self.tracker is not None:
                 self.tracker.set_alias(r.drafter.version, "production")
-            self._announce(PROMOTED, version=r.drafter.version, acceptance=current[1] / current[0])
+            self._announce(DrafterPromoted(r.drafter.version, self.replica_id, acceptance=current[1] / current[0]))
         elif decision == "rollback":
             prev = r.previous_counts
             why = (f"live acceptance {current[1] / current[0]:.3f} over {current[0]} drafted tokens is more than "
@@ -354,54 +351,28 @@ class Service:
         if self.tracker is not None:
             self.tracker.tag_version(version, {"dvi.rejected": "true", "dvi.rejected_reason": why[:500], "dvi.rejected_by": self.replica_id})
         if announce:
-            self._announce(REJECTED, version=version, previous=r.previous.version if r.previous else None, reason=why)
+            self._announce(DrafterRejected(version, self.replica_id, reason=why, previous=r.previous.version if r.previous else None))
 
-    def _announce(self, kind: str, **fields) -> None:
-        """Tell trainers and the other replicas what this replica decided (a broker that is down: logged)."""
-        if not self.control:
+    def _announce(self, msg: Message) -> None:
+        """Tell trainers and the other replicas what this replica decided (a channel that is down: logged)."""
+        if self.control is None:
             return
-        from streams.control import send
-
         try:
-            send(self.cfg.stream, kind, replica_id=self.replica_id, **fields)
+            self.control.send(msg)
         except DviError as e:
-            log.warning("could not announce %s of %s: %s", kind, fields.get("version"), e)
+            log.warning("could not announce %s of %s: %s", msg.kind, msg.version, e)
 
     # -- swap thread -----------------------------------------------------------------------------
 
     def _swap_loop(self) -> None:
-        from streams.control import ControlReader
-        from streams.topics import ensure_topics
-
-        reader, warned = None, False
         while not self._stop.is_set():
-            if reader is None:
-                try:
-                    # a reader assigned to a topic that does not exist yet starts at its end once it appears,
-                    # after the messages that created it: create the topics first, as the trainer does
-                    ensure_topics(self.cfg.stream)
-                    reader = ControlReader(self.cfg.stream, client_id=f"dvi-serve-{self.replica_id}")
-                    warned = False
-                except DviError as e:
-                    if not warned:
-                        log.warning("hot swap waits for the control topic: %s (retrying every 5 s)", e)
-                        warned = True
-                    self._stop.wait(5.0)
-                    continue
             try:
-                for msg in reader.poll(timeout_s=0.5):
+                for msg in self.control.poll(timeout_s=0.5):
                     self.on_control(msg)
                 self.check_rollout()
-            except Exception:  # a bug or a broken client: log, reconnect, keep serving
-                log.exception("the swap loop failed; reconnecting to the control topic")
-                try:
-                    reader.close()
-                except Exception:
-                    pass
-                reader = None
+            except Exception:  # a bug must not end hot swapping: log it and go on with the next message
+                log.exception("the swap loop failed")
                 self._stop.wait(1.0)
-        if reader is not None:
-            reader.close()
 
     # -- tracking thread -------------------------------------------------------------------------
 
@@ -433,85 +404,3 @@ class Service:
         if self.tracker is not None:
             self.tracker.log_artifact(str(path), "plots", remove=True)
         return path
-
-
-def draining_server(config, service: Service, grace_s: float):
-    """A uvicorn server that, on the first SIGINT / SIGTERM, drains the service (`Service.drain`) before it shuts
-    down: requests in flight finish or end with an error, never cut off as if complete. A second signal stops at once."""
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        draining = False
-
-        def handle_exit(self, sig, frame) -> None:
-            if self.draining:
-                return super().handle_exit(sig, frame)
-            self.draining = True
-
-            def drain() -> None:
-                failed = service.drain(grace_s)
-                if failed:
-                    log.warning("shutting down: %d request(s) still unfinished after %g s ended with an error", failed, grace_s)
-                uvicorn.Server.handle_exit(self, sig, frame)
-
-            threading.Thread(target=drain, name="dvi-drain", daemon=True).start()
-
-    return _Server(config)
-
-
-def _store_root(cfg: DviConfig) -> Path:
-    """The only directory this replica loads drafters from: `serve.swap.store`, or the trainer's store."""
-    from dvi import store
-
-    return (Path(cfg.serve.swap.store).expanduser() if cfg.serve.swap.store else store.default_root(cfg)).resolve()
-
-
-# ----------------------------------------------------------------------------------------------
-# dvi serve
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from dvi.api import create_app
-    from dvi.cli import overrides_of
-    from dvi.config import load_config
-    from dvi.models import resolve_pair
-
-    cfg = load_config(overrides_of(args))
-    if cfg.stream.topk > cfg.serve.spec.topk_logprobs:
-        raise DviError(f"stream.topk={cfg.stream.topk} needs serve.spec.topk_logprobs >= {cfg.stream.topk}")
-    producer = tracker = None
-    if cfg.serve.log_decisions:
-        from streams.client import quiet_kafka_logs
-        from streams.producer import DecisionProducer
-
-        quiet_kafka_logs(args.verbose)
-        producer = DecisionProducer(cfg.stream)
-    # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed
-    service = Service(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft), producer=producer)
-    if cfg.tracking.enabled:
-        from dvi.config import flat_params
-        from trainers.tracking import Tracker
-
-        service.tracker = Tracker(cfg.tracking, run_name=f"serve-{service.replica_id}", params=flat_params(cfg),
-                                  tags={"dvi.role": "serve", "dvi.replica": service.replica_id})
-    service.start()
-    app = create_app(service)
-    server = draining_server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
-                                           timeout_graceful_shutdown=5, access_log=False,
-                                           limit_concurrency=cfg.serve.max_connections), service, cfg.serve.drain_s)
-    print(f"dvi serve: http://{cfg.serve.host}:{cfg.serve.port}/v1 (model {service.model_name}, drafter "
-          f"{service.metrics.version}, replica {service.replica_id}{', API key required' if service.api_key else ''}); "
-          "Ctrl-C stops it", flush=True)
-    # uvicorn handles SIGINT / SIGTERM (it returns once in-flight requests finish), then raises the signal again
-    # for the handler it found: a no-op here, so that being stopped is a clean exit (status 0)
-    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run()
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        service.close()
-    print("dvi serve: stopped", flush=True)
-    return 0 if server.started else 1

@@ -66,6 +66,7 @@ def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
         (("hi", "model.target=/no/such/model"), "/no/such/model"),
         (("hi", "model.drafter=/no/such/drafter"), "/no/such/drafter"),
         (("hi", "serve.spec.no_such_key=1"), "no_such_key"),
+        (("hi", "stream.topk=16"), "serve.spec.topk_logprobs"),  # a check across config groups
         (("hi", "stray-word"), "stray-word"),
     ],
 )

@@ -5,7 +5,8 @@ Owns the plan (which parts run, in what order, how each says it is ready) and th
 server or tracking is off), `dvi serve` and `dvi train`, each run with this interpreter and the same overrides,
 so each loads exactly the config `dvi up` loaded. They start in that order, each waited on until ready; a part
 that exits is reported and restarted after a backoff (1 s, doubling to 30 s, back to 1 s once a run lasted a
-minute); Ctrl-C or SIGTERM stops them in reverse order. Child logs go to <cache>/logs/<part>.log.
+minute); Ctrl-C or SIGTERM stops them in reverse order. Child logs go to <cache>/logs/<part>.log. The drift
+benchmark (benchmarks/drift.py) runs its replicas with the same `Supervisor`.
 
 It knows how to start, watch and stop the parts, not what they do.
 """
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
+from dvi.models import cache_dir, pair_dirs
 from dvi.procs import Child, http_ok, sigterm_interrupts, spawn, wait_ready
 
 PARTS = ("broker", "mlflow", "serve", "train")
@@ -138,11 +141,7 @@ class Supervisor:
         self._due.clear()
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from dvi.cli import overrides_of
-    from dvi.config import load_config
-    from dvi.models import cache_dir, pair_dirs
-
+def up(args: argparse.Namespace) -> int:
     overrides = overrides_of(args)
     cfg = load_config(overrides)
     only = set(args.only.split(",")) if args.only else None
@@ -175,10 +174,3 @@ def cmd_up(args: argparse.Namespace) -> int:
             supervisor.stop()
     print("dvi up: stopped", flush=True)
     return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="the whole local loop: broker, MLflow, serve and train as supervised processes")
-    p.add_argument("--only", help=f"comma-separated parts to run, of {','.join(PARTS)}")
-    p.add_argument("--no-train", action="store_true", help="run everything but the trainer")
-    p.set_defaults(func=cmd_up)

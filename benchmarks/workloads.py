@@ -1,4 +1,5 @@
-"""Workloads: prompts from distinct domains, built offline from real text, deterministic from a seed.
+"""Workloads of the benchmarks: prompts from distinct domains, built offline from real text, deterministic from a
+seed. `benchmarks.drift` replays them; the soak test (tests/faults/test_soak.py) takes its probes from them.
 
 Three domains, all written from the Python standard library that every installation carries:
 
@@ -10,10 +11,10 @@ Three domains, all written from the Python standard library that every installat
 
 A pool per domain is shuffled with the seed and cut into disjoint splits (`bootstrap`, `live`, `eval`), so an
 offline bootstrap never sees the prompts that live traffic replays. Every prompt carries its domain tag, which
-the server puts into its DecisionRecords and per-domain metrics.
+a serving replica puts into its DecisionRecords and per-domain metrics.
 
 This module knows text and prompts; it knows nothing about tokenizers, models or HTTP (`Prompt.body()` is the
-request body an OpenAI-compatible server takes).
+request body an OpenAI-compatible server takes). Nothing in dvi imports it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dvi import workloads
+from benchmarks import workloads
 from dvi.errors import DviError
 
 

@@ -15,19 +15,7 @@ import torch
 from dvi.config import SpecConfig
 from dvi.engine import Request, Result, Round, SpecStats, SpeculativeEngine
 from dvi.errors import DviError
-from dvi.events import (
-    MAGIC,
-    SCHEMA_VERSION,
-    DecisionRecord,
-    RecordError,
-    RoundRecord,
-    Sampling,
-    Target,
-    decode,
-    encode,
-    records_from_result,
-    validate,
-)
+from dvi.records import MAGIC, SCHEMA_VERSION, DecisionRecord, RecordError, RoundRecord, Sampling, Target, decode, encode, records_from_result, validate
 
 VOCAB = 97
 
@@ -245,7 +233,7 @@ def test_ids_out_of_range_and_nan_in_bytes_are_rejected(record):
     lp = record.rounds[1].topk_logprobs.copy()
     lp[0, 0] = np.nan
     bad_lp = broken(record, "rounds[1].topk_logprobs", lp)
-    with mock.patch("dvi.events.validate"):  # a producer that does not validate
+    with mock.patch("dvi.records.validate"):  # a producer that does not validate
         ids_bytes, lp_bytes = encode(bad_ids), encode(bad_lp)
     with pytest.raises(RecordError, match="outside the vocabulary"):
         decode(ids_bytes)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from kafka import KafkaAdminClient, KafkaProducer
 
-from dvi.events import encode
-from streams.broker import free_port
+from dvi.procs import free_port
+from dvi.records import encode
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
 

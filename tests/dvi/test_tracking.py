@@ -1,4 +1,4 @@
-"""The MLflow sink against a real MLflow server (trainers.mlflow_server.LocalMlflow, SQLite + local artifacts).
+"""The MLflow sink against a real MLflow server (dvi.mlflow_server.LocalMlflow, SQLite + local artifacts).
 
 One server per module on a free port; each test has an experiment of its own. The outage test starts a second
 server late on a port where nothing listened while the tracker was already logging. Waits poll with deadlines.
@@ -16,9 +16,9 @@ import pytest
 
 from dvi.config import TrackingConfig
 from dvi.errors import DviError
-from streams.broker import free_port
-from trainers.mlflow_server import LocalMlflow
-from trainers.tracking import Tracker
+from dvi.mlflow_server import LocalMlflow
+from dvi.procs import free_port
+from dvi.tracking import Tracker
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,11 @@ def test_non_finite_values_are_skipped_and_counted(server, client):
     assert client.get_metric_history(stats.run_id, "loss") == []
 
 
+def registered(client, name: str) -> dict[str, int]:
+    """dvi drafter version -> MLflow model version number, as the registry has them."""
+    return {mv.tags["dvi.version"]: int(mv.version) for mv in client.search_model_versions(f"name='{name}'")}
+
+
 @pytest.mark.slow
 def test_register_drafter_creates_a_version_with_alias_and_tags(server, client, tmp_path):
     cfg = config(server.uri)
@@ -97,10 +102,10 @@ def test_register_drafter_creates_a_version_with_alias_and_tags(server, client, 
         store.mkdir(parents=True)
         (store / "model.safetensors").write_bytes(version.encode() * 100)
         tracker.register_drafter(str(store), version, {"parent": "v0", "sha256": "ab" * 32})
-    wait_for(lambda: len(tracker.registered()) == 2, what="two registrations")
+    wait_for(lambda: len(registered(client, cfg.registry_model)) == 2, what="two registrations")
     stats = tracker.close(timeout_s=20)
 
-    assert tracker.registered() == {"v1": 1, "v2": 2}
+    assert registered(client, cfg.registry_model) == {"v1": 1, "v2": 2}
     mv = client.get_model_version_by_alias(cfg.registry_model, "candidate")
     assert mv.version == "2"  # the alias moved to the latest candidate
     assert mv.run_id == stats.run_id
@@ -165,14 +170,13 @@ def test_close_on_an_unreachable_server_returns_in_time_and_reports_the_loss(cap
     tracker = Tracker(config(dead_uri(), retry_s=0.1), "run-dead")
     tracker.register_drafter("/nowhere/v1", "v1", {})
     tracker.log_metrics({"loss": 1.0, "kl": 2.0}, step=0)
-    caplog.set_level(logging.WARNING, logger="dvi.trainers.tracking")
+    caplog.set_level(logging.WARNING, logger="dvi.tracking")
     start = time.monotonic()
     stats = tracker.close(timeout_s=1.5)
     took = time.monotonic() - start
 
     assert took < 2.5, f"close took {took:.1f} s with a 1.5 s timeout"
     assert (stats.connected, stats.sent, stats.queued, stats.dropped) == (False, 0, 0, 2)
-    assert tracker.registered() == {}
     lines = [r.getMessage() for r in caplog.records]
     assert any("2 metric points lost" in line for line in lines), lines
     assert any("v1" in line and "not done: registering" in line for line in lines), lines
@@ -182,7 +186,7 @@ def test_disabled_tracker_is_a_no_op():
     tracker = Tracker(TrackingConfig(enabled=False), "off")
     tracker.log_metrics({"loss": 1.0}, 0)
     tracker.register_drafter("/x", "v1", {})
-    assert tracker.close().sent == 0 and tracker.stats().queued == 0 and tracker.registered() == {}
+    assert tracker.close().sent == 0 and tracker.stats().queued == 0
 
 
 @pytest.mark.slow

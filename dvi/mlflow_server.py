@@ -2,29 +2,26 @@
 
 `LocalMlflow(root, port)` launches `mlflow server` on 127.0.0.1:<port> (backend `sqlite:///<root>/mlflow.db`,
 artifacts proxied by the server into `<root>/artifacts`, so clients on other machines can log artifacts too),
-waits until `/health` answers, and stops the whole process group on exit (dvi.procs). `cmd_mlflow` is
-`dvi mlflow`: the same server in the foreground until Ctrl-C. A team server is just `tracking.uri`. This module
-knows how to run MLflow, not what is logged to it.
+waits until `/health` answers, and stops the whole process group on exit (dvi.procs); `dvi mlflow` runs it in the
+foreground. A team server is just `tracking.uri`. This module knows how to run MLflow, not what is logged to it.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 from pathlib import Path
 
 from dvi.errors import DviError
-from dvi.procs import HOST, ServerProcess, http_ok, port_in_use, run_foreground
+from dvi.models import default_cache_dir
+from dvi.procs import HOST, ServerProcess, http_ok, port_in_use
 
-log = logging.getLogger("dvi.trainers.mlflow_server")
+log = logging.getLogger("dvi.mlflow_server")
 
 
 def default_root(root: str | None) -> Path:
     """Where the local server keeps its database and artifacts: `tracking.root`, or <cache>/mlflow."""
-    from dvi.models import default_cache_dir
-
     return Path(root).expanduser() if root else default_cache_dir() / "mlflow"
 
 
@@ -40,6 +37,7 @@ class LocalMlflow(ServerProcess):
     @property
     def uri(self) -> str:
         return f"http://{HOST}:{self.port}"
+
     def command(self) -> list[str]:
         return [
             sys.executable, "-m", "mlflow", "server",
@@ -65,17 +63,3 @@ class LocalMlflow(ServerProcess):
                      f"the MLflow server on {self.uri}", env=env, cwd=self.root, interval_s=0.2)
         log.info("mlflow server (pid %d) ready on %s, root %s", self._child.pid, self.uri, self.root)
         return self
-
-
-def cmd_mlflow(args: argparse.Namespace) -> int:
-    """`dvi mlflow`: the local MLflow server in the foreground on 127.0.0.1:tracking.port until Ctrl-C or SIGTERM."""
-    from dvi.cli import overrides_of
-    from dvi.config import load_config
-
-    cfg = load_config(overrides_of(args)).tracking
-    if cfg.uri:
-        raise DviError(
-            f"tracking.uri is set ({cfg.uri}): runs go to that MLflow, not a local one; run `dvi mlflow tracking.uri=null` for a local one"
-        )
-    server = LocalMlflow(default_root(cfg.root), cfg.port)
-    return run_foreground("mlflow", "the MLflow server", server, lambda s: f"MLflow on {s.uri}, data in {s.root}")

@@ -1,23 +1,26 @@
-"""`dvi bench drift`: acceptance falling on new traffic, and the online loop winning it back.
+"""The drift benchmark: acceptance falling on new traffic, and the online loop winning it back.
 
-One run, side by side on the same machine and the same prompts:
+Run from the checkout root: `python -m benchmarks.drift [--quick] [options] [key=value ...]` (the trailing
+Hydra overrides go to every part it starts). One run, side by side on the same machine and the same prompts:
 
 1. the stack: the embedded broker and MLflow (unless config points at running ones), then
 2. bootstrap: the demo drafter is distilled offline on domain A (its `bootstrap` split, decoded here, then
-   `dvi drafter distill --file ... --steps N`), which publishes the first store version;
-3. three replicas start from that version (the store's newest, `serve.swap.initial`): `online` follows the control topic and
-   logs its decisions for the trainer, `frozen` does neither (the loop off), `plain` decodes target-only;
+   `dvi drafter distill --json --file ... --steps N`, whose JSON result names the versions it published); the
+   last of them is the first drafter of the run;
+3. three replicas start from that version (the store's newest, `serve.swap.initial`): `online` follows the control
+   topic and logs its decisions for the trainer, `frozen` does neither (the loop off), `plain` decodes target-only;
    `dvi train` distills from the online replica's decisions and publishes better drafters, which `online`
    hot-swaps in;
-4. replay: the schedule (A -> B -> C -> A by default) of `live` prompts from `dvi.workloads`, each prompt sent to
-   `online` and `frozen` at once (and to `plain` every few prompts) through the HTTP API, each phase lasting a
-   budget of the online replica's verification rounds;
+4. replay: the schedule (A -> B -> C -> A by default) of `live` prompts from `benchmarks.workloads`, each prompt
+   sent to `online` and `frozen` at once (and to `plain` every few prompts) through the HTTP API, each phase lasting
+   a budget of the online replica's verification rounds;
 5. analysis (pure functions below): acceptance, mean accepted length and tokens/s by phase, domain, side and
    drafter version; how many rounds each new domain took to recover to within `tolerance` of the level the online
    drafter reached on A; whether A holds its level when it comes back. A plot, a summary table and every sample
    go to MLflow (run `drift-<time>`) and to the output directory.
 
 The analysis knows samples, not HTTP; the orchestration knows processes and URLs, not the maths of decoding.
+It drives dvi from outside, through its commands, HTTP API, store and config; nothing in dvi imports it.
 """
 
 from __future__ import annotations
@@ -27,15 +30,29 @@ import concurrent.futures
 import json
 import logging
 import statistics
+import subprocess
 import sys
 import time
 import urllib.error
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dvi.errors import DviError
+import torch
+from matplotlib.figure import Figure
 
-log = logging.getLogger("dvi.drift")
+from benchmarks import workloads
+from dvi import store
+from dvi.alloc import limit_arenas
+from dvi.cli.up import Part, Supervisor, banner, plan
+from dvi.config import flat_params, load_config, overrides_of
+from dvi.engine import Request, SpeculativeEngine
+from dvi.errors import DviError
+from dvi.models import encode_prompt, resolve_pair
+from dvi.procs import free_port, http_ok, local_post
+from dvi.records import records_from_result
+from dvi.tracking import Tracker
+
+log = logging.getLogger("benchmarks.drift")
 
 SIDES = ("online", "frozen", "plain")
 
@@ -244,15 +261,11 @@ def table(summary: dict) -> str:
 def plot(samples: list[Sample], summary: dict, path: str) -> None:
     """Acceptance (trailing window) and tokens/s over the online replica's verification rounds, by side; domain
     boundaries as dashed lines, swaps as dotted ones, domain A's level minus the tolerance as a band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     window = summary["window_rounds"]
     online = sorted((s for s in samples if s.side == "online"), key=lambda s: s.slot)
     x_of = rounds_axis(samples)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    fig = Figure(figsize=(11, 7))  # no pyplot: no global figure state, no display backend
+    ax1, ax2 = fig.subplots(2, 1, sharex=True)
     colors = {"online": "tab:blue", "frozen": "tab:orange", "plain": "tab:gray"}
     for name in SIDES:
         rows = sorted((s for s in samples if s.side == name and s.slot in x_of), key=lambda s: s.slot)
@@ -284,7 +297,6 @@ def plot(samples: list[Sample], summary: dict, path: str) -> None:
     fig.suptitle("dvi drift: online loop vs frozen drafter vs target only")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,7 +317,6 @@ class Options:
     seed: int = 0
     out: Path = Path("outputs/drift")
 
-
     def budgets(self) -> list[int]:
         return [self.first_rounds or self.rounds] + [self.rounds] * (len(self.schedule) - 1)
 
@@ -316,19 +327,15 @@ QUICK = dict(schedule=["code", "prose"], rounds=900, first_rounds=120, boot_prom
 
 
 def parse_schedule(text: str) -> list[str]:
-    from dvi.workloads import DOMAINS
-
     schedule = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in schedule if d not in DOMAINS]
+    bad = [d for d in schedule if d not in workloads.DOMAINS]
     if bad or len(schedule) < 2:
-        raise DviError(f"--schedule {text!r}: expected two or more of {', '.join(DOMAINS)}, comma-separated")
+        raise DviError(f"--schedule {text!r}: expected two or more of {', '.join(workloads.DOMAINS)}, comma-separated")
     return schedule
 
 
 def ask(base: str, prompt, max_tokens: int) -> tuple[dict, float]:
     """One request to a replica's API: (its answer, the seconds the client waited); DviError when it fails."""
-    from dvi.procs import local_post
-
     url = base + prompt.path
     t0 = time.perf_counter()
     try:
@@ -350,15 +357,6 @@ def sample_of(answer: dict, seconds: float, *, slot: int, phase: int, domain: st
 
 def bootstrap(cfg, opt: Options, overrides: list[str], work: Path, say) -> str:
     """Distill the demo drafter offline on the first domain's bootstrap prompts; returns the published version."""
-    import subprocess
-
-    import torch
-
-    from dvi import workloads
-    from dvi.engine import Request, SpeculativeEngine
-    from dvi.events import records_from_result
-    from dvi.models import resolve_pair
-
     pair = resolve_pair(cfg.model, with_drafter=True)
     engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids={pair.tokenizer.eos_token_id}, max_batch=4)
     chosen = workloads.prompts(opt.schedule[0], "bootstrap", opt.seed)[: opt.boot_prompts]
@@ -367,44 +365,53 @@ def bootstrap(cfg, opt: Options, overrides: list[str], work: Path, say) -> str:
     with records_file.open("w") as f, torch.inference_mode():
         for i in range(0, len(chosen), 4):
             batch = chosen[i: i + 4]
-            reqs = [Request(_encode(pair.tokenizer, p), max_new_tokens=opt.max_tokens) for p in batch]
+            reqs = [Request(encode_prompt(pair.tokenizer, p.text, raw=not p.chat), max_new_tokens=opt.max_tokens) for p in batch]
             for p, req, res in zip(batch, reqs, engine.generate(reqs)):
                 for rec in records_from_result(res, replica_id="bootstrap", target_name=pair.target_dir.name,
                                                vocab_size=engine.vocab_size, sampling=req, domain=p.domain, topk=cfg.stream.topk):
                     f.write(json.dumps(rec.to_dict()) + "\n")
-    say(f"dvi bench drift: bootstrap records: {len(chosen)} {opt.schedule[0]} prompts decoded in {time.perf_counter() - t0:.0f} s")
+    say(f"drift: bootstrap records: {len(chosen)} {opt.schedule[0]} prompts decoded in {time.perf_counter() - t0:.0f} s")
     del engine, pair
     # its gate judges on the records it holds out: one is enough (a few bootstrap prompts hold out few)
-    cmd = [sys.executable, "-m", "dvi.cli", "-v", "drafter", "distill", "--file", str(records_file), "--steps",
+    cmd = [sys.executable, "-m", "dvi.cli", "-v", "drafter", "distill", "--json", "--file", str(records_file), "--steps",
            str(opt.boot_steps), *overrides, f"trainer.run_dir={work / 'bootstrap'}", "trainer.gate_min_records=1",
            f"trainer.gate_every={opt.boot_steps}"]  # one version at the end
+    log_file = work / "logs" / "bootstrap.log"
     t0 = time.perf_counter()
-    with (work / "logs" / "bootstrap.log").open("w") as logf:
+    with log_file.open("w") as logf:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=logf, text=True)
     if done.returncode != 0:
-        raise DviError(f"the bootstrap distillation failed (status {done.returncode}); see {work / 'logs' / 'bootstrap.log'}")
-    lines = done.stdout.strip().splitlines()
-    served, result = Path(lines[-1]), next((l for l in lines if l.startswith("step ")), "")  # see trainers.cli
-    from dvi import store
+        raise DviError(f"the bootstrap distillation failed (status {done.returncode}); see {log_file}")
+    result = distill_result(done.stdout, log_file)
+    published = result["published_versions"]
+    if not published:
+        raise DviError(f"the bootstrap distillation published nothing (step {result.get('step')}, "
+                       f"serving {result.get('serving')}); see {log_file}")
+    version = published[-1]
+    if not (store.default_root(cfg) / version).is_dir():
+        raise DviError(f"the bootstrap distillation published {version}, which is not in the store "
+                       f"{store.default_root(cfg)}; see {log_file}")
+    say(f"drift: bootstrap drafter {version}: {opt.boot_steps} steps in {time.perf_counter() - t0:.0f} s "
+        f"(step {result.get('step')}, published {', '.join(published)})")
+    return version
 
-    if served.parent.resolve() != store.default_root(cfg).resolve():
-        raise DviError(f"the bootstrap distillation published nothing ({result}); "
-                       f"see {work / 'logs' / 'bootstrap.log'}")
-    say(f"dvi bench drift: bootstrap drafter {served.name}: {opt.boot_steps} steps in {time.perf_counter() - t0:.0f} s "
-        f"({result})")
-    return served.name
 
-
-def _encode(tokenizer, prompt) -> list[int]:
-    from dvi.cli import encode_prompt
-
-    return encode_prompt(tokenizer, prompt.text, raw=not prompt.chat)
+def distill_result(stdout: str, log_file: Path) -> dict:
+    """The JSON object `dvi drafter distill --json` prints as its last line of output: the step, the counters,
+    `serving` and `serving_dir`, and `published_versions` (the versions this run published, oldest first)."""
+    lines = stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        result = None
+    if not isinstance(result, dict) or not isinstance(result.get("published_versions"), list):
+        raise DviError(f"the bootstrap distillation printed no JSON result with a 'published_versions' list "
+                       f"(last line: {lines[-1][:200] if lines else 'none'!r}); see {log_file}")
+    return result
 
 
 def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None) -> list[Sample]:
     """The schedule through the replicas' HTTP APIs (see the module docstring); every answer becomes a Sample."""
-    from dvi import workloads
-
     streams = {d: workloads.cycle(workloads.prompts(d, "live", opt.seed)) for d in set(opt.schedule)}  # A again: fresh prompts
     samples: list[Sample] = []
     slot, errors, t0, budgets = 0, 0, time.monotonic(), opt.budgets()
@@ -433,7 +440,7 @@ def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None) -> list[S
                         done_rounds += sample.rounds
                 tick()
             ph = [s for s in samples if s.phase == phase]
-            say(f"dvi bench drift: phase {phase} ({domain}) done in {time.monotonic() - started:.0f} s: "
+            say(f"drift: phase {phase} ({domain}) done in {time.monotonic() - started:.0f} s: "
                 + ", ".join(f"{name} acceptance {_fmt(acceptance([s for s in ph if s.side == name]))}" for name in ("online", "frozen"))
                 + f"; online drafters {sorted({s.version for s in ph if s.side == 'online' and s.version})}")
     return samples
@@ -442,12 +449,6 @@ def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None) -> list[S
 def run(overrides: list[str], opt: Options, say=print) -> dict:
     """The whole benchmark (see the module docstring); returns the summary, and writes it with the plot and the
     samples into `opt.out`."""
-    from dvi.config import flat_params, load_config
-    from dvi.procs import http_ok
-    from dvi.stack import Part, Supervisor, banner, plan
-    from streams.broker import free_port
-    from trainers.tracking import Tracker
-
     stamp = time.strftime("%Y%m%d-%H%M%S")
     work = opt.out.expanduser().resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
@@ -479,12 +480,12 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
             replica("online"),
             replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false"),
             replica("plain", "--no-draft", "serve.swap.enabled=false", "serve.log_decisions=false"),
-            Part("train", ["train", f"model.drafter={work / 'store' / version}", f"trainer.run_dir={work / 'trainer'}"],
+            Part("train", ["train", f"model.drafter={store.default_root(cfg) / version}", f"trainer.run_dir={work / 'trainer'}"],
                  banner("dvi train:"), 300),
         ], common, work / "logs", say=say)
         try:
             services.start()
-            say(f"dvi bench drift: replaying {' -> '.join(opt.schedule)} ({', '.join(map(str, opt.budgets()))} online "
+            say(f"drift: replaying {' -> '.join(opt.schedule)} ({', '.join(map(str, opt.budgets()))} online "
                 f"rounds) against {', '.join(urls.values())}")
             samples = replay(urls, opt, say, tick=services.tick)
         finally:
@@ -500,7 +501,7 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
         stats = tracker.close(timeout_s=60)  # before MLflow stops
         infra.stop()
     if cfg.tracking.enabled and stats.dropped:
-        say(f"dvi bench drift: MLflow lost {stats.dropped} metric points")
+        say(f"drift: MLflow lost {stats.dropped} metric points")
     return summary
 
 
@@ -535,13 +536,31 @@ def _track(tracker, samples: list[Sample], summary: dict, work: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# dvi bench drift
+# python -m benchmarks.drift
 
 
-def cmd_drift(args: argparse.Namespace) -> int:
-    from dvi.cli import overrides_of
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.drift",
+                                description="acceptance under domain drift: online loop vs frozen drafter vs target-only")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    p.add_argument("--schedule", help="domains in order, comma-separated (default code,prose,qa,code)")
+    p.add_argument("--rounds", type=int, help="online verification rounds per phase (default 2400)")
+    p.add_argument("--first-rounds", type=int, dest="first_rounds", help="the first phase's budget (default --rounds)")
+    p.add_argument("--boot-prompts", type=int, dest="boot_prompts", help="bootstrap prompts of the first domain (default 96)")
+    p.add_argument("--boot-steps", type=int, dest="boot_steps", help="bootstrap distillation steps (default 100)")
+    p.add_argument("--max-tokens", type=int, dest="max_tokens", help="new tokens per request (default 48)")
+    p.add_argument("--concurrency", type=int, help="prompts in flight per replica (default 2)")
+    p.add_argument("--plain-every", type=int, dest="plain_every", help="every n-th prompt also goes target-only (default 4)")
+    p.add_argument("--window", type=int, help="rounds of the trailing acceptance window (default 300)")
+    p.add_argument("--seed", type=int, help="workload shuffle seed (default 0)")
+    p.add_argument("--out", help="output directory (default outputs/drift-<time>)")
+    p.add_argument("--quick", action="store_true", help="the CI-sized run: code -> prose, small budgets (minutes)")
+    p.add_argument("overrides", nargs="*", help="Hydra config overrides, key=value (given to every part)")
+    return p
 
-    overrides = overrides_of(args)
+
+def options_of(args: argparse.Namespace) -> Options:
+    """The run's options: the defaults (or --quick's), then each option given."""
     opt = Options(**(QUICK if args.quick else {}))
     for name in ("rounds", "first_rounds", "boot_prompts", "boot_steps", "max_tokens", "concurrency", "plain_every", "window", "seed"):
         value = getattr(args, name)
@@ -552,26 +571,27 @@ def cmd_drift(args: argparse.Namespace) -> int:
     if args.schedule:
         opt.schedule = parse_schedule(args.schedule)
     opt.out = Path(args.out) if args.out else Path("outputs") / f"drift-{time.strftime('%Y%m%d-%H%M%S')}"
-    summary = run(overrides, opt)
+    return opt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, unknown = build_parser().parse_known_args(argv)
+    args.overrides = list(args.overrides or []) + unknown  # overrides may come between options
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        overrides = overrides_of(args)
+        opt = options_of(args)
+        limit_arenas()  # before any thread starts (see dvi.alloc)
+        summary = run(overrides, opt)
+    except DviError as e:
+        print(f"drift: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
     print(table(summary))
-    print(f"\ndvi bench drift: plot, table and samples in {opt.out.resolve()} (and the MLflow run's artifacts, drift/)")
+    print(f"\ndrift: plot, table and samples in {opt.out.resolve()} (and the MLflow run's artifacts, drift/)")
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="benchmarks that run the whole loop")
-    bsub = b.add_subparsers(dest="bench_cmd", required=True)
-    d = bsub.add_parser("drift", help="acceptance under domain drift: online loop vs frozen drafter vs target-only")
-    d.add_argument("--schedule", help="domains in order, comma-separated (default code,prose,qa,code)")
-    d.add_argument("--rounds", type=int, help="online verification rounds per phase (default 2400)")
-    d.add_argument("--first-rounds", type=int, dest="first_rounds", help="the first phase's budget (default --rounds)")
-    d.add_argument("--boot-prompts", type=int, dest="boot_prompts", help="bootstrap prompts of the first domain (default 96)")
-    d.add_argument("--boot-steps", type=int, dest="boot_steps", help="bootstrap distillation steps (default 100)")
-    d.add_argument("--max-tokens", type=int, dest="max_tokens", help="new tokens per request (default 48)")
-    d.add_argument("--concurrency", type=int, help="prompts in flight per replica (default 2)")
-    d.add_argument("--plain-every", type=int, dest="plain_every", help="every n-th prompt also goes target-only (default 4)")
-    d.add_argument("--window", type=int, help="rounds of the trailing acceptance window (default 300)")
-    d.add_argument("--seed", type=int, help="workload shuffle seed (default 0)")
-    d.add_argument("--out", help="output directory (default outputs/drift-<time>)")
-    d.add_argument("--quick", action="store_true", help="the CI-sized run: code -> prose, small budgets (minutes)")
-    d.set_defaults(func=cmd_drift)
+if __name__ == "__main__":
+    sys.exit(main())

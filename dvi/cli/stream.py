@@ -1,4 +1,4 @@
-"""`dvi broker` and `dvi stream tail`: thin entry points over streams.broker / streams.consumer.
+"""`dvi broker` and `dvi stream tail`: thin entry points over `streams.broker` and `streams.consumer`.
 
 `dvi broker` runs the embedded Tansu broker in the foreground on 127.0.0.1:stream.port (topics created) until
 Ctrl-C or SIGTERM. `dvi stream tail` prints records from the decisions topic, one line each (or one JSON object
@@ -13,17 +13,17 @@ import os
 import sys
 import time
 
+from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
+from dvi.procs import run_foreground
+from dvi.records import Delivered
+from streams.broker import EmbeddedBroker
+from streams.client import quiet_kafka_logs
+from streams.consumer import DecisionConsumer
+from streams.topics import ensure_topics, stream_topics
 
 
-def cmd_broker(args: argparse.Namespace) -> int:
-    from dvi.cli import overrides_of
-    from dvi.config import load_config
-    from dvi.procs import run_foreground
-    from streams.broker import EmbeddedBroker
-    from streams.client import quiet_kafka_logs
-    from streams.topics import ensure_topics, stream_topics
-
+def broker(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args)).stream
     quiet_kafka_logs(args.verbose)
     if not cfg.embedded:
@@ -31,17 +31,18 @@ def cmd_broker(args: argparse.Namespace) -> int:
             f"stream.bootstrap_servers is set ({cfg.bootstrap_servers}): the stream uses that Kafka, not an embedded "
             "broker; run `dvi broker stream.bootstrap_servers=null` for a local one"
         )
-    def ready(broker: EmbeddedBroker) -> str:
+
+    def ready(server: EmbeddedBroker) -> str:
         ensure_topics(cfg)
         topics = ", ".join(f"{t} ({n})" for t, n in stream_topics(cfg).items())
         storage = (f"{cfg.data_dir} (durable)" if cfg.data_dir else cfg.storage_engine) or "memory (lost on stop)"
-        return f"Tansu on {broker.bootstrap}, storage {storage}, topics {topics}"
+        return f"Tansu on {server.bootstrap}, storage {storage}, topics {topics}"
 
     return run_foreground("broker", "the broker", EmbeddedBroker(cfg.port, cfg.storage_engine, data_dir=cfg.data_dir), ready)
 
 
-def summary(d) -> str:
-    """One readable line for a `streams.consumer.Delivered`."""
+def summary(d: Delivered) -> str:
+    """One readable line for a delivered record."""
     r = d.record
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(r.time))
     rate = f"{r.accepted / r.drafted:.2f}" if r.drafted else "-"
@@ -54,12 +55,7 @@ def summary(d) -> str:
     )
 
 
-def cmd_tail(args: argparse.Namespace) -> int:
-    from dvi.cli import overrides_of
-    from dvi.config import load_config
-    from streams.client import quiet_kafka_logs
-    from streams.consumer import DecisionConsumer
-
+def tail(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args)).stream
     quiet_kafka_logs(args.verbose)
     if args.max is not None and args.max < 1:
@@ -92,17 +88,3 @@ def cmd_tail(args: argparse.Namespace) -> int:
     if invalid:
         print(f"dvi stream tail: {invalid} invalid record(s) skipped", file=sys.stderr)
     return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (Tansu) on 127.0.0.1:stream.port")
-    b.set_defaults(func=cmd_broker)
-
-    s = sub.add_parser("stream", help="the decision stream")
-    ssub = s.add_subparsers(dest="stream_cmd", required=True)
-    t = ssub.add_parser("tail", help="print DecisionRecords from the decisions topic")
-    t.add_argument("--json", action="store_true", help="one JSON object per record (all fields)")
-    t.add_argument("--from-beginning", action="store_true", dest="from_beginning", help="start at the oldest record, not the newest")
-    t.add_argument("--max", type=int, help="stop after N records")
-    t.add_argument("--timeout", type=float, help="stop when no record arrived for S seconds")
-    t.set_defaults(func=cmd_tail)

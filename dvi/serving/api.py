@@ -1,4 +1,4 @@
-"""The HTTP face of a serving replica: OpenAI-compatible completions over a `dvi.server.Service`.
+"""The HTTP face of a serving replica: OpenAI-compatible completions over a `dvi.serving.replica.Replica`.
 
 Routes: `POST /v1/completions` and `POST /v1/chat/completions` (JSON, or server-sent events with
 `"stream": true`), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). Every completion carries
@@ -11,7 +11,9 @@ Bodies are parsed by hand (`parse_completion`) so every mistake gets one clear 4
 out-of-range sampling values or max_tokens, `n` > 1, unsupported fields. With an API key set (`serve.api_key`
 or $DVI_API_KEY), `/v1/*` needs `Authorization: Bearer <key>`; /health and /metrics stay open.
 
-This module knows HTTP and the OpenAI request shapes; decoding, batching and swaps are the Service's.
+`draining_server` runs the app under uvicorn so that a SIGINT or SIGTERM first drains the replica (requests in
+flight finish or end with an error, never cut off as if complete). This module knows HTTP, uvicorn and the
+OpenAI request shapes; decoding, batching and swaps are the replica's.
 """
 
 from __future__ import annotations
@@ -19,15 +21,21 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dvi.errors import DviError
+from dvi.serving.replica import Replica, Unavailable
+
+log = logging.getLogger("dvi.serving.api")
 
 MAX_BODY_BYTES = 4 << 20
 _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
@@ -144,67 +152,73 @@ class TextStream:
         return delta
 
 
-def create_app(service) -> Any:
-    """The FastAPI application over `service` (a `dvi.server.Service`)."""
+def create_app(replica: Replica) -> Any:
+    """The FastAPI application over a replica."""
 
     app = FastAPI(title="dvi", version="1", docs_url=None, redoc_url=None)
-    key = service.api_key
+    key = replica.api_key
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
         if key and request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                service.metrics.error(401)
+                replica.metrics.error(401)
                 return JSONResponse(ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
                                              kind="authentication_error").body(), status_code=401)
         return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        service.metrics.error(e.status)
+        replica.metrics.error(e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
-    # health and metrics take the service's locks: plain functions, run in the threadpool, never on the event loop
+    # health and metrics take the replica's locks: plain functions, run in the threadpool, never on the event loop
     @app.get("/health")
     def health():
-        return service.health()
+        return replica.health()
 
     @app.get("/metrics")
     def metrics():
-        return PlainTextResponse(service.prometheus(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(replica.prometheus(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "dvi"}]}
+        return {"object": "list", "data": [{"id": replica.model_name, "object": "model", "owned_by": "dvi"}]}
+
+    def submit(req, domain, on_tokens=None):
+        try:
+            return replica.submit(req, domain, on_tokens)
+        except Unavailable as e:
+            raise ApiError(503, str(e), kind="server_error") from None
 
     async def complete(request: Request, chat: bool):
         raw = await read_body(request, MAX_BODY_BYTES)
-        c = parse_completion(raw, chat, model_name=service.model_name, default_max_tokens=service.defaults.max_new_tokens,
-                             max_max_tokens=service.cfg.serve.max_max_tokens, default_temperature=service.defaults.temperature,
-                             default_top_p=service.defaults.top_p, domain_header=request.headers.get("x-dvi-domain"))
+        c = parse_completion(raw, chat, model_name=replica.model_name, default_max_tokens=replica.defaults.max_new_tokens,
+                             max_max_tokens=replica.cfg.serve.max_max_tokens, default_temperature=replica.defaults.temperature,
+                             default_top_p=replica.defaults.top_p, domain_header=request.headers.get("x-dvi-domain"))
         try:
-            req = service.request(c)
+            req = replica.request(c)
         except DviError as e:  # the engine's checks: prompt too long, ids out of the vocabulary, ...
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
         kind = "chat.completion" if chat else "text_completion"
         created = int(time.time())
         if not c.stream:
-            job = service.submit(req, c.domain)
+            job = submit(req, c.domain)
             try:
                 result = await asyncio.wrap_future(job.future)
             except DviError as e:  # the server drained it on shutdown
                 raise ApiError(503, str(e), kind="server_error") from None
-            text = service.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            text = replica.tokenizer.decode(result.token_ids, skip_special_tokens=True)
             choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            return {"id": f"cmpl-{req.request_id}", "object": kind, "created": created, "model": service.model_name,
-                    "choices": [choice], "usage": _usage(req, result), "dvi": service.extension(result)}
+            return {"id": f"cmpl-{req.request_id}", "object": kind, "created": created, "model": replica.model_name,
+                    "choices": [choice], "usage": _usage(req, result), "dvi": replica.extension(result)}
 
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
-        detok = TextStream(service.tokenizer)
-        job = service.submit(req, c.domain, on_tokens=lambda ids: loop.call_soon_threadsafe(chunks.put_nowait, ids))
+        detok = TextStream(replica.tokenizer)
+        job = submit(req, c.domain, on_tokens=lambda ids: loop.call_soon_threadsafe(chunks.put_nowait, ids))
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(chunks.put_nowait, None))
 
         def chunk(delta: str | None, finish: str | None = None, **extra) -> str:
@@ -214,7 +228,7 @@ def create_app(service) -> Any:
             else:
                 choice["text"] = delta or ""
             obj = {"id": f"cmpl-{req.request_id}", "object": f"{kind}.chunk" if chat else kind, "created": created,
-                   "model": service.model_name, "choices": [choice], **extra}
+                   "model": replica.model_name, "choices": [choice], **extra}
             return f"data: {json.dumps(obj)}\n\n"
 
         async def events():
@@ -231,7 +245,7 @@ def create_app(service) -> Any:
                     ApiError(500, f"decoding failed: {e}", kind="server_error")
                 yield f"data: {json.dumps(error.body())}\n\n"
                 return
-            yield chunk("" if not chat else None, result.finish_reason, usage=_usage(req, result), dvi=service.extension(result))
+            yield chunk("" if not chat else None, result.finish_reason, usage=_usage(req, result), dvi=replica.extension(result))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -265,3 +279,26 @@ async def read_body(request: Request, limit: int) -> bytes:
 def _usage(req, result) -> dict:
     return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(result.token_ids),
             "total_tokens": len(req.prompt_ids) + len(result.token_ids)}
+
+
+def draining_server(config: uvicorn.Config, replica: Replica, grace_s: float) -> uvicorn.Server:
+    """A uvicorn server that, on the first SIGINT / SIGTERM, drains the replica (`Replica.drain`) before it shuts
+    down: requests in flight finish or end with an error, never cut off as if complete. A second signal stops at once."""
+
+    class _Server(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.draining:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+
+            def drain() -> None:
+                failed = replica.drain(grace_s)
+                if failed:
+                    log.warning("shutting down: %d request(s) still unfinished after %g s ended with an error", failed, grace_s)
+                uvicorn.Server.handle_exit(self, sig, frame)
+
+            threading.Thread(target=drain, name="dvi-drain", daemon=True).start()
+
+    return _Server(config)

@@ -1,0 +1,151 @@
+"""The `dvi` command: one table of subcommands, the only code that wires every package together.
+
+`COMMANDS` is the table: the words of a subcommand, its help, its options and the function that runs it. The
+functions live in the modules beside this one (`serve`: generate and serve; `status`; `up`: the local stack
+and process supervision; `stream`: broker and stream tail; `tracking`: mlflow; `train`: train, retrain and
+distill; `models`: models fetch and drafter init) and are imported only when their command runs, so `dvi --help`
+loads neither torch nor Kafka, DeepSpeed or MLflow. Each parses its arguments, builds the typed config once,
+hands the library its parts and prints. Trailing `key=value` words are Hydra overrides of conf/. A `DviError`
+prints as one line `dvi: error: ...` with exit status 2. Nothing imports this package; it imports everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from dvi.alloc import limit_arenas
+from dvi.errors import DviError
+
+
+@dataclass(frozen=True)
+class Command:
+    words: tuple[str, ...]  # ("drafter", "distill") is `dvi drafter distill`
+    help: str
+    run: str  # "module:function" under dvi.cli; called with the parsed arguments, returns the exit status
+    options: Callable[[argparse.ArgumentParser], None] = lambda p: None
+
+
+GROUPS = {"models": "model cache", "drafter": "drafter checkpoints", "stream": "the decision stream"}
+
+
+def _generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text (chat-templated unless --raw)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--raw", action="store_true", help="tokenize the prompt as is, no chat template")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--greedy", action="store_true", help="greedy decoding (temperature 0)")
+    g.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, dest="top_p", help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
+    p.add_argument("--seed", type=int, help="seed of the request's random draws")
+    p.add_argument("--no-draft", action="store_true", help="target-only decoding, no drafter")
+    p.add_argument("--log", action="store_true", help="send the request's DecisionRecords to the decision stream (stream.*)")
+
+
+def _serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-draft", action="store_true", help="target-only decoding (no drafter until one is published)")
+
+
+def _status(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replica", action="append", help="a replica's base URL (repeatable; default serve.host:serve.port)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _up(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", help="comma-separated parts to run, of broker,mlflow,serve,train")
+    p.add_argument("--no-train", action="store_true", help="run everything but the trainer")
+
+
+def _tail(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object per record (all fields)")
+    p.add_argument("--from-beginning", action="store_true", dest="from_beginning", help="start at the oldest record, not the newest")
+    p.add_argument("--max", type=int, help="stop after N records")
+    p.add_argument("--timeout", type=float, help="stop when no record arrived for S seconds")
+
+
+def _retrain(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reason", help="a note for the trainer's log")
+
+
+def _drafter_init(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, help="target layers to keep (default model.drafter_layers)")
+    p.add_argument("--vocab", type=int, help="reduced head over the N most frequent tokens (0 = full vocabulary)")
+    p.add_argument("--out", help="output directory (default: the demo drafter's place in the cache)")
+
+
+def _distill(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--idle", type=float, default=10.0, help="stop after this many seconds without a fresh record")
+    p.add_argument("--file", help="a JSON-lines file of records (`dvi stream tail --json --from-beginning > FILE`) instead of the topic")
+    p.add_argument("--steps", type=int, help="train exactly this many steps, replaying records once all were read")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (the published versions among it)")
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(("generate",), "decode one prompt with the configured pair", "serve:generate", _generate),
+    Command(("serve",), "the HTTP server: OpenAI-compatible completions, hot-swapped drafters", "serve:serve", _serve),
+    Command(("status",), "serving drafter and live acceptance per replica, trainer lag, last publish", "status:status", _status),
+    Command(("up",), "the whole local loop: broker, MLflow, serve and train as supervised processes", "up:up", _up),
+    Command(("broker",), "run the embedded Kafka-protocol broker (Tansu) on 127.0.0.1:stream.port", "stream:broker"),
+    Command(("stream", "tail"), "print DecisionRecords from the decisions topic", "stream:tail", _tail),
+    Command(("mlflow",), "run the local MLflow server (SQLite + local artifacts) on 127.0.0.1:tracking.port", "tracking:mlflow"),
+    Command(("train",), "the online distillation trainer (DeepSpeed), fed by the decision stream", "train:train"),
+    Command(("retrain",), "ask running trainers for a training session (control topic)", "train:retrain", _retrain),
+    Command(("models", "fetch"), "fetch and convert the demo target into the model cache", "models:fetch"),
+    Command(("drafter", "init"), "build a drafter from the target's first layers", "models:drafter_init", _drafter_init),
+    Command(("drafter", "distill"), "distill the drafter offline from every record on the decisions topic, then publish",
+            "train:distill", _distill),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dvi", description="Draft, Verify, Improve: online drafter adaptation")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for cmd in COMMANDS:
+        where = top
+        if len(cmd.words) == 2:
+            group = cmd.words[0]
+            if group not in groups:
+                groups[group] = top.add_parser(group, help=GROUPS[group]).add_subparsers(dest=f"{group}_cmd", required=True)
+            where = groups[group]
+        p = where.add_parser(cmd.words[-1], help=cmd.help)
+        cmd.options(p)
+        p.add_argument("overrides", nargs="*", help="Hydra config overrides, key=value")
+        p.set_defaults(run=cmd.run)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers  # heavy: imported once the command line has parsed (`dvi --help` stays fast)
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    limit_arenas()  # before any thread starts (see dvi.alloc)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.overrides = list(getattr(args, "overrides", []) or []) + unknown
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    _quiet_libraries()
+    module, function = args.run.split(":")
+    try:
+        run = getattr(importlib.import_module(f"dvi.cli.{module}"), function)
+        return int(run(args) or 0)
+    except DviError as e:
+        print(f"dvi: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

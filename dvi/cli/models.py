@@ -1,0 +1,28 @@
+"""`dvi models fetch` and `dvi drafter init`: the model cache (the demo target, drafters built from a target)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dvi.config import load_config, overrides_of
+from dvi.models import build_drafter, cache_dir, demo_drafter_dir, fetch_demo_target
+
+
+def fetch(args: argparse.Namespace) -> int:
+    cfg = load_config(overrides_of(args))
+    print(fetch_demo_target(cache_dir(cfg.model)))
+    return 0
+
+
+def drafter_init(args: argparse.Namespace) -> int:
+    cfg = load_config(overrides_of(args)).model
+    cache = cache_dir(cfg)
+    target_dir = Path(cfg.target).expanduser() if cfg.target else fetch_demo_target(cache)
+    layers = args.layers if args.layers is not None else cfg.drafter_layers
+    vocab = args.vocab if args.vocab is not None else cfg.drafter_vocab
+    if args.vocab == 0:
+        vocab = None
+    out = Path(args.out) if args.out else demo_drafter_dir(cache, layers, vocab)
+    print(build_drafter(target_dir, out, layers=layers, vocab=vocab))
+    return 0

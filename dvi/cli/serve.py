@@ -1,0 +1,135 @@
+"""`dvi generate` and `dvi serve`: decoding entry points.
+
+`generate` decodes one prompt with the configured pair and prints it (optionally logging its DecisionRecords).
+`serve` builds a replica's channels (the decision producer, the control channel, the MLflow tracker) from the
+config, hands them to `dvi.serving.replica.Replica`, and runs its HTTP API until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+
+import uvicorn
+
+from dvi.config import check_sampling, flat_params, load_config, overrides_of
+from dvi.engine import Request, SpeculativeEngine
+from dvi.errors import DviError
+from dvi.models import encode_prompt, resolve_pair
+from dvi.procs import default_replica_id
+from dvi.records import records_from_result
+from dvi.serving.api import create_app, draining_server
+from dvi.serving.replica import Replica
+from dvi.tracking import Tracker
+from streams.client import quiet_kafka_logs
+from streams.control import ControlChannel
+from streams.producer import DecisionProducer
+
+
+def generate(args: argparse.Namespace) -> int:
+    cfg = load_config(overrides_of(args))
+    s = cfg.serve.sampling
+    temperature = 0.0 if args.greedy else (args.temperature if args.temperature is not None else s.temperature)
+    top_p = args.top_p if args.top_p is not None else s.top_p
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else s.max_new_tokens
+    seed = args.seed if args.seed is not None else s.seed
+    check_sampling(temperature, top_p, max_new)
+    if not args.prompt.strip():
+        raise DviError("empty prompt: give some text to continue")
+    producer = None
+    if args.log:  # connects while the models load
+        quiet_kafka_logs(args.verbose)
+        producer = DecisionProducer(cfg.stream)
+
+    pair = resolve_pair(cfg.model, with_drafter=not args.no_draft)
+    engine = SpeculativeEngine(
+        pair.target, pair.drafter, cfg.serve.spec, stop_ids={pair.tokenizer.eos_token_id}, max_batch=cfg.serve.max_batch
+    )
+    ids = encode_prompt(pair.tokenizer, args.prompt, args.raw)
+    req = Request(ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed)
+    t0 = time.perf_counter()
+    result = engine.generate([req])[0]
+    seconds = time.perf_counter() - t0
+    text = pair.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    stream = _log_result(cfg, producer, result, req, pair.target_dir.name, engine.vocab_size) if producer else None
+    if args.json:
+        drafter_version = pair.drafter.version if pair.drafter is not None else None
+        print(
+            json.dumps(
+                {
+                    "request_id": result.request_id,
+                    "text": text,
+                    "token_ids": result.token_ids,
+                    "prompt_tokens": len(ids),
+                    "finish_reason": result.finish_reason,
+                    "drafter_version": drafter_version,
+                    "drafter_versions": result.drafter_versions,
+                    "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new, "seed": seed},
+                    "stats": result.stats.to_dict(),
+                    "seconds": round(seconds, 4),
+                    "tokens_per_second": round(len(result.token_ids) / seconds, 3) if seconds > 0 else None,
+                    **({"stream": stream} if stream is not None else {}),
+                }
+            )
+        )
+    else:
+        print(text)
+        st = result.stats
+        print(
+            f"[{len(result.token_ids)} tokens in {seconds:.2f} s, {len(result.token_ids) / seconds:.1f} tok/s; "
+            f"acceptance {st.acceptance_rate:.2f}, mean accepted length {st.mean_accepted_length:.2f}, "
+            f"drafter {pair.drafter.version if pair.drafter else 'none'}]",
+            file=sys.stderr,
+        )
+        if stream is not None:
+            print(f"[stream {cfg.stream.topic} at {cfg.stream.bootstrap}: {stream['sent']} sent, {stream['dropped']} dropped]", file=sys.stderr)
+    return 0
+
+
+def _log_result(cfg, producer: DecisionProducer, result, req: Request, target_name: str, vocab_size: int) -> dict:
+    """Send the request's DecisionRecords and wait (bounded) until they are acknowledged or dropped."""
+    s = cfg.stream
+    records = records_from_result(
+        result, replica_id=s.replica_id or default_replica_id(), target_name=target_name, vocab_size=vocab_size,
+        sampling=req, chunk_rounds=s.chunk_rounds, topk=s.topk,
+    )
+    for record in records:
+        producer.submit(record)
+    stats = producer.close(timeout_s=5.0)
+    return {"sent": stats.sent, "dropped": stats.dropped}
+
+
+def serve(args: argparse.Namespace) -> int:
+    cfg = load_config(overrides_of(args))
+    replica_id = cfg.stream.replica_id or default_replica_id()
+    quiet_kafka_logs(args.verbose)
+    producer = DecisionProducer(cfg.stream) if cfg.serve.log_decisions else None
+    control = ControlChannel(cfg.stream, client_id=f"dvi-serve-{replica_id}") if cfg.serve.swap.enabled else None
+    tracker = None
+    if cfg.tracking.enabled:
+        tracker = Tracker(cfg.tracking, run_name=f"serve-{replica_id}", params=flat_params(cfg),
+                          tags={"dvi.role": "serve", "dvi.replica": replica_id})
+    # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed
+    replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft), producer=producer, control=control,
+                      tracker=tracker)
+    replica.start()
+    server = draining_server(uvicorn.Config(create_app(replica), host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
+                                            timeout_graceful_shutdown=5, access_log=False,
+                                            limit_concurrency=cfg.serve.max_connections), replica, cfg.serve.drain_s)
+    print(f"dvi serve: http://{cfg.serve.host}:{cfg.serve.port}/v1 (model {replica.model_name}, drafter "
+          f"{replica.metrics.version}, replica {replica.replica_id}{', API key required' if replica.api_key else ''}); "
+          "Ctrl-C stops it", flush=True)
+    # uvicorn handles SIGINT / SIGTERM (it returns once in-flight requests finish), then raises the signal again
+    # for the handler it found: a no-op here, so that being stopped is a clean exit (status 0)
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        replica.close()
+    print("dvi serve: stopped", flush=True)
+    return 0 if server.started else 1

@@ -1,0 +1,114 @@
+"""`dvi train`, `dvi retrain` and `dvi drafter distill`: the recipe wired to its sources and channels.
+
+`dvi train` is the long-running trainer: a member of consumer group `trainer.group_id` on the decisions topic,
+training while its trigger (`trigger=continuous|threshold|schedule|manual`) says so. One process with plain
+`python`/`dvi`; several with `deepspeed --no_local_rank --module dvi.cli train ...`. `dvi retrain` asks running
+trainers for a session on the control topic. `dvi drafter distill` runs the same recipe offline over every record
+on a topic (from the beginning, with a group of its own) or in a JSON-lines file, and stops when it is idle (or
+after --steps); `--json` prints its result as one JSON object (`published_versions`: what it published, oldest
+first). This module builds the trainer's source (a consumer or a file), its control reader, its publisher and its
+MLflow tracker; the recipe is `trainers.recipe`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+import uuid
+from dataclasses import replace
+
+from dvi.config import DviConfig, flat_params, load_config, overrides_of
+from dvi.control import RetrainRequested
+from dvi.models import cache_dir
+from dvi.tracking import Tracker
+from streams import control
+from streams.client import quiet_kafka_logs
+from streams.consumer import DecisionConsumer
+from streams.topics import ensure_topics
+from trainers.data import FileSource
+from trainers.recipe import Trainer
+
+log = logging.getLogger("dvi.trainer")
+
+
+def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bool, dead_letter: bool = True):
+    """The recipe fed by the decisions topic, listening to the control topic, publishing on it, tracked in MLflow."""
+    quiet_kafka_logs(verbose)
+    ensure_topics(cfg.stream)
+    source = DecisionConsumer(cfg.stream, group_id=group_id, from_beginning=True, dead_letter=dead_letter, client_id="dvi-trainer")
+    reader = control.ControlReader(cfg.stream)
+    role = "distill" if offline else "trainer"
+    tracker = Tracker(cfg.tracking, run_name=f"{'distill' if offline else 'train'}-{time.strftime('%Y%m%d-%H%M%S')}",
+                      params=flat_params(cfg), tags={"dvi.role": role, "dvi.trigger": cfg.trigger.kind})
+    trainer = Trainer(cfg, source, tracker=tracker, control=reader, publisher=lambda msg: control.send(cfg.stream, msg),
+                      offline=offline)
+    return trainer, (source, reader, tracker)
+
+
+def _file_trainer(cfg: DviConfig, path: str):
+    """The recipe over a file of records: no broker needed; MLflow and the store as configured."""
+    source = FileSource(path)
+    tracker = Tracker(cfg.tracking, run_name=f"distill-{time.strftime('%Y%m%d-%H%M%S')}", params=flat_params(cfg),
+                      tags={"dvi.role": "distill", "dvi.source": str(source.path)})
+    return Trainer(cfg, source, tracker=tracker, offline=True), (source, None, tracker)
+
+
+def _run(trainer: Trainer, parts) -> dict:
+    source, reader, tracker = parts
+    try:
+        counters = trainer.run()
+    finally:
+        if reader is not None:
+            reader.close()
+        source.close()
+        stats = tracker.close()
+        if stats.dropped:
+            log.warning("MLflow: %d metric points were lost while it was unreachable", stats.dropped)
+    return {"step": trainer.state.step, **counters.to_dict(), "serving": trainer.state.lineage[-1],
+            "serving_dir": trainer.state.serving_dir, "published_versions": list(trainer.published)}
+
+
+def train(args: argparse.Namespace) -> int:
+    cfg = load_config(overrides_of(args))
+    trainer, parts = _stream_trainer(cfg, group_id=cfg.trainer.group_id, offline=False, verbose=args.verbose)
+    print(f"dvi train: distilling from {cfg.stream.topic} at {cfg.stream.bootstrap} (group {cfg.trainer.group_id}, trigger "
+          f"{cfg.trigger.kind}), drafter {trainer.state.lineage[-1]}; Ctrl-C stops it", flush=True)
+    print(_summary(_run(trainer, parts)))
+    return 0
+
+
+def distill(args: argparse.Namespace) -> int:
+    cfg = load_config(overrides_of(args))
+    run_dir = cfg.trainer.run_dir or str(cache_dir(cfg.model) / "distill" / uuid.uuid4().hex[:8])
+    trainer_cfg = replace(cfg.trainer, run_dir=run_dir, idle_exit_s=cfg.trainer.idle_exit_s or args.idle)
+    if args.steps:  # epochs over what the topic holds: keep stepping on replayed records until `steps`
+        trainer_cfg = replace(trainer_cfg, max_steps=args.steps, replay_when_idle=True, idle_exit_s=None)
+    cfg = replace(cfg, trainer=trainer_cfg, trigger=replace(cfg.trigger, kind="continuous"))
+    if args.file:
+        trainer, parts = _file_trainer(cfg, args.file)
+    else:  # a group of its own, read from the beginning: every record on the topic, whatever the serving trainers did
+        trainer, parts = _stream_trainer(cfg, group_id=f"dvi-distill-{uuid.uuid4().hex[:8]}", offline=True,
+                                         verbose=args.verbose, dead_letter=False)
+    result = _run(trainer, parts)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(_summary(result))
+        print(result["serving_dir"])
+    return 0
+
+
+def retrain(args: argparse.Namespace) -> int:
+    cfg = load_config(overrides_of(args))
+    msg = RetrainRequested(reason=args.reason or "dvi retrain")
+    control.send(cfg.stream, msg)
+    print(f"retrain requested on {cfg.stream.control_topic} at {cfg.stream.bootstrap} ({msg.reason})")
+    return 0
+
+
+def _summary(r: dict) -> str:
+    return (f"step {r['step']}: {r['trained']} records trained, {r['held_out']} held out, {r['skipped']} skipped, "
+            f"{r['duplicates']} duplicates, {r['nonfinite']} non-finite batches; {r['published']} published, "
+            f"{r['refused']} refused by the gate; serving {r['serving']}")

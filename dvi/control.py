@@ -1,0 +1,124 @@
+"""The control protocol: the typed messages the trainer, the replicas and the operator send each other.
+
+- `DrafterPublished` (trainer -> replicas): a new version in the model store: its directory (`uri`), the sha256 of
+  its SHA256SUMS, its parent and the gate's figures;
+- `DrafterRejected` (a replica -> trainers and the other replicas): live traffic rolled the version back; the
+  others roll back too, trainers gate against the previous version again;
+- `DrafterPromoted` (a replica -> trainers): live traffic kept the version; trainers record both verdicts in the
+  model store, where a restarting replica reads them;
+- `RetrainRequested` (`dvi retrain` -> trainers): train now.
+
+On the wire a message is one JSON object: its `type` (the class's `kind`), its fields and `time` (unix seconds).
+`decode` is the one way in: bytes that are not a JSON object of a known type with fields of the right types raise
+`ControlError` saying what is wrong; fields it does not know are ignored, so a newer writer can add one. This module
+knows JSON and the messages' shapes; Kafka is `streams.control`'s, what a message makes happen is the replica's
+and the trainer's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+MAX_BYTES = 64 << 10  # a control message is a few hundred bytes; anything near this is not one of ours
+
+
+class ControlError(ValueError):
+    """Bytes that are not a control message of this protocol."""
+
+
+@dataclass(frozen=True)
+class DrafterPublished:
+    kind: ClassVar[str] = "drafter_published"
+    version: str
+    uri: str  # the version's directory in the model store
+    sha256: str  # of its SHA256SUMS: pins every file of the version
+    parent: str | None = None
+    gate: dict[str, float] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class DrafterRejected:
+    kind: ClassVar[str] = "drafter_rejected"
+    version: str
+    replica_id: str
+    reason: str = ""
+    previous: str | None = None  # the version the replica went back to
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class DrafterPromoted:
+    kind: ClassVar[str] = "drafter_promoted"
+    version: str
+    replica_id: str
+    acceptance: float | None = None  # live acceptance over the judged window
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class RetrainRequested:
+    kind: ClassVar[str] = "retrain"
+    reason: str = ""
+    time: float = field(default_factory=time.time)
+
+
+Message = Union[DrafterPublished, DrafterRejected, DrafterPromoted, RetrainRequested]
+KINDS: dict[str, type] = {cls.kind: cls for cls in (DrafterPublished, DrafterRejected, DrafterPromoted, RetrainRequested)}
+
+# the type each field must have on the wire ("str?" may be null)
+_FIELD_TYPES = {"version": "str", "uri": "str", "sha256": "str", "replica_id": "str", "parent": "str?", "previous": "str?",
+                "reason": "text", "acceptance": "number?", "gate": "numbers", "time": "number"}
+
+
+def encode(msg: Message) -> bytes:
+    return json.dumps({"type": msg.kind, **dataclasses.asdict(msg)}, sort_keys=True).encode()
+
+
+def decode(data: bytes) -> Message:
+    """The message in `data` (see the module docstring); ControlError naming what is wrong."""
+    if len(data) > MAX_BYTES:
+        raise ControlError(f"{len(data)} bytes, over the {MAX_BYTES}-byte bound of a control message")
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ControlError(f"not JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise ControlError(f"expected a JSON object, got {type(obj).__name__}")
+    cls = KINDS.get(obj.get("type")) if isinstance(obj.get("type"), str) else None
+    if cls is None:
+        raise ControlError(f"unknown message type {str(obj.get('type'))[:64]!r}")
+    fields = {}
+    for f in dataclasses.fields(cls):
+        if f.name in obj:
+            fields[f.name] = _checked(f.name, obj[f.name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ControlError(f"{cls.kind} without {f.name}")
+    return cls(**fields)
+
+
+def _checked(name: str, value: Any) -> Any:
+    expected = _FIELD_TYPES[name]
+    if expected.endswith("?") and value is None:
+        return None
+    kind = expected.rstrip("?")
+    if kind in ("str", "text"):
+        if not isinstance(value, str) or (kind == "str" and not value):
+            raise ControlError(f"{name}: expected a{' non-empty' if kind == 'str' else ''} string")
+        return value
+    if kind == "number":
+        if not _number(value):
+            raise ControlError(f"{name}: expected a finite number")
+        return float(value)
+    if not isinstance(value, dict) or not all(isinstance(k, str) and _number(v) for k, v in value.items()):
+        raise ControlError(f"{name}: expected an object of finite numbers")
+    return {k: float(v) for k, v in value.items()}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
