@@ -9,8 +9,9 @@
 - `RetrainRequested` (`dvi retrain` -> trainers): train now.
 
 On the wire a message is one JSON object: its `type` (the class's `kind`), its fields and `time` (unix seconds).
-`decode` is the one way in: bytes that are not a JSON object of a known type with fields of the right types raise
-`ControlError` saying what is wrong; fields it does not know are ignored, so a newer writer can add one. This module
+`decode` is the one way in: bytes that are not a JSON object of a known type with fields of the right types and
+sizes (version names plain names, texts and gates bounded, the whole at most `MAX_BYTES`) raise `ControlError`
+saying what is wrong; fields it does not know are ignored, so a newer writer can add one. This module
 knows JSON and the messages' shapes; Kafka is `streams.control`'s, what a message makes happen is the replica's
 and the trainer's.
 """
@@ -20,11 +21,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
 MAX_BYTES = 64 << 10  # a control message is a few hundred bytes; anything near this is not one of ours
+MAX_TEXT = 1000  # characters of a free-text field (a reason, a uri)
+MAX_GATE = 32  # figures in a gate
+VERSION = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a drafter version's name: a plain name, never a path
 
 
 class ControlError(ValueError):
@@ -71,9 +76,17 @@ class RetrainRequested:
 Message = Union[DrafterPublished, DrafterRejected, DrafterPromoted, RetrainRequested]
 KINDS: dict[str, type] = {cls.kind: cls for cls in (DrafterPublished, DrafterRejected, DrafterPromoted, RetrainRequested)}
 
-# the type each field must have on the wire ("str?" may be null)
-_FIELD_TYPES = {"version": "str", "uri": "str", "sha256": "str", "replica_id": "str", "parent": "str?", "previous": "str?",
-                "reason": "text", "acceptance": "number?", "gate": "numbers", "time": "number"}
+# the type each field must have on the wire ("?": may be null)
+_FIELD_TYPES = {"version": "version", "uri": "str", "sha256": "str", "replica_id": "str", "parent": "version?",
+                "previous": "version?", "reason": "text", "acceptance": "number?", "gate": "numbers", "time": "number"}
+
+
+def check_version(name: object) -> str:
+    """`name` if it is a drafter version name (letters, digits, '.', '_', '-'; 1 to 64; not '.' or '..'), else
+    ControlError."""
+    if not isinstance(name, str) or not VERSION.fullmatch(name) or name in (".", ".."):
+        raise ControlError(f"invalid drafter version name {str(name)[:80]!r}: use 1 to 64 letters, digits, '.', '_' and '-'")
+    return name
 
 
 def encode(msg: Message) -> bytes:
@@ -107,16 +120,19 @@ def _checked(name: str, value: Any) -> Any:
     if expected.endswith("?") and value is None:
         return None
     kind = expected.rstrip("?")
+    if kind == "version":
+        return check_version(value)
     if kind in ("str", "text"):
-        if not isinstance(value, str) or (kind == "str" and not value):
-            raise ControlError(f"{name}: expected a{' non-empty' if kind == 'str' else ''} string")
+        if not isinstance(value, str) or (kind == "str" and not value) or len(value) > MAX_TEXT:
+            raise ControlError(f"{name}: expected a{' non-empty' if kind == 'str' else ''} string of at most {MAX_TEXT} characters")
         return value
     if kind == "number":
         if not _number(value):
             raise ControlError(f"{name}: expected a finite number")
         return float(value)
-    if not isinstance(value, dict) or not all(isinstance(k, str) and _number(v) for k, v in value.items()):
-        raise ControlError(f"{name}: expected an object of finite numbers")
+    if (not isinstance(value, dict) or len(value) > MAX_GATE
+            or not all(isinstance(k, str) and len(k) <= 64 and _number(v) for k, v in value.items())):
+        raise ControlError(f"{name}: expected an object of at most {MAX_GATE} finite numbers")
     return {k: float(v) for k, v in value.items()}
 
 

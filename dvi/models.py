@@ -199,6 +199,9 @@ def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = 
             raise DviError(f"{str(head_file)!r}: token_ids {tuple(vocab_map.shape)} and weight {tuple(weight.shape)} do not fit")
         if int(vocab_map.min()) < 0 or int(vocab_map.max()) >= target_vocab_size:
             raise DviError(f"{str(head_file)!r}: token ids outside the target vocabulary")
+        ids, counts = vocab_map.unique(return_counts=True)
+        if bool((counts > 1).any()):  # a repeated id would lose draft mass and bias sampled output
+            raise DviError(f"{str(head_file)!r}: token id {int(ids[counts > 1][0])} appears {int(counts.max())} times in token_ids")
         model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
         model.lm_head.weight.data.copy_(weight)
     return Drafter(model=model, version=str(meta.get("version", p.name)), vocab_map=vocab_map)

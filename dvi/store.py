@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dvi import control
 from dvi.errors import DviError
 from dvi.files import fsync_path, sha256_file
 from dvi.models import DRAFT_HEAD, DRAFTER_META, cache_dir
@@ -39,8 +40,8 @@ SUMS = "SHA256SUMS"
 VERDICTS = "VERDICTS"
 PRODUCTION, REJECTED = "production", "rejected"
 WEIGHTS = "model.safetensors"
+MAX_INFO_CHARS = 500  # of each detail kept with a verdict
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-_VERSION = re.compile(r"[A-Za-z0-9._-]+")
 _TMP = ".tmp-"
 _OWN_FILES = {SUMS, WEIGHTS, DRAFT_HEAD, DRAFTER_META}
 
@@ -64,8 +65,13 @@ def serving_root(cfg) -> Path:
 
 
 def check_version_name(version: str) -> None:
-    if not isinstance(version, str) or not _VERSION.fullmatch(version) or version in (".", "..") or version.startswith(_TMP):
-        raise DviError(f"invalid drafter version name {version!r}: use letters, digits, '.', '_' and '-' only")
+    """DviError unless `version` is a drafter version name (`dvi.control.check_version`) a store can hold."""
+    try:
+        control.check_version(version)
+    except control.ControlError as e:
+        raise DviError(str(e)) from None
+    if version.startswith(_TMP):
+        raise DviError(f"invalid drafter version name {version!r}: {_TMP}* names are the store's temporary folders")
 
 
 def publish(store: Path, version: str, state_dict: dict[str, torch.Tensor], source_dir: Path, meta: dict,
@@ -161,13 +167,15 @@ def versions(store: Path) -> list[str]:
 
 
 def record_verdict(store: Path, version: str, verdict: str, **info) -> None:
-    """Append live traffic's verdict on `version` (PRODUCTION or REJECTED) to the store's VERDICTS, fsynced."""
+    """Append live traffic's verdict on `version` (PRODUCTION or REJECTED) to the store's VERDICTS, fsynced. Each
+    value of `info` (who decided, why) is kept to its first MAX_INFO_CHARS characters: a line stays short."""
     check_version_name(version)
     if verdict not in (PRODUCTION, REJECTED):
         raise DviError(f"unknown verdict {verdict!r}: expected {PRODUCTION} or {REJECTED}")
     store = Path(store).expanduser()
     store.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"version": version, "verdict": verdict, "time": time.time(), **info}, default=str) + "\n"
+    info = {k: None if v is None else str(v)[:MAX_INFO_CHARS] for k, v in info.items()}
+    line = json.dumps({"version": version, "verdict": verdict, "time": time.time(), **info}) + "\n"
     with open(store / VERDICTS, "a", encoding="utf-8") as f:  # one short append: whole lines, even with two writers
         f.write(line)
         f.flush()

@@ -30,6 +30,7 @@ import queue
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -47,6 +48,9 @@ from dvi.records import records_from_result
 from dvi.swap import Refused, judge, load_announced
 
 log = logging.getLogger("dvi.serving.replica")
+
+
+REJECTED_KEPT = 1024  # rejected version names a replica remembers
 
 
 class Unavailable(DviError):
@@ -86,7 +90,7 @@ class Replica:
         self.producer, self.tracker, self.control = producer, tracker, control
         stop_ids = {pair.tokenizer.eos_token_id} if pair.tokenizer.eos_token_id is not None else set()
         self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
-        self.rejected: set[str] = set()
+        self.rejected: OrderedDict[str, None] = OrderedDict()  # versions never to serve again, oldest first
         self.rollout: Rollout | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=cfg.serve.max_queue)
         self._stop = threading.Event()
@@ -262,7 +266,9 @@ class Replica:
         version = store.serving_version(self.store_root, prefer_production=choice == "production") if automatic else choice
         if version is None:
             return
-        self.rejected |= {v for v, verdict in store.verdicts(self.store_root).items() if verdict == store.REJECTED}
+        for v, verdict in store.verdicts(self.store_root).items():
+            if verdict == store.REJECTED:
+                self._reject(v)
         path = self.store_root / version
         if not (path / store.SUMS).is_file():
             raise DviError(f"serve.swap.initial={choice}: no published drafter {version} in the store {self.store_root}")
@@ -287,9 +293,17 @@ class Replica:
                 self.metrics.event(f"refused:{e.reason}", msg.version)
                 log.warning("refused a published drafter (%s): %s; still serving %s", e.reason, e, self._version())
         elif isinstance(msg, DrafterRejected):
-            self.rejected.add(msg.version)
+            self._reject(msg.version)
             if msg.replica_id != self.replica_id and self._version() == msg.version:
                 self._roll_back(f"rejected by replica {msg.replica_id}", announce=False)
+
+    def _reject(self, version: str) -> None:
+        """Never serve `version` again; the set keeps the newest REJECTED_KEPT names (older ones are not announced
+        again: the trainer publishes new names)."""
+        self.rejected.pop(version, None)
+        self.rejected[version] = None
+        while len(self.rejected) > REJECTED_KEPT:
+            self.rejected.popitem(last=False)
 
     def install(self, ann: DrafterPublished) -> bool:
         """Check, load and swap in an announced drafter; False when it is already serving or was rejected."""
@@ -344,7 +358,7 @@ class Replica:
                 return
             self.engine.swap_drafter(r.previous)
         version = current.version
-        self.rejected.add(version)
+        self._reject(version)
         self.metrics.serving(r.previous.version if r.previous else None)
         self.metrics.event("rollback", version)
         log.warning("rolled back drafter %s to %s: %s", version, r.previous.version if r.previous else None, why)

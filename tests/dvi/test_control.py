@@ -41,6 +41,13 @@ def test_unknown_fields_are_ignored_so_a_newer_writer_can_add_one():
     (b'{"type": "drafter_promoted", "version": "d1", "replica_id": "r", "acceptance": NaN}', "acceptance"),
     (b'{"type": "retrain", "time": true}', "time"),
     (b" " * (MAX_BYTES + 1), "bound"),
+    (b'{"type": "drafter_published", "version": "../d1", "uri": "/x", "sha256": "ab"}', "version name"),
+    (b'{"type": "drafter_rejected", "version": "d1/x", "replica_id": "r"}', "version name"),
+    (b'{"type": "drafter_rejected", "version": "d1", "replica_id": "r", "previous": ".."}', "version name"),
+    (b'{"type": "drafter_rejected", "version": "' + b"v" * 65 + b'", "replica_id": "r"}', "version name"),
+    (b'{"type": "drafter_rejected", "version": "d1", "replica_id": "r", "reason": "' + b"x" * 1001 + b'"}', "reason"),
+    (b'{"type": "drafter_published", "version": "d1", "uri": "/x", "sha256": "ab", "gate": {'
+     + b", ".join(b'"g%d": 1' % i for i in range(33)) + b"}}", "gate"),
 ])
 def test_anything_else_is_refused_with_what_is_wrong(data, words):
     with pytest.raises(ControlError, match=words):

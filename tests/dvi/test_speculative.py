@@ -279,6 +279,24 @@ def test_reduced_vocabulary_drafter_keeps_target_distribution():
     assert bool((first == 0).any()) and bool((first == 5).any())
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_every_head_a_replica_accepts_keeps_the_target_distribution(seed):
+    """Property: a reduced head is accepted at load only with distinct target ids (dvi.models.load_drafter); for
+    random such heads (any size, any order, any draft distribution) the emitted tokens follow p exactly."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = P.shape[1]
+    size = int(torch.randint(1, vocab + 1, (1,), generator=g))
+    vocab_map = torch.randperm(vocab, generator=g)[:size]  # distinct ids, as load_drafter requires
+    kmax = P.shape[0] - 1  # P: [Kmax + 1, V], the bonus position last
+    q_sub = torch.softmax(torch.randn(kmax, size, generator=g) * 2, -1)  # [Kmax, N]
+    q = expand_draft_probs(q_sub, vocab_map, vocab)
+    assert torch.allclose(q.sum(-1), torch.ones(kmax))  # no draft mass lost in the scatter
+    draft_ids, n, token = run_rounds(q, P, 40_000, seed=100 + seed)
+    for j in range(P.shape[0]):
+        tokens, _ = emitted_at(j, draft_ids, n, token)
+        assert_follows(tokens, P[j], f"head {vocab_map.tolist()}, emitted position {j}")
+
+
 def test_expected_acceptance_matches_observed_rate():
     draft_ids, n, token = run_rounds(Q, P, 60_000, seed=14)
     a = expected_acceptance(P[0], Q[0]).item()

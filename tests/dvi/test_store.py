@@ -111,5 +111,11 @@ def test_verdicts_decide_what_a_restarting_replica_serves(tmp_path, parent_dirs)
     assert versions(tmp_path) == ["d0001", "d0002", "d0003"] and next_version(tmp_path) == "d0004"
     with pytest.raises(DviError, match="unknown verdict"):
         record_verdict(tmp_path, "d0002", "great")
+    for bad in ("../d0002", "d0002/x", "v" * 65):  # a name from a message is checked before it is written anywhere
+        with pytest.raises(DviError, match="version name"):
+            record_verdict(tmp_path, bad, REJECTED)
+    size = (tmp_path / VERDICTS).stat().st_size
+    record_verdict(tmp_path, "d0002", REJECTED, reason="x" * (1 << 20))  # a huge reason is kept to its start
+    assert (tmp_path / VERDICTS).stat().st_size - size < 1000 and verdicts(tmp_path)["d0002"] == REJECTED
     with pytest.raises(DviError, match="invalid drafter version"):
         record_verdict(tmp_path, "../d0002", PRODUCTION)

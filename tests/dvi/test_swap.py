@@ -46,12 +46,12 @@ def test_a_good_version_loads_under_its_announced_name(tiny_dirs, target, tmp_pa
 
 
 def test_announcements_missing_fields_or_with_path_names_are_refused(target, tmp_path):
-    for msg in ({}, {"version": "d1", "uri": "/x"}, {"version": 7, "uri": "/x", "sha256": "ab"}):
+    for msg in ({}, {"version": "d1", "uri": "/x"}, {"version": 7, "uri": "/x", "sha256": "ab"},
+                {"version": "../d1", "uri": "/x", "sha256": "ab"}):
         with pytest.raises(ControlError):  # the wire boundary: never reaches load_announced
             decode(json.dumps({"type": "drafter_published", **msg}).encode())
-    ann = decode(json.dumps({"type": "drafter_published", "version": "../d1", "uri": "/x", "sha256": "ab"}).encode())
-    with pytest.raises(Refused) as e:
-        load_announced(ann, tmp_path, target)
+    with pytest.raises(Refused) as e:  # and load_announced checks the name of what it is handed too
+        load_announced(DrafterPublished("../d1", "/x", "ab"), tmp_path, target)
     assert e.value.reason == "bad_message"
 
 
@@ -124,6 +124,26 @@ def test_non_finite_weights_are_refused(tiny_dirs, target, tmp_path):
     with pytest.raises(Refused) as e:
         load_announced(announcement(p), tmp_path, target)
     assert e.value.reason == "nonfinite" and "down_proj" in str(e.value)
+
+
+@pytest.mark.faults
+def test_a_reduced_head_that_repeats_a_token_id_is_refused(tiny_dirs, target, tmp_path):
+    """A repeated id would make the head's scatter into the target vocabulary lose draft mass, so that sampled
+    output no longer follows the target's distribution: such a head never loads. The same head without the
+    repetition loads."""
+    model = load_causal_lm(tiny_dirs[1], "drafter")
+    weights = dict(model.state_dict())
+    head = weights["lm_head.weight"]
+    for version, ids in (("d0001", [5, 7, 7, 9]), ("d0002", [5, 7, 8, 9])):
+        vocab_map = torch.tensor(ids)
+        p = store.publish(tmp_path, version, {**weights, "lm_head.weight": head[vocab_map].clone()}, tiny_dirs[1],
+                          {"parent": "test"}, vocab_map)
+        if version == "d0001":
+            with pytest.raises(Refused) as e:
+                load_announced(announcement(p), tmp_path, target)
+            assert e.value.reason == "load" and "token id 7 appears 2 times" in str(e.value), e.value
+        else:
+            assert load_announced(announcement(p), tmp_path, target).vocab_map.tolist() == ids
 
 
 def test_judge_waits_for_the_window_then_keeps_or_rolls_back():

@@ -26,7 +26,7 @@ from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConf
 from dvi.control import DrafterPublished, DrafterRejected
 from dvi.models import load_causal_lm, resolve_pair
 from dvi.procs import free_port
-from dvi.serving.replica import Replica
+from dvi.serving.replica import REJECTED_KEPT, Replica
 from streams.control import ControlChannel, ControlReader
 from streams.control import send as control_send
 
@@ -185,6 +185,20 @@ def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_
     r = running.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})
     assert r.status_code == 200 and r.json()["dvi"]["drafter_versions"] == ["d0001"]
     assert 'dvi_drafter_events_total{event="refused:nonfinite"} 1' in requests.get(running.url + "/metrics", timeout=10).text
+
+
+def test_rejections_from_the_control_topic_are_bounded(tiny_dirs, tmp_path):
+    """However many versions are announced as rejected, a replica remembers a bounded number (its health answer
+    stays small), and keeps the newest."""
+    cfg = DviConfig(model=ModelConfig(target=str(tiny_dirs[0]), drafter=str(tiny_dirs[1])),
+                    serve=ServeConfig(swap=SwapConfig(store=str(tmp_path / "store"), initial="none")),
+                    tracking=TrackingConfig(enabled=False))
+    service = Replica(cfg, resolve_pair(cfg.model))
+    for i in range(3 * REJECTED_KEPT):
+        service.on_control(DrafterRejected(f"d{i:05d}", "replica-b", reason="x" * 1000))
+    assert len(service.rejected) == REJECTED_KEPT and f"d{3 * REJECTED_KEPT - 1:05d}" in service.rejected
+    assert len(json.dumps(service.health())) < 30 * REJECTED_KEPT
+    assert service.engine.drafter.version == "init-L1-full"  # none of them was serving: nothing rolled back
 
 
 @pytest.fixture(scope="module")
