@@ -190,21 +190,30 @@ def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = 
         raise DviError(
             f"drafter at {str(p)!r} has vocabulary size {model.config.vocab_size}, the target has {target_vocab_size}"
         )
-    vocab_map = None
     head_file = p / DRAFT_HEAD
-    if head_file.exists():
-        head = load_file(head_file)
-        vocab_map, weight = head["token_ids"].long(), head["weight"].to(dtype)
-        if vocab_map.ndim != 1 or weight.shape != (vocab_map.numel(), model.config.hidden_size):
-            raise DviError(f"{str(head_file)!r}: token_ids {tuple(vocab_map.shape)} and weight {tuple(weight.shape)} do not fit")
-        if int(vocab_map.min()) < 0 or int(vocab_map.max()) >= target_vocab_size:
-            raise DviError(f"{str(head_file)!r}: token ids outside the target vocabulary")
-        ids, counts = vocab_map.unique(return_counts=True)
-        if bool((counts > 1).any()):  # a repeated id would lose draft mass and bias sampled output
-            raise DviError(f"{str(head_file)!r}: token id {int(ids[counts > 1][0])} appears {int(counts.max())} times in token_ids")
-        model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
-        model.lm_head.weight.data.copy_(weight)
+    vocab_map = attach_head(model, load_file(head_file), target_vocab_size, str(head_file)) if head_file.exists() else None
     return Drafter(model=model, version=str(meta.get("version", p.name)), vocab_map=vocab_map)
+
+
+def attach_head(model: PreTrainedModel, head: dict[str, torch.Tensor], target_vocab_size: int, where: str) -> torch.Tensor:
+    """Replace `model`'s output layer by a reduced-vocabulary head (`head`: token_ids [N], weight [N, hidden], as
+    draft_head.safetensors holds them); returns the token ids. DviError, naming `where`, for a head that does not
+    fit the model, names ids outside the target vocabulary, or repeats an id (a repeated id would lose draft mass
+    in the scatter into the target vocabulary and bias sampled output)."""
+    if set(head) != {"token_ids", "weight"}:
+        raise DviError(f"{where!r}: a drafter head holds token_ids and weight, not {sorted(head)}")
+    vocab_map, weight = head["token_ids"].long(), head["weight"]
+    if vocab_map.ndim != 1 or vocab_map.numel() < 1 or weight.shape != (vocab_map.numel(), model.config.hidden_size):
+        raise DviError(f"{where!r}: token_ids {tuple(vocab_map.shape)} and weight {tuple(weight.shape)} do not fit")
+    if int(vocab_map.min()) < 0 or int(vocab_map.max()) >= target_vocab_size:
+        raise DviError(f"{where!r}: token ids outside the target vocabulary")
+    ids, counts = vocab_map.unique(return_counts=True)
+    if bool((counts > 1).any()):
+        raise DviError(f"{where!r}: token id {int(ids[counts > 1][0])} appears {int(counts.max())} times in token_ids")
+    dtype = model.get_input_embeddings().weight.dtype
+    model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
+    model.lm_head.weight.data.copy_(weight.to(dtype))
+    return vocab_map
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,11 +19,13 @@ training, Kafka or MLflow.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,10 @@ VERDICTS = "VERDICTS"
 PRODUCTION, REJECTED = "production", "rejected"
 WEIGHTS = "model.safetensors"
 MAX_INFO_CHARS = 500  # of each detail kept with a verdict
+# what a published version may hold: its own files, and the config and tokenizer files copied from its parent
+ALLOWED_FILES = frozenset([SUMS, WEIGHTS, DRAFT_HEAD, DRAFTER_META, "config.json", "generation_config.json",
+                           "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                           "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model"])
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _TMP = ".tmp-"
 _OWN_FILES = {SUMS, WEIGHTS, DRAFT_HEAD, DRAFTER_META}
@@ -94,7 +100,7 @@ def publish(store: Path, version: str, state_dict: dict[str, torch.Tensor], sour
     tmp.mkdir()
     try:
         for f in sorted(source_dir.iterdir()):  # config, generation config, tokenizer files
-            if f.is_file() and f.name not in _OWN_FILES and not f.name.endswith(PICKLE_SUFFIXES + (".safetensors",)):
+            if f.is_file() and f.name in ALLOWED_FILES and f.name not in _OWN_FILES:
                 shutil.copy2(f, tmp / f.name)
         weights = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
         config = json.loads((source_dir / "config.json").read_text())
@@ -119,35 +125,81 @@ def publish(store: Path, version: str, state_dict: dict[str, torch.Tensor], sour
     return Published(version, final, sha256_file(final / SUMS), size)
 
 
-def verify(path: Path, sha256: str | None = None) -> None:
-    """Raise DviError naming the problem unless every file of the version at `path` matches SHA256SUMS (and
-    SHA256SUMS matches `sha256` when given) and no pickle-capable weight file is present."""
+class VersionError(DviError):
+    """A version directory that must not be loaded; `kind` is "files" (what the directory holds) or "checksum"."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def read_verified(path: Path, sha256: str | None = None, max_bytes: int | None = None) -> dict[str, bytes]:
+    """Every file of the version at `path`, read once, as name -> bytes: the bytes a caller loads are the bytes
+    checked here. VersionError unless every entry is a regular file (lstat: no links, no folders), none is a
+    pickle-capable weight file, they hold at most `max_bytes` in all, SHA256SUMS matches `sha256` (when given) and
+    lists exactly the other files with their digests, and every name is one ALLOWED_FILES has."""
     path = Path(path).expanduser()
-    if not path.is_dir():
-        raise DviError(f"drafter version directory {path} not found")
-    pickles = sorted(f.name for f in path.iterdir() if f.name.endswith(PICKLE_SUFFIXES))
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as e:
+        raise VersionError("files", f"drafter version directory {path} cannot be read ({e.strerror})") from None
+    sizes = {}
+    for name in names:
+        if not stat.S_ISREG(os.lstat(path / name).st_mode):
+            raise VersionError("files", f"{path / name} is not a regular file (a link or a folder): refusing the version")
+        sizes[name] = os.lstat(path / name).st_size
+    pickles = [name for name in names if name.endswith(PICKLE_SUFFIXES)]
     if pickles:
-        raise DviError(f"{path} holds pickle-capable weight files {pickles}: refusing to load (safetensors only)")
-    sums = path / SUMS
-    if not sums.is_file():
-        raise DviError(f"{path} has no {SUMS}: not a published drafter version")
-    if sha256 is not None and sha256_file(sums) != sha256:
-        raise DviError(f"{sums} does not match the expected digest {sha256[:12]}...: the version was altered or is not the one announced")
+        raise VersionError("files", f"{path} holds pickle-capable weight files {pickles}: refusing to load (safetensors only)")
+    if SUMS not in sizes:
+        raise VersionError("files", f"{path} has no {SUMS}: not a published drafter version")
+    if max_bytes is not None and sum(sizes.values()) > max_bytes:
+        raise VersionError("files", f"{path} holds {sum(sizes.values())} bytes, more than the {max_bytes} a drafter of "
+                                    "this target may take")
+    sums = _read_regular(path / SUMS, sizes[SUMS])
+    if sha256 is not None and hashlib.sha256(sums).hexdigest() != sha256:
+        raise VersionError("checksum", f"{path / SUMS} does not match the expected digest {sha256[:12]}...: the version was "
+                                       "altered or is not the one announced")
     listed = {}
-    for line in sums.read_text().splitlines():
+    for line in sums.decode("utf-8", "replace").splitlines():
         digest, _, name = line.partition("  ")
         if not name or "/" in name or name in (".", ".."):
-            raise DviError(f"{sums}: malformed line {line!r}")
+            raise VersionError("checksum", f"{path / SUMS}: malformed line {line[:100]!r}")
         listed[name] = digest
-    for name, digest in listed.items():
-        f = path / name
-        if not f.is_file():
-            raise DviError(f"{f} is listed in {SUMS} but missing")
-        if sha256_file(f) != digest:
-            raise DviError(f"{f} does not match its sha256 in {SUMS}: corrupt or altered")
-    extra = sorted(f.name for f in path.iterdir() if f.is_file() and f.name != SUMS and f.name not in listed)
+    extra = sorted(set(sizes) - set(listed) - {SUMS})
     if extra:
-        raise DviError(f"{path} holds files not listed in {SUMS}: {extra}")
+        raise VersionError("files", f"{path} holds files not listed in {SUMS}: {extra}")
+    foreign = sorted(set(listed) - ALLOWED_FILES)
+    if foreign:
+        raise VersionError("files", f"{path}: {foreign} are not files a drafter version holds ({', '.join(sorted(ALLOWED_FILES))})")
+    data = {SUMS: sums}
+    for name, digest in listed.items():
+        if name not in sizes:
+            raise VersionError("checksum", f"{path / name} is listed in {SUMS} but missing")
+        data[name] = _read_regular(path / name, sizes[name])
+        if hashlib.sha256(data[name]).hexdigest() != digest:
+            raise VersionError("checksum", f"{path / name} does not match its sha256 in {SUMS}: corrupt or altered")
+    return data
+
+
+def _read_regular(path: Path, size: int) -> bytes:
+    """The bytes of a regular file, opened without following links, at most the `size` its lstat gave."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise VersionError("files", f"{path} cannot be opened as a regular file ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise VersionError("files", f"{path} is not a regular file")
+        data = f.read(size + 1)
+    if len(data) != size:
+        raise VersionError("files", f"{path} changed while it was read")
+    return data
+
+
+def verify(path: Path, sha256: str | None = None) -> None:
+    """Raise a DviError naming the problem unless the version at `path` passes `read_verified`."""
+    read_verified(path, sha256)
 
 
 def versions(store: Path) -> list[str]:

@@ -1,15 +1,20 @@
 """Hot-swap: turning a `drafter_published` announcement into a drafter that is safe to serve, and judging it live.
 
-`load_announced(published, ...)`, given a `dvi.control.DrafterPublished`, is the only way a running server gets new drafter weights. In order, it
-refuses (raising `Refused` with a reason code and a message saying what and where):
+`load_announced(published, ...)`, given a `dvi.control.DrafterPublished`, is the only way a running server gets new
+drafter weights. Each file is read once (`dvi.store.read_verified`), and the drafter is built from exactly the bytes
+that were hashed. In order, it refuses (raising `Refused` with a reason code and a message saying what and where):
 
 - `bad_message`: the version name is not a plain name (a message without a version, a uri or a sha256 never
   gets here: `dvi.control.decode` refuses it);
 - `outside_store`: the uri does not resolve to `<store root>/<version>` (symlinks and `..` resolved first);
 - `pickle`: the directory holds a pickle-capable weight file (nothing here ever unpickles);
+- `files`: an entry is not a regular file (a link, a folder), has a name a version does not hold, or the files
+  hold more bytes than the target's weights (`max_drafter_bytes`);
 - `checksum`: SHA256SUMS does not match the announced sha256, or a file does not match SHA256SUMS;
-- `load`: the checkpoint does not load as a drafter of this target (config, tokenizer, vocabulary);
+- `config`: config.json differs from the configured drafter's (or, with none, the target's) in more than the
+  drafter's own fields (its layers), has more layers than the target, or names code to run (`auto_map`);
 - `shapes`: a weight in model.safetensors has another shape than the drafter's config implies, or one is missing;
+- `load`: the weights or the reduced head do not load as a drafter of this target (vocabulary, repeated ids);
 - `nonfinite`: a weight holds NaN or inf;
 - `smoke`: a short greedy decode with the new drafter fails or produces non-finite logits.
 
@@ -27,21 +32,26 @@ This module knows the model store, safetensors and the engine's `Drafter`; not K
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 
+import safetensors.torch
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dvi import store
 from dvi.control import DrafterPublished
 from dvi.errors import DviError
-from dvi.models import DRAFT_HEAD, Drafter, load_drafter
+from dvi.models import DRAFT_HEAD, Drafter, attach_head
 
 log = logging.getLogger("dvi.swap")
 
 SMOKE_PROMPT = [1, 2, 3, 4]  # token ids of the smoke decode: any ids in the vocabulary do
+DRAFTER_OWN_FIELDS = frozenset({"num_hidden_layers", "layer_types", "max_window_layers"})  # how many layers it keeps
+_METADATA_FIELDS = frozenset({"transformers_version", "torch_dtype", "dtype"})  # how it was saved, not what it is
+TOKENIZER_ROOM = 64 << 20  # bytes of config and tokenizer files a version may hold beside its weights
 
 
 class Refused(DviError):
@@ -62,8 +72,10 @@ def resolve_in_store(uri: str, version: str, store_root: Path) -> Path:
 
 
 def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Module, smoke_tokens: int = 8,
-                   dtype: torch.dtype = torch.float32) -> Drafter:
-    """Check and load an announced drafter (see the module docstring). Returns it, or raises Refused."""
+                   dtype: torch.dtype = torch.float32, family=None) -> Drafter:
+    """Check and load an announced drafter (see the module docstring). Returns it, or raises Refused. `family`: the
+    config every version must match but for the drafter's own fields: the configured drafter's (the trainer
+    publishes versions of it), or by default the target's (a drafter built from the target)."""
     try:
         store.check_version_name(ann.version)
     except DviError as e:
@@ -71,40 +83,75 @@ def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Mod
     path = resolve_in_store(ann.uri, ann.version, store_root)
     if not path.is_dir():
         raise Refused("load", f"drafter {ann.version}: {path} does not exist (a store not shared with the trainer?)")
-    pickles = sorted(f.name for f in path.iterdir() if f.name.endswith(store.PICKLE_SUFFIXES))
+    pickles = sorted(name for name in os.listdir(path) if name.endswith(store.PICKLE_SUFFIXES))
     if pickles:
         raise Refused("pickle", f"drafter {ann.version}: {path} holds pickle-capable files {pickles}; refusing it (safetensors only)")
     try:
-        store.verify(path, ann.sha256)
-    except DviError as e:
-        raise Refused("checksum", f"drafter {ann.version}: {e}") from None
+        files = store.read_verified(path, ann.sha256, max_bytes=max_drafter_bytes(target))
+    except store.VersionError as e:
+        raise Refused(e.kind, f"drafter {ann.version}: {e}") from None
     vocab = int(target.config.vocab_size)
+    config = _config_of(files, family if family is not None else target.config, target.config, ann.version)
     try:
-        _check_shapes(path, ann.version)
-        drafter = load_drafter(path, vocab, dtype)
-    except Refused:
-        raise
-    except Exception as e:  # DviError, or whatever transformers raises on a broken config
+        weights = safetensors.torch.load(files[store.WEIGHTS])
+        head = safetensors.torch.load(files[DRAFT_HEAD]) if DRAFT_HEAD in files else None
+    except Exception as e:  # a missing or unreadable weights file
+        raise Refused("load", f"drafter {ann.version}: its weights do not read: {type(e).__name__}: {str(e)[:300]}") from None
+    _check_shapes(config, weights, head is not None, ann.version)
+    try:
+        drafter = _build(config, weights, head, vocab, ann.version, str(path / DRAFT_HEAD))
+    except Exception as e:  # DviError from the head's checks, or whatever transformers raises on a broken config
         raise Refused("load", f"drafter {ann.version} at {path} does not load: {type(e).__name__}: {str(e)[:300]}") from None
+    drafter.model.to(device=next(target.parameters()).device, dtype=dtype)
     bad = [name for name, p in drafter.model.named_parameters() if not bool(torch.isfinite(p).all())]
     if bad:
         raise Refused("nonfinite", f"drafter {ann.version}: non-finite weights in {bad[:3]}{' ...' if len(bad) > 3 else ''}")
     _smoke(drafter, smoke_tokens, vocab)
-    drafter.version = ann.version
     return drafter
 
 
-def _check_shapes(path: Path, version: str) -> None:
-    """Every parameter the config implies must come from the file with its shape, checked before anything is
-    loaded (transformers fills a missing weight with random values and only warns, and its error on a wrong
-    shape does not say which). The expected shapes come from the config on the meta device: no memory, no init."""
-    config = AutoConfig.from_pretrained(path)
+def max_drafter_bytes(target: torch.nn.Module) -> int:
+    """The most a version's files may hold: the target's weights in fp32, plus room for its tokenizer files."""
+    return sum(p.numel() for p in target.parameters()) * 4 + TOKENIZER_ROOM
+
+
+def _config_of(files: dict[str, bytes], family, target_config, version: str):
+    """The version's config, which must equal `family` but for the drafter's own fields (DRAFTER_OWN_FIELDS, with
+    no more layers than the target) and name no code to run (`auto_map`); else Refused("config")."""
+    try:
+        raw = json.loads(files["config.json"])
+        if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+            raise ValueError("not a JSON object with a model_type")
+    except (KeyError, ValueError) as e:
+        raise Refused("config", f"drafter {version}: no readable config.json ({e})") from None
+    if "auto_map" in raw:
+        raise Refused("config", f"drafter {version}: its config names code to run (auto_map); drafters are plain models")
+    try:
+        config = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    except Exception as e:
+        raise Refused("config", f"drafter {version}: config.json does not load: {type(e).__name__}: {str(e)[:200]}") from None
+    mine, theirs = config.to_dict(), family.to_dict()
+    differ = sorted(k for k in set(mine) | set(theirs)
+                    if k not in DRAFTER_OWN_FIELDS and k not in _METADATA_FIELDS and not k.startswith("_") and mine.get(k) != theirs.get(k))
+    if differ:
+        what = "the target's" if family is target_config else "the configured drafter's"
+        raise Refused("config", f"drafter {version}: its config differs from {what} in {differ[:5]} "
+                                f"(a version may differ only in {sorted(DRAFTER_OWN_FIELDS)})")
+    layers, most = mine.get("num_hidden_layers", 0), target_config.to_dict().get("num_hidden_layers", 0)
+    if layers > most:
+        raise Refused("config", f"drafter {version}: {layers} layers, more than the target's {most}")
+    return config
+
+
+def _check_shapes(config, weights: dict[str, torch.Tensor], reduced_head: bool, version: str) -> None:
+    """Every parameter the config implies must come from the weights with its shape, checked before anything is
+    loaded (a missing weight would keep its random init, and torch's error on a wrong shape does not say which).
+    The expected shapes come from the config on the meta device: no memory, no init."""
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    with safe_open(str(path / store.WEIGHTS), "pt") as f:
-        found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    found = {k: tuple(v.shape) for k, v in weights.items()}
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    optional = {"lm_head.weight"} if tied or (path / DRAFT_HEAD).exists() else set()
+    optional = {"lm_head.weight"} if tied or reduced_head else set()
     missing = sorted(k for k in expected if k not in found and k not in optional)
     wrong = sorted(f"{k} {found[k]} != {expected[k]}" for k in expected if k in found and k not in optional and found[k] != expected[k])
     extra = sorted(k for k in found if k not in expected)
@@ -112,6 +159,16 @@ def _check_shapes(path: Path, version: str) -> None:
         parts = [f"missing {missing[:3]}" if missing else "", f"wrong shapes {wrong[:3]}" if wrong else "",
                  f"unexpected {extra[:3]}" if extra else ""]
         raise Refused("shapes", f"drafter {version}: weights do not fit its config: {'; '.join(p for p in parts if p)}")
+
+
+def _build(config, weights: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None, vocab: int, version: str,
+           head_where: str) -> Drafter:
+    """The drafter made of exactly these (checked) tensors."""
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(weights, strict=False)  # what may be absent (a tied or reduced head) was checked above
+    model.tie_weights()
+    vocab_map = attach_head(model, head, vocab, head_where) if head is not None else None
+    return Drafter(model=model.eval(), version=version, vocab_map=vocab_map)
 
 
 @torch.inference_mode()

@@ -12,7 +12,8 @@ hashed and fsynced, the manifest written, the directory renamed into place and f
 marker is written (itself through a rename) and fsynced. A crash at any point leaves either a `.tmp-*`
 leftover (removed by `latest`) or a step directory without a marker (skipped by `latest`, removed by the
 next save's pruning). `latest` returns the newest checkpoint whose marker exists and whose files match the
-manifest; `load` refuses one without a marker.
+manifest; `load` refuses one without a marker, and reads DeepSpeed's files with `torch.load(weights_only=True)`:
+nothing in a checkpoint is unpickled as code.
 
 Several ranks: every rank calls `save` and `load` (DeepSpeed's save and load are collective); rank 0 alone
 seals, renames, marks and prunes, so the run directory must be one filesystem that all ranks share.
@@ -20,7 +21,9 @@ seals, renames, marks and prunes, so the run directory must be one filesystem th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -28,15 +31,21 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
 
 from dvi.errors import DviError
 from dvi.files import fsync_path, sha256_file, write_synced
 
 log = logging.getLogger("dvi.trainers.checkpoint")
 
+# what DeepSpeed's optimizer files hold besides tensors and containers: a loss scaler, the ZeRO stage, fragment
+# addresses (deepspeed.utils.tensor_fragment is imported by name: deepspeed.utils rebinds that attribute)
+DEEPSPEED_GLOBALS = [LossScaler, ZeroStageEnum, importlib.import_module("deepspeed.utils.tensor_fragment").fragment_address]
 STATE = "dvi_state.json"
 MANIFEST = "MANIFEST.json"
 MARKER = "COMPLETE"
@@ -204,7 +213,8 @@ def load(engine: DeepSpeedEngine, path: Path) -> dict:
     hint = ("was it written for another drafter, finetune mode (full / LoRA) or world size? Use those settings, "
             "or point trainer.run_dir at a new directory")
     try:
-        loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+        with _weights_only(engine):
+            loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
     except Exception as e:  # DeepSpeed raises whatever torch.load or load_state_dict raised
         raise DviError(f"DeepSpeed could not load checkpoint {path} ({type(e).__name__}: {e}): {hint}") from e
     if loaded is None:
@@ -213,6 +223,24 @@ def load(engine: DeepSpeedEngine, path: Path) -> dict:
         return json.loads((path / STATE).read_bytes())
     except (OSError, ValueError) as e:
         raise DviError(f"checkpoint {path} has an unreadable {STATE} ({e})") from e
+
+
+@contextlib.contextmanager
+def _weights_only(engine: DeepSpeedEngine) -> Iterator[None]:
+    """Within: DeepSpeed reads checkpoint files with `torch.load(weights_only=True)`, so a file that was tampered
+    with cannot run code while it loads; the only classes it may build beyond tensors and plain containers are
+    the few DeepSpeed writes into its optimizer files (DEEPSPEED_GLOBALS)."""
+    reader = engine.checkpoint_engine
+
+    def load(path, map_location=None):
+        with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    reader.load = load  # on this instance only, for this call
+    try:
+        yield
+    finally:
+        del reader.load
 
 
 # ----------------------------------------------------------------------------------------------

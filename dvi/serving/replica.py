@@ -89,6 +89,8 @@ class Replica:
         self.metrics = ServingMetrics()
         self.producer, self.tracker, self.control = producer, tracker, control
         stop_ids = {pair.tokenizer.eos_token_id} if pair.tokenizer.eos_token_id is not None else set()
+        # the config every published version must match: the configured drafter's family, or the target's
+        self.family = pair.drafter.model.config if pair.drafter is not None else pair.target.config
         self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
         self.rejected: OrderedDict[str, None] = OrderedDict()  # versions never to serve again, oldest first
         self.rollout: Rollout | None = None
@@ -274,7 +276,8 @@ class Replica:
             raise DviError(f"serve.swap.initial={choice}: no published drafter {version} in the store {self.store_root}")
         ann = DrafterPublished(version, str(path), sha256_file(path / store.SUMS))
         try:
-            drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype)
+            drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype,
+                                     self.family)
         except Refused as e:
             if not automatic:
                 raise
@@ -311,7 +314,8 @@ class Replica:
             log.info("ignoring drafter %s: %s", ann.version, "rejected before" if ann.version in self.rejected else "already serving")
             return False
         t0 = time.perf_counter()
-        drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype)
+        drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype,
+                                     self.family)
         with self._swap_lock:
             previous = self.engine.drafter
             # the baseline is the previous drafter on the latest traffic, as much of it as the new one is judged on:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from dvi import store
 from dvi.control import ControlError, DrafterPublished, decode
+from dvi.files import sha256_file
 from dvi.models import load_causal_lm
 from dvi.swap import Refused, judge, load_announced, resolve_in_store
 
@@ -144,6 +146,59 @@ def test_a_reduced_head_that_repeats_a_token_id_is_refused(tiny_dirs, target, tm
             assert e.value.reason == "load" and "token id 7 appears 2 times" in str(e.value), e.value
         else:
             assert load_announced(announcement(p), tmp_path, target).vocab_map.tolist() == ids
+
+
+def resum(path: Path) -> DrafterPublished:
+    """Rewrite the version's SHA256SUMS over what its folder now holds (what a writer to the store could do), and
+    announce it with the new digest: only checks other than the checksums can refuse it."""
+    (path / store.SUMS).write_text("".join(f"{sha256_file(f)}  {f.name}\n" for f in sorted(path.iterdir())
+                                           if f.is_file() and f.name != store.SUMS))
+    return DrafterPublished(path.name, str(path), sha256_file(path / store.SUMS))
+
+
+@pytest.mark.faults
+def test_what_is_loaded_is_what_was_checked_files_links_folders_and_sizes(tiny_dirs, target, tmp_path):
+    root, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    linked = publish_version(root, tiny_dirs[1], "d0001").path  # the weights, a link to a file outside the store
+    (elsewhere / "w.safetensors").write_bytes((linked / store.WEIGHTS).read_bytes())
+    (linked / store.WEIGHTS).unlink()
+    (linked / store.WEIGHTS).symlink_to(elsewhere / "w.safetensors")
+    folder = publish_version(root, tiny_dirs[1], "d0002").path  # a folder inside the version
+    (folder / "sub").mkdir()
+    (folder / "sub" / "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")
+    huge = publish_version(root, tiny_dirs[1], "d0003").path  # a listed file far bigger than the target
+    with open(huge / "tokenizer.model", "wb") as f:
+        f.truncate(2 << 30)  # sparse: 2 GiB that cost no disk
+    odd = publish_version(root, tiny_dirs[1], "d0004").path  # a listed file no version holds
+    (odd / "run.py").write_text("print('hi')")
+    for path, words in ((linked, "not a regular file"), (folder, "not a regular file"), (huge, "bytes, more than"),
+                        (odd, "not files a drafter version holds")):
+        ann = resum(path) if path is not huge else DrafterPublished(path.name, str(path), "0" * 64)  # sizes come first
+        t0 = time.perf_counter()
+        with pytest.raises(Refused) as e:
+            load_announced(ann, root, target)
+        assert e.value.reason == "files" and words in str(e.value), (path.name, e.value)
+        assert time.perf_counter() - t0 < 60  # the 2 GiB file is refused by its size, never read
+
+
+@pytest.mark.faults
+def test_a_config_other_than_the_targets_is_refused(tiny_dirs, target, tmp_path):
+    for version, change, words in (("d0001", {"auto_map": {"AutoModelForCausalLM": "evil.Model"}}, "auto_map"),
+                                   ("d0002", {"rms_norm_eps": 0.5}, "rms_norm_eps"),
+                                   ("d0003", {"num_hidden_layers": 5}, "more than the target")):
+        path = publish_version(tmp_path, tiny_dirs[1], version).path
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(Refused) as e:
+            load_announced(resum(path), tmp_path, target)
+        assert e.value.reason == "config" and words in str(e.value), (version, e.value)
+    fine = publish_version(tmp_path, tiny_dirs[1], "d0004").path  # layers are the drafter's own: fewer is fine
+    assert load_announced(resum(fine), tmp_path, target).version == "d0004"
+    family = load_causal_lm(tiny_dirs[1], "drafter").config  # a replica configured with a drafter checks its family
+    family.rms_norm_eps = 0.25
+    with pytest.raises(Refused, match="differs from the configured drafter's in .'rms_norm_eps'"):
+        load_announced(resum(fine), tmp_path, target, family=family)
 
 
 def test_judge_waits_for_the_window_then_keeps_or_rolls_back():

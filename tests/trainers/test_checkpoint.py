@@ -8,6 +8,7 @@ saving process with SIGKILL at the two moments that matter (before the rename, b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -135,6 +136,37 @@ def test_load_refuses_a_checkpoint_of_another_model(ds_world, make_tiny_llama, o
 def test_load_names_a_changed_zero_stage(ds_world, make_tiny_llama, saved_run):
     with pytest.raises(DviError, match="saved with trainer.zero_stage=0, this run uses 2"):
         load(make_engine(make_tiny_llama, zero_stage=2), saved_run / step_tag(2))
+
+
+class _Payload:
+    """Unpickling this runs `open(path, "w")`: what a tampered checkpoint file could make a trainer do."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_tampered_checkpoint_cannot_run_code_when_it_loads(ds_world, make_tiny_llama, saved_run, tmp_path):
+    """Its model-states file swapped for a pickle that runs code, and the manifest and marker sealed again over it
+    (they are unkeyed hashes: anyone who can write the run directory can redo them): the load refuses it, and the
+    code never ran, because DeepSpeed's files are read with torch.load(weights_only=True)."""
+    root = copy_run(saved_run, tmp_path)
+    ckpt = root / step_tag(2)
+    ran = tmp_path / "payload-ran"
+    states = next(ckpt.rglob("*model_states.pt"))
+    torch.save({"module": _Payload(str(ran))}, states)
+    files = {f.relative_to(ckpt).as_posix(): {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "size": f.stat().st_size}
+             for f in sorted(ckpt.rglob("*")) if f.is_file() and f.name not in (MANIFEST, MARKER)}
+    manifest = json.dumps({"files": files}, indent=1, sort_keys=True).encode()
+    (ckpt / MANIFEST).write_bytes(manifest)
+    marker = json.loads((ckpt / MARKER).read_bytes())
+    (ckpt / MARKER).write_text(json.dumps({**marker, "manifest_sha256": hashlib.sha256(manifest).hexdigest()}))
+    assert latest(root) == ckpt  # sealed again: the manifest checks alone would load it
+    with pytest.raises(DviError, match="could not load checkpoint"):
+        load(make_engine(make_tiny_llama), ckpt)
+    assert not ran.exists()
 
 
 # ----------------------------------------------------------------------------------------------
