@@ -29,6 +29,16 @@ _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 CONF_DIR = Path(os.environ.get("DVI_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
 
 
+def default_cache_dir() -> Path:
+    """Where dvi keeps models, keys, logs and the local stores unless configured: $DVI_CACHE or ~/.cache/dvi."""
+    return Path(os.environ.get("DVI_CACHE", Path.home() / ".cache" / "dvi"))
+
+
+def keys_dir(cfg: StreamConfig) -> Path:
+    """The control channel's keys folder: `stream.keys_dir`, or <cache>/keys."""
+    return Path(cfg.keys_dir).expanduser() if cfg.keys_dir else default_cache_dir() / "keys"
+
+
 def _check(ok: bool, key: str, value: object, expected: str) -> None:
     if not ok:
         raise DviError(f"invalid value {key}={value!r}: expected {expected}")
@@ -189,6 +199,9 @@ class StreamConfig:
     session_timeout_ms: int = 6000  # consumer groups (group joins take about half of it)
     replica_id: str | None = None  # null: <hostname>-<pid>
     security: dict[str, Any] = field(default_factory=dict)  # passed to every Kafka client as is
+    # control messages are signed (Ed25519, dvi.keys): the trainer's key publishes, the replicas' key gives verdicts
+    control_auth: bool = True
+    keys_dir: str | None = None  # the signing keys' folder; null: $DVI_CACHE/keys or ~/.cache/dvi/keys (made on first use)
 
     def __post_init__(self) -> None:
         _check(self.bootstrap_servers is None or bool(str(self.bootstrap_servers).strip()), "stream.bootstrap_servers",

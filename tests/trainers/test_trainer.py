@@ -20,9 +20,12 @@ import pytest
 import torch
 from broker_fixtures import dead_letters, engine_records, make_record, poison
 from child_env import clean_env
+from kafka import KafkaProducer
 
-from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, TrainerConfig
+from dvi import keys
+from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, TrainerConfig, keys_dir
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected
+from dvi.control import encode as encode_control
 from dvi.engine import Request, SpeculativeEngine
 from dvi.models import load_causal_lm, load_drafter
 from dvi.records import encode, records_from_result
@@ -538,14 +541,24 @@ def test_servers_verdicts_are_recorded_in_the_store_for_restarting_replicas(stre
     with ControlReader(stream_cfg) as control, DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source:
         trainer = Trainer(cfg, source, control=control)
         control_send(stream_cfg, DrafterPromoted(version="d0001", replica_id="r1", acceptance=0.4))
-        control_send(stream_cfg, DrafterRejected(version="d0002", replica_id="r1", reason="acceptance fell"))
+        rejected = encode_control(DrafterRejected(version="d0002", replica_id="r1", reason="acceptance fell"),
+                          keys.load(keys_dir(stream_cfg), sign_as=("replica",)))
+        raw = KafkaProducer(bootstrap_servers=stream_cfg.bootstrap)
+        raw.send(stream_cfg.control_topic, rejected).get(timeout=10)
         control_send(stream_cfg, DrafterPromoted(version="d0099", replica_id="r2"))  # not in this store
         control_send(stream_cfg, DrafterPromoted(version="../d0001", replica_id="r3"))  # not a version name
+        # forged: unsigned, and signed by a key this deployment does not trust; then the genuine rejection again
+        raw.send(stream_cfg.control_topic, encode_control(DrafterRejected(version="d0001", replica_id="r9"))).get(timeout=10)
+        stranger = keys.load(tmp_path / "stranger-keys", sign_as=("replica",))
+        raw.send(stream_cfg.control_topic, encode_control(DrafterRejected(version="d0001", replica_id="r9"), stranger)).get(timeout=10)
+        raw.send(stream_cfg.control_topic, rejected).get(timeout=10)  # a replay
+        raw.close()
         deadline = time.monotonic() + 30
-        while len(store.verdicts(root)) < 2 and time.monotonic() < deadline:
+        while control.invalid < 4 and time.monotonic() < deadline:
             trainer._control()
             time.sleep(0.2)
         trainer._control()
+    assert control.invalid == 4  # "../d0001", the two forgeries and the replay
     assert store.verdicts(root) == {"d0001": store.PRODUCTION, "d0002": store.REJECTED}
     assert len((root / store.VERDICTS).read_text().splitlines()) == 2
     assert store.serving_version(root) == "d0001"

@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from kafka import KafkaProducer
 
-from dvi import store
-from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig
+from dvi import keys, store
+from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig, keys_dir
 from dvi.control import DrafterPublished, DrafterRejected
+from dvi.control import encode as encode_control
 from dvi.models import load_causal_lm, resolve_pair
 from dvi.procs import free_port
 from dvi.serving.replica import REJECTED_KEPT, Replica
@@ -185,6 +187,42 @@ def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_
     r = running.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})
     assert r.status_code == 200 and r.json()["dvi"]["drafter_versions"] == ["d0001"]
     assert 'dvi_drafter_events_total{event="refused:nonfinite"} 1' in requests.get(running.url + "/metrics", timeout=10).text
+
+
+@pytest.mark.faults
+def test_only_the_trainer_decides_what_a_replica_serves(running, stream_cfg, tiny_dirs, tmp_path):
+    """Announcements that are unsigned, signed with a replica's key, or a replay of a genuine one are refused (no
+    swap); genuine ones swap. Anyone who can write to the broker cannot pick the drafter."""
+    service, root = running.service, tmp_path / "store"
+    d1, d2 = (publish_noisy(root, tiny_dirs[0], f"d000{i}", noise=0.05, seed=i) for i in (1, 2))
+    local = keys.load(keys_dir(stream_cfg), sign_as=("trainer", "replica"))
+    genuine = encode_control(DrafterPublished(d1.version, str(d1.path), d1.sha256), keys.Keys(signing={"trainer": local.signing["trainer"]}))
+    forged = DrafterPublished(d2.version, str(d2.path), d2.sha256)
+    raw = KafkaProducer(bootstrap_servers=stream_cfg.bootstrap)
+
+    def send(data: bytes) -> None:
+        raw.send(stream_cfg.control_topic, data).get(timeout=10)
+
+    def swaps_to(version: str) -> bool:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if service.engine.drafter.version == version:
+                return True
+            time.sleep(0.2)
+        return False
+
+    initial = service.engine.drafter.version
+    send(encode_control(forged))  # unsigned
+    send(encode_control(forged, keys.Keys(signing={"trainer": local.signing["replica"]})))  # a replica's key as the trainer's
+    assert not swaps_to(d2.version) and service.engine.drafter.version == initial
+    send(genuine)
+    assert swaps_to(d1.version)
+    announce(stream_cfg, d2)  # genuine
+    assert swaps_to(d2.version)
+    send(genuine)  # the same signed bytes again: a replay, refused
+    assert not swaps_to(d1.version)
+    raw.close()
+    assert service.control.invalid == 3 and service.metrics.events["swap"] == 2
 
 
 def test_rejections_from_the_control_topic_are_bounded(tiny_dirs, tmp_path):
