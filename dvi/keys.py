@@ -7,8 +7,9 @@ halves, `trainer.pub` and `replica.pub`, so a replica host holds no key that can
     trainer host:  trainer.key  trainer.pub  replica.pub
     replica host:  replica.key  replica.pub  trainer.pub
 
-On one host (`dvi up`, the tests) the folder is `stream.keys_dir` (default <cache>/keys) and the first process
-that needs a key makes it: the folder is 0700, private keys 0600, written under a temporary name and linked into
+`dvi keys init --trainer DIR --replica DIR` lays these out for a deployment on several hosts (docker/compose.yaml
+runs it once). On one host (`dvi up`, the tests) the folder is `stream.keys_dir` (default <cache>/keys) and the
+first process that needs a key makes it: the folder is 0700, private keys 0600, written under a temporary name and linked into
 place, so two processes starting together end up with the same key. A private key that is missing on a host
 whose folder already holds its public half is an error, not a new key: that host was given the public half on
 purpose. This module knows files and Ed25519; which message needs which role is `dvi.control`'s.
@@ -71,6 +72,16 @@ def load(folder: Path, sign_as: tuple[str, ...] = (), create: bool = True) -> Ke
         elif create and not (folder / f"{role}.pub").exists():
             trusted[role] = _private(folder, role, create=True).public_key()  # one host: every role's pair is here
     return Keys(signing, trusted)
+
+
+def init_hosts(trainer_dir: Path, replica_dir: Path) -> None:
+    """Make (or keep) a trainer and a replica key pair and lay out each kind of host's folder: the trainer's
+    holds trainer.key and both public keys, the replicas' holds replica.key and both public keys. Idempotent."""
+    trainer_dir, replica_dir = Path(trainer_dir).expanduser(), Path(replica_dir).expanduser()
+    trainer = _private(trainer_dir, "trainer", create=True)
+    replica = _private(replica_dir, "replica", create=True)
+    for folder, role, key in ((replica_dir, "trainer", trainer), (trainer_dir, "replica", replica)):
+        _write_once(folder / f"{role}.pub", key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex().encode(), mode=0o644)
 
 
 def _private(folder: Path, role: str, create: bool) -> Ed25519PrivateKey:

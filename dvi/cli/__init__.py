@@ -3,7 +3,7 @@
 `COMMANDS` is the table: the words of a subcommand, its help, its options and the function that runs it. The
 functions live in the modules beside this one (`serve`: generate and serve; `status`; `up`: the local stack
 and process supervision; `stream`: broker and stream tail; `tracking`: mlflow; `train`: train, retrain and
-distill; `models`: models fetch and drafter init) and are imported only when their command runs, so `dvi --help`
+distill; `models`: models fetch, drafter init and keys init) and are imported only when their command runs, so `dvi --help`
 loads neither torch nor Kafka, DeepSpeed or MLflow. Each parses its arguments, builds the typed config once,
 hands the library its parts and prints. Trailing `key=value` words are Hydra overrides of conf/. A `DviError`
 prints as one line `dvi: error: ...` with exit status 2. Nothing imports this package; it imports everything.
@@ -31,7 +31,8 @@ class Command:
     options: Callable[[argparse.ArgumentParser], None] = lambda p: None
 
 
-GROUPS = {"models": "model cache", "drafter": "drafter checkpoints", "stream": "the decision stream"}
+GROUPS = {"models": "model cache", "drafter": "drafter checkpoints", "stream": "the decision stream",
+          "keys": "the control channel's signing keys"}
 
 
 def _generate(p: argparse.ArgumentParser) -> None:
@@ -79,6 +80,11 @@ def _drafter_init(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output directory (default: the demo drafter's place in the cache)")
 
 
+def _keys_init(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trainer", required=True, help="the trainer host's keys folder (its stream.keys_dir)")
+    p.add_argument("--replica", required=True, help="the replica hosts' keys folder (their stream.keys_dir)")
+
+
 def _distill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle", type=float, default=10.0, help="stop after this many seconds without a fresh record")
     p.add_argument("--file", help="a JSON-lines file of records (`dvi stream tail --json --from-beginning > FILE`) instead of the topic")
@@ -100,6 +106,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("drafter", "init"), "build a drafter from the target's first layers", "models:drafter_init", _drafter_init),
     Command(("drafter", "distill"), "distill the drafter offline from every record on the decisions topic, then publish",
             "train:distill", _distill),
+    Command(("keys", "init"), "make the trainer's and the replicas' signing keys for a deployment on several hosts",
+            "models:keys_init", _keys_init),
 )
 
 

@@ -1,10 +1,12 @@
-"""`dvi models fetch` and `dvi drafter init`: the model cache (the demo target, drafters built from a target)."""
+"""`dvi models fetch`, `dvi drafter init` and `dvi keys init`: what a deployment prepares once (the demo target and
+drafters built from a target in the model cache; the control channel's signing keys, `dvi.keys`)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from dvi import keys
 from dvi.config import load_config, overrides_of
 from dvi.models import build_drafter, cache_dir, demo_drafter_dir, fetch_demo_target
 
@@ -25,4 +27,10 @@ def drafter_init(args: argparse.Namespace) -> int:
         vocab = None
     out = Path(args.out) if args.out else demo_drafter_dir(cache, layers, vocab)
     print(build_drafter(target_dir, out, layers=layers, vocab=vocab))
+    return 0
+
+
+def keys_init(args: argparse.Namespace) -> int:
+    keys.init_hosts(Path(args.trainer), Path(args.replica))
+    print(f"trainer keys in {Path(args.trainer).resolve()}, replica keys in {Path(args.replica).resolve()}")
     return 0

@@ -1,0 +1,66 @@
+"""The Hydra configs in conf/ against the typed config in dvi/config.py: every field can be set from the command
+line, every config file composes into a valid config, and the checks across groups hold."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dvi.config import CONF_DIR, DviConfig, load_config
+from dvi.errors import DviError
+
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "experiment")
+PARTIAL = {"trigger"}  # each trigger file sets only the keys its kind reads (continuous: just the kind)
+
+
+def fields_of(cls, prefix: str = "") -> set[str]:
+    out = set()
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            out |= fields_of(type(default), f"{prefix}{f.name}.")
+        else:
+            out.add(f"{prefix}{f.name}")
+    return out
+
+
+def keys_of(node, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in node.items():
+        if OmegaConf.is_dict(value) and key not in ("security",):
+            out |= keys_of(value, f"{prefix}{key}.")
+        else:
+            out.add(f"{prefix}{key}")
+    return out
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_field_of_the_typed_config_is_in_every_file_of_its_group(group):
+    """A field missing from the YAML cannot be set on the command line (Hydra's struct mode refuses `group.key=`)."""
+    expected = fields_of(type(getattr(DviConfig(), group)))
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            raw = compose(config_name="config", overrides=[f"{group}={path.stem}"])
+        found = keys_of(raw[group])
+        assert found <= expected, f"conf/{group}/{path.name}: keys the typed config does not have: {sorted(found - expected)}"
+        assert group in PARTIAL or found == expected, f"conf/{group}/{path.name}: missing {sorted(expected - found)}"
+        load_config([f"{group}={path.stem}"])  # and it composes into a valid config
+
+
+def test_experiments_compose():
+    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+        load_config([f"+experiment={path.stem}"])
+
+
+def test_checks_across_groups_name_both_values():
+    with pytest.raises(DviError, match=r"stream.topk=16.*serve.spec.topk_logprobs=8"):
+        load_config(["stream.topk=16"])
+    assert load_config(["stream.topk=16", "serve.spec.topk_logprobs=16"]).stream.topk == 16
+
+
+def test_conf_dir_is_the_checkouts():
+    assert CONF_DIR == Path(__file__).resolve().parents[2] / "conf"
