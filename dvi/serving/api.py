@@ -8,8 +8,12 @@ into the request's DecisionRecords.
 
 Bodies are parsed by hand (`parse_completion`) so every mistake gets one clear 4xx in OpenAI's error shape
 ({"error": {"message", "type", "param", "code"}}): malformed JSON, a missing or empty prompt, an unknown model,
-out-of-range sampling values or max_tokens, `n` > 1, unsupported fields. With an API key set (`serve.api_key`
-or $DVI_API_KEY), `/v1/*` needs `Authorization: Bearer <key>`; /health and /metrics stay open.
+out-of-range sampling values or max_tokens, `n` > 1, unsupported fields; a body that is not JSON is a 415. With an
+API key set (`serve.api_key` or $DVI_API_KEY), everything but /health needs `Authorization: Bearer <key>`, and
+/health says only that the replica is up to a caller without it. A request that carries an `Origin` (a web page in
+a browser) is refused with 403 unless `serve.allowed_origins` lists it, so no page a user opens can drive
+generations; `serve.max_inflight_per_client` caps the requests one client (its key, else its address) has in flight
+(429 beyond it).
 
 `draining_server` runs the app under uvicorn so that a SIGINT or SIGTERM first drains the replica (requests in
 flight finish or end with an error, never cut off as if complete). This module knows HTTP, uvicorn and the
@@ -25,6 +29,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +77,8 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
         raise ApiError(413, f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting deeper than json can parse
+        raise ApiError(400, f"malformed JSON body: {str(e)[:200] or 'nested too deeply'}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     unknown = sorted(set(body) - _KNOWN)
@@ -157,15 +162,28 @@ def create_app(replica: Replica) -> Any:
 
     app = FastAPI(title="dvi", version="1", docs_url=None, redoc_url=None)
     key = replica.api_key
+    origins = frozenset(replica.cfg.serve.allowed_origins)
+    per_client = replica.cfg.serve.max_inflight_per_client
+    inflight: Counter[str] = Counter()  # client -> requests in flight (touched on the event loop only)
+
+    def authorized(request: Request) -> bool:
+        given = request.headers.get("authorization", "")
+        return not key or hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
 
     @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                replica.metrics.error(401)
-                return JSONResponse(ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                                             kind="authentication_error").body(), status_code=401)
+    async def guard(request: Request, call_next):
+        """Browser pages of other sites may not drive the API (their requests carry an Origin this server does not
+        list); with an API key, everything but /health needs it."""
+        origin = request.headers.get("origin")
+        if origin is not None and origin not in origins:
+            replica.metrics.error(403)
+            return JSONResponse(ApiError(403, f"requests from the web page at {origin[:100]!r} are not allowed; list the "
+                                              "origin in serve.allowed_origins to allow it", kind="permission_error").body(),
+                                status_code=403)
+        if request.url.path != "/health" and not authorized(request):
+            replica.metrics.error(401)
+            return JSONResponse(ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                                         kind="authentication_error").body(), status_code=401)
         return await call_next(request)
 
     @app.exception_handler(ApiError)
@@ -175,8 +193,9 @@ def create_app(replica: Replica) -> Any:
 
     # health and metrics take the replica's locks: plain functions, run in the threadpool, never on the event loop
     @app.get("/health")
-    def health():
-        return replica.health()
+    def health(request: Request):
+        # with an API key, a caller without it learns that the replica is up, and nothing about the host
+        return replica.health() if authorized(request) else {"status": "ok"}
 
     @app.get("/metrics")
     def metrics():
@@ -193,6 +212,35 @@ def create_app(replica: Replica) -> Any:
             raise ApiError(503, str(e), kind="server_error") from None
 
     async def complete(request: Request, chat: bool):
+        media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise ApiError(415, f"the body must be JSON (Content-Type: application/json), not {media[:80]!r}")
+        client = f"key:{request.headers.get('authorization', '')}" if key else f"addr:{request.client.host if request.client else '-'}"
+        if per_client and inflight[client] >= per_client:
+            raise ApiError(429, f"{inflight[client]} requests of this client are already in flight "
+                                f"(serve.max_inflight_per_client={per_client}); retry when one has finished",
+                           kind="rate_limit_error")
+        inflight[client] += 1
+        released = False
+
+        def release() -> None:  # once decoding is done (a streamed answer: when its job finishes)
+            nonlocal released
+            if not released:
+                released = True
+                inflight[client] -= 1
+                if not inflight[client]:
+                    del inflight[client]
+
+        try:
+            response = await _complete(request, chat, release)
+        except BaseException:
+            release()
+            raise
+        if not isinstance(response, StreamingResponse):
+            release()
+        return response
+
+    async def _complete(request: Request, chat: bool, release):
         raw = await read_body(request, MAX_BODY_BYTES)
         c = parse_completion(raw, chat, model_name=replica.model_name, default_max_tokens=replica.defaults.max_new_tokens,
                              max_max_tokens=replica.cfg.serve.max_max_tokens, default_temperature=replica.defaults.temperature,
@@ -220,6 +268,7 @@ def create_app(replica: Replica) -> Any:
         detok = TextStream(replica.tokenizer)
         job = submit(req, c.domain, on_tokens=lambda ids: loop.call_soon_threadsafe(chunks.put_nowait, ids))
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(chunks.put_nowait, None))
+        job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(release))  # decoding done: the slot is free
 
         def chunk(delta: str | None, finish: str | None = None, **extra) -> str:
             choice = {"index": 0, "finish_reason": finish, "logprobs": None}

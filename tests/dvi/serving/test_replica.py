@@ -366,6 +366,49 @@ def test_the_api_key_is_required_on_v1_when_set(stream_cfg, tiny_dirs, tmp_path)
         r.close()
 
 
+@pytest.mark.faults
+def test_hostile_http_requests_get_a_clear_4xx_and_cost_nothing(stream_cfg, tiny_dirs, tmp_path):
+    """Bodies json cannot parse (deep nesting) are 400s, not 500s; a non-JSON content type is a 415; a web page
+    of another site (its Origin) is a 403, a listed one is served; with a key, only /health answers without it,
+    and says nothing about the host; one client gets at most serve.max_inflight_per_client requests in flight."""
+    cfg = service_config(stream_cfg, tiny_dirs, tmp_path / "store", api_key="s3cret-key", max_inflight_per_client=1,
+                         allowed_origins=("https://app.example.com",))
+    r = Running(replica(cfg))
+    key = {"Authorization": "Bearer s3cret-key"}
+    try:
+        nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        assert r.post("/v1/completions", nested, headers=key).status_code == 400
+        form = r.post("/v1/completions", b"prompt=hi", headers={**key, "Content-Type": "application/x-www-form-urlencoded"})
+        assert form.status_code == 415 and "application/json" in form.json()["error"]["message"]
+        plain = r.post("/v1/completions", json.dumps({"prompt": "hi"}), headers={**key, "Content-Type": "text/plain"})
+        assert plain.status_code == 415
+        body = {"prompt": "hi", "max_tokens": 2}
+        evil = r.post("/v1/completions", body, headers={**key, "Origin": "https://evil.example"})
+        assert evil.status_code == 403 and "serve.allowed_origins" in evil.json()["error"]["message"]
+        assert r.post("/v1/completions", body, headers={**key, "Origin": "https://app.example.com"}).status_code == 200
+        assert r.post("/v1/completions", body, headers={**key, "Content-Type": "application/json; charset=utf-8"}).status_code == 200
+        for path in ("/metrics", "/openapi.json", "/v1/models"):
+            assert requests.get(r.url + path, timeout=10).status_code == 401, path
+            assert requests.get(r.url + path, headers=key, timeout=10).status_code == 200, path
+        assert requests.get(r.url + "/health", timeout=10).json() == {"status": "ok"}
+        assert "replica_id" in requests.get(r.url + "/health", headers=key, timeout=10).json()
+
+        stream = requests.post(r.url + "/v1/completions", stream=True, timeout=120, headers=key,
+                               data=json.dumps({"prompt": PROMPTS[0], "max_tokens": 400, "stream": True}))
+        lines = stream.iter_lines(decode_unicode=True)
+        next(line for line in lines if line.startswith("data: "))  # decoding: its slot is taken
+        second = r.post("/v1/completions", body, headers=key)
+        assert second.status_code == 429 and "max_inflight_per_client" in second.json()["error"]["message"]
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+        stream.close()
+        deadline = time.monotonic() + 10
+        while (status := r.post("/v1/completions", body, headers=key).status_code) == 429 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status == 200  # the slot came back when the first one finished
+    finally:
+        r.close()
+
+
 @pytest.mark.real_model
 def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_target_dir, demo_drafter_dir, tmp_path):
     """`dvi serve` on the real demo pair: a chat completion over HTTP, its DecisionRecord on the topic, SIGTERM."""
