@@ -150,6 +150,7 @@ class ServeConfig:
     max_connections: int = 256  # open HTTP connections and requests in flight; beyond it the server answers 503
     max_inflight_per_client: int = 0  # requests one client (API key, else address) may have in flight; 0: no cap; beyond: 429
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; a request from any other is a 403
+    max_domains: int = 16  # domain tags tracked by name in metrics, MLflow and the plot; further ones count as "other"
     drain_s: float = 20.0  # on SIGTERM: how long requests in flight may take to finish; the rest end with an error
     log_decisions: bool = True  # send a DecisionRecord per request to stream.topic
     metrics_every_s: float = 15.0  # serving metrics to MLflow (a run per replica)
@@ -166,6 +167,7 @@ class ServeConfig:
         _check(self.max_inflight_per_client >= 0, "serve.max_inflight_per_client", self.max_inflight_per_client, "an integer >= 0")
         _check(all(isinstance(o, str) and o.startswith(("http://", "https://")) for o in self.allowed_origins),
                "serve.allowed_origins", list(self.allowed_origins), "a list of origins such as https://app.example.com")
+        _check(self.max_domains >= 1, "serve.max_domains", self.max_domains, "an integer >= 1")
         _check(self.drain_s >= 0, "serve.drain_s", self.drain_s, ">= 0 seconds")
         _check(self.metrics_every_s > 0, "serve.metrics_every_s", self.metrics_every_s, "> 0 seconds")
         _check(self.plot_every_s > 0, "serve.plot_every_s", self.plot_every_s, "> 0 seconds")

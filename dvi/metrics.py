@@ -23,6 +23,7 @@ from dvi.engine import Result, SpecStats
 
 NO_DRAFTER = "none"  # the version label of rounds decoded without a drafter
 NO_DOMAIN = "none"
+OTHER_DOMAIN = "other"  # the domains beyond the first max_domains seen
 RECENT_ROUNDS = 4096  # drafting rounds kept per version for `recent_acceptance_of`
 VERSIONS_KEPT = 16  # versions whose figures are kept (a rollout compares the newest two)
 
@@ -41,8 +42,10 @@ class Point:
 class ServingMetrics:
     """Thread-safe counters of one serving replica (see the module docstring)."""
 
-    def __init__(self, history: int = 10_000):
+    def __init__(self, history: int = 10_000, max_domains: int = 16):
         self._lock = threading.Lock()
+        self.max_domains = max_domains  # domains tracked by name; traffic of any further one counts as OTHER_DOMAIN
+        self.domains: set[str] = set()
         self.started = time.time()
         self.requests = 0
         self.tokens = 0  # generated
@@ -67,6 +70,11 @@ class ServingMetrics:
     def observe(self, result: Result, domain: str | None = None) -> None:
         domain = domain or NO_DOMAIN
         with self._lock:
+            if domain not in self.domains:
+                if len(self.domains) >= self.max_domains:
+                    domain = OTHER_DOMAIN  # a client choosing new tags cannot grow /metrics, MLflow or the plot
+                else:
+                    self.domains.add(domain)
             self.requests += 1
             self.tokens += len(result.token_ids)
             self._interval_tokens += len(result.token_ids)

@@ -52,6 +52,7 @@ _U32 = struct.Struct("<I")
 _ID_DTYPES = {"<u2": np.dtype("<u2"), "<i4": np.dtype("<i4")}
 _LP_DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
 _HEX32 = re.compile(r"[0-9a-f]{32}")
+DOMAIN = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a domain or tenant tag: it names metrics and plot series
 _MAX_TEXT = 256  # characters of ids, names and tags
 _LOGPROB_SLACK = 1e-3  # a log-prob may exceed 0 by float rounding only
 _HEADER_KEYS = frozenset(
@@ -348,6 +349,8 @@ def validate(record: DecisionRecord, vocab_size: int | None = None) -> None:
         _int(record.sampling.seed, "sampling.seed")
     if record.domain is not None:
         _text(record.domain, "domain")
+        if not DOMAIN.fullmatch(record.domain):
+            raise RecordError("domain", f"{record.domain[:80]!r} is not a tag of 1 to 64 letters, digits, '.', '_' or '-'")
     topk = _int(record.topk, "topk", lo=0)
     if topk > vocab:
         raise RecordError("topk", f"{topk} exceeds the vocabulary size {vocab}")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
 import time
 import urllib.parse
@@ -49,6 +50,7 @@ log = logging.getLogger("dvi.tracking")
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
 MAX_PARAMS_PER_BATCH = 100
 VERSION_TAG = "dvi.version"
+METRIC_KEY = re.compile(r"[\w./\- :]{1,250}")  # the names MLflow accepts
 SOURCE_TAG = "dvi.source"
 # the MLflow client's defaults (7 retries with backoff, 120 s timeout) would stall the thread for minutes
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -66,7 +68,7 @@ class TrackerStats:
     sent: int  # metric points MLflow acknowledged
     queued: int  # waiting to be sent (including the batch in flight)
     dropped: int  # lost: oldest dropped when the queue was full, rejected by MLflow, or unsent at close
-    skipped_nonfinite: int  # NaN, inf or not a number: never queued
+    skipped_nonfinite: int  # NaN, inf, not a number, or a name MLflow refuses: never queued
     failures: int  # failed attempts to reach MLflow, and operations it rejected
     connected: bool  # the last attempt reached MLflow
     run_id: str | None
@@ -143,8 +145,8 @@ class Tracker:
                 return
             for key, value in metrics.items():
                 value = _finite(value)
-                if value is None:
-                    self._skipped += 1
+                if value is None or not METRIC_KEY.fullmatch(str(key)) or ".." in str(key):
+                    self._skipped += 1  # MLflow would refuse the whole batch over one bad value or name
                     continue
                 if len(self._points) >= self.cfg.queue_size:
                     self._points.popleft()

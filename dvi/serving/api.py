@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dvi.errors import DviError
+from dvi.records import DOMAIN
 from dvi.serving.replica import Replica, Unavailable
 
 log = logging.getLogger("dvi.serving.api")
@@ -128,8 +129,8 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
     if not isinstance(ext, dict):
         raise ApiError(400, "'dvi' must be an object, e.g. {\"domain\": \"code\"}", "dvi")
     domain = ext.get("domain", domain_header)
-    if domain is not None and (not isinstance(domain, str) or not 0 < len(domain) <= 64):
-        raise ApiError(400, "the domain tag must be a string of 1 to 64 characters", "dvi.domain")
+    if domain is not None and (not isinstance(domain, str) or not DOMAIN.fullmatch(domain)):
+        raise ApiError(400, "the domain tag must be 1 to 64 letters, digits, '.', '_' or '-'", "dvi.domain")
     return Completion(prompt, messages, max_tokens, temperature, top_p, seed, stream, domain)
 
 

@@ -86,7 +86,7 @@ class Replica:
         self.replica_id = cfg.stream.replica_id or default_replica_id()
         self.api_key = cfg.serve.api_key or os.environ.get("DVI_API_KEY") or None
         self.store_root = store.serving_root(cfg)
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics(max_domains=cfg.serve.max_domains)
         self.producer, self.tracker, self.control = producer, tracker, control
         stop_ids = {pair.tokenizer.eos_token_id} if pair.tokenizer.eos_token_id is not None else set()
         # the config every published version must match: the configured drafter's family, or the target's

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from dvi.metrics import VERSIONS_KEPT, ServingMetrics
+from dvi.metrics import OTHER_DOMAIN, VERSIONS_KEPT, ServingMetrics
 
 
 def result(version: str, rounds: list[tuple[int, int]]):
@@ -37,3 +37,16 @@ def test_figures_by_version_are_kept_for_the_latest_versions_and_the_serving_one
     assert m.acceptance_of("d01") == (0, 0) and m.recent_acceptance_of("d01", 100) == (0, 0)
     assert m.total.drafted == 4 * 3 * (VERSIONS_KEPT + 8)  # the totals keep every round
     assert sum(k.startswith("version/") for k in m.interval()) == 2 * VERSIONS_KEPT
+
+
+def test_domains_beyond_the_cap_count_as_other():
+    """A client that tags every request with a new domain cannot grow the figures, /metrics or MLflow."""
+    m = ServingMetrics(max_domains=4)
+    for i in range(100):
+        m.observe(result("d1", [(4, 2)]), f"tenant-{i}")
+    domains = {d for _, d in m.by_domain}
+    assert domains == {"tenant-0", "tenant-1", "tenant-2", "tenant-3", OTHER_DOMAIN}
+    assert m.by_domain[("d1", OTHER_DOMAIN)].drafted == 4 * 96  # their traffic still counts
+    assert m.acceptance_of("d1") == (400, 200)
+    assert set(m.interval()) >= {f"interval/acceptance.{OTHER_DOMAIN}"}
+    assert sum(k.startswith("interval/acceptance.") for k in m.interval()) == 0  # the interval just closed

@@ -126,6 +126,8 @@ def broken(record: DecisionRecord, path: str, value) -> DecisionRecord:
         ("record_id", "not-hex", "record_id"),
         ("request_id", 17, "request_id"),
         ("replica_id", "", "replica_id"),
+        ("domain", "bad!", "domain"),
+        ("domain", "a/b", "domain"),
         ("chunk_index", -1, "chunk_index"),
         ("final", 1, "final"),
         ("time", float("nan"), "time"),

@@ -88,6 +88,17 @@ def test_non_finite_values_are_skipped_and_counted(server, client):
     assert client.get_metric_history(stats.run_id, "loss") == []
 
 
+@pytest.mark.slow
+def test_a_metric_name_mlflow_refuses_drops_that_key_alone(server, client):
+    """One point with a name MLflow refuses would make it refuse the whole batch: only that point is skipped."""
+    tracker = Tracker(config(server.uri), "run-names")
+    tracker.log_metrics({"acceptance.code": 0.5, "acceptance.bad!": 0.1, "acceptance..": 0.2, "a" * 300: 0.3}, step=1)
+    tracker.log_metrics({"acceptance.code": 0.6}, step=2)
+    stats = tracker.close(timeout_s=20)
+    assert (stats.skipped_nonfinite, stats.sent, stats.dropped, stats.failures) == (3, 2, 0, 0)
+    assert [(m.step, m.value) for m in history(client, stats.run_id, "acceptance.code")] == [(1, 0.5), (2, 0.6)]
+
+
 def registered(client, name: str) -> dict[str, int]:
     """dvi drafter version -> MLflow model version number, as the registry has them."""
     return {mv.tags["dvi.version"]: int(mv.version) for mv in client.search_model_versions(f"name='{name}'")}

@@ -387,6 +387,8 @@ def test_hostile_http_requests_get_a_clear_4xx_and_cost_nothing(stream_cfg, tiny
         assert evil.status_code == 403 and "serve.allowed_origins" in evil.json()["error"]["message"]
         assert r.post("/v1/completions", body, headers={**key, "Origin": "https://app.example.com"}).status_code == 200
         assert r.post("/v1/completions", body, headers={**key, "Content-Type": "application/json; charset=utf-8"}).status_code == 200
+        for tag in ("bad!", "a/b", "x" * 65, ""):  # a domain tag names metrics: plain names only
+            assert r.post("/v1/completions", {**body, "dvi": {"domain": tag}}, headers=key).status_code == 400, tag
         for path in ("/metrics", "/openapi.json", "/v1/models"):
             assert requests.get(r.url + path, timeout=10).status_code == 401, path
             assert requests.get(r.url + path, headers=key, timeout=10).status_code == 200, path
