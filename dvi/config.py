@@ -144,7 +144,8 @@ class ServeConfig:
     # the HTTP server (dvi serve)
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # null: $DVI_API_KEY, or no authentication when that is unset too
+    api_key: str | None = None  # null: $DVI_API_KEY, or serve.api_key_file, or no authentication (never on argv)
+    api_key_file: str | None = None  # a file holding the API key (when neither api_key nor $DVI_API_KEY is set)
     max_queue: int = 64  # requests waiting for the engine; beyond it the server answers 503
     max_max_tokens: int = 2048  # the largest max_tokens a request may ask for
     max_connections: int = 256  # open HTTP connections and requests in flight; beyond it the server answers 503
@@ -408,7 +409,7 @@ class DviConfig:
                "engine keeps): raise serve.spec.topk_logprobs or lower stream.topk")
 
 
-SECRET_KEYS = frozenset(["security", "api_key"])  # never logged as params
+SECRET_KEYS = frozenset(["security", "api_key"])  # never logged as params, never accepted on a command line
 
 
 def flat_params(cfg: Any, prefix: str = "") -> dict[str, Any]:
@@ -424,11 +425,20 @@ def flat_params(cfg: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def overrides_of(args: argparse.Namespace) -> list[str]:
-    """The Hydra overrides given on a command line (`args.overrides`); anything else left over is an error."""
+    """The Hydra overrides given on a command line (`args.overrides`); anything else left over is an error, and so
+    is a secret: every user of the host can read a process's command line (/proc/<pid>/cmdline)."""
     extra = list(getattr(args, "overrides", []) or [])
     bad = [w for w in extra if "=" not in w or w.startswith("-")]
     if bad:
         raise DviError(f"unrecognized arguments: {' '.join(bad)} (config overrides look like key=value)")
+    for word in extra:
+        key = word.split("=", 1)[0].lstrip("+~")
+        if key == "serve.api_key":
+            raise DviError("serve.api_key on the command line is readable by every user of this host: set $DVI_API_KEY, "
+                           "or serve.api_key_file=<a file only you can read>")
+        if key.startswith("stream.security.") and any(s in key for s in ("password", "secret", "token")):
+            raise DviError(f"{key} on the command line is readable by every user of this host: set "
+                           "$DVI_KAFKA_SASL_PASSWORD, or keep it in a config file")
     return extra
 
 

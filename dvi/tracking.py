@@ -231,10 +231,10 @@ class Tracker:
         if dropped:
             log.warning(
                 "MLflow tracking at %s: %d metric points lost (%d unsent at close, %d dropped earlier: queue full or rejected)",
-                self.cfg.tracking_uri, dropped, unsent, dropped - unsent,
+                redact(self.cfg.tracking_uri), dropped, unsent, dropped - unsent,
             )  # fmt: skip
         if lost:
-            log.warning("MLflow tracking at %s: not done: %s", self.cfg.tracking_uri, "; ".join(lost))
+            log.warning("MLflow tracking at %s: not done: %s", redact(self.cfg.tracking_uri), "; ".join(lost))
 
     # -- the background thread -----------------------------------------------------------------
 
@@ -288,7 +288,7 @@ class Tracker:
             with self._lock:
                 sent, dropped = self._sent - sent, self._dropped - dropped
             log.warning("MLflow at %s is reachable again after %.0f s: %d metric points logged during the outage sent "
-                        "to run %s with their original times, %d lost (queue full)", self.cfg.tracking_uri,
+                        "to run %s with their original times, %d lost (queue full)", redact(self.cfg.tracking_uri),
                         time.monotonic() - started, sent, self._run_id, dropped)
             self._outage_reported = False
         with self._lock:
@@ -321,7 +321,7 @@ class Tracker:
                 self._outage = (time.monotonic(), self._sent, self._dropped)
             log.warning(
                 "MLflow at %s unreachable (%s): keeping up to %d metric points, retrying every %g s",
-                self.cfg.tracking_uri, _short(e), self.cfg.queue_size, self.cfg.retry_s,
+                redact(self.cfg.tracking_uri), _short(e), self.cfg.queue_size, self.cfg.retry_s,
             )  # fmt: skip
 
     def _ensure_run(self, client) -> None:
@@ -336,7 +336,7 @@ class Tracker:
                 raise
             with self._lock:
                 self._run_id = run.info.run_id
-            log.info("MLflow tracking at %s: experiment %s, run %s (%s)", self.cfg.tracking_uri, self.cfg.experiment,
+            log.info("MLflow tracking at %s: experiment %s, run %s (%s)", redact(self.cfg.tracking_uri), self.cfg.experiment,
                      self._run_id, self.run_name)
         if not self._params_logged:
             self._attempt(lambda: self._log_params(client), "the run's params")
@@ -476,6 +476,14 @@ def _finite(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def redact(text: str) -> str:
+    """`text` with the credentials of any URI in it (scheme://user:password@host) replaced by ***: for logs."""
+    return _CREDENTIALS.sub(r"\1***@", text)
+
+
+_CREDENTIALS = re.compile(r"([a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
+
+
 def local_path(source: str) -> Path | None:
     """The local file behind `source` (a path or a file: URI), or None for a remote URI."""
     parsed = urllib.parse.urlparse(source)
@@ -506,7 +514,7 @@ def loop_view(cfg: TrackingConfig) -> dict:
         from mlflow import MlflowClient  # heavy: see the module docstring
 
         client = MlflowClient(tracking_uri=cfg.tracking_uri, registry_uri=cfg.tracking_uri)
-        out: dict = {"uri": cfg.tracking_uri}
+        out: dict = {"uri": redact(cfg.tracking_uri)}
         exp = client.get_experiment_by_name(cfg.experiment)
         runs = client.search_runs([exp.experiment_id], "tags.`dvi.role` = 'trainer'", order_by=["attributes.start_time DESC"],
                                   max_results=1) if exp else []
@@ -522,7 +530,7 @@ def loop_view(cfg: TrackingConfig) -> dict:
             out["aliases"] = {}
         return out
     except Exception as e:
-        return {"uri": cfg.tracking_uri, "error": f"unreachable ({type(e).__name__}: {str(e)[:160]})"}
+        return {"uri": redact(cfg.tracking_uri), "error": f"unreachable ({type(e).__name__}: {redact(str(e))[:160]})"}
 
 
 def _dvi_version(client, name: str, number) -> str:

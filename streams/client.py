@@ -7,9 +7,12 @@ Knows `dvi.config.StreamConfig` and kafka-python's client classes; nothing about
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from dvi.config import StreamConfig
+
+SASL_PASSWORD_ENV = "DVI_KAFKA_SASL_PASSWORD"  # the SASL password of every Kafka client, when security sets none
 
 
 def client_options(cfg: StreamConfig, client_cls: type, **overrides: Any) -> dict[str, Any]:
@@ -17,6 +20,9 @@ def client_options(cfg: StreamConfig, client_cls: type, **overrides: Any) -> dic
     accepted = getattr(client_cls, "DEFAULT_CONFIG", {})
     opts: dict[str, Any] = {"bootstrap_servers": cfg.bootstrap.split(",")}
     opts.update({k: v for k, v in cfg.security.items() if k in accepted})
+    password = os.environ.get(SASL_PASSWORD_ENV)
+    if password and "sasl_plain_password" in accepted and "sasl_plain_password" not in opts:
+        opts["sasl_plain_password"] = password  # a secret: from the environment, never the command line
     opts.update(overrides)
     return opts
 

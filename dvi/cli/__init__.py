@@ -142,6 +142,7 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     limit_arenas()  # before any thread starts (see dvi.alloc)
+    os.umask(0o077)  # what dvi writes (cache, store, logs, keys, checkpoints, mlflow.db) is the user's alone
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

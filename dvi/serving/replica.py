@@ -84,7 +84,7 @@ class Replica:
         self.defaults = cfg.serve.sampling
         self.model_name = pair.target_dir.name
         self.replica_id = cfg.stream.replica_id or default_replica_id()
-        self.api_key = cfg.serve.api_key or os.environ.get("DVI_API_KEY") or None
+        self.api_key = cfg.serve.api_key or os.environ.get("DVI_API_KEY") or _key_file(cfg.serve.api_key_file)
         self.store_root = store.serving_root(cfg)
         self.metrics = ServingMetrics(max_domains=cfg.serve.max_domains)
         self.producer, self.tracker, self.control = producer, tracker, control
@@ -422,3 +422,16 @@ class Replica:
         if self.tracker is not None:
             self.tracker.log_artifact(str(path), "plots", remove=True)
         return path
+
+
+def _key_file(path: str | None) -> str | None:
+    """The API key in `path` (stripped), or None without a path; DviError when it cannot be read or is too short."""
+    if not path:
+        return None
+    try:
+        key = Path(path).expanduser().read_text().strip()
+    except OSError as e:
+        raise DviError(f"serve.api_key_file={path}: cannot read it ({e.strerror})") from None
+    if len(key) < 8:
+        raise DviError(f"serve.api_key_file={path}: the key in it has {len(key)} characters, fewer than 8")
+    return key

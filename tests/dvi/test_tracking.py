@@ -18,7 +18,7 @@ from dvi.config import TrackingConfig
 from dvi.errors import DviError
 from dvi.mlflow_server import LocalMlflow
 from dvi.procs import free_port
-from dvi.tracking import Tracker
+from dvi.tracking import Tracker, loop_view, redact
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +204,16 @@ def test_disabled_tracker_is_a_no_op():
 def test_local_mlflow_refuses_a_port_in_use(server, tmp_path):
     with pytest.raises(DviError, match=f"port {server.port}.*in use"):
         LocalMlflow(tmp_path, server.port).start()
+
+
+def test_credentials_in_a_tracking_uri_never_reach_a_log_or_dvi_status(caplog):
+    assert redact("http://alice:hunter2@mlflow:5000/api") == "http://***@mlflow:5000/api"
+    assert redact("see https://u:p@a/ and http://b/") == "see https://***@a/ and http://b/"
+    cfg = config(dead_uri().replace("http://", "http://alice:hunter2@"), retry_s=0.1)
+    caplog.set_level(logging.INFO, logger="dvi.tracking")
+    tracker = Tracker(cfg, "run-secret")
+    tracker.log_metrics({"loss": 1.0}, step=0)
+    tracker.close(timeout_s=1.5)
+    view = loop_view(cfg)
+    assert "error" in view and "hunter2" not in str(view)
+    assert caplog.records and not any("hunter2" in r.getMessage() for r in caplog.records)

@@ -26,11 +26,12 @@ def stream_overrides(stream_cfg) -> list[str]:
 class Serve:
     """A `dvi serve` process on a free port, waited on until /health answers."""
 
-    def __init__(self, log_dir: Path, *overrides: str, name: str = "serve", no_draft: bool = False, ready_s: float = 240):
+    def __init__(self, log_dir: Path, *overrides: str, name: str = "serve", no_draft: bool = False, ready_s: float = 240,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dvi.cli", "serve", *(["--no-draft"] if no_draft else []), f"serve.port={self.port}", *overrides]
-        self.child: Child = spawn(name, cmd, log_path=log_dir / f"{name}.log", env=clean_env())
+        self.child: Child = spawn(name, cmd, log_path=log_dir / f"{name}.log", env=clean_env(**(env or {})))
         wait_ready(self.child, lambda: http_ok(self.url + "/health"), ready_s, f"dvi serve ({name})", interval_s=0.25)
 
     def health(self) -> dict:

@@ -28,8 +28,9 @@ def server(broker, demo_target_dir, tmp_path_factory):
     stream_cfg = stream_config(broker.bootstrap)
     ensure_topics(stream_cfg)
     tmp = tmp_path_factory.mktemp("abuse")
-    s = Serve(tmp, *stream_overrides(stream_cfg), f"serve.api_key={KEY}", "serve.max_connections=24", "serve.max_queue=4",
-              "serve.max_batch=2", "serve.max_max_tokens=256", "tracking.enabled=false", f"serve.swap.store={tmp / 'store'}")
+    s = Serve(tmp, *stream_overrides(stream_cfg), "serve.max_connections=24", "serve.max_queue=4", "serve.max_batch=2",
+              "serve.max_max_tokens=256", "tracking.enabled=false", f"serve.swap.store={tmp / 'store'}",
+              env={"DVI_API_KEY": KEY})  # a secret: from the environment, never the command line
     yield s
     assert s.stop() == 0  # it never crashed: a clean stop at the end
 

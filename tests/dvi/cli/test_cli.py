@@ -67,6 +67,8 @@ def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
         (("hi", "model.drafter=/no/such/drafter"), "/no/such/drafter"),
         (("hi", "serve.spec.no_such_key=1"), "no_such_key"),
         (("hi", "stream.topk=16"), "serve.spec.topk_logprobs"),  # a check across config groups
+        (("hi", "serve.api_key=s3cret-key-123"), "DVI_API_KEY"),  # secrets never on a command line
+        (("hi", "+stream.security.sasl_plain_password=hunter2"), "DVI_KAFKA_SASL_PASSWORD"),
         (("hi", "stray-word"), "stray-word"),
     ],
 )
@@ -91,3 +93,12 @@ def test_tokenizer_mismatch_is_refused(tmp_path: Path):
     tok.add_tokens(["<not-in-the-target>"])
     tok.save_pretrained(bad)
     one_line_error(dvi("generate", "hi", f"model.drafter={bad}"), "tokenizers differ")
+
+
+def test_what_dvi_writes_is_the_users_alone(tmp_path: Path):
+    """Every dvi process writes with umask 077: keys, caches, stores, logs and checkpoints are 0600 / 0700."""
+    done = dvi("keys", "init", "--trainer", str(tmp_path / "t"), "--replica", str(tmp_path / "r"), timeout=60)
+    assert done.returncode == 0, done.stderr
+    for f in sorted((tmp_path / "t").iterdir()) + sorted((tmp_path / "r").iterdir()):
+        assert f.stat().st_mode & 0o077 == 0, f"{f} is {oct(f.stat().st_mode & 0o777)}"
+    assert (tmp_path / "t").stat().st_mode & 0o777 == 0o700

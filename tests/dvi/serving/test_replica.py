@@ -26,6 +26,7 @@ from dvi import keys, store
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig, keys_dir
 from dvi.control import DrafterPublished, DrafterRejected
 from dvi.control import encode as encode_control
+from dvi.errors import DviError
 from dvi.models import load_causal_lm, resolve_pair
 from dvi.procs import free_port
 from dvi.serving.replica import REJECTED_KEPT, Replica
@@ -223,6 +224,23 @@ def test_only_the_trainer_decides_what_a_replica_serves(running, stream_cfg, tin
     assert not swaps_to(d1.version)
     raw.close()
     assert service.control.invalid == 3 and service.metrics.events["swap"] == 2
+
+
+def test_the_api_key_comes_from_the_environment_or_a_file(tiny_dirs, tmp_path, monkeypatch):
+    cfg = DviConfig(model=ModelConfig(target=str(tiny_dirs[0]), drafter=str(tiny_dirs[1])),
+                    serve=ServeConfig(swap=SwapConfig(store=str(tmp_path / "store"), initial="none"),
+                                      api_key_file=str(tmp_path / "key")),
+                    tracking=TrackingConfig(enabled=False))
+    pair = resolve_pair(cfg.model)
+    (tmp_path / "key").write_text("from-a-file-123\n")
+    monkeypatch.delenv("DVI_API_KEY", raising=False)
+    assert Replica(cfg, pair).api_key == "from-a-file-123"
+    monkeypatch.setenv("DVI_API_KEY", "from-the-env-456")
+    assert Replica(cfg, pair).api_key == "from-the-env-456"
+    monkeypatch.delenv("DVI_API_KEY")
+    (tmp_path / "key").write_text("short")
+    with pytest.raises(DviError, match="fewer than 8"):
+        Replica(cfg, pair)
 
 
 def test_rejections_from_the_control_topic_are_bounded(tiny_dirs, tmp_path):
