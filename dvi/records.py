@@ -54,6 +54,7 @@ _LP_DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 DOMAIN = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a domain or tenant tag: it names metrics and plot series
 _MAX_TEXT = 256  # characters of ids, names and tags
+_MAX_HEADER = 64 << 10  # bytes of a record's JSON header, generously
 _LOGPROB_SLACK = 1e-3  # a log-prob may exceed 0 by float rounding only
 _HEADER_KEYS = frozenset(
     ["record_id", "time", "replica_id", "request_id", "chunk_index", "final", "target", "drafter_version",
@@ -540,8 +541,27 @@ def encode(record: DecisionRecord, *, logprob_dtype: str = "float16", max_bytes:
     return data
 
 
-def decode(data: bytes, vocab_size: int | None = None, *, max_bytes: int | None = None) -> DecisionRecord:
-    """Parse and validate bytes made by `encode`; anything else raises `RecordError`."""
+@dataclass(frozen=True)
+class Limits:
+    """What a reader accepts beyond validity: the teacher width it trains with and the sizes its writers make
+    (`stream.topk`, `stream.chunk_rounds`, `serve.spec.k_max`, prompt plus generated tokens). They bound the
+    largest valid record, so `decode` never decompresses much more than that."""
+
+    topk: int
+    max_rounds: int
+    max_k: int
+    max_tokens: int = 1 << 15
+
+    def payload_bytes(self) -> int:
+        """The largest payload a valid record within these limits has (header, ids as i32, log-probs as f32)."""
+        per_round = 16 + 4 * self.max_k + (self.max_k + 1) * self.topk * 8  # the table row, drafts, teacher rows
+        return _MAX_HEADER + 4 * self.max_tokens + self.max_rounds * per_round
+
+
+def decode(data: bytes, vocab_size: int | None = None, *, max_bytes: int | None = None,
+           limits: Limits | None = None) -> DecisionRecord:
+    """Parse and validate bytes made by `encode`; anything else raises `RecordError`. With `limits`, a record beyond
+    them is refused too, and nothing past the largest payload they allow is ever decompressed."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RecordError("record", f"expected bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -556,7 +576,8 @@ def decode(data: bytes, vocab_size: int | None = None, *, max_bytes: int | None 
         raise RecordError("schema_version", f"unknown schema version {version} (this build reads {SCHEMA_VERSION})")
     if flags != 0:
         raise RecordError("flags", f"unknown flags {flags:#x}")
-    limit = 64 * (max_bytes or 1 << 20)  # bound on the decompressed size (no zip bombs)
+    # bound on the decompressed size (no zip bombs): the largest valid payload when the limits are known
+    limit = limits.payload_bytes() if limits is not None else 64 * (max_bytes or 1 << 20)
     if size > limit:
         raise RecordError("payload", f"declared size {size} bytes exceeds the decompression bound {limit}")
     z = zlib.decompressobj()
@@ -570,12 +591,12 @@ def decode(data: bytes, vocab_size: int | None = None, *, max_bytes: int | None 
         raise RecordError("payload", f"{len(z.unused_data)} trailing bytes after the compressed data")
     if len(payload) != size:
         raise RecordError("payload", f"{len(payload)} bytes, the prefix declares {size}")
-    record = _parse(payload)
+    record = _parse(payload, limits)
     validate(record, vocab_size)
     return record
 
 
-def _parse(payload: bytes) -> DecisionRecord:
+def _parse(payload: bytes, limits: Limits | None = None) -> DecisionRecord:
     if len(payload) < 4:
         raise RecordError("header", "truncated")
     (hlen,) = _U32.unpack_from(payload)
@@ -603,6 +624,13 @@ def _parse(payload: bytes) -> DecisionRecord:
     topk = _int(h["topk"], "topk", lo=0)
     id_t, lp_t = _ID_DTYPES[h["ids"]], _LP_DTYPES[h["logprobs"]]
     n_prompt, n_prefix, n_gen, n_rounds = counts
+    if limits is not None:  # before any array is read
+        if topk != limits.topk:
+            raise RecordError("topk", f"teacher width {topk}, this reader takes {limits.topk} (stream.topk)")
+        if n_rounds > limits.max_rounds:
+            raise RecordError("rounds", f"{n_rounds} rounds, more than the {limits.max_rounds} of a chunk (stream.chunk_rounds)")
+        if n_prompt + n_prefix + n_gen > limits.max_tokens:
+            raise RecordError("counts", f"{n_prompt + n_prefix + n_gen} tokens, more than {limits.max_tokens}")
 
     buf = memoryview(payload)[4 + hlen :]
     pos = 0
@@ -623,6 +651,8 @@ def _parse(payload: bytes) -> DecisionRecord:
     ks = table[:, 1].astype(np.int64)
     if (ks < 0).any():
         raise RecordError("rounds.k", "negative k")
+    if limits is not None and ks.size and int(ks.max()) > limits.max_k:
+        raise RecordError("rounds.k", f"k = {int(ks.max())}, more than serve.spec.k_max = {limits.max_k}")
     drafted = take(int(ks.sum()), id_t, "drafted")
     rows = int((ks + 1).sum())
     if topk:

@@ -29,7 +29,7 @@ from kafka.structs import OffsetAndMetadata
 
 from dvi.config import StreamConfig
 from dvi.errors import DviError
-from dvi.records import Delivered, decode
+from dvi.records import Delivered, Limits, decode
 from streams.client import client_options
 
 log = logging.getLogger("dvi.streams.consumer")
@@ -56,8 +56,10 @@ class DecisionConsumer:
 
     `group_id`: a consumer group (partitions assigned by the group, resumes after its last commit); None reads
     every partition directly. `from_beginning`: where to start without a committed offset. `vocab_size`: the
-    vocabulary the records must use (None: the one each record declares). `dead_letter=False` (read-only
-    viewers such as `dvi stream tail`): invalid messages are logged and counted but not dead-lettered.
+    vocabulary the records must use (None: the one each record declares). `limits`: the teacher width and sizes a
+    record may have (`dvi.records.Limits`; None: any valid record); beyond them it is dead-lettered like an invalid
+    one, having cost at most the largest valid record to read. `dead_letter=False` (read-only viewers such as
+    `dvi stream tail`): invalid messages are logged and counted but not dead-lettered.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class DecisionConsumer:
         dlq_topic: str | None = None,
         from_beginning: bool = True,
         vocab_size: int | None = None,
+        limits: Limits | None = None,
         dead_letter: bool = True,
         client_id: str = "dvi-consumer",
     ):
@@ -77,6 +80,7 @@ class DecisionConsumer:
         self.dlq_topic = dlq_topic or cfg.dlq_topic
         self.group_id = group_id
         self.vocab_size = vocab_size
+        self.limits = limits
         self.dead_letter = dead_letter
         self._received = self._delivered = self._invalid = self._dead = self._dlq_errors = 0
         self._unreachable = False  # the broker was down at the last poll
@@ -140,7 +144,7 @@ class DecisionConsumer:
             for m in messages:
                 self._received += 1
                 try:
-                    record = decode(m.value, self.vocab_size, max_bytes=self.cfg.max_record_bytes)
+                    record = decode(m.value, self.vocab_size, max_bytes=self.cfg.max_record_bytes, limits=self.limits)
                 except Exception as e:  # RecordError, or anything else a hostile payload provokes
                     self._invalid += 1
                     if self.dead_letter:

@@ -22,6 +22,7 @@ from dataclasses import replace
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.control import RetrainRequested
 from dvi.models import cache_dir
+from dvi.records import Limits
 from dvi.tracking import Tracker
 from streams import control
 from streams.client import quiet_kafka_logs
@@ -37,7 +38,9 @@ def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bo
     """The recipe fed by the decisions topic, listening to the control topic, publishing on it, tracked in MLflow."""
     quiet_kafka_logs(verbose)
     ensure_topics(cfg.stream)
-    source = DecisionConsumer(cfg.stream, group_id=group_id, from_beginning=True, dead_letter=dead_letter, client_id="dvi-trainer")
+    limits = Limits(topk=cfg.stream.topk, max_rounds=cfg.stream.chunk_rounds, max_k=cfg.serve.spec.k_max)
+    source = DecisionConsumer(cfg.stream, group_id=group_id, from_beginning=True, limits=limits, dead_letter=dead_letter,
+                              client_id="dvi-trainer")
     reader = control.ControlReader(cfg.stream)
     role = "distill" if offline else "trainer"
     tracker = Tracker(cfg.tracking, run_name=f"{'distill' if offline else 'train'}-{time.strftime('%Y%m%d-%H%M%S')}",

@@ -5,17 +5,20 @@ from __future__ import annotations
 import copy
 import random
 import struct
+import time
+import tracemalloc
 import zlib
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+from broker_fixtures import make_record
 
 from dvi.config import SpecConfig
 from dvi.engine import Request, Result, Round, SpecStats, SpeculativeEngine
 from dvi.errors import DviError
-from dvi.records import MAGIC, SCHEMA_VERSION, DecisionRecord, RecordError, RoundRecord, Sampling, Target, decode, encode, records_from_result, validate
+from dvi.records import MAGIC, SCHEMA_VERSION, DecisionRecord, Limits, RecordError, RoundRecord, Sampling, Target, decode, encode, records_from_result, validate
 
 VOCAB = 97
 
@@ -276,3 +279,43 @@ def test_wire_format_is_compact_and_not_pickle(record):
     untouched = RoundRecord(0, 0, [], 0, 1, np.zeros((1, 0), np.int32), np.zeros((1, 0), np.float32))
     assert untouched == copy.deepcopy(untouched) and untouched != record.rounds[0]
     assert Target("tiny", VOCAB) == record.target
+
+
+LIMITS = Limits(topk=8, max_rounds=64, max_k=8)
+
+
+def test_a_reader_with_limits_refuses_records_beyond_them_before_reading_their_arrays():
+    assert decode(encode(make_record("ok", rounds=64, k=8, topk=8)), limits=LIMITS).request_id == "ok"
+    cases = {
+        "teacher width": make_record(rounds=2, topk=4),  # a width other than stream.topk
+        "more than the 64 of a chunk": make_record(rounds=65, k=2),
+        "more than serve.spec.k_max": make_record(rounds=2, k=9),
+        "tokens, more than": make_record(rounds=1, prompt_len=LIMITS.max_tokens),
+    }
+    for words, record in cases.items():
+        data = encode(record)
+        decode(data)  # valid: only the reader's limits refuse it
+        with pytest.raises(RecordError, match=words):
+            decode(data, limits=LIMITS)
+
+
+def test_the_largest_valid_record_decodes_and_a_bomb_costs_no_more_than_it():
+    """A record at every limit decodes; a 32 MiB payload compressed into a few KiB is refused by its declared size,
+    and decoding it allocates at most a few MiB."""
+    biggest = make_record("max", rounds=LIMITS.max_rounds, k=LIMITS.max_k, topk=LIMITS.topk,
+                          prompt_len=LIMITS.max_tokens - 2 * LIMITS.max_rounds * (LIMITS.max_k + 1))
+    data = encode(biggest, logprob_dtype="float32")
+    assert decode(data, limits=LIMITS).request_id == "max"
+    payload = b"\x00" * (32 << 20)
+    bomb = struct.pack("<4sHHI", MAGIC, SCHEMA_VERSION, 0, len(payload)) + zlib.compress(payload, 9)
+    assert len(bomb) < 64 << 10
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    with pytest.raises(RecordError, match="decompression bound"):
+        decode(bomb, limits=LIMITS)
+    seconds = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    print(f"\nbomb of {len(bomb)} bytes (32 MiB inflated) refused in {seconds * 1000:.2f} ms, peak {peak / 2**20:.2f} MiB")
+    assert peak < 10 << 20
+    assert LIMITS.payload_bytes() < 1 << 20  # the default limits: under 1 MiB, against 64 MiB without them
