@@ -122,6 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
+LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
+
+
+def setup_logging(verbose: bool) -> None:
+    """Timestamped lines on stderr: warnings by default (third-party libraries stay quiet), dvi's decisions
+    (`dvi.decision.*`: gates, publishes, swaps, promotions, rollbacks, triggers) and waits (`dvi.wait`) at the
+    default level too, everything of dvi at INFO with -v."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=LOG_FORMAT, datefmt=LOG_DATEFMT)
+    for name in ("dvi.decision", "dvi.wait"):
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -138,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         args.overrides = list(getattr(args, "overrides", []) or []) + unknown
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    setup_logging(args.verbose)
     _quiet_libraries()
     module, function = args.run.split(":")
     try:
