@@ -270,7 +270,7 @@ class TrainerConfig:
     gate_every: int = 50  # optimizer steps between gate checks
     gate_every_s: float | None = 60.0  # and a gate check this often (if a step was taken since the last); null: steps only
     gate_min_records: int = 4  # held-out records needed before a gate check
-    min_gain: float = 0.0  # a candidate must beat the serving drafter's estimated acceptance by more than this
+    min_gain: float = 0.02  # a candidate must beat the serving drafter's estimated acceptance by more than this
     checkpoint_every: int = 25  # optimizer steps between checkpoints (offsets are committed after each)
     keep_checkpoints: int = 2
     ledger_size: int = 1_000_000  # record ids remembered for deduplication

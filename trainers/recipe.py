@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from dvi import store
+from dvi import __version__, store
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
@@ -646,6 +646,7 @@ class Trainer:
 
     def _announce(self, published: store.Published, parent: str, gate: dict, meta: dict) -> None:
         tags = {"parent_version": parent, "records_trained": str(self.state.counters.trained), "step": str(self.state.step),
+                "dvi.release": __version__, "records_held_out": str(self.state.counters.held_out),
                 "offsets": ",".join(f"{k}={v}" for k, v in meta["offsets"].items()), "sha256": published.sha256,
                 **{f"gate.{k}": f"{v:.6g}" for k, v in gate.items()}}
         if self.tracker is not None:

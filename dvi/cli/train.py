@@ -40,8 +40,8 @@ def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bo
     source = DecisionConsumer(cfg.stream, group_id=group_id, from_beginning=True, dead_letter=dead_letter, client_id="dvi-trainer")
     reader = control.ControlReader(cfg.stream)
     role = "distill" if offline else "trainer"
-    tracker = Tracker(cfg.tracking, run_name=f"{'distill' if offline else 'train'}-{time.strftime('%Y%m%d-%H%M%S')}",
-                      params=flat_params(cfg), tags={"dvi.role": role, "dvi.trigger": cfg.trigger.kind})
+    tracker = Tracker(cfg.tracking, run_name=role, params=flat_params(cfg),  # stable names: the README's `trainer`, `distill`
+                      tags={"dvi.role": role, "dvi.trigger": cfg.trigger.kind, "dvi.started": time.strftime("%Y-%m-%d %H:%M:%S")})
     trainer = Trainer(cfg, source, tracker=tracker, control=reader, publisher=lambda msg: control.send(cfg.stream, msg),
                       offline=offline)
     return trainer, (source, reader, tracker)
@@ -50,8 +50,8 @@ def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bo
 def _file_trainer(cfg: DviConfig, path: str):
     """The recipe over a file of records: no broker needed; MLflow and the store as configured."""
     source = FileSource(path)
-    tracker = Tracker(cfg.tracking, run_name=f"distill-{time.strftime('%Y%m%d-%H%M%S')}", params=flat_params(cfg),
-                      tags={"dvi.role": "distill", "dvi.source": str(source.path)})
+    tracker = Tracker(cfg.tracking, run_name="distill", params=flat_params(cfg),
+                      tags={"dvi.role": "distill", "dvi.source": str(source.path), "dvi.started": time.strftime("%Y-%m-%d %H:%M:%S")})
     return Trainer(cfg, source, tracker=tracker, offline=True), (source, None, tracker)
 
 

@@ -51,7 +51,7 @@ def config(stream_cfg, dirs, tmp_path: Path, **trainer) -> DviConfig:
     t = dict(group_id=f"trainer-{tmp_path.name}", run_dir=str(tmp_path / "run"), store=str(tmp_path / "store"),
              batch_tokens=64, replay_share=0.0,
              holdout_share=0.0, checkpoint_every=2, gate_every=1000, idle_exit_s=3.0, lr=1e-3,
-             holdout_first=0, gate_every_s=None, gate_min_records=8)  # gates only when a test asks for one
+             holdout_first=0, gate_every_s=None, gate_min_records=8, min_gain=0.0)  # gates only when a test asks for one
     t.update(trainer)
     return DviConfig(model=ModelConfig(target=str(target), drafter=str(drafter)), stream=stream_cfg,
                      trainer=TrainerConfig(**t), tracking=TrackingConfig(enabled=False))
@@ -237,7 +237,9 @@ def train_overrides(cfg: DviConfig, stream_cfg, **extra) -> list[str]:
            f"trainer.checkpoint_every={t.checkpoint_every}", f"trainer.gate_every={t.gate_every}",
            f"trainer.idle_exit_s={t.idle_exit_s}", f"trainer.holdout_first={t.holdout_first}",
            f"trainer.gate_every_s={'null' if t.gate_every_s is None else t.gate_every_s}",
-           f"trainer.gate_min_records={t.gate_min_records}", "tracking.enabled=false", "model.threads=1"]
+           f"trainer.gate_min_records={t.gate_min_records}", f"trainer.min_gain={t.min_gain}", "tracking.enabled=false",
+           "model.threads=1"]
+    out = [o for o in out if o.split("=")[0] not in extra]  # an extra override replaces the config's value
     return out + [f"{k}={v}" for k, v in extra.items()]
 
 
