@@ -56,10 +56,13 @@ SOURCE_TAG = "dvi.source"
 PRODUCTION_ALIAS, CANDIDATE_ALIAS = "production", "candidate"
 # experiment tags: MLflow 3 opens an experiment of this kind on its runs table (not the GenAI overview), and shows the note
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development",
-                   "mlflow.note.content": "dvi: online drafter adaptation. Runs: `trainer` (gate/*, count/*, loss), "
-                                          "`serve-<replica>` (interval/acceptance.<domain>, version/<v>/acceptance_rate, the "
-                                          "artifact plots/drift.png: acceptance by domain and version against time). Models: "
-                                          "dvi-drafter (aliases production, candidate)."}
+                   "mlflow.note.content": "dvi: online drafter adaptation. Runs: `trainer` (`gate/*`, `count/*`, `loss`); "
+                                          "`serve-<replica>` (`interval/acceptance.<domain>`, `version/<v>/acceptance_rate`, "
+                                          "and the artifact `plots/drift.png`: acceptance by domain and drafter version against "
+                                          "wall-clock time). Models: `dvi-drafter` (aliases `production`, `candidate`)."}
+# MLflow 3.17 opens experiments in its GenAI view unless the page asks for the classic one (the experiment kind above
+# is not enough while its workflow switch is shown): links dvi prints carry this
+CLASSIC_VIEW = "?workflowType=machine_learning"
 # the MLflow client's defaults (7 retries with backoff, 120 s timeout) would stall the thread for minutes
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 _IDLE_S = 0.5  # how often the thread looks for new points when all is sent

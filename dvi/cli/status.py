@@ -60,7 +60,7 @@ def replica_lines(r: dict) -> list[str]:
             f"median {fmt(r.get('median_tokens_per_s'), '.1f', ' tok/s')}, queue {fmt(r.get('queue_depth'), 'd')}, "
             f"records sent/dropped {fmt(rec.get('sent'), 'd')}/{fmt(rec.get('dropped'), 'd')}",
             f"  acceptance {fmt(overall)} over {drafted} drafted tokens (by version: {per or '-'}); mean accepted length "
-            f"{fmt(r.get('mean_accepted_length'), '.2f')}; swaps {events.get('swap', 0)}, promotions {events.get('promote', 0)}, "
+            f"{fmt(r.get('mean_accepted_length') if r.get('requests') else None, '.2f')}; swaps {events.get('swap', 0)}, promotions {events.get('promote', 0)}, "
             f"rollbacks {events.get('rollback', 0)}"]
 
 
