@@ -13,11 +13,15 @@ MLflow tracker; the recipe is `trainers.recipe`'s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import threading
 import time
 import uuid
 from dataclasses import replace
+
+from tqdm import tqdm
 
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.control import RetrainRequested
@@ -91,13 +95,38 @@ def distill(args: argparse.Namespace) -> int:
     else:  # a group of its own, read from the beginning: every record on the topic, whatever the serving trainers did
         trainer, parts = _stream_trainer(cfg, group_id=f"dvi-distill-{uuid.uuid4().hex[:8]}", offline=True,
                                          verbose=args.verbose, dead_letter=False)
-    result = _run(trainer, parts)
+    with _progress(trainer, args.steps):
+        result = _run(trainer, parts)
     if args.json:
         print(json.dumps(result))
     else:
         print(_summary(result))
         print(result["serving_dir"])
     return 0
+
+
+@contextlib.contextmanager
+def _progress(trainer: Trainer, steps: int | None):
+    """A tqdm bar of the trainer's steps while it runs (with its records and publishes, read from its state by a thread);
+    on stderr, and only on a terminal."""
+    bar = tqdm(total=steps, desc="dvi drafter distill", unit=" steps", disable=None)
+    done = threading.Event()
+
+    def follow() -> None:
+        while not done.wait(0.5):
+            c = trainer.state.counters
+            bar.update(trainer.state.step - bar.n)
+            bar.set_postfix_str(f"{c.records} records, {c.published} published, {c.refused} refused")
+
+    thread = threading.Thread(target=follow, daemon=True, name="distill-progress")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        bar.update(trainer.state.step - bar.n)
+        bar.close()
 
 
 def retrain(args: argparse.Namespace) -> int:
