@@ -23,11 +23,10 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 from dvi.config import load_config
 from dvi.models import pair_dirs
-from dvi.procs import free_port
+from dvi.procs import free_port, local_post, sigterm_interrupts
 
 CODE = ["Write a Python function that reverses a string.", "Write a Python function that checks whether a number is prime.",
         "Write a Python function that returns the n-th Fibonacci number.", "Write a Python function that counts the words in a text.",
@@ -48,10 +47,7 @@ def requests_of(n: int) -> list[tuple[str, str]]:
 
 def ask(api: str, domain: str, prompt: str, max_tokens: int) -> dict:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "dvi": {"domain": domain}}
-    req = urllib.request.Request(f"{api}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
+    return json.loads(local_post(f"{api}/v1/chat/completions", json.dumps(body).encode(), timeout_s=600))
 
 
 class Output:
@@ -86,27 +82,30 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out, api, served = Output(proc), f"http://127.0.0.1:{api_port}", []
-    try:
-        t_start = time.time()
-        while out.seen("Ctrl-C stops everything") is None:
-            if proc.poll() is not None:
-                raise SystemExit(f"dvi up exited (status {proc.returncode})")
-            time.sleep(0.5)
-        ready = out.seen("Ctrl-C stops everything")
-        for i, (domain, prompt) in enumerate(requests_of(args.requests)):
-            t0 = time.time()
-            r = ask(api, domain, prompt, args.max_tokens)
-            st = r["dvi"]["stats"]
-            served.append({"i": i + 1, "t": t0 - ready, "s": time.time() - t0, "domain": domain, "versions": r["dvi"]["drafter_versions"],
-                           "drafted": st["drafted"], "accepted": st["accepted"]})
-            print(f"request {i + 1} ({domain}) at {t0 - ready:.0f} s: {time.time() - t0:.1f} s, drafter {r['dvi']['drafter_versions']}, "
-                  f"acceptance {st['accepted']}/{st['drafted']}", flush=True)
-            newer = [x for x in served if x["versions"] and x["versions"][0] != served[0]["versions"][0] and len(x["versions"]) == 1]
-            if len(newer) >= args.after:
-                break
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(180)
+    t_start = ready = time.time()
+    with sigterm_interrupts():  # SIGTERM or Ctrl-C: stop the stack and print what was measured
+        try:
+            while out.seen("Ctrl-C stops everything") is None:
+                if proc.poll() is not None:
+                    raise SystemExit(f"dvi up exited (status {proc.returncode})")
+                time.sleep(0.5)
+            ready = out.seen("Ctrl-C stops everything")
+            for i, (domain, prompt) in enumerate(requests_of(args.requests)):
+                t0 = time.time()
+                r = ask(api, domain, prompt, args.max_tokens)
+                st = r["dvi"]["stats"]
+                served.append({"i": i + 1, "t": t0 - ready, "s": time.time() - t0, "domain": domain,
+                               "versions": r["dvi"]["drafter_versions"], "drafted": st["drafted"], "accepted": st["accepted"]})
+                print(f"request {i + 1} ({domain}) at {t0 - ready:.0f} s: {time.time() - t0:.1f} s, drafter "
+                      f"{r['dvi']['drafter_versions']}, acceptance {st['accepted']}/{st['drafted']}", flush=True)
+                newer = [x for x in served if x["versions"] and x["versions"][0] != served[0]["versions"][0] and len(x["versions"]) == 1]
+                if len(newer) >= args.after:
+                    break
+        except KeyboardInterrupt:
+            print("first_publish: interrupted; stopping the stack", flush=True)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(180)
 
     def at(text: str) -> dict | None:
         t = out.seen(text)

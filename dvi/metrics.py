@@ -252,6 +252,7 @@ def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path:
     ax2.plot(xs, [nan if i else p.tokens_per_s for p, i in zip(series, idle)], "b.-")
     top = max([p.acceptance or 0.0 for p in series] + [v for p in series for v in p.domains.values()] + [0.05])
     ax1.set_ylim(0, min(1.0, top * 1.15))
+    ax2.set_ylim(bottom=0)
     palette = plt.get_cmap("tab10")
     for i, (start, end, version) in enumerate(version_spans(series)):
         points = [p.acceptance for p in series if p.version == version and start <= p.time <= end and p.acceptance is not None]
