@@ -564,16 +564,15 @@ def loop_view(cfg: TrackingConfig, timeout_s: float = 1.5) -> dict:
                                               for m in data.get("metrics", [])}}
         found = rest(uri, "model-versions/search", {"filter": f"name='{cfg.registry_model}'", "max_results": 200},
                      timeout_s=timeout_s).get("model_versions") or []
-        aliases: dict[str, str] = {}
         versions = []
         for mv in sorted(found, key=lambda v: int(v["version"]), reverse=True):
             tags = {t["key"]: t["value"] for t in mv.get("tags", [])}
-            name = tags.get(VERSION_TAG, f"v{mv['version']}")
-            for a in mv.get("aliases", []):
-                aliases[a] = name
-            versions.append({"version": name, "number": int(mv["version"]), "created": int(mv.get("creation_timestamp", 0)) / 1000,
-                             "tags": tags})
-        out["versions"], out["aliases"] = versions, aliases
+            versions.append({"version": tags.get(VERSION_TAG, f"v{mv['version']}"), "number": int(mv["version"]),
+                             "created": int(mv.get("creation_timestamp", 0)) / 1000, "tags": tags})
+        names = {str(v["number"]): v["version"] for v in versions}
+        model = rest(uri, "registered-models/get", {"name": cfg.registry_model}, timeout_s=timeout_s)["registered_model"] if versions else {}
+        out["versions"] = versions
+        out["aliases"] = {a["alias"]: names.get(str(a["version"]), f"v{a['version']}") for a in model.get("aliases", [])}
     except (OSError, ValueError, KeyError) as e:
         out["error"] = f"incomplete answer ({type(e).__name__}: {str(e)[:160]})"
     return out

@@ -107,9 +107,16 @@ def publish_lines(m: dict) -> list[str]:
         return [f"published: none yet: {why}"]
     newest = versions[0]
     tags = newest["tags"]
+
+    def gate(key: str) -> str:
+        try:
+            return f"{float(tags[key]):.4f}"
+        except (KeyError, ValueError):
+            return "-"
+
     return [f"published: {len(versions)} versions, newest {newest['version']} ({ago(newest['created'])}, parent "
             f"{tags.get('parent_version', '-')}, {tags.get('records_trained', '-')} records trained, gate "
-            f"{tags.get('gate.serving_acceptance', '-')} -> {tags.get('gate.candidate_acceptance', '-')}); aliases {aliases}"]
+            f"{gate('gate.serving_acceptance')} -> {gate('gate.candidate_acceptance')}); aliases {aliases}"]
 
 
 def status(args: argparse.Namespace) -> int:

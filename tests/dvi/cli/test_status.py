@@ -45,7 +45,7 @@ def test_trainer_and_publish_lines_say_the_last_and_next_gate_and_why_nothing_is
                          "aliases": {"candidate": "d0001"}}
     text = "\n".join(trainer_lines(gated) + publish_lines(gated))
     assert "last gate at step 20 30 s ago: passed, candidate 0.0800 vs serving 0.0300 on 4 held-out records" in text
-    assert "published: 1 versions, newest d0001 (60 s ago, parent init, 11 records trained, gate 0.03 -> 0.08); aliases candidate=d0001" in text
+    assert "published: 1 versions, newest d0001 (60 s ago, parent init, 11 records trained, gate 0.0300 -> 0.0800); aliases candidate=d0001" in text
 
 
 def test_status_loads_neither_torch_nor_mlflow():

@@ -148,7 +148,9 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
     overrides = [
         f"model.target={demo_target_dir}", f"model.drafter={demo_drafter_dir}", f"model.cache_dir={cache}",
         f"stream.port={free_port()}", f"tracking.port={free_port()}", f"tracking.root={tmp_path / 'mlflow'}", f"serve.port={api}",
-        "trainer.gate_every_s=15",  # the default (60 s) publishes within minutes; a test need not wait for it
+        # a gate every 15 s that any gain passes: the defaults (60 s, a gain of 0.02) publish within minutes
+        # (benchmarks/first_publish.py measures them); this test is about the publish, the swap and what says so
+        "trainer.gate_every_s=15", "trainer.min_gain=0",
     ]  # fmt: skip
     env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"}
     cli = [sys.executable, "-m", "dvi.cli"]
@@ -160,7 +162,7 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
 
         up_log = cache / "logs" / "up.log"
         prompts = ["Write a Python function that reverses a string.", "Write a short paragraph about the sea at night."]
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 900
         for i in range(60):
             r = requests.post(f"http://127.0.0.1:{api}/v1/chat/completions", timeout=300, json={
                 "messages": [{"role": "user", "content": prompts[i % 2]}], "max_tokens": 32, "dvi": {"domain": ("code", "prose")[i % 2]}})
