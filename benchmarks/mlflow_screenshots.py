@@ -53,11 +53,17 @@ def pages(uri: str, experiment: str, model: str) -> list[tuple[str, str]]:
     return out
 
 
-def shoot(chromium: str, url: str, png: Path, width: int, height: int, wait_ms: int) -> None:
+def shoot(chromium: str, url: str, png: Path, width: int, height: int, wait_ms: int) -> bool:
+    """One page into `png` with a fresh profile; False when Chromium did not finish in time (it is then killed)."""
+    png.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="dvi-chromium-") as profile:
-        subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
-                        f"--virtual-time-budget={wait_ms}", f"--screenshot={png}", url],
-                       capture_output=True, timeout=120, check=False)
+        try:
+            subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
+                            f"--virtual-time-budget={wait_ms}", f"--screenshot={png}", url],
+                           capture_output=True, timeout=120, check=False)
+        except subprocess.TimeoutExpired:
+            return False
+    return png.exists()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name, url in pages(args.uri, args.experiment, args.model):
         png = out / f"{name}.png"
-        shoot(chromium, url, png, args.width, args.height, args.wait_ms)
-        print(f"{png}  {url}" if png.exists() else f"FAILED {name}  {url}", flush=True)
+        ok = shoot(chromium, url, png, args.width, args.height, args.wait_ms)
+        print(f"{png}  {url}" if ok else f"FAILED {name}  {url}", flush=True)
     return 0
 
 
