@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from matplotlib.figure import Figure
 
 from benchmarks import workloads
@@ -418,6 +419,8 @@ def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None) -> list[S
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(SIDES) * opt.concurrency) as pool:
         for phase, domain in enumerate(opt.schedule):
             done_rounds, started = 0, time.monotonic()
+            # progress on a terminal (stderr; off when it is not a terminal, e.g. under tests or in a log)
+            bar = tqdm(total=budgets[phase], desc=f"drift: phase {phase} ({domain})", unit=" rounds", disable=None, leave=False)
             while done_rounds < budgets[phase]:
                 asks = []
                 for _ in range(opt.concurrency):
@@ -438,7 +441,11 @@ def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None) -> list[S
                     samples.append(sample)
                     if side == "online":
                         done_rounds += sample.rounds
+                        bar.update(sample.rounds)
+                online = [x for x in samples if x.phase == phase and x.side == "online"]
+                bar.set_postfix_str(f"online acceptance {_fmt(acceptance(online))}, drafter {online[-1].version if online else '-'}")
                 tick()
+            bar.close()
             ph = [s for s in samples if s.phase == phase]
             say(f"drift: phase {phase} ({domain}) done in {time.monotonic() - started:.0f} s: "
                 + ", ".join(f"{name} acceptance {_fmt(acceptance([s for s in ph if s.side == name]))}" for name in ("online", "frozen"))

@@ -286,10 +286,12 @@ class TrainerConfig:
     reward_penalty: float = 1.0
     # gate, publish, checkpoints
     holdout_share: float = 0.1  # fresh records set aside for the gate (never trained on)
+    holdout_first: int = 4  # the first records are all held out until the gate has this many (then holdout_share)
     holdout_size: int = 256  # most recent held-out records kept
     gate_every: int = 50  # optimizer steps between gate checks
-    gate_min_records: int = 8  # held-out records needed before a gate check
-    min_gain: float = 0.0  # a candidate must beat the serving drafter's estimated acceptance by more than this
+    gate_every_s: float | None = 60.0  # and a gate check this often (if a step was taken since the last); null: steps only
+    gate_min_records: int = 4  # held-out records needed before a gate check
+    min_gain: float = 0.02  # a candidate must beat the serving drafter's estimated acceptance by more than this
     checkpoint_every: int = 25  # optimizer steps between checkpoints (offsets are committed after each)
     keep_checkpoints: int = 2
     ledger_size: int = 1_000_000  # record ids remembered for deduplication
@@ -326,6 +328,8 @@ class TrainerConfig:
         _check(0 <= self.holdout_share < 1, "trainer.holdout_share", self.holdout_share, "in [0, 1)")
         _check(self.holdout_size >= 1, "trainer.holdout_size", self.holdout_size, "an integer >= 1")
         _check(self.gate_every >= 1, "trainer.gate_every", self.gate_every, "an integer >= 1")
+        _check(self.gate_every_s is None or self.gate_every_s > 0, "trainer.gate_every_s", self.gate_every_s, "null or > 0 seconds")
+        _check(self.holdout_first >= 0, "trainer.holdout_first", self.holdout_first, "an integer >= 0")
         _check(self.gate_min_records >= 1, "trainer.gate_min_records", self.gate_min_records, "an integer >= 1")
         _check(self.checkpoint_every >= 1, "trainer.checkpoint_every", self.checkpoint_every, "an integer >= 1")
         _check(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from datetime import datetime
 from dataclasses import dataclass, field
 
 from dvi.engine import Result, SpecStats
@@ -223,30 +224,61 @@ def _escape(value: str) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def version_spans(series: list[Point]) -> list[tuple[float, float, str | None]]:
+    """(start, end, version): the stretches of time each drafter version served, from the plot's points."""
+    spans: list[list] = []
+    for p in series:
+        if spans and spans[-1][2] == p.version:
+            spans[-1][1] = p.time
+        else:
+            start = spans[-1][1] if spans else p.time
+            spans.append([start, p.time, p.version])
+    return [tuple(s) for s in spans]
+
+
 def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path: str, title: str = "dvi serving") -> None:
-    """Acceptance (overall and by domain) and tokens/s over time, with swap / rollback / promotion markers, as a PNG."""
+    """Acceptance (overall and by domain, one shared axis scaled to the data) and tokens/s against wall-clock time,
+    each drafter version's span shaded and labelled with its mean acceptance, swap / rollback / promotion markers;
+    intervals without traffic are left empty (a gap, not a zero), as a PNG."""
     import matplotlib  # heavy: only a replica that plots pays for it
 
     matplotlib.use("Agg")
+    import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
-    t0 = series[0].time if series else (markers[0][0] if markers else time.time())
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    xs = [(p.time - t0) / 60 for p in series]
-    ax1.plot(xs, [p.acceptance if p.acceptance is not None else float("nan") for p in series], "k.-", label="all")
+    nan = float("nan")
+
+    def when(t: float):
+        return datetime.fromtimestamp(t)
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    xs = [when(p.time) for p in series]
+    idle = [p.tokens_per_s <= 0 for p in series]
+    ax1.plot(xs, [nan if p.acceptance is None else p.acceptance for p in series], "k.-", label="all domains", lw=1.6)
     for domain in sorted({d for p in series for d in p.domains}):
-        ax1.plot(xs, [p.domains.get(domain, float("nan")) for p in series], ".-", label=domain, alpha=0.7)
-    ax1.set_ylabel("acceptance rate")
-    ax1.set_ylim(0, 1)
-    ax2.plot(xs, [p.tokens_per_s for p in series], "b.-")
-    ax2.set_ylabel("tokens/s")
-    ax2.set_xlabel("minutes")
-    colours = {"swap": "green", "rollback": "red", "promote": "purple"}
-    for when, kind, version in markers:
+        ax1.plot(xs, [p.domains.get(domain, nan) for p in series], ".-", label=domain, alpha=0.75)
+    ax2.plot(xs, [nan if i else p.tokens_per_s for p, i in zip(series, idle)], "b.-")
+    top = max([p.acceptance or 0.0 for p in series] + [v for p in series for v in p.domains.values()] + [0.05])
+    ax1.set_ylim(0, min(1.0, top * 1.15))
+    ax2.set_ylim(bottom=0)
+    palette = plt.get_cmap("tab10")
+    for i, (start, end, version) in enumerate(version_spans(series)):
+        points = [p.acceptance for p in series if p.version == version and start <= p.time <= end and p.acceptance is not None]
+        mean = f" {sum(points) / len(points):.3f}" if points else ""
         for ax in (ax1, ax2):
-            ax.axvline((when - t0) / 60, color=colours.get(kind, "grey"), ls="--", lw=0.8)
-        ax1.annotate(f"{kind} {version}", ((when - t0) / 60, 0.97), fontsize=7, rotation=90, va="top")
-    ax1.legend(loc="lower right", fontsize=7)
+            ax.axvspan(when(start), when(end), color=palette(i % 10), alpha=0.12, lw=0)
+        ax1.annotate(f"{version or 'no drafter'}{mean}", (when(start), 1.0), xycoords=("data", "axes fraction"), fontsize=8,
+                     va="top", ha="left", xytext=(3, -3), textcoords="offset points")
+    colours = {"swap": "green", "rollback": "red", "promote": "purple"}
+    for t, kind, version in markers:
+        for ax in (ax1, ax2):
+            ax.axvline(when(t), color=colours.get(kind, "grey"), ls="--", lw=0.8)
+        ax2.annotate(f"{kind} {version}", (when(t), 0.97), xycoords=("data", "axes fraction"), fontsize=7, rotation=90, va="top")
+    ax1.set_ylabel("acceptance (accepted / drafted)")
+    ax2.set_ylabel("tokens/s")
+    ax2.set_xlabel("wall-clock time (shaded: the drafter version serving, with its mean acceptance; gaps: no traffic)")
+    ax2.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
+    ax1.legend(loc="upper right", fontsize=7)
     ax1.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -21,7 +21,8 @@ a failure, rather than retrying it forever. The client's HTTP retries and timeou
 user set MLFLOW_HTTP_REQUEST_* variables) so a dead server costs the thread seconds, not minutes.
 `close(timeout_s)` flushes for at most that long, ends the run and says how many points were lost.
 
-`loop_view` answers `dvi status` (the newest trainer run, the registry's aliases). The mlflow package is imported
+`loop_view` answers `dvi status` (the newest trainer run, the registered versions and their aliases) over MLflow's
+REST API with plain urllib (`rest`), so that `dvi status` answers in well under 2 s. The mlflow package is imported
 where it is first used, not at the top: it takes seconds to import, and a process with tracking off never needs it.
 
 This module is dvi's one MLflow client. It knows MLflow, not training or serving: what the metrics mean, when to
@@ -30,12 +31,14 @@ log and what a drafter version holds are its callers' business.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import re
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections import deque
@@ -52,6 +55,16 @@ MAX_PARAMS_PER_BATCH = 100
 VERSION_TAG = "dvi.version"
 METRIC_KEY = re.compile(r"[\w./\- :]{1,250}")  # the names MLflow accepts
 SOURCE_TAG = "dvi.source"
+PRODUCTION_ALIAS, CANDIDATE_ALIAS = "production", "candidate"
+# experiment tags: MLflow 3 opens an experiment of this kind on its runs table (not the GenAI overview), and shows the note
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development",
+                   "mlflow.note.content": "dvi: online drafter adaptation. Runs: `trainer` (`gate/*`, `count/*`, `loss`); "
+                                          "`serve-<replica>` (`interval/acceptance.<domain>`, `version/<v>/acceptance_rate`, "
+                                          "and the artifact `plots/drift.png`: acceptance by domain and drafter version against "
+                                          "wall-clock time). Models: `dvi-drafter` (aliases `production`, `candidate`)."}
+# MLflow 3.17 opens experiments in its GenAI view unless the page asks for the classic one (the experiment kind above
+# is not enough while its workflow switch is shown): links dvi prints carry this
+CLASSIC_VIEW = "?workflowType=machine_learning"
 # the MLflow client's defaults (7 retries with backoff, 120 s timeout) would stall the thread for minutes
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 _IDLE_S = 0.5  # how often the thread looks for new points when all is sent
@@ -164,6 +177,20 @@ class Tracker:
         """Queue: point alias `alias` of `tracking.registry_model` at the registered drafter `version`."""
         self._queue(_Op(f"setting alias {alias} to drafter {version}",
                         lambda client: client.set_registered_model_alias(self.cfg.registry_model, alias, self._number(client, version))))
+
+    def promote(self, version: str) -> None:
+        """Queue: alias `production` to the registered drafter `version`, and alias `candidate` off it (a candidate
+        is a version not yet judged live)."""
+        def op(client) -> None:
+            name, number = self.cfg.registry_model, self._number(client, version)
+            client.set_registered_model_alias(name, PRODUCTION_ALIAS, number)
+            try:
+                if str(client.get_model_version_by_alias(name, CANDIDATE_ALIAS).version) == str(number):
+                    client.delete_registered_model_alias(name, CANDIDATE_ALIAS)
+            except Exception as e:  # no candidate alias: nothing to move
+                if _error_code(e) not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                    raise
+        self._queue(_Op(f"promoting drafter {version}", op))
 
     def tag_version(self, version: str, tags: dict[str, str]) -> None:
         """Queue: set tags on the registered drafter `version` (e.g. dvi.rejected)."""
@@ -348,9 +375,12 @@ class Tracker:
         if experiment is not None and experiment.lifecycle_stage != "active":
             raise _Fatal(f"experiment {name!r} is deleted: restore it in MLflow or set tracking.experiment=<another name>")
         if experiment is not None:
+            missing = {k: v for k, v in EXPERIMENT_TAGS.items() if k not in (experiment.tags or {})}
+            for key, value in missing.items():  # an experiment made before dvi set them (or by hand)
+                self._attempt(lambda: client.set_experiment_tag(experiment.experiment_id, key, value), f"experiment tag {key}")
             return experiment.experiment_id
         try:
-            return client.create_experiment(name)
+            return client.create_experiment(name, tags=EXPERIMENT_TAGS)
         except Exception as e:
             if _error_code(e) != "RESOURCE_ALREADY_EXISTS":  # another process created it just now
                 raise
@@ -506,33 +536,53 @@ def flatten(params: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def loop_view(cfg: TrackingConfig) -> dict:
-    """What MLflow says of the loop (for `dvi status`): the newest trainer run's last metrics and the registry's
-    aliases (alias -> dvi drafter version), or why MLflow could not be asked."""
-    bounded_http()
+def rest(uri: str, endpoint: str, query: dict | None = None, body: dict | None = None, timeout_s: float = 1.5) -> dict:
+    """One call of MLflow's REST API (`/api/2.0/mlflow/<endpoint>`) with plain urllib: a GET with `query`, or a
+    POST of `body` as JSON. For quick looks (`loop_view`) where importing the mlflow package would cost seconds."""
+    url = f"{uri.rstrip('/')}/api/2.0/mlflow/{endpoint}"
+    if query:
+        url += "?" + urllib.parse.urlencode(query)
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST" if data else "GET")
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def loop_view(cfg: TrackingConfig, timeout_s: float = 1.5) -> dict:
+    """What MLflow says of the loop (for `dvi status`), read over its REST API: the newest trainer run (name, status,
+    last value, step and time of each metric) and the registered drafter versions (dvi version, parent, records,
+    gate figures, creation time, aliases), newest first; or why MLflow could not be asked."""
+    uri = cfg.tracking_uri
+    out: dict = {"uri": redact(uri)}
     try:
-        from mlflow import MlflowClient  # heavy: see the module docstring
-
-        client = MlflowClient(tracking_uri=cfg.tracking_uri, registry_uri=cfg.tracking_uri)
-        out: dict = {"uri": redact(cfg.tracking_uri)}
-        exp = client.get_experiment_by_name(cfg.experiment)
-        runs = client.search_runs([exp.experiment_id], "tags.`dvi.role` = 'trainer'", order_by=["attributes.start_time DESC"],
-                                  max_results=1) if exp else []
-        if runs:
-            run = runs[0]
-            m = run.data.metrics
-            out["trainer"] = {"run_id": run.info.run_id, "status": run.info.status, "consumer_lag": m.get("consumer_lag"),
-                              "step_metrics": {k: m[k] for k in ("loss", "acceptance", "records_per_s") if k in m}}
-        try:
-            model = client.get_registered_model(cfg.registry_model)
-            out["aliases"] = {a: _dvi_version(client, cfg.registry_model, v) for a, v in (model.aliases or {}).items()}
-        except Exception:
-            out["aliases"] = {}
-        return out
-    except Exception as e:
-        return {"uri": redact(cfg.tracking_uri), "error": f"unreachable ({type(e).__name__}: {redact(str(e))[:160]})"}
-
-
-def _dvi_version(client, name: str, number) -> str:
-    mv = client.get_model_version(name, str(number))
-    return mv.tags.get(VERSION_TAG, f"v{number}")
+        exp = rest(uri, "experiments/get-by-name", {"experiment_name": cfg.experiment}, timeout_s=timeout_s)["experiment"]
+    except urllib.error.HTTPError as e:
+        if e.code != 404:
+            return {"uri": redact(uri), "error": f"HTTP {e.code} from MLflow"}
+        exp = None
+    except (OSError, ValueError) as e:
+        return {"uri": redact(uri), "error": f"unreachable ({type(e).__name__}: {redact(str(e))[:160]})"}
+    try:
+        if exp is not None:
+            runs = rest(uri, "runs/search", body={"experiment_ids": [exp["experiment_id"]], "max_results": 1,
+                                                  "filter": "tags.`dvi.role` = 'trainer'", "order_by": ["attributes.start_time DESC"]},
+                        timeout_s=timeout_s).get("runs") or []
+            if runs:
+                info, data = runs[0]["info"], runs[0].get("data", {})
+                out["trainer"] = {"run_id": info["run_id"], "run_name": info.get("run_name"), "status": info.get("status"),
+                                  "metrics": {m["key"]: {"value": m.get("value"), "step": m.get("step", 0), "time": m.get("timestamp", 0) / 1000}
+                                              for m in data.get("metrics", [])}}
+        found = rest(uri, "model-versions/search", {"filter": f"name='{cfg.registry_model}'", "max_results": 200},
+                     timeout_s=timeout_s).get("model_versions") or []
+        versions = []
+        for mv in sorted(found, key=lambda v: int(v["version"]), reverse=True):
+            tags = {t["key"]: t["value"] for t in mv.get("tags", [])}
+            versions.append({"version": tags.get(VERSION_TAG, f"v{mv['version']}"), "number": int(mv["version"]),
+                             "created": int(mv.get("creation_timestamp", 0)) / 1000, "tags": tags})
+        names = {str(v["number"]): v["version"] for v in versions}
+        model = rest(uri, "registered-models/get", {"name": cfg.registry_model}, timeout_s=timeout_s)["registered_model"] if versions else {}
+        out["versions"] = versions
+        out["aliases"] = {a["alias"]: names.get(str(a["version"]), f"v{a['version']}") for a in model.get("aliases", [])}
+    except (OSError, ValueError, KeyError) as e:
+        out["error"] = f"incomplete answer ({type(e).__name__}: {redact(str(e))[:160]})"
+    return out

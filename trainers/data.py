@@ -262,7 +262,7 @@ class Buffer:
     """
 
     def __init__(self, pending_size: int, replay_size: int, holdout_size: int, replay_share: float,
-                 holdout_share: float, version_decay: float, max_version_age: int, seed: int = 0):
+                 holdout_share: float, version_decay: float, max_version_age: int, seed: int = 0, holdout_first: int = 0):
         self.pending: deque[Item] = deque()
         self.replay: deque[Example] = deque(maxlen=replay_size)
         self.holdout: deque[Example] = deque(maxlen=holdout_size)
@@ -273,12 +273,17 @@ class Buffer:
         self.max_version_age = max_version_age
         self.rng = random.Random(seed)
         self._holdout_credit = 0.0
+        self.holdout_first = holdout_first  # the first records are all held out until the gate has this many
 
     def add(self, item: Item) -> tuple[Fate | None, Item | None]:
         """Route a fresh record: held out for the gate, or queued for training.
 
         Returns (Fate.HELD_OUT or None, the oldest pending item skipped to make room or None).
         """
+        if self.holdout_first > 0 and self.holdout_share > 0:  # an early gate needs held-out records first
+            self.holdout_first -= 1
+            self.holdout.append(item.example)
+            return Fate.HELD_OUT, None
         self._holdout_credit += self.holdout_share
         if self._holdout_credit >= 1.0:  # every 1 / holdout_share-th record, deterministic and evenly spread
             self._holdout_credit -= 1.0

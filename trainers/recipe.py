@@ -16,19 +16,25 @@
 - checkpoint: every `trainer.checkpoint_every` steps, a DeepSpeed checkpoint holding the ledger, the
   committable offsets and the lineage is written atomically (`trainers.checkpoint`); only then are the offsets
   committed, so a crash re-reads exactly the records the last checkpoint does not cover;
-- gate and publish: every `trainer.gate_every` steps (and at the end of a triggered session) the candidate's
-  expected acceptance on held-out records is compared with the baseline's; only a better candidate is written
+- gate and publish: every `trainer.gate_every` steps, every `trainer.gate_every_s` seconds in which a step was
+  taken, at the end of a triggered session and at once on a retrain request under the continuous trigger, the
+  candidate's expected acceptance on held-out records is compared with the baseline's (the first
+  `trainer.holdout_first` records are all held out, so the first gate can run within minutes); only a better candidate is written
   to the model store (`dvi.store`), registered in MLflow (alias `candidate`, through the tracker it is handed)
   and announced as a `dvi.control.DrafterPublished` through the publisher it is handed. `Trainer.published`
   lists the versions published in this run.
 
 Control messages are `dvi.control`'s typed messages, read from the control reader it is handed:
-`RetrainRequested` starts a session; `DrafterRejected` (a replica rolled a version back) puts the previous
+`RetrainRequested` starts a session (continuous trigger: a gate and publish attempt now); `DrafterRejected` (a replica rolled a version back) puts the previous
 drafter back as the gate's baseline and records the verdict `store.REJECTED` in the model store;
 `DrafterPromoted` records `store.PRODUCTION`.
 
 The same recipe runs offline (`dvi drafter distill`) over a topic read from the beginning by a group of its
-own, or over a file of records, stopping when it is idle. This module knows records, DeepSpeed (through
+own, or over a file of records, stopping when it is idle.
+
+Every decision (a trigger fired, a retrain request acknowledged, a gate passed, refused or not run for lack of
+held-out records, a publish) is one line on the logger `dvi.decision.trainer`, which the CLI shows at its default
+level; the counters go to the tracker after every gate and every `COUNTERS_EVERY_S`. This module knows records, DeepSpeed (through
 `trainers.ds`) and the model store; the maths is in `trainers.losses`, the record layout in `trainers.data`,
 checkpoint files in `trainers.checkpoint`. It does not know Kafka or MLflow clients: its source, control
 reader, publisher and tracker are passed in.
@@ -48,7 +54,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from dvi import store
+from dvi import __version__, store
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
@@ -60,6 +66,9 @@ from trainers.losses import Teacher, kl_reward_weights, position_loss, teacher_f
 from trainers.triggers import Trigger
 
 log = logging.getLogger("dvi.trainer")
+decision = logging.getLogger("dvi.decision.trainer")  # one line per decision, shown at the CLI's default level
+
+COUNTERS_EVERY_S = 30.0  # the counters go to the tracker at least this often while the trainer runs
 
 
 class PositionLM(torch.nn.Module):
@@ -90,6 +99,8 @@ class Counters:
     refused: int = 0  # gate checks the candidate lost
     checkpoint_failures: int = 0  # checkpoints that could not be written (disk full, I/O error): the previous one stands
     positions: int = 0  # teacher positions trained on (fresh and replayed)
+    gates: int = 0  # gate checks run (passed or refused)
+    retrains: int = 0  # retrain requests acknowledged
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -199,7 +210,7 @@ class Trainer:
 
         t = self.tcfg
         self.buffer = Buffer(t.pending_size, t.replay_size, t.holdout_size, t.replay_share, t.holdout_share,
-                             t.version_decay, t.max_version_age, seed=t.seed)
+                             t.version_decay, t.max_version_age, seed=t.seed, holdout_first=t.holdout_first)
         self.offsets = Offsets()
         self.inflight: set[str] = set()  # ids read but not yet done (waiting in the fresh queue)
         self.trigger = Trigger(cfg.trigger, time.monotonic())
@@ -207,6 +218,10 @@ class Trainer:
         self.last_record_at = time.monotonic()
         self.last_checkpoint_step = self.state.step
         self.checkpoint_ok = True  # the last checkpoint written (or resumed from) is complete
+        self.last_gate: dict = {}  # the last gate check: step, time, outcome and figures (for the tracker and status)
+        self.last_gate_step = self.state.step
+        self.next_gate_at = time.monotonic() + (t.gate_every_s or math.inf)
+        self.counters_logged_at = time.monotonic()
         if last is None:
             self.checkpoint()  # step 0: there is always a complete checkpoint to roll back to
 
@@ -255,7 +270,11 @@ class Trainer:
                 now = time.monotonic()
                 reason = self.trigger.poll(now)
                 if reason:
-                    log.info("training session starts: %s", reason)
+                    decision.info("trigger fired: %s", reason if reason.startswith(Trigger.FORCED) else f"training session starts: {reason}")
+                if self._from_rank0(bool(reason) and reason.startswith(Trigger.FORCED)):
+                    self.gate_and_publish(why="retrain requested")
+                if time.monotonic() - self.counters_logged_at >= COUNTERS_EVERY_S:
+                    self.log_counters()
                 stop, go = self._agree(self._should_stop(), self.trigger.active(now), self._batch_ready(now))
                 if stop:
                     break
@@ -267,12 +286,12 @@ class Trainer:
                 if self.state.step % self.tcfg.checkpoint_every == 0:
                     self.checkpoint()
                 session_over = self._from_rank0(self.cfg.trigger.kind != "continuous" and self.trigger.session_over())
-                if self.state.step % self.tcfg.gate_every == 0 or session_over:
-                    published = self.gate_and_publish()
+                if session_over or self._gate_due():
+                    published = self.gate_and_publish(why="session over" if session_over else "due")
                     if session_over:
                         self.trigger.end_session(time.monotonic(), published)
-            if self.offline and self.state.step % self.tcfg.gate_every:  # offline: the last steps get a gate too
-                self.gate_and_publish()
+            if self.offline and self.state.step > self.last_gate_step:  # offline: the last steps get a gate too
+                self.gate_and_publish(why="end of the offline run")
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -319,6 +338,11 @@ class Trainer:
             log.info("no fresh record for %.0f s: stopping", idle)
             return True
         return False
+
+    def _gate_due(self) -> bool:
+        """Every `gate_every` steps, or `gate_every_s` after the last gate (decided by rank 0's clock)."""
+        due = self.state.step % self.tcfg.gate_every == 0 or time.monotonic() >= self.next_gate_at
+        return self._from_rank0(due and self.state.step > self.last_gate_step)
 
     def _batch_ready(self, now: float) -> bool:
         """A full batch of fresh positions is waiting, or some are and the stream paused for a second."""
@@ -378,8 +402,12 @@ class Trainer:
             return
         for msg in self.control.poll():
             if isinstance(msg, RetrainRequested):
-                log.info("retrain requested: %s", msg.reason or "no reason given")
+                self.state.counters.retrains += 1
+                decision.info("retrain requested (%s): acknowledged at step %d, trigger %s", msg.reason or "no reason given",
+                              self.state.step, self.cfg.trigger.kind)
                 self.trigger.request(time.monotonic())
+                if self.tracker is not None:
+                    self.tracker.log_metrics({"count/retrains": self.state.counters.retrains}, step=self.state.step)
             elif isinstance(msg, DrafterRejected):
                 self.rejected(msg.version, msg.reason)
                 self._verdict(msg, store.REJECTED)
@@ -460,13 +488,26 @@ class Trainer:
             self.tracker.log_metrics({
                 "loss": loss.item(), **{f"train/{k}": v for k, v in metrics.items()},
                 "w_kl": w_kl, "w_reward": w_reward, "step_time_s": dt, "positions_per_s": batch.positions / dt,
-                "records_per_s": len(fresh) / dt, "pending": len(self.buffer.pending), **self._lag(),
-                **{f"trigger/{k}": v for k, v in self.trigger.snapshot().items()},
-                **{f"count/{k}": v for k, v in c.to_dict().items()},
+                "records_per_s": len(fresh) / dt, "pending": len(self.buffer.pending),
             }, step=self.state.step)
+            self.log_counters()
         if self.state.step % t.log_every == 0:
             log.info("step %d: loss %.4f, acceptance %.3f, %d positions in %.2f s, %d records so far", self.state.step,
                      loss.item(), metrics["acceptance"], batch.positions, dt, c.records)
+
+    def log_counters(self) -> None:
+        """The counters, lag, trigger state and the gate's schedule to the tracker (`dvi status` reads them)."""
+        self.counters_logged_at = time.monotonic()
+        if self.tracker is None:
+            return
+        t = self.tcfg
+        next_in = self.next_gate_at - time.monotonic() if t.gate_every_s else math.nan
+        self.tracker.log_metrics({
+            **{f"count/{k}": v for k, v in self.state.counters.to_dict().items()}, **self._lag(),
+            **{f"trigger/{k}": v for k, v in self.trigger.snapshot().items()},
+            "holdout/records": len(self.buffer.holdout), "holdout/needed": t.gate_min_records,
+            "gate/next_in_s": max(0.0, next_in), "gate/next_step": (self.state.step // t.gate_every + 1) * t.gate_every,
+        }, step=self.state.step)
 
     def _lag(self) -> dict[str, float]:
         lag = self.source.lag() if hasattr(self.source, "lag") else None
@@ -524,36 +565,49 @@ class Trainer:
 
     # -- gate and publish ------------------------------------------------------------------------
 
-    def gate_and_publish(self) -> bool:
+    def gate_and_publish(self, why: str = "due") -> bool:
         """Publish the candidate if it beats the baseline (the serving drafter) on the held-out records; True if published.
-        Every rank calls it: rank 0 gates and writes the version, the others follow its lineage."""
+        Every rank calls it: rank 0 gates and writes the version, the others follow its lineage. `why` names what
+        asked for the gate in its log line; the counters go to the tracker afterwards."""
+        self.last_gate_step = self.state.step
+        if self.tcfg.gate_every_s:
+            self.next_gate_at = time.monotonic() + self.tcfg.gate_every_s
         if not self.checkpoint_ok:  # a version published now could not be resumed from after a crash
-            log.warning("not gating or publishing at step %d: the last checkpoint failed", self.state.step)
+            decision.warning("gate at step %d (%s): not run: the last checkpoint failed", self.state.step, why)
             return False
-        gate = self._gate() if self.rank == 0 else None
+        gate = self._gate(why) if self.rank == 0 else None
         gate = self._from_rank0(gate)
-        if gate is None:
-            return False
-        return self.publish(gate)
+        published = gate is not None and self.publish(gate)
+        self.log_counters()
+        return published
 
-    def _gate(self) -> dict | None:
+    def _gate(self, why: str) -> dict | None:
         """Gate metrics when the candidate wins, else None (refusals are counted and logged)."""
         holdout = list(self.buffer.holdout)
+        at = f"gate at step {self.state.step} ({why})"
         if len(holdout) < self.tcfg.gate_min_records:
+            decision.info("%s: not run: %d held-out records of the %d needed", at, len(holdout), self.tcfg.gate_min_records)
+            self.last_gate = {"step": self.state.step, "time": time.time(), "outcome": "waiting for held-out records"}
             return None
+        self.state.counters.gates += 1
         cand = evaluate(self.student.module, holdout, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens)
         base = evaluate(self.baseline, holdout, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens)
         gate = {"candidate_acceptance": cand["acceptance"], "serving_acceptance": base["acceptance"],
                 "candidate_greedy": cand["greedy"], "serving_greedy": base["greedy"], "holdout_records": len(holdout)}
+        passed = cand["acceptance"] > base["acceptance"] + self.tcfg.min_gain and _params_finite(self.student.module)
         if self.tracker is not None:
-            self.tracker.log_metrics({f"gate/{k}": v for k, v in gate.items()}, step=self.state.step)
+            self.tracker.log_metrics({**{f"gate/{k}": v for k, v in gate.items()}, "gate/passed": float(passed)}, step=self.state.step)
+        self.last_gate = {"step": self.state.step, "time": time.time(), "outcome": "passed" if passed else "refused", **gate}
+        figures = (f"candidate {cand['acceptance']:.4f} vs serving {self.state.lineage[-1]} {base['acceptance']:.4f} "
+                   f"(min gain {self.tcfg.min_gain:g}) on {len(holdout)} held-out records")
         if not cand["acceptance"] > base["acceptance"] + self.tcfg.min_gain:
             self.state.counters.refused += 1
-            log.info("gate: candidate %.4f does not beat serving %.4f: not published", cand["acceptance"], base["acceptance"])
+            decision.info("%s: refused: %s", at, figures)
             return None
         if not _params_finite(self.student.module):
-            log.warning("gate: the candidate's weights are not finite: not published")
+            decision.warning("%s: refused: the candidate's weights are not finite", at)
             return None
+        decision.info("%s: passed: %s", at, figures)
         return gate
 
     def publish(self, gate: dict) -> bool:
@@ -573,8 +627,9 @@ class Trainer:
             except (OSError, SafetensorError) as e:  # full or unwritable: nothing half-written is left, nothing announced
                 log.error("could not write drafter %s into the store %s (%s); not published", version, self.store, e)
         if self.rank == 0 and written is not None:
-            log.info("published drafter %s (%s): expected acceptance %.4f > %.4f", version, written.path,
-                     gate["candidate_acceptance"], gate["serving_acceptance"])
+            decision.info("%s published (parent %s, step %d, %d records trained): expected acceptance %.4f -> %.4f; %s",
+                          version, parent, self.state.step, self.state.counters.trained, gate["serving_acceptance"],
+                          gate["candidate_acceptance"], written.path)
             self._announce(written, parent, gate, meta)
             self.state.counters.published += 1
         shared = self._from_rank0((written.version, str(written.path)) if written else None)
@@ -591,6 +646,7 @@ class Trainer:
 
     def _announce(self, published: store.Published, parent: str, gate: dict, meta: dict) -> None:
         tags = {"parent_version": parent, "records_trained": str(self.state.counters.trained), "step": str(self.state.step),
+                "dvi.release": __version__, "records_held_out": str(self.state.counters.held_out),
                 "offsets": ",".join(f"{k}={v}" for k, v in meta["offsets"].items()), "sha256": published.sha256,
                 **{f"gate.{k}": f"{v:.6g}" for k, v in gate.items()}}
         if self.tracker is not None:
@@ -610,8 +666,7 @@ class Trainer:
                 self.checkpoint()
             except DviError as e:
                 log.error("final checkpoint failed: %s", e)
-        if self.tracker is not None:
-            self.tracker.log_metrics({f"count/{k}": v for k, v in self.state.counters.to_dict().items()}, step=self.state.step)
+        self.log_counters()
 
 
 def _summed(ranks: list[dict]) -> dict:

@@ -1,15 +1,17 @@
 """When the trainer trains: the retrain triggers of `conf/trigger/` as pure logic over an explicit clock.
 
 Kinds (`TriggerConfig.kind`):
-- continuous: always active; the trainer steps on every fresh record and gates every `trainer.gate_every` steps.
+- continuous: always active; the trainer steps on every fresh record and gates every `trainer.gate_every` steps
+  and every `trainer.gate_every_s` seconds.
 - threshold: a session starts when the stream's rolling acceptance (accepted / drafted over the last `window`
   records that drafted anything) falls below `acceptance_below`, or when the drift score crosses `drift_above`,
   once `min_records` such records were seen, never while a session runs, and not within `cooldown_s` of the
   end of the last one.
 - schedule: a session starts every `every_s` seconds (the first one `every_s` after start).
 - manual: a session starts only on request.
-A retrain request (`dvi retrain`, via the control topic) starts a session whatever the kind (for continuous it
-changes nothing: that trainer is always training). A session lasts `session_steps` optimizer steps, then the
+A retrain request (`dvi retrain`, via the control topic) starts a session whatever the kind; under continuous,
+where the trainer is always training, `poll` returns the request's reason without starting a session and the
+trainer gates and publishes at once (`Trigger.FORCED` prefixes that reason). A session lasts `session_steps` optimizer steps, then the
 trainer gates and publishes and calls `end_session`.
 
 Drift score: the reference is the highest rolling acceptance seen since the last publish (or since start);
@@ -27,6 +29,8 @@ from dvi.config import TriggerConfig
 
 
 class Trigger:
+    FORCED = "retrain requested"  # continuous: the reason `poll` returns for a request (gate and publish now)
+
     def __init__(self, cfg: TriggerConfig, now: float):
         self.cfg = cfg
         self._window: deque[tuple[int, int]] = deque(maxlen=cfg.window)
@@ -88,8 +92,12 @@ class Trigger:
     # -- sessions --------------------------------------------------------------------------------
 
     def poll(self, now: float) -> str | None:
-        """The reason a session starts now, or None (also None while one runs, and always for continuous)."""
-        if self.cfg.kind == "continuous" or self._in_session:
+        """The reason a session starts now, or None (also None while one runs). Continuous never starts a session:
+        a retrain request returns `FORCED ...` once (the trainer gates and publishes now), anything else None."""
+        if self.cfg.kind == "continuous":
+            requested, self._requested = self._requested, False
+            return f"{self.FORCED}: gate and publish now (continuous trigger)" if requested else None
+        if self._in_session:
             self._requested = False
             return None
         reason = self._reason(now)

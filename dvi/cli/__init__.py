@@ -1,10 +1,10 @@
 """The `dvi` command: one table of subcommands, the only code that wires every package together.
 
 `COMMANDS` is the table: the words of a subcommand, its help, its options and the function that runs it. The
-functions live in the modules beside this one (`serve`: generate and serve; `status`; `up`: the local stack
-and process supervision; `stream`: broker and stream tail; `tracking`: mlflow; `train`: train, retrain and
-distill; `models`: models fetch, drafter init and keys init) and are imported only when their command runs, so `dvi --help`
-loads neither torch nor Kafka, DeepSpeed or MLflow. Each parses its arguments, builds the typed config once,
+functions live in the modules beside this one (`serve`: generate and serve; `status`; `up`: the local stack,
+process supervision, `dvi down`; `stream`: broker and stream tail; `tracking`: mlflow; `train`: train, retrain and
+distill; `models`: models fetch, drafter init and keys init) and are imported only when their command runs, so
+`dvi --help` loads neither torch nor Kafka, DeepSpeed or MLflow. Each parses its arguments, builds the typed config once,
 hands the library its parts and prints. Trailing `key=value` words are Hydra overrides of conf/. A `DviError`
 prints as one line `dvi: error: ...` with exit status 2. Nothing imports this package; it imports everything.
 """
@@ -29,6 +29,7 @@ class Command:
     help: str
     run: str  # "module:function" under dvi.cli; called with the parsed arguments, returns the exit status
     options: Callable[[argparse.ArgumentParser], None] = lambda p: None
+    light: bool = False  # loads no model library: transformers is not even imported to quiet it (a quick answer)
 
 
 GROUPS = {"models": "model cache", "drafter": "drafter checkpoints", "stream": "the decision stream",
@@ -61,6 +62,11 @@ def _status(p: argparse.ArgumentParser) -> None:
 def _up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", help="comma-separated parts to run, of broker,mlflow,serve,train")
     p.add_argument("--no-train", action="store_true", help="run everything but the trainer")
+    p.add_argument("--detach", action="store_true", help="run in the background; return once ready (`dvi down` stops it)")
+
+
+def _down(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the ordered shutdown")
 
 
 def _tail(p: argparse.ArgumentParser) -> None:
@@ -95,8 +101,9 @@ def _distill(p: argparse.ArgumentParser) -> None:
 COMMANDS: tuple[Command, ...] = (
     Command(("generate",), "decode one prompt with the configured pair", "serve:generate", _generate),
     Command(("serve",), "the HTTP server: OpenAI-compatible completions, hot-swapped drafters", "serve:serve", _serve),
-    Command(("status",), "serving drafter and live acceptance per replica, trainer lag, last publish", "status:status", _status),
+    Command(("status",), "serving drafter and live acceptance per replica, trainer lag, last publish", "status:status", _status, light=True),
     Command(("up",), "the whole local loop: broker, MLflow, serve and train as supervised processes", "up:up", _up),
+    Command(("down",), "stop a `dvi up --detach` (or any dvi up on this cache) the way Ctrl-C does", "up:down", _down, light=True),
     Command(("broker",), "run the embedded Kafka-protocol broker (Tansu) on 127.0.0.1:stream.port", "stream:broker"),
     Command(("stream", "tail"), "print DecisionRecords from the decisions topic", "stream:tail", _tail),
     Command(("mlflow",), "run the local MLflow server (SQLite + local artifacts) on 127.0.0.1:tracking.port", "tracking:mlflow"),
@@ -126,8 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
         p = where.add_parser(cmd.words[-1], help=cmd.help)
         cmd.options(p)
         p.add_argument("overrides", nargs="*", help="Hydra config overrides, key=value")
-        p.set_defaults(run=cmd.run)
+        p.set_defaults(run=cmd.run, light=cmd.light)
     return parser
+
+
+LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
+LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
+
+
+def setup_logging(verbose: bool) -> None:
+    """Timestamped lines on stderr: warnings by default (third-party libraries stay quiet), dvi's decisions
+    (`dvi.decision.*`: gates, publishes, swaps, promotions, rollbacks, triggers) and waits (`dvi.wait`) at the
+    default level too, everything of dvi at INFO with -v."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=LOG_FORMAT, datefmt=LOG_DATEFMT)
+    for name in ("dvi.decision", "dvi.wait"):
+        logging.getLogger(name).setLevel(logging.INFO)
 
 
 def _quiet_libraries() -> None:
@@ -147,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         args.overrides = list(getattr(args, "overrides", []) or []) + unknown
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    _quiet_libraries()
+    setup_logging(args.verbose)
+    if not args.light:
+        _quiet_libraries()
     module, function = args.run.split(":")
     try:
         run = getattr(importlib.import_module(f"dvi.cli.{module}"), function)

@@ -13,11 +13,15 @@ MLflow tracker; the recipe is `trainers.recipe`'s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import threading
 import time
 import uuid
 from dataclasses import replace
+
+from tqdm import tqdm
 
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.control import RetrainRequested
@@ -43,8 +47,8 @@ def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bo
                               client_id="dvi-trainer")
     reader = control.ControlReader(cfg.stream)
     role = "distill" if offline else "trainer"
-    tracker = Tracker(cfg.tracking, run_name=f"{'distill' if offline else 'train'}-{time.strftime('%Y%m%d-%H%M%S')}",
-                      params=flat_params(cfg), tags={"dvi.role": role, "dvi.trigger": cfg.trigger.kind})
+    tracker = Tracker(cfg.tracking, run_name=role, params=flat_params(cfg),  # stable names: the README's `trainer`, `distill`
+                      tags={"dvi.role": role, "dvi.trigger": cfg.trigger.kind, "dvi.started": time.strftime("%Y-%m-%d %H:%M:%S")})
     trainer = Trainer(cfg, source, tracker=tracker, control=reader, publisher=lambda msg: control.send(cfg.stream, msg),
                       offline=offline)
     return trainer, (source, reader, tracker)
@@ -53,8 +57,8 @@ def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bo
 def _file_trainer(cfg: DviConfig, path: str):
     """The recipe over a file of records: no broker needed; MLflow and the store as configured."""
     source = FileSource(path)
-    tracker = Tracker(cfg.tracking, run_name=f"distill-{time.strftime('%Y%m%d-%H%M%S')}", params=flat_params(cfg),
-                      tags={"dvi.role": "distill", "dvi.source": str(source.path)})
+    tracker = Tracker(cfg.tracking, run_name="distill", params=flat_params(cfg),
+                      tags={"dvi.role": "distill", "dvi.source": str(source.path), "dvi.started": time.strftime("%Y-%m-%d %H:%M:%S")})
     return Trainer(cfg, source, tracker=tracker, offline=True), (source, None, tracker)
 
 
@@ -94,13 +98,38 @@ def distill(args: argparse.Namespace) -> int:
     else:  # a group of its own, read from the beginning: every record on the topic, whatever the serving trainers did
         trainer, parts = _stream_trainer(cfg, group_id=f"dvi-distill-{uuid.uuid4().hex[:8]}", offline=True,
                                          verbose=args.verbose, dead_letter=False)
-    result = _run(trainer, parts)
+    with _progress(trainer, args.steps):
+        result = _run(trainer, parts)
     if args.json:
         print(json.dumps(result))
     else:
         print(_summary(result))
         print(result["serving_dir"])
     return 0
+
+
+@contextlib.contextmanager
+def _progress(trainer: Trainer, steps: int | None):
+    """A tqdm bar of the trainer's steps while it runs (with its records and publishes, read from its state by a thread);
+    on stderr, and only on a terminal."""
+    bar = tqdm(total=steps, desc="dvi drafter distill", unit=" steps", disable=None)
+    done = threading.Event()
+
+    def follow() -> None:
+        while not done.wait(0.5):
+            c = trainer.state.counters
+            bar.update(trainer.state.step - bar.n)
+            bar.set_postfix_str(f"{c.records} records, {c.published} published, {c.refused} refused")
+
+    thread = threading.Thread(target=follow, daemon=True, name="distill-progress")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        bar.update(trainer.state.step - bar.n)
+        bar.close()
 
 
 def retrain(args: argparse.Namespace) -> int:

@@ -5,8 +5,13 @@ Owns the plan (which parts run, in what order, how each says it is ready) and th
 server or tracking is off), `dvi serve` and `dvi train`, each run with this interpreter and the same overrides,
 so each loads exactly the config `dvi up` loaded. They start in that order, each waited on until ready; a part
 that exits is reported and restarted after a backoff (1 s, doubling to 30 s, back to 1 s once a run lasted a
-minute); Ctrl-C or SIGTERM stops them in reverse order. Child logs go to <cache>/logs/<part>.log. The drift
-benchmark (benchmarks/drift.py) runs its replicas with the same `Supervisor`.
+minute); Ctrl-C or SIGTERM stops them in reverse order. Child logs go to <cache>/logs/<part>.log; the children's
+decision lines (loggers `dvi.decision.*`: gates, publishes, swaps, promotions, rollbacks, triggers) are relayed to
+this terminal as they appear, and a part that takes long to start is said to be awaited every few seconds.
+`dvi up --detach` runs the same in the background (its output in <cache>/logs/up.log) and returns once the stack
+is ready; the running `dvi up` keeps its pid in <cache>/up.pid, which `dvi down` signals (SIGTERM, the same ordered
+shutdown as Ctrl-C) and which makes a second `dvi up` on that cache refuse, as does a port of the plan in use.
+The drift benchmark (benchmarks/drift.py) runs its replicas with the same `Supervisor`.
 
 It knows how to start, watch and stop the parts, not what they do.
 """
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -24,13 +31,17 @@ from typing import Callable
 from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
 from dvi.models import cache_dir, pair_dirs
-from dvi.procs import Child, http_ok, sigterm_interrupts, spawn, wait_ready
+from dvi.procs import Child, http_ok, port_in_use, sigterm_interrupts, spawn, wait_ready
+from dvi.tracking import CLASSIC_VIEW
 
 PARTS = ("broker", "mlflow", "serve", "train")
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # a run that lasted this long was healthy: the next crash starts the backoff over
+READY_LINE = "Ctrl-C stops everything"  # in the banner once every part is ready (`--detach` waits for it)
+WAIT_SAY_S = 5.0  # while a part starts, say what is awaited this often
+DECISION_MARK = " dvi.decision."  # the loggers whose lines `dvi up` relays (see dvi.cli.setup_logging)
 
 
 def next_backoff(previous_s: float | None, uptime_s: float) -> float:
@@ -77,8 +88,11 @@ def plan(cfg, only: set[str] | None = None, train: bool = True) -> list[Part]:
 class Supervisor:
     """Starts the parts in order, restarts those that exit, stops them all in reverse order."""
 
-    def __init__(self, parts: list[Part], overrides: list[str], log_dir: Path, say: Callable[[str], None] = print):
+    def __init__(self, parts: list[Part], overrides: list[str], log_dir: Path, say: Callable[[str], None] = print,
+                 relay: bool = True):
         self.parts = parts
+        self.relay = relay  # say the children's decision lines (DECISION_MARK) as they appear in their logs
+        self._read_at: dict[str, int] = {}  # part -> how far its log was read for decision lines
         self.overrides = overrides
         self.log_dir = log_dir
         self.say = say
@@ -91,14 +105,51 @@ class Supervisor:
     def _spawn(self, part: Part) -> Child:
         cmd = [sys.executable, "-m", "dvi.cli", *part.args, *self.overrides]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        return spawn(part.name, cmd, log_path=self.log_dir / f"{part.name}.log", env=env)
+        log_path = self.log_dir / f"{part.name}.log"
+        self._read_at[part.name] = log_path.stat().st_size if log_path.exists() else 0  # this launch's lines only
+        return spawn(part.name, cmd, log_path=log_path, env=env)
+
+    def relay_decisions(self) -> None:
+        """Say each child's new decision lines (gates, publishes, swaps, promotions, rollbacks, triggers), prefixed
+        with the part's name."""
+        if not self.relay:
+            return
+        for name, child in list(self.children.items()):
+            try:
+                with open(child.log_path, "rb") as f:
+                    f.seek(self._read_at.get(name, 0))
+                    chunk = f.read(1 << 20)
+            except OSError:
+                continue
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next look
+            self._read_at[name] = self._read_at.get(name, 0) + len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                if DECISION_MARK in line:
+                    self.say(f"[{name}] {line}")
+
+    def _waiting(self, part: Part, child: Child) -> Callable[[], str | None]:
+        """The part's probe, saying every WAIT_SAY_S what is still awaited (and relaying decision lines meanwhile)."""
+        started, said = time.monotonic(), [time.monotonic()]
+
+        def probe() -> str | None:
+            missing = part.ready(child)
+            self.relay_decisions()
+            now = time.monotonic()
+            if missing is not None and now - said[0] >= WAIT_SAY_S:
+                said[0] = now
+                last = child.log_since_start(1 << 16).strip().splitlines()
+                self.say(f"dvi up: waiting for {part.name} ({now - started:.0f} s of at most {part.ready_timeout_s:.0f}): {missing}"
+                         + (f"; its log: {last[-1][:160]}" if last else ""))
+            return missing
+
+        return probe
 
     def start(self) -> None:
         """Start every part and wait until each is ready; on a failure, stop what started and raise DviError."""
         try:
             for part in self.parts:
                 child = self.children[part.name] = self._spawn(part)
-                wait_ready(child, lambda: part.ready(child), part.ready_timeout_s, f"dvi {part.name}", interval_s=0.25)
+                wait_ready(child, self._waiting(part, child), part.ready_timeout_s, f"dvi {part.name}", interval_s=0.25)
                 self.say(f"dvi up: {part.name} ready (pid {child.pid}, log {child.log_path})")
         except BaseException:
             self.stop()
@@ -106,6 +157,7 @@ class Supervisor:
 
     def tick(self) -> None:
         """One look at every part: report and schedule the restart of one that exited, start one that is due."""
+        self.relay_decisions()
         now = time.monotonic()
         for part in self.parts:
             name = part.name
@@ -141,26 +193,116 @@ class Supervisor:
         self._due.clear()
 
 
+def pid_file(cache: Path) -> Path:
+    """Where a running `dvi up` writes its pid (`dvi down` reads it)."""
+    return cache / "up.pid"
+
+
+def running_pid(cache: Path) -> int | None:
+    """The pid of the `dvi up` running on this cache, or None (a stale pid file is ignored)."""
+    try:
+        pid = int(pid_file(cache).read_text().split()[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid
+
+
+def ports(cfg, parts: list[Part]) -> dict[str, int]:
+    """The local TCP port each part of the plan listens on."""
+    by_part = {"broker": cfg.stream.port, "mlflow": cfg.tracking.port, "serve": cfg.serve.port}
+    return {p.name: by_part[p.name] for p in parts if p.name in by_part}
+
+
+def check_not_running(cfg, parts: list[Part], cache: Path) -> None:
+    """DviError when a stack already runs on this cache or something listens on one of the plan's ports."""
+    pid = running_pid(cache)
+    if pid is not None:
+        raise DviError(f"dvi up is already running (pid {pid}, {pid_file(cache)}; logs {cache / 'logs'}): "
+                       "`dvi down` stops it, `dvi status` shows it")
+    busy = [f"{name} on 127.0.0.1:{port}" for name, port in ports(cfg, parts).items() if port_in_use(port)]
+    if busy:
+        raise DviError(f"already in use: {', '.join(busy)}: a dvi stack (or something else) is already running there; "
+                       "`dvi down` stops a detached one, or choose other ports (stream.port, tracking.port, serve.port)")
+
+
+def detach(args: argparse.Namespace, cache: Path, timeout_s: float = 900) -> int:
+    """Start `dvi up` (the same arguments, without --detach) in the background, its output in <cache>/logs/up.log;
+    return once it says the stack is ready (its banner printed), or fail with the end of its log."""
+    argv = [*(["-v"] if args.verbose else []), "up", *(["--only", args.only] if args.only else []),
+            *(["--no-train"] if args.no_train else []), *overrides_of(args)]
+    log_path = cache / "logs" / "up.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = log_path.stat().st_size if log_path.exists() else 0
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", *argv], stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline, shown = time.monotonic() + timeout_s, 0
+    while True:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        lines = text.splitlines()
+        for line in lines[shown:]:
+            if line.startswith("dvi up:") or line.startswith("  "):
+                print(line, flush=True)
+        shown = len(lines)
+        if READY_LINE in text:
+            print(f"dvi up: detached (pid {proc.pid}); logs {cache / 'logs'}; `dvi down` stops it", flush=True)
+            return 0
+        if proc.poll() is not None:
+            raise DviError(f"dvi up exited at start (status {proc.returncode}); its log {log_path}: {lines[-3:]}")
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise DviError(f"dvi up was not ready within {timeout_s:.0f} s; stopped it; log {log_path}")
+        time.sleep(0.5)
+
+
+def down(args: argparse.Namespace) -> int:
+    """Stop the `dvi up` running on this cache the way Ctrl-C does (SIGTERM: parts stopped in reverse order)."""
+    cfg = load_config(overrides_of(args))
+    cache = cache_dir(cfg.model)
+    pid = running_pid(cache)
+    if pid is None:
+        print(f"dvi down: no dvi up is running on {cache} (no live pid in {pid_file(cache)})")
+        return 0
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while running_pid(cache) == pid and time.monotonic() < deadline:
+        time.sleep(0.25)
+    if running_pid(cache) == pid:
+        raise DviError(f"dvi up (pid {pid}) did not stop within {args.timeout:.0f} s; its log: {cache / 'logs' / 'up.log'}")
+    print(f"dvi down: stopped dvi up (pid {pid}); logs {cache / 'logs'}")
+    return 0
+
+
 def up(args: argparse.Namespace) -> int:
     overrides = overrides_of(args)
     cfg = load_config(overrides)
     only = set(args.only.split(",")) if args.only else None
     parts = plan(cfg, only, train=not args.no_train)
     cache = cache_dir(cfg.model)
+    check_not_running(cfg, parts, cache)
+    if args.detach:
+        return detach(args, cache)
     if any(p.name in ("serve", "train") for p in parts):
+        print("dvi up: preparing the model pair (a first run fetches and converts it: minutes)", flush=True)
         target, drafter = pair_dirs(cfg.model)  # fetched and built once, before two parts race to do it
         print(f"dvi up: target {target}, drafter {drafter}", flush=True)
     supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: print(line, flush=True))
+    pid_path = pid_file(cache)
+    pid_path.parent.mkdir(parents=True, exist_ok=True)
+    pid_path.write_text(f"{os.getpid()}\n")
     with sigterm_interrupts():
         try:
             supervisor.start()
             names = {p.name for p in parts}
-            lines = ["dvi up: running " + ", ".join(p.name for p in parts) + "; Ctrl-C stops everything"]
+            lines = ["dvi up: running " + ", ".join(p.name for p in parts) + f"; {READY_LINE}"]
             if "serve" in names:
                 lines.append(f"  API     http://{cfg.serve.host}:{cfg.serve.port}/v1  (health, metrics: /health, /metrics)")
             if cfg.tracking.enabled:
-                lines.append(f"  MLflow  {cfg.tracking.tracking_uri}  (experiment '{cfg.tracking.experiment}', "
-                             f"model '{cfg.tracking.registry_model}')")
+                lines.append(f"  MLflow  {cfg.tracking.tracking_uri}/#/experiments{CLASSIC_VIEW}  (experiment "
+                             f"'{cfg.tracking.experiment}': runs trainer, serve-<replica>; model '{cfg.tracking.registry_model}')")
             if "broker" in names:
                 lines.append(f"  Kafka   {cfg.stream.bootstrap}  (topic {cfg.stream.topic}; `dvi stream tail`)")
             lines.append(f"  logs    {cache / 'logs'}")
@@ -172,5 +314,7 @@ def up(args: argparse.Namespace) -> int:
             pass
         finally:
             supervisor.stop()
+            if running_pid(cache) == os.getpid():
+                pid_path.unlink(missing_ok=True)
     print("dvi up: stopped", flush=True)
     return 0

@@ -10,7 +10,7 @@
   tokens the live check (`dvi.swap.judge`) either promotes it (MLflow alias `production`, `DrafterPromoted` on the
   control channel) or swaps the previous drafter back, tags the version rejected in the registry and announces
   `DrafterRejected` to trainers and the other replicas (which then roll back too); refusals are logged and
-  counted, the current drafter keeps serving;
+  counted, the current drafter keeps serving; each of these decisions is one line on `dvi.decision.serve`;
 - **tracking**: every `serve.metrics_every_s` the interval's metrics go to the tracker, and every
   `serve.plot_every_s` a drift plot (acceptance and tokens/s over time, swap markers) as an artifact.
 
@@ -48,6 +48,7 @@ from dvi.records import records_from_result
 from dvi.swap import Refused, judge, load_announced
 
 log = logging.getLogger("dvi.serving.replica")
+decision = logging.getLogger("dvi.decision.serve")  # swaps, promotions, rollbacks, refusals: one line each
 
 
 REJECTED_KEPT = 1024  # rejected version names a replica remembers
@@ -281,11 +282,11 @@ class Replica:
         except Refused as e:
             if not automatic:
                 raise
-            log.warning("not serving the store's drafter %s: %s; serving %s", version, e, self._version())
+            decision.warning("not serving the store's drafter %s: %s; serving %s", version, e, self._version())
             self.metrics.event(f"refused:{e.reason}", version)
             return
         self.engine.swap_drafter(drafter)
-        log.info("serving drafter %s from the store %s", version, self.store_root)
+        decision.info("serving drafter %s from the store %s", version, self.store_root)
 
     def on_control(self, msg: Message) -> None:
         """Act on one control message (the swap thread calls it; tests may too)."""
@@ -294,7 +295,7 @@ class Replica:
                 self.install(msg)
             except Refused as e:
                 self.metrics.event(f"refused:{e.reason}", msg.version)
-                log.warning("refused a published drafter (%s): %s; still serving %s", e.reason, e, self._version())
+                decision.warning("%s refused (%s): %s; still serving %s", msg.version, e.reason, e, self._version())
         elif isinstance(msg, DrafterRejected):
             self._reject(msg.version)
             if msg.replica_id != self.replica_id and self._version() == msg.version:
@@ -326,8 +327,8 @@ class Replica:
             self.rollout = Rollout(drafter, previous, prev_counts, self.metrics.acceptance_of(drafter.version))
         self.metrics.serving(drafter.version)
         self.metrics.event("swap", drafter.version)
-        log.info("swapped in drafter %s (was %s), checked and loaded in %.2f s", drafter.version,
-                 previous.version if previous else None, time.perf_counter() - t0)
+        decision.info("%s swapped in (was %s), checked and loaded in %.2f s; on trial for %d drafted tokens", drafter.version,
+                      previous.version if previous else None, time.perf_counter() - t0, window)
         return True
 
     def check_rollout(self) -> str | None:
@@ -343,9 +344,12 @@ class Replica:
         if decision == "keep":
             self.rollout = None
             self.metrics.event("promote", r.drafter.version)
-            log.info("drafter %s kept: acceptance %.3f over %d drafted tokens", r.drafter.version, current[1] / current[0], current[0])
+            prev = r.previous_counts
+            decision.info("%s promoted: live acceptance %s -> %.3f (%s over %d drafted tokens, %s before it)", r.drafter.version,
+                          f"{prev[1] / prev[0]:.3f}" if prev and prev[0] else "-", current[1] / current[0], r.drafter.version,
+                          current[0], r.previous.version if r.previous else "no drafter")
             if self.tracker is not None:
-                self.tracker.set_alias(r.drafter.version, "production")
+                self.tracker.promote(r.drafter.version)  # alias production on it, candidate off it
             self._announce(DrafterPromoted(r.drafter.version, self.replica_id, acceptance=current[1] / current[0]))
         elif decision == "rollback":
             prev = r.previous_counts
@@ -365,7 +369,7 @@ class Replica:
         self._reject(version)
         self.metrics.serving(r.previous.version if r.previous else None)
         self.metrics.event("rollback", version)
-        log.warning("rolled back drafter %s to %s: %s", version, r.previous.version if r.previous else None, why)
+        decision.warning("%s rolled back to %s: %s", version, r.previous.version if r.previous else None, why)
         if self.tracker is not None:
             self.tracker.tag_version(version, {"dvi.rejected": "true", "dvi.rejected_reason": why[:500], "dvi.rejected_by": self.replica_id})
         if announce:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from dvi.metrics import OTHER_DOMAIN, VERSIONS_KEPT, ServingMetrics
+from dvi.metrics import OTHER_DOMAIN, VERSIONS_KEPT, Point, ServingMetrics, drift_plot, version_spans
 
 
 def result(version: str, rounds: list[tuple[int, int]]):
@@ -50,3 +50,14 @@ def test_domains_beyond_the_cap_count_as_other():
     assert m.acceptance_of("d1") == (400, 200)
     assert set(m.interval()) >= {f"interval/acceptance.{OTHER_DOMAIN}"}
     assert sum(k.startswith("interval/acceptance.") for k in m.interval()) == 0  # the interval just closed
+
+
+def test_drift_plot_shades_each_versions_span_and_leaves_idle_intervals_empty(tmp_path):
+    t0 = 1_800_000_000.0
+    series = [Point(t0, 0.02, 9.0, "init", {"code": 0.01, "prose": 0.03}), Point(t0 + 60, 0.03, 9.5, "init", {"code": 0.03}),
+              Point(t0 + 120, None, 0.0, "init"),  # no traffic: a gap, not a zero
+              Point(t0 + 180, 0.30, 20.0, "d0001", {"code": 0.40, "prose": 0.18}), Point(t0 + 240, 0.33, 21.0, "d0001")]
+    assert version_spans(series) == [(t0, t0 + 120, "init"), (t0 + 120, t0 + 240, "d0001")]
+    path = tmp_path / "drift.png"
+    drift_plot(series, [(t0 + 150, "swap", "d0001"), (t0 + 230, "promote", "d0001")], str(path), "test")
+    assert path.stat().st_size > 10_000

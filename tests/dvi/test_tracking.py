@@ -126,6 +126,26 @@ def test_register_drafter_creates_a_version_with_alias_and_tags(server, client, 
 
 
 @pytest.mark.slow
+def test_promotion_moves_the_candidate_alias_off_and_the_experiment_opens_on_its_runs(server, client, tmp_path):
+    from dvi.tracking import EXPERIMENT_TAGS, loop_view
+
+    cfg = config(server.uri)
+    tracker = Tracker(cfg, "run-promote")
+    store = tmp_path / "v1"
+    store.mkdir()
+    (store / "model.safetensors").write_bytes(b"v1" * 100)
+    tracker.register_drafter(str(store), "v1", {"parent_version": "v0"})
+    tracker.promote("v1")
+    tracker.close(timeout_s=20)
+    aliases = client.get_registered_model(cfg.registry_model).aliases
+    assert aliases == {"production": "1"}  # the candidate alias left the version the replicas kept
+    exp = client.get_experiment_by_name(cfg.experiment)
+    assert exp.tags["mlflow.experimentKind"] == EXPERIMENT_TAGS["mlflow.experimentKind"] == "custom_model_development"
+    view = loop_view(cfg)  # what `dvi status` reads, over the REST API
+    assert view["aliases"] == {"production": "v1"} and view["versions"][0]["tags"]["parent_version"] == "v0", view
+
+
+@pytest.mark.slow
 def test_backlog_after_late_start_and_restart_keeps_run_steps_and_times(tmp_path):
     # MLflow down first as a black hole (connections queue, nothing answers: requests hang), then refusing, then
     # a real server on that port; then that server restarts mid-run

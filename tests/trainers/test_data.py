@@ -127,6 +127,15 @@ def test_buffer_holds_out_a_share_and_skips_the_oldest_when_full(make_record):
     assert [i.offset for i in buf.pending] == [6, 8, 9, 10]
 
 
+def test_buffer_holds_out_the_first_records_then_a_share(make_record):
+    buf = Buffer(pending_size=100, replay_size=8, holdout_size=8, replay_share=0.0, holdout_share=0.25,
+                 version_decay=0.5, max_version_age=2, holdout_first=3)
+    fates = [buf.add(item)[0] for item in _items(make_record, 10)]
+    assert [i for i, fate in enumerate(fates) if fate == Fate.HELD_OUT] == [0, 1, 2, 6]  # an early gate has records
+    none = Buffer(100, 8, 8, 0.0, 0.0, 0.5, 2, holdout_first=3)  # holdout_share 0: nothing is ever held out
+    assert all(none.add(item)[0] is None for item in _items(make_record, 4))
+
+
 def test_buffer_batches_fresh_first_then_weighted_replay(make_record):
     buf = Buffer(pending_size=100, replay_size=100, holdout_size=1, replay_share=0.5, holdout_share=0.0,
                  version_decay=0.5, max_version_age=1, seed=1)

@@ -53,7 +53,8 @@ def config(stream_cfg, dirs, tmp_path: Path, **trainer) -> DviConfig:
     # session times out) must not hold up this one's rebalance
     t = dict(group_id=f"trainer-{tmp_path.name}", run_dir=str(tmp_path / "run"), store=str(tmp_path / "store"),
              batch_tokens=64, replay_share=0.0,
-             holdout_share=0.0, checkpoint_every=2, gate_every=1000, idle_exit_s=3.0, lr=1e-3)
+             holdout_share=0.0, checkpoint_every=2, gate_every=1000, idle_exit_s=3.0, lr=1e-3,
+             holdout_first=0, gate_every_s=None, gate_min_records=8, min_gain=0.0)  # gates only when a test asks for one
     t.update(trainer)
     return DviConfig(model=ModelConfig(target=str(target), drafter=str(drafter)), stream=stream_cfg,
                      trainer=TrainerConfig(**t), tracking=TrackingConfig(enabled=False))
@@ -237,7 +238,11 @@ def train_overrides(cfg: DviConfig, stream_cfg, **extra) -> list[str]:
            f"trainer.group_id={t.group_id}", f"trainer.run_dir={t.run_dir}", f"trainer.store={t.store}", f"trainer.batch_tokens={t.batch_tokens}",
            f"trainer.replay_share={t.replay_share}", f"trainer.holdout_share={t.holdout_share}",
            f"trainer.checkpoint_every={t.checkpoint_every}", f"trainer.gate_every={t.gate_every}",
-           f"trainer.idle_exit_s={t.idle_exit_s}", "tracking.enabled=false", "model.threads=1"]
+           f"trainer.idle_exit_s={t.idle_exit_s}", f"trainer.holdout_first={t.holdout_first}",
+           f"trainer.gate_every_s={'null' if t.gate_every_s is None else t.gate_every_s}",
+           f"trainer.gate_min_records={t.gate_min_records}", f"trainer.min_gain={t.min_gain}", "tracking.enabled=false",
+           "model.threads=1"]
+    out = [o for o in out if o.split("=")[0] not in extra]  # an extra override replaces the config's value
     return out + [f"{k}={v}" for k, v in extra.items()]
 
 
@@ -500,6 +505,44 @@ def test_manual_retrain_runs_a_session_then_publishes_to_store_registry_and_cont
         run = client.get_run(stats.run_id)
         assert {"loss", "train/acceptance", "gate/candidate_acceptance", "step_time_s"} <= set(run.data.metrics)
         assert run.data.params["trainer.lr"] == str(cfg.trainer.lr)
+
+
+def test_retrain_under_continuous_gates_and_publishes_now_and_says_so(stream_cfg, tiny_dirs, tiny_records, tmp_path, caplog):
+    """trigger=continuous: `dvi retrain` forces a gate and publish attempt at once (gate_every far away, no timer),
+    acknowledged in the trainer's decision log and its counters."""
+    import logging
+    import threading
+
+    produce(stream_cfg, tiny_records)
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, holdout_share=0.1, holdout_first=4, gate_min_records=4, min_gain=-1.0,
+                 idle_exit_s=None)
+    publisher = lambda msg: control_send(stream_cfg, msg)  # noqa: E731
+    with ControlReader(stream_cfg) as control, DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source, \
+            caplog.at_level(logging.INFO, logger="dvi.decision"):
+        trainer = Trainer(cfg, source, control=control, publisher=publisher)
+        thread = threading.Thread(target=trainer.run)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            while (trainer.state.counters.records < len(tiny_records) or trainer.state.step == 0) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert trainer.state.step >= 1 and trainer.state.counters.held_out >= 4 and trainer.state.counters.published == 0
+            retrain = subprocess.run([sys.executable, "-m", "dvi.cli", "retrain", "--reason", "new tenant",
+                                      f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.control_topic={stream_cfg.control_topic}"],
+                                     capture_output=True, text=True, timeout=120)
+            assert retrain.returncode == 0, retrain.stderr[-2000:]
+            deadline = time.monotonic() + 60
+            while trainer.state.counters.published == 0 and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            trainer.stop_requested = True
+            thread.join(timeout=120)
+    c = trainer.state.counters
+    assert c.retrains == 1 and c.gates == 1 and c.published == 1 and trainer.published == [trainer.state.lineage[-1]]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dvi.decision.trainer"]
+    assert any(line.startswith("retrain requested (new tenant): acknowledged") for line in lines), lines
+    assert any("gate at step" in line and "(retrain requested): passed: candidate" in line for line in lines), lines
+    assert any(line.startswith(f"{trainer.published[0]} published (parent ") for line in lines), lines
 
 
 def test_distill_offline_from_a_tail_file(stream_cfg, tiny_dirs, tiny_records, tmp_path):

@@ -17,8 +17,10 @@ def feed(trigger: Trigger, n: int, accepted: int, drafted: int = 10, now: float 
 def test_continuous_is_always_active_and_never_starts_sessions():
     t = Trigger(TriggerConfig(kind="continuous"), now=0.0)
     assert t.active(0.0) and t.poll(0.0) is None
-    t.request(1.0)
-    assert t.poll(1.0) is None and t.active(1.0)
+    t.request(1.0)  # a retrain request: gate and publish now, once; still no session
+    reason = t.poll(1.0)
+    assert reason and reason.startswith(Trigger.FORCED) and t.active(1.0) and not t.session_over()
+    assert t.poll(2.0) is None
 
 
 def test_threshold_waits_for_min_records_then_fires_once_and_cools_down():

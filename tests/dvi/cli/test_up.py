@@ -131,3 +131,61 @@ def test_dvi_up_answers_restarts_a_killed_part_and_stops_everything(demo_target_
     assert processes_with(marker) == [], "processes left behind after `dvi up` stopped"
     stopped = [line for line in out.lines if line.startswith("dvi up:") and " stopped (status" in line]
     assert [line.split()[2] for line in stopped] == ["train", "serve", "mlflow", "broker"], out.lines
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.real_model
+@pytest.mark.broker
+def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops_with_dvi_down(demo_target_dir, demo_drafter_dir,
+                                                                                               tmp_path):
+    """`dvi up --detach` returns once ready; README-style chat requests get a first published drafter that the replica
+    swaps in; the decision lines reach up.log (dvi up's terminal) with timestamps; `dvi status` says it; a second
+    `dvi up` on the same ports refuses; `dvi down` stops the parts in order and leaves no process behind."""
+    marker = f"DVI_UP_TEST={uuid.uuid4().hex}"
+    api = free_port()
+    cache = tmp_path / "cache"
+    overrides = [
+        f"model.target={demo_target_dir}", f"model.drafter={demo_drafter_dir}", f"model.cache_dir={cache}",
+        f"stream.port={free_port()}", f"tracking.port={free_port()}", f"tracking.root={tmp_path / 'mlflow'}", f"serve.port={api}",
+        # a gate every 15 s that any gain passes: the defaults (60 s, a gain of 0.02) publish within minutes
+        # (benchmarks/first_publish.py measures them); this test is about the publish, the swap and what says so
+        "trainer.gate_every_s=15", "trainer.min_gain=0",
+    ]  # fmt: skip
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"}
+    cli = [sys.executable, "-m", "dvi.cli"]
+    try:
+        up = subprocess.run([*cli, "up", "--detach", *overrides], capture_output=True, text=True, env=env, timeout=900)
+        assert up.returncode == 0 and "Ctrl-C stops everything" in up.stdout and "detached (pid" in up.stdout, up.stdout + up.stderr
+        again = subprocess.run([*cli, "up", *overrides], capture_output=True, text=True, env=env, timeout=120)
+        assert again.returncode == 2 and "already running" in again.stderr, again.stderr
+
+        up_log = cache / "logs" / "up.log"
+        prompts = ["Write a Python function that reverses a string.", "Write a short paragraph about the sea at night."]
+        deadline = time.monotonic() + 900
+        for i in range(60):
+            r = requests.post(f"http://127.0.0.1:{api}/v1/chat/completions", timeout=300, json={
+                "messages": [{"role": "user", "content": prompts[i % 2]}], "max_tokens": 32, "dvi": {"domain": ("code", "prose")[i % 2]}})
+            assert r.status_code == 200, r.text
+            if " swapped in (was " in up_log.read_text() or time.monotonic() > deadline:
+                break
+        text = up_log.read_text()
+        decisions = [line for line in text.splitlines() if " dvi.decision." in line]
+        assert any(line.startswith("[train] 20") and " published (parent " in line for line in decisions), text[-4000:]
+        assert any(line.startswith("[serve] 20") and " swapped in (was " in line for line in decisions), text[-4000:]
+        assert any("gate at step" in line and ": passed: candidate" in line for line in decisions), decisions
+
+        t0 = time.monotonic()
+        status = subprocess.run([*cli, "status", *overrides], capture_output=True, text=True, env=env, timeout=60)
+        took = time.monotonic() - t0
+        assert status.returncode == 0, status.stderr
+        assert "published: 1 versions, newest d0001" in status.stdout or "published: 2 versions" in status.stdout, status.stdout
+        assert "None" not in status.stdout and "last gate at step" in status.stdout, status.stdout
+        print(f"dvi status answered in {took:.2f} s:\n{status.stdout}")
+    finally:
+        down = subprocess.run([*cli, "down", *overrides], capture_output=True, text=True, env=env, timeout=300)
+    assert down.returncode == 0 and "stopped dvi up" in down.stdout, down.stdout + down.stderr
+    time.sleep(0.5)
+    assert processes_with(marker) == [], "processes left behind after `dvi down`"
+    stopped = [line for line in (cache / "logs" / "up.log").read_text().splitlines() if line.startswith("dvi up:") and " stopped (status" in line]
+    assert [line.split()[2] for line in stopped] == ["train", "serve", "mlflow", "broker"], stopped

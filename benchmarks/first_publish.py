@@ -1,0 +1,136 @@
+"""How soon a new user sees the loop work: `dvi up` on its defaults, README-style chat requests, the first publish.
+
+Starts `dvi up` (free ports, a fresh cache for logs, store and trainer; the model pair from the usual cache) and
+sends chat requests of `--max-tokens` tokens one after another, alternating a code and a prose prompt, each
+tagged with its domain, as the README's quick start does. It watches the decision lines `dvi up` relays and
+prints, from the moment the stack was ready: minutes and requests to the first publish, to its swap and to its
+promotion, and the live acceptance (accepted / drafted) of the requests served by the initial drafter against
+those served by the published one. Stops after `--after` requests on the new drafter or `--requests` in all.
+
+    python -m benchmarks.first_publish [--requests 60] [--after 10] [--json] [key=value overrides]
+
+It measures; it asserts nothing (tests/dvi/cli/test_up.py asserts the publish and the swap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from dvi.config import load_config
+from dvi.models import pair_dirs
+from dvi.procs import free_port, local_post, sigterm_interrupts
+
+CODE = ["Write a Python function that reverses a string.", "Write a Python function that checks whether a number is prime.",
+        "Write a Python function that returns the n-th Fibonacci number.", "Write a Python function that counts the words in a text.",
+        "Write a Python function that merges two sorted lists.", "Write a Python function that removes duplicates from a list.",
+        "Write a Python class for a stack with push and pop.", "Write a Python function that flattens a nested list.",
+        "Write a Python function that reads a CSV file into a list of dicts.", "Write a Python function that computes a factorial."]
+PROSE = ["Write a short paragraph about the sea at night.", "Describe a busy train station in the morning.",
+         "Write a few sentences about autumn in a small town.", "Tell a short story about a lost cat that finds its way home.",
+         "Describe the smell of bread in a bakery.", "Write a short paragraph about a mountain hike.",
+         "Describe a thunderstorm over a city.", "Write a few sentences about learning to ride a bicycle.",
+         "Tell a short story about a lighthouse keeper.", "Describe a quiet library on a rainy afternoon."]
+
+
+def requests_of(n: int) -> list[tuple[str, str]]:
+    """(domain, prompt): code and prose alternating."""
+    return [("code", CODE[(i // 2) % len(CODE)]) if i % 2 == 0 else ("prose", PROSE[(i // 2) % len(PROSE)]) for i in range(n)]
+
+
+def ask(api: str, domain: str, prompt: str, max_tokens: int) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "dvi": {"domain": domain}}
+    return json.loads(local_post(f"{api}/v1/chat/completions", json.dumps(body).encode(), timeout_s=600))
+
+
+class Output:
+    """dvi up's output, collected by a thread; `seen(text)` is when a line with `text` first appeared."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc) -> None:
+        for line in proc.stdout:
+            self.lines.append((time.time(), line.rstrip("\n")))
+            print(line, end="", flush=True)
+
+    def seen(self, text: str) -> float | None:
+        return next((t for t, line in list(self.lines) if text in line), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=60, help="stop after this many requests in all")
+    p.add_argument("--after", type=int, default=10, help="stop after this many requests on the published drafter")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    target, drafter = pair_dirs(load_config(args.overrides).model)
+    api_port = free_port()
+    cache = tempfile.mkdtemp(prefix="dvi-first-publish-")
+    overrides = [f"model.target={target}", f"model.drafter={drafter}", f"model.cache_dir={cache}", f"stream.port={free_port()}",
+                 f"tracking.port={free_port()}", f"tracking.root={cache}/mlflow", f"serve.port={api_port}", *args.overrides]
+    proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out, api, served = Output(proc), f"http://127.0.0.1:{api_port}", []
+    t_start = ready = time.time()
+    with sigterm_interrupts():  # SIGTERM or Ctrl-C: stop the stack and print what was measured
+        try:
+            while out.seen("Ctrl-C stops everything") is None:
+                if proc.poll() is not None:
+                    raise SystemExit(f"dvi up exited (status {proc.returncode})")
+                time.sleep(0.5)
+            ready = out.seen("Ctrl-C stops everything")
+            for i, (domain, prompt) in enumerate(requests_of(args.requests)):
+                t0 = time.time()
+                r = ask(api, domain, prompt, args.max_tokens)
+                st = r["dvi"]["stats"]
+                served.append({"i": i + 1, "t": t0 - ready, "s": time.time() - t0, "domain": domain,
+                               "versions": r["dvi"]["drafter_versions"], "drafted": st["drafted"], "accepted": st["accepted"]})
+                print(f"request {i + 1} ({domain}) at {t0 - ready:.0f} s: {time.time() - t0:.1f} s, drafter "
+                      f"{r['dvi']['drafter_versions']}, acceptance {st['accepted']}/{st['drafted']}", flush=True)
+                newer = [x for x in served if x["versions"] and x["versions"][0] != served[0]["versions"][0] and len(x["versions"]) == 1]
+                if len(newer) >= args.after:
+                    break
+        except KeyboardInterrupt:
+            print("first_publish: interrupted; stopping the stack", flush=True)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(180)
+
+    def at(text: str) -> dict | None:
+        t = out.seen(text)
+        if t is None:
+            return None
+        return {"minutes": round((t - ready) / 60, 2), "requests": sum(1 for x in served if x["t"] + x["s"] <= t - ready)}
+
+    def acceptance(rows: list[dict]) -> float | None:
+        d = sum(x["drafted"] for x in rows)
+        return round(sum(x["accepted"] for x in rows) / d, 3) if d else None
+
+    initial = served[0]["versions"][0] if served and served[0]["versions"] else None
+    before = [x for x in served if x["versions"] == [initial]]
+    after = [x for x in served if x["versions"] and initial not in x["versions"]]
+    result = {"ready_s": round(ready - t_start, 1), "requests": len(served), "first_publish": at(" published (parent "),
+              "swap": at(" swapped in (was "), "promotion": at(" promoted: live acceptance"),
+              "acceptance_before": acceptance(before), "acceptance_after": acceptance(after),
+              "by_domain": {d: {"before": acceptance([x for x in before if x["domain"] == d]),
+                                "after": acceptance([x for x in after if x["domain"] == d])} for d in ("code", "prose")},
+              "seconds_per_request_before": round(sum(x["s"] for x in before) / max(1, len(before)), 2),
+              "seconds_per_request_after": round(sum(x["s"] for x in after) / max(1, len(after)), 2) if after else None,
+              "decision_lines": [line for _, line in out.lines if " dvi.decision." in line]}
+    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
