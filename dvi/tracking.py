@@ -493,8 +493,9 @@ def _rejected(e: Exception) -> bool:
 
 
 def _short(e: Exception) -> str:
-    """One line of an MLflow error: its start and its end (where a connection error names the cause)."""
-    text = " ".join(str(e).split()) or type(e).__name__
+    """One line of an MLflow error: its start and its end (where a connection error names the cause), with the
+    credentials of any URI in it redacted."""
+    text = redact(" ".join(str(e).split())) or type(e).__name__
     return text if len(text) <= 240 else f"{text[:100]} ... {text[-120:]}"
 
 
