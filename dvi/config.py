@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from dvi.errors import DviError
 
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 CONF_DIR = Path(os.environ.get("DVI_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
 
@@ -43,13 +44,15 @@ class ModelConfig:
     drafter_layers: int = 2  # demo drafter: target embeddings, first L layers, final norm, head
     drafter_vocab: int | None = None  # demo drafter: reduced head over the N most frequent tokens (None = full)
     cache_dir: str | None = None  # None: $DVI_CACHE or ~/.cache/dvi
-    dtype: str = "float32"
+    device: str = "auto"  # auto (CUDA when present, else CPU), cpu, cuda or cuda:N; target and drafters go there
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
 
     def __post_init__(self) -> None:
         _check(self.drafter_layers >= 1, "model.drafter_layers", self.drafter_layers, "an integer >= 1")
         _check(self.drafter_vocab is None or self.drafter_vocab >= 2, "model.drafter_vocab", self.drafter_vocab, "null or >= 2")
-        _check(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", self.dtype, "float32, bfloat16 or float16")
+        _check(_DEVICE.fullmatch(str(self.device)) is not None, "model.device", self.device, "auto, cpu, cuda or cuda:N")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", self.dtype, "auto, float32, bfloat16 or float16")
         _check(self.threads >= 0, "model.threads", self.threads, "an integer >= 0")
 
 

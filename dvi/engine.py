@@ -145,11 +145,12 @@ class _KV:
     would alone. `pending[b]` are row b's tokens not yet fed to the model.
     """
 
-    def __init__(self, pending: list[list[int]]):
+    def __init__(self, pending: list[list[int]], device: torch.device | str = "cpu"):
         batch = len(pending)
+        self.device = torch.device(device)
         self.cache = DynamicCache()
-        self.valid = torch.zeros(batch, 0, dtype=torch.bool)  # [B, L]
-        self.length = torch.zeros(batch, dtype=torch.long)  # [B] valid slots = next position id
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)  # [B, L]
+        self.length = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B] valid slots = next position id
         self.pending = [list(p) for p in pending]
 
     def forward(self, model: PreTrainedModel, extra: torch.Tensor | None, keep: int) -> torch.Tensor:
@@ -162,18 +163,19 @@ class _KV:
             if p:
                 ids[b, width - len(p) :] = torch.tensor(p)
                 ok[b, width - len(p) :] = True
+        ids, ok = ids.to(self.device, non_blocking=True), ok.to(self.device, non_blocking=True)
         if extra is not None and extra.shape[1]:
             ids = torch.cat([ids, extra], 1)
             ok = torch.cat([ok, torch.ones_like(extra, dtype=torch.bool)], 1)
         q_len, past = ids.shape[1], self.valid.shape[1]
         positions = (self.length.unsqueeze(1) + ok.long().cumsum(1) - 1).clamp_(min=0)  # [B, Q]
         keys_ok = torch.cat([self.valid, ok], 1)  # [B, L + Q]
-        q_slot = torch.arange(past, past + q_len).unsqueeze(1)  # [Q, 1]
-        k_slot = torch.arange(past + q_len).unsqueeze(0)  # [1, L + Q]
+        q_slot = torch.arange(past, past + q_len, device=self.device).unsqueeze(1)  # [Q, 1]
+        k_slot = torch.arange(past + q_len, device=self.device).unsqueeze(0)  # [1, L + Q]
         allowed = keys_ok.unsqueeze(1) & (k_slot <= q_slot)  # [B, Q, L + Q] causal over valid slots
         allowed |= k_slot == q_slot  # a padding query sees itself: no fully masked row, no NaN
         dtype = model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, torch.finfo(dtype).min)
         out = model(
             input_ids=ids,
             attention_mask=mask.unsqueeze(1),  # [B, 1, Q, L + Q]
@@ -216,13 +218,15 @@ class _KV:
             layer.values = layer.values.gather(2, gather)
         self.valid = self.valid.gather(1, idx)
 
-    def select(self, rows: torch.Tensor) -> None:
+    def select(self, rows: list[int] | torch.Tensor) -> None:
         """Keep only `rows` of the batch."""
+        rows = [int(r) for r in rows]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.valid.shape[1]:
-            self.cache.batch_select_indices(rows)
-        self.valid = self.valid[rows]
-        self.length = self.length[rows]
-        self.pending = [self.pending[int(r)] for r in rows]
+            self.cache.batch_select_indices(index)
+        self.valid = self.valid[index]
+        self.length = self.length[index]
+        self.pending = [self.pending[r] for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,6 +313,7 @@ class SpeculativeEngine:
         max_batch: int = 8,
     ):
         self.target = target
+        self.device = next(target.parameters()).device  # every tensor of a round lives here; random draws come from CPU generators
         self._drafter = drafter
         self._lock = threading.Lock()
         self._abort = threading.Event()  # set by abort(): decoding stops at the next round boundary
@@ -382,12 +387,12 @@ class SpeculativeEngine:
         budget = [min(r.max_new_tokens, self.window - len(r.prompt_ids)) for r in reqs]
         gens = [torch.Generator().manual_seed(r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1) for r in reqs]
         ctrl = [_KController(self.spec) for _ in reqs]
-        temps = torch.tensor([r.temperature for r in reqs], dtype=torch.float32)
-        top_ps = torch.tensor([r.top_p for r in reqs], dtype=torch.float32)
+        temps = torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=self.device)
+        top_ps = torch.tensor([r.top_p for r in reqs], dtype=torch.float32, device=self.device)
 
-        tgt = _KV([r.prompt_ids for r in reqs])
+        tgt = _KV([r.prompt_ids for r in reqs], self.device)
         drafter = self.drafter
-        dft = _KV([r.prompt_ids for r in reqs])
+        dft = _KV([r.prompt_ids for r in reqs], self.device)
         first_round = True
 
         while rows:
@@ -396,13 +401,13 @@ class SpeculativeEngine:
             current = self.drafter  # one drafter for the whole round
             if current is not drafter:  # hot-swapped: the new drafter starts from a fresh cache
                 drafter = current
-                dft = _KV([reqs[i].prompt_ids + out[i] for i in rows])
-            idx = torch.tensor(rows)
+                dft = _KV([reqs[i].prompt_ids + out[i] for i in rows], self.device)
+            idx = torch.tensor(rows, device=self.device)
             ks = []
             for i in rows:
                 k = ctrl[i].next_k(len(out[i]), self.costs.ratio) if drafter is not None else 0
                 ks.append(max(0, min(k, budget[i] - len(out[i]) - 1)))  # never draft past the budget
-            k_row = torch.tensor(ks)
+            k_row = torch.tensor(ks, device=self.device)
             kmax = max(ks)
             # each row draws 2 k + 1 uniforms from its own generator, however long the other rows draft, so a
             # seeded request samples the same tokens alone or in any batch; drafts past k use u = 0 (ignored)
@@ -410,11 +415,12 @@ class SpeculativeEngine:
             for b, (i, kb) in enumerate(zip(rows, ks)):
                 u = torch.rand(2 * kb + 1, generator=gens[i])
                 u_draft[b, :kb], u_accept[b, :kb], u_sample[b] = u[:kb], u[kb : 2 * kb], u[-1]
+            u_draft, u_accept, u_sample = (u.to(self.device) for u in (u_draft, u_accept, u_sample))
             temp, top_p = temps[idx], top_ps[idx]
 
             t0 = time.perf_counter()
-            draft_ids = torch.zeros(len(rows), 0, dtype=torch.long)  # [B, Kmax]
-            q = torch.zeros(len(rows), 0, self.vocab_size)  # [B, Kmax, V]
+            draft_ids = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)  # [B, Kmax]
+            q = torch.zeros(len(rows), 0, self.vocab_size, device=self.device)  # [B, Kmax, V]
             if kmax:
                 draft_ids, q = self._draft(drafter, dft, kmax, temp, top_p, u_draft)
             t1 = time.perf_counter()
@@ -430,7 +436,7 @@ class SpeculativeEngine:
             first_round = False
 
             # roll both caches back to the accepted prefix
-            j = torch.arange(1, kmax + 1)
+            j = torch.arange(1, kmax + 1, device=self.device)
             tgt.keep_last(j.unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_Kmax
             tgt.pending = [[int(t)] for t in token]
             if kmax:
@@ -474,8 +480,8 @@ class SpeculativeEngine:
                 if finish[i]:
                     done.append(b)
             if done:
-                keep = torch.tensor([b for b in range(len(rows)) if b not in done], dtype=torch.long)
-                rows = [rows[b] for b in keep.tolist()]
+                keep = [b for b in range(len(rows)) if b not in done]
+                rows = [rows[b] for b in keep]
                 if rows:
                     tgt.select(keep)
                     dft.select(keep)

@@ -119,7 +119,39 @@ def load_tokenizer(path: str | Path, what: str = "model") -> PreTrainedTokenizer
         raise DviError(f"could not load the {what} tokenizer from {str(p)!r}: {e}") from e
 
 
-def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def resolve_device(name: str = "auto") -> torch.device:
+    """The torch device `model.device` names: auto is CUDA when present, else the CPU. A device that is not
+    there raises DviError naming it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DviError(f"model.device={name}: no CUDA device here (torch {torch.__version__} sees none); "
+                           "use model.device=cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DviError(f"model.device={name}: only {torch.cuda.device_count()} CUDA device(s) here (cuda:0..)")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype `model.dtype` names on `device`: auto is bfloat16 on CUDA, float32 on the CPU. A dtype
+    the device cannot run raises DviError naming both."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, name)
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise DviError(f"model.dtype={name}: {torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32")
+    try:  # what a decoder layer needs: a matmul, a softmax and an RMS norm in that dtype
+        x = torch.ones(2, 8, dtype=dtype, device=device)
+        torch.nn.functional.rms_norm((x @ x.T).softmax(-1), (2,))
+    except RuntimeError as e:
+        raise DviError(f"model.dtype={name} cannot run on {device}: {str(e).splitlines()[0]}") from None
+    return dtype
+
+
+def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> PreTrainedModel:
     p = _require_dir(path, what)
     if not any(p.glob("*.safetensors")):
         raise DviError(f"{what} at {str(p)!r} has no safetensors weights; dvi loads safetensors only")
@@ -127,7 +159,7 @@ def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = t
         model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, use_safetensors=True)
     except Exception as e:
         raise DviError(f"could not load the {what} from {str(p)!r}: {e}") from e
-    return model.eval()
+    return model.to(device).eval()
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool) -> list[int]:
@@ -181,8 +213,9 @@ def read_drafter_meta(path: str | Path) -> dict:
         raise DviError(f"drafter metadata {str(meta)!r} is not valid JSON: {e}") from e
 
 
-def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32) -> Drafter:
-    """Load a drafter checkpoint, attaching its reduced head if it has one."""
+def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> Drafter:
+    """Load a drafter checkpoint onto `device`, attaching its reduced head if it has one."""
     p = Path(path).expanduser()
     model = load_causal_lm(p, "drafter", dtype)
     meta = read_drafter_meta(p)
@@ -201,7 +234,8 @@ def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = 
             raise DviError(f"{str(head_file)!r}: token ids outside the target vocabulary")
         model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
         model.lm_head.weight.data.copy_(weight)
-    return Drafter(model=model, version=str(meta.get("version", p.name)), vocab_map=vocab_map)
+        vocab_map = vocab_map.to(device)
+    return Drafter(model=model.to(device), version=str(meta.get("version", p.name)), vocab_map=vocab_map)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,15 +370,16 @@ def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
 
 def resolve_pair(cfg, with_drafter: bool = True) -> Pair:
     """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
-    tokenizer must match the target's."""
-    dtype = getattr(torch, cfg.dtype)
+    tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads)."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target_dir, drafter_dir = pair_dirs(cfg, with_drafter)
     tokenizer = load_tokenizer(target_dir, "target")
-    target = load_causal_lm(target_dir, "target", dtype)
+    target = load_causal_lm(target_dir, "target", dtype, device)
     drafter = None
     if drafter_dir is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
-        drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype)
+        drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype, device)
     return Pair(target, tokenizer, drafter, target_dir, drafter_dir)

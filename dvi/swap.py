@@ -63,7 +63,8 @@ def resolve_in_store(uri: str, version: str, store_root: Path) -> Path:
 
 def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Module, smoke_tokens: int = 8,
                    dtype: torch.dtype = torch.float32) -> Drafter:
-    """Check and load an announced drafter (see the module docstring). Returns it, or raises Refused."""
+    """Check and load an announced drafter (see the module docstring). Returns it in `dtype` on the target's
+    device, or raises Refused."""
     try:
         store.check_version_name(ann.version)
     except DviError as e:
@@ -81,7 +82,7 @@ def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Mod
     vocab = int(target.config.vocab_size)
     try:
         _check_shapes(path, ann.version)
-        drafter = load_drafter(path, vocab, dtype)
+        drafter = load_drafter(path, vocab, dtype, next(target.parameters()).device)  # on the target's device
     except Refused:
         raise
     except Exception as e:  # DviError, or whatever transformers raises on a broken config
@@ -116,7 +117,7 @@ def _check_shapes(path: Path, version: str) -> None:
 
 @torch.inference_mode()
 def _smoke(drafter: Drafter, tokens: int, vocab: int) -> None:
-    ids = torch.tensor([SMOKE_PROMPT])
+    ids = torch.tensor([SMOKE_PROMPT], device=drafter.model.device)
     try:
         for _ in range(tokens):
             logits = drafter.model(input_ids=ids).logits[0, -1]  # [Vd]
@@ -127,7 +128,7 @@ def _smoke(drafter: Drafter, tokens: int, vocab: int) -> None:
                 nxt = int(drafter.vocab_map[nxt])
             if not 0 <= nxt < vocab:
                 raise Refused("smoke", f"drafter {drafter.version}: smoke decode produced token {nxt} outside the vocabulary")
-            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+            ids = torch.cat([ids, ids.new_tensor([[nxt]])], 1)
     except Refused:
         raise
     except Exception as e:

@@ -67,6 +67,8 @@ def generate(args: argparse.Namespace) -> int:
                     "finish_reason": result.finish_reason,
                     "drafter_version": drafter_version,
                     "drafter_versions": result.drafter_versions,
+                    "device": str(engine.device),
+                    "dtype": str(pair.target.dtype).removeprefix("torch."),
                     "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new, "seed": seed},
                     "stats": result.stats.to_dict(),
                     "seconds": round(seconds, 4),

@@ -23,7 +23,7 @@ from typing import Callable
 
 from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
-from dvi.models import cache_dir, pair_dirs
+from dvi.models import cache_dir, pair_dirs, resolve_device, resolve_dtype
 from dvi.procs import Child, http_ok, sigterm_interrupts, spawn, wait_ready
 
 PARTS = ("broker", "mlflow", "serve", "train")
@@ -148,6 +148,7 @@ def up(args: argparse.Namespace) -> int:
     parts = plan(cfg, only, train=not args.no_train)
     cache = cache_dir(cfg.model)
     if any(p.name in ("serve", "train") for p in parts):
+        resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))  # one clear line here, not a restart loop of parts
         target, drafter = pair_dirs(cfg.model)  # fetched and built once, before two parts race to do it
         print(f"dvi up: target {target}, drafter {drafter}", flush=True)
     supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: print(line, flush=True))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.real_model
 
@@ -68,10 +69,27 @@ def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
         (("hi", "serve.spec.no_such_key=1"), "no_such_key"),
         (("hi", "stream.topk=16"), "serve.spec.topk_logprobs"),  # a check across config groups
         (("hi", "stray-word"), "stray-word"),
+        (("hi", "model.device=cuda:99"), "model.device=cuda:99"),  # a device that is not there
+        (("hi", "model.device=tpu"), "model.device"),
+        (("hi", "model.dtype=int8"), "model.dtype"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, needle):
     one_line_error(dvi("generate", *args), needle)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")
+def test_cuda_where_there_is_none_is_one_clear_line():
+    one_line_error(dvi("generate", "hi", "model.device=cuda"), "model.device=cuda: no CUDA device here")
+    one_line_error(dvi("up", "--only", "serve", "model.device=cuda"), "model.device=cuda: no CUDA device here")
+
+
+def test_device_and_dtype_are_honoured():
+    out = dvi("generate", "hi", "--json", "--greedy", "--max-new-tokens", "4", "model.device=cpu", "model.dtype=bfloat16",
+              "serve.spec.k=2")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert len(got["token_ids"]) == 4 and (got["device"], got["dtype"]) == ("cpu", "bfloat16")
 
 
 def test_prompt_longer_than_context_window():
