@@ -89,6 +89,7 @@ PROMPTS = [
     "Write a short poem about the sea.",
 ]
 ADAPTIVE_K_RANGE = range(1, 9)  # SpecConfig's default k_min..k_max: v_K is measured for all of them
+ADAPTIVE_ENGINES: dict[str, SpeculativeEngine] = {}  # path name -> engine, for its cost table in the JSON
 OUTLIER = 1.5  # a block whose speedup is this far off the row's median is reported as disturbed
 
 
@@ -280,7 +281,10 @@ def build_variants(target, drafters: dict[str, Drafter], ks: list[int], vocabs: 
     for k in ks:
         run = dvi_engine(engine("full", SpecConfig(k=k, adaptive=False)), k)
         variants.append(Variant(f"dvi K={k}", "dvi", k, "full", run, compare=f"HF assisted K={k}"))
-    variants.append(Variant("dvi adaptive K", "dvi-adaptive", None, "full", dvi_engine(engine("full", SpecConfig()), None)))
+    adaptive = engine("full", SpecConfig())
+    adaptive.warm_up()  # the cost table adaptive K plans with (as `dvi serve` measures it at start-up)
+    ADAPTIVE_ENGINES["dvi adaptive K"] = adaptive
+    variants.append(Variant("dvi adaptive K", "dvi-adaptive", None, "full", dvi_engine(adaptive, None)))
     for k in ks:
         variants.append(Variant(f"HF assisted K={k}", "hf-assisted", k, "full", hf_assisted(target, drafters["full"].model, k, eos, pad)))
     for k in ks:
@@ -291,7 +295,10 @@ def build_variants(target, drafters: dict[str, Drafter], ks: list[int], vocabs: 
     if "trained" in drafters:  # --trained: a drafter the online trainer produced (bench_trainer.py --save)
         run = dvi_engine(engine("trained", SpecConfig(k=vocab_k, adaptive=False)), vocab_k)
         variants.append(Variant(f"dvi trained K={vocab_k}", "dvi-trained", vocab_k, "trained", run))
-        variants.append(Variant("dvi trained adaptive K", "dvi-adaptive", None, "trained", dvi_engine(engine("trained", SpecConfig()), None)))
+        trained = engine("trained", SpecConfig())
+        trained.warm_up()
+        ADAPTIVE_ENGINES["dvi trained adaptive K"] = trained
+        variants.append(Variant("dvi trained adaptive K", "dvi-adaptive", None, "trained", dvi_engine(trained, None)))
     return variants
 
 
@@ -497,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "hf_plain_s_per_token": hf_token,
         "samples": {f"{n}/{k}": len(s) for (n, k), s in timer.samples.items()},
         "min_s": {f"{n}/{k}": min(s) for (n, k), s in timer.samples.items()},
+        "engine_cost_tables": {name: e.costs.to_dict() for name, e in ADAPTIVE_ENGINES.items()},  # after the run
     }
     print(table(rows, n_prompts))
     print()

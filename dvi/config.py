@@ -69,8 +69,11 @@ class SpecConfig:
     prior_acceptance: float = 0.5  # per-token acceptance assumed before any round is seen
     prior_weight: float = 4.0  # ... worth this many trials
     decay: float = 0.9  # per-round decay of the acceptance counts (recent rounds weigh more)
-    cost_ratio: float | None = None  # drafter step / target step; None: measured online
-    verify_slope: float = 0.12  # verifying k+1 tokens costs (1 + slope * k) target steps
+    cost_ratio: float | None = None  # drafter step / target step, with the linear verify model; None: measured
+    # adaptive K plans with a cost table measured on this machine (dvi.engine.CostTable): a start-up warm-up
+    # (`warmup_reps` timed forwards per K, 0 = none) refreshed from live rounds. cost_ratio fixes the costs instead.
+    verify_slope: float = 0.12  # linear prior (with cost_ratio set: the model): verifying k+1 tokens costs 1 + slope * k steps
+    warmup_reps: int = 3
     topk_logprobs: int = 8  # target top-k log-probs kept per drafted and bonus position (0 = none)
 
     def __post_init__(self) -> None:
@@ -84,6 +87,7 @@ class SpecConfig:
         _check(0 < self.decay <= 1, "serve.spec.decay", self.decay, "in (0, 1]")
         _check(self.cost_ratio is None or self.cost_ratio > 0, "serve.spec.cost_ratio", self.cost_ratio, "null or > 0")
         _check(self.verify_slope >= 0, "serve.spec.verify_slope", self.verify_slope, ">= 0")
+        _check(self.warmup_reps >= 0, "serve.spec.warmup_reps", self.warmup_reps, "an integer >= 0 (0: no start-up measurement)")
         _check(self.topk_logprobs >= 0, "serve.spec.topk_logprobs", self.topk_logprobs, ">= 0")
 
 
