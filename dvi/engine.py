@@ -1,11 +1,20 @@
-"""The speculative decoding loop over Hugging Face causal LMs, for a batch of concurrent requests.
+"""The speculative decoding loop over Hugging Face causal LMs, for a continuously refilled batch of requests.
 
 Each round: the drafter proposes K tokens (one cached forward each), the target verifies all of them plus
 a bonus position in one forward, `dvi.speculative.rejection_sample` decides how many are accepted, and
 both KV caches are rolled back to the accepted length. Rows of a batch accept different numbers of tokens;
 rather than copying caches to re-align them, a rejected slot stays in the cache as a masked "hole"
-(see `_KV`) and holes are squeezed out when they grow. Greedy decoding is the temperature-0 case of the
-same rule and returns exactly the target's greedy tokens.
+(see `_KV`) and holes are squeezed out when they grow. A request joins a running batch between rounds (its
+prompt is prefilled beside the others' verification, every existing slot a hole for it) and leaves it in the
+round it finishes (`Decoding`). Greedy decoding is the temperature-0 case of the same rule and returns
+exactly the target's greedy tokens.
+
+Adaptive K picks each row's K from its measured acceptance and a cost table measured on this machine
+(`CostTable`: verify seconds per K and batch bucket, drafter step seconds; a start-up warm-up, then moving
+averages of live rounds); a row whose drafts keep failing decodes plainly and probes now and then. Every tensor
+of a round lives on the target's device; the random draws come from per-request CPU generators, so a seeded
+request repeats on any device. There is no static KV cache and no CUDA graph here (yet): the CPU and CUDA run
+the same code.
 
 Per-round statistics and the target's top-k log-probs are returned as data (`Round`, `SpecStats`); this
 module does not know where they go (streams, MLflow, /metrics), nor about tokenization or text.
@@ -30,6 +39,7 @@ from dvi.models import Drafter
 from dvi.speculative import (
     acceptance_estimate,
     batch_bucket,
+    cheapest_k,
     choose_k_from_costs,
     expand_draft_probs,
     linear_verify_costs,
@@ -338,7 +348,8 @@ class _KController:
 
     def next_k(self, generated: int, cost_ratio: float, verify_cost: list[float], measured: bool = False) -> int:
         """verify_cost: [k_max + 1] in target steps; measured: the costs come from this machine's table, so even the
-        first round is planned (with the prior acceptance) and a probe drafts the K the table likes best."""
+        first round is planned (with the prior acceptance) and a probe drafts the K whose round the table says is
+        cheapest."""
         s = self.spec
         if not s.adaptive or (not self.trials and not measured):  # with assumed costs, start at k until a round is seen
             return s.k
@@ -350,8 +361,8 @@ class _KController:
             self.off_at = generated
         if generated - self.off_at >= s.probe_every:  # probe: the traffic, or the drafter, may have changed
             self.off_at = generated
-            if measured:  # the cheapest way to learn: the K with the best prediction at the prior acceptance
-                return choose_k_from_costs(s.prior_acceptance, cost_ratio, verify_cost, s.k_min, s.k_max, 0.0)
+            if measured:  # the cheapest round that drafts, by this machine's table
+                return cheapest_k(cost_ratio, verify_cost, s.k_min, s.k_max)
             return s.k_min
         return 0
 

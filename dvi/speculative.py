@@ -159,6 +159,12 @@ def choose_k_from_costs(a: float, draft_cost: float, verify_cost: list[float], k
     return best_k
 
 
+def cheapest_k(draft_cost: float, verify_cost: list[float], k_min: int, k_max: int) -> int:
+    """The K in [k_min, k_max] whose round costs least, k * draft_cost + verify_cost[k] (target steps): the
+    cheapest probe of a drafter that is not paying (on a CPU, verifying 2 tokens can cost more than 5)."""
+    return min(range(k_min, k_max + 1), key=lambda k: (k * draft_cost + verify_cost[k], k))
+
+
 def linear_verify_costs(verify_slope: float, k_max: int) -> list[float]:
     """[k_max + 1] verify costs of the linear model, 1 + verify_slope * k target steps."""
     return [1.0 + verify_slope * k for k in range(k_max + 1)]

@@ -13,7 +13,22 @@ import torch
 from stat_checks import chi_square_pvalue
 
 from dvi.engine import SpecStats
-from dvi.speculative import acceptance_estimate, batch_bucket, choose_k, choose_k_from_costs, expand_draft_probs, linear_verify_costs, moving_average, expected_acceptance, expected_tokens_per_round, ideal_speedup, logits_to_probs, rejection_sample, sample_from
+from dvi.speculative import (
+    acceptance_estimate,
+    batch_bucket,
+    cheapest_k,
+    choose_k,
+    choose_k_from_costs,
+    expand_draft_probs,
+    expected_acceptance,
+    expected_tokens_per_round,
+    ideal_speedup,
+    linear_verify_costs,
+    logits_to_probs,
+    moving_average,
+    rejection_sample,
+    sample_from,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -508,3 +523,10 @@ def test_batch_bucket_and_moving_average():
     for _ in range(200):
         x = moving_average(x, 2.0, 0.2)
     assert x == pytest.approx(2.0)
+
+
+def test_cheapest_k():
+    assert cheapest_k(0.24, [1.0, 2.4, 2.0, 1.9, 1.5], 1, 4) == 4  # 2.46 < 2.64 (K = 1)
+    assert cheapest_k(0.24, [1.0, 1.1, 1.2, 1.3, 1.4], 1, 4) == 1
+    assert cheapest_k(0.0, [1.0, 1.0, 1.0], 1, 2) == 1  # ties: the smaller K
+    assert cheapest_k(0.5, [1.0, 1.0, 1.0, 1.0], 2, 3) == 2
