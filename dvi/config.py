@@ -73,7 +73,7 @@ class SpecConfig:
     # adaptive K plans with a cost table measured on this machine (dvi.engine.CostTable): a start-up warm-up
     # (`warmup_reps` timed forwards per K, 0 = none) refreshed from live rounds. cost_ratio fixes the costs instead.
     verify_slope: float = 0.12  # linear prior (with cost_ratio set: the model): verifying k+1 tokens costs 1 + slope * k steps
-    warmup_reps: int = 3
+    warmup_reps: int = 1
     topk_logprobs: int = 8  # target top-k log-probs kept per drafted and bonus position (0 = none)
 
     def __post_init__(self) -> None:

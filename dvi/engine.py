@@ -347,11 +347,14 @@ class _KController:
         return acceptance_estimate(self.accepted, self.trials, s.prior_acceptance, s.prior_weight)
 
     def next_k(self, generated: int, cost_ratio: float, verify_cost: list[float], measured: bool = False) -> int:
-        """verify_cost: [k_max + 1] in target steps; measured: the costs come from this machine's table, so even the
-        first round is planned (with the prior acceptance) and a probe drafts the K whose round the table says is
-        cheapest."""
+        """verify_cost: [k_max + 1] in target steps; measured: the costs come from this machine's table, and a probe
+        drafts the K whose round the table says is cheapest (with assumed costs: k_min).
+
+        A request's first round drafts k whatever the costs say: it is the prompt's prefill, where K more
+        positions cost little, and every request then measures the drafter (the live check after a swap and the
+        trainer's records need drafted rounds)."""
         s = self.spec
-        if not s.adaptive or (not self.trials and not measured):  # with assumed costs, start at k until a round is seen
+        if not s.adaptive or not self.trials:
             return s.k
         k = choose_k_from_costs(self.acceptance(), cost_ratio, verify_cost, s.k_min, s.k_max, s.min_speedup)
         if k:
@@ -469,7 +472,7 @@ class SpeculativeEngine:
         return results  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def warm_up(self, reps: int = 3, context: int = 64) -> dict:
+    def warm_up(self, reps: int = 1, context: int = 32) -> dict:
         """Measure the cost table at batch 1 (`CostTable`): verify forwards of K + 1 tokens for K = 0..k_max and
         drafter steps, on a `context`-token sequence, `reps` times each, interleaved; the median is kept. Returns
         the table (`CostTable.to_dict`)."""

@@ -2,7 +2,7 @@
 
 `Replica` owns three threads around one `SpeculativeEngine`:
 
-- **decode**: measures the engine's cost table once (`serve.spec.warmup_reps`), then runs one continuously
+- **decode** (after `start()` has measured the engine's cost table, `serve.spec.warmup_reps`): one continuously
   refilled batch (`dvi.engine.Decoding`): a waiting request joins at the next round boundary while fewer than
   `serve.max_batch` are decoding, and a finished one leaves in the round it finishes: its future is fulfilled,
   `ServingMetrics` fed and its DecisionRecords handed to the producer;
@@ -101,6 +101,14 @@ class Replica:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> Replica:
+        """Measure the engine's cost table (`serve.spec.warmup_reps`; before the HTTP server answers, so no request
+        waits behind it), then start the threads."""
+        spec = self.cfg.serve.spec
+        if spec.warmup_reps and spec.adaptive and spec.cost_ratio is None:
+            try:
+                log.info("cost table measured at start-up: %s", self.engine.warm_up(spec.warmup_reps))
+            except Exception:  # adaptive K then learns the costs from live rounds only
+                log.exception("measuring the cost table failed")
         loops = [("dvi-decode", self._decode_loop), ("dvi-tracking", self._tracking_loop)]
         if self.control is not None and self.cfg.serve.swap.enabled:
             loops.append(("dvi-swap", self._swap_loop))
@@ -195,11 +203,6 @@ class Replica:
     def _decode_loop(self) -> None:
         """Continuous batching: waiting requests join the running batch at each round boundary while it has free
         slots (`serve.max_batch`); a finished request is answered, and its slot freed, in the round it finishes."""
-        if self.cfg.serve.spec.warmup_reps:
-            try:
-                log.info("cost table measured at start-up: %s", self.engine.warm_up(self.cfg.serve.spec.warmup_reps))
-            except Exception:  # adaptive K then learns the costs from live rounds only
-                log.exception("measuring the cost table failed")
         batch = self.engine.decoding()
         while not self._stop.is_set():
             if not batch.size:

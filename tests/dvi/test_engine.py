@@ -610,9 +610,9 @@ def test_controller_never_plans_a_round_its_table_predicts_slower_than_plain():
         ks.append(k)
         ctrl.observe(k, 0)
     probes = [g for g, k in enumerate(ks) if k]
-    assert ks[0] == 0  # planned from the first round (prior acceptance 0.5), not started at k
-    assert probes == [8, 16, 24, 32]  # only the probes draft ...
-    assert all(ks[g] == 4 for g in probes)  # ... the cheapest round by the table (4 * 0.24 + 1.5 < 0.24 + 2.4), not k_min
+    assert ks[0] == spec.k  # the first round (the prefill) drafts k, then the table's plan: plain decoding
+    assert probes == [0, 9, 17, 25, 33]  # only the probes draft ...
+    assert all(ks[g] == 4 for g in probes[1:])  # ... the cheapest round by the table (4 * 0.24 + 1.5 < 0.24 + 2.4), not k_min
     fast = [1.0, 1.05, 1.1, 1.15, 1.2]
     good = _KController(spec)
     for generated in range(10):
