@@ -1,6 +1,7 @@
 """Engine benchmark: the dvi speculative engine against plain and assisted Hugging Face decoding, on the demo pair.
 
-One process, one run, every path side by side on the same chat prompts (greedy, batch 1, CPU):
+One process, one run, every path side by side on the same chat prompts (greedy, batch 1, on `--device`, CPU by
+default where there is no CUDA):
 
 - target only: `target.generate(do_sample=False)` (the baseline every speedup is relative to) and the dvi
   engine with no drafter;
@@ -22,7 +23,8 @@ is noisy; everything runs under `torch.inference_mode()`.
 
 What it does not know: sampled decoding (temperature > 0 changes acceptance), batches larger than one,
 anything outside the model calls (tokenization, streams, the HTTP service, MLflow), trained drafters (the demo
-drafter is untrained, so its acceptance is near zero: these numbers describe the starting point), GPUs. The
+drafter is untrained, so its acceptance is near zero: these numbers describe the starting point). On CUDA the
+step costs are timed with a device synchronisation around each forward; the rest is the same code. The
 ideal assumes i.i.d. per-token acceptance and counts only model forwards; for adaptive K it is the best fixed
 K in 1..8 for the measured acceptance (or 1.0, plain decoding, when no K beats it). c and v_K come from plain
 HF forwards with the default causal mask, not the engine's 4D-mask path, so engine bookkeeping shows up as a
@@ -63,6 +65,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 
 from dvi.config import SpecConfig
 from dvi.engine import Request, SpeculativeEngine
+from dvi.errors import DviError
 from dvi.models import (
     DRAFTER_META,
     Drafter,
@@ -72,6 +75,8 @@ from dvi.models import (
     load_causal_lm,
     load_drafter,
     load_tokenizer,
+    resolve_device,
+    resolve_dtype,
 )
 from dvi.speculative import ideal_speedup
 
@@ -84,6 +89,7 @@ PROMPTS = [
     "Write a short poem about the sea.",
 ]
 ADAPTIVE_K_RANGE = range(1, 9)  # SpecConfig's default k_min..k_max: v_K is measured for all of them
+ADAPTIVE_ENGINES: dict[str, SpeculativeEngine] = {}  # path name -> engine, for its cost table in the JSON
 OUTLIER = 1.5  # a block whose speedup is this far off the row's median is reported as disturbed
 
 
@@ -121,7 +127,7 @@ def expected_k(k: int, max_new: int, generated: int) -> int:
 
 def hf_plain(target: PreTrainedModel, eos: int, pad: int) -> Callable[[list[int], int], Run]:
     def run(prompt: list[int], max_new: int) -> Run:
-        x = torch.tensor([prompt])
+        x = torch.tensor([prompt], device=target.device)
         out = target.generate(
             x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=pad
         )
@@ -156,7 +162,7 @@ def hf_assisted(target: PreTrainedModel, assistant: PreTrainedModel, k: int, eos
         # transformers 5.23 reads these from the assistant's config, not from generate()'s kwargs (see top)
         gc = assistant.generation_config
         gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = k, "constant", 0.0
-        x = torch.tensor([prompt])
+        x = torch.tensor([prompt], device=target.device)
         _HF_ROUNDS.clear()
         out = target.generate(
             x,
@@ -201,18 +207,22 @@ class StepTimer:
     def __init__(self, models: dict[str, PreTrainedModel], context: list[int]):
         self.models = models
         self.context_len = len(context)
-        self.feed = torch.tensor([context[-9:]])  # [1, 9] tokens to feed (what they are does not change the cost)
+        device = next(iter(models.values())).device
+        self.feed = torch.tensor([context[-9:]], device=device)  # [1, 9] tokens to feed (what they are does not change the cost)
         self.caches = {}
         for name, model in models.items():
             cache = DynamicCache()
-            model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=torch.tensor([context], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
             self.caches[name] = cache
         self.samples: dict[tuple[str, int], list[float]] = {}
 
     def time_once(self, name: str, tokens: int) -> None:
         cache = self.caches[name]
+        sync = torch.cuda.synchronize if self.feed.is_cuda else (lambda: None)  # time the kernels, not their launch
+        sync()
         t0 = time.perf_counter()
         self.models[name](input_ids=self.feed[:, :tokens], past_key_values=cache, use_cache=True, logits_to_keep=tokens)
+        sync()
         self.samples.setdefault((name, tokens), []).append(time.perf_counter() - t0)
         cache.crop(-tokens)  # transformers 5: a negative count drops that many tokens
 
@@ -271,7 +281,10 @@ def build_variants(target, drafters: dict[str, Drafter], ks: list[int], vocabs: 
     for k in ks:
         run = dvi_engine(engine("full", SpecConfig(k=k, adaptive=False)), k)
         variants.append(Variant(f"dvi K={k}", "dvi", k, "full", run, compare=f"HF assisted K={k}"))
-    variants.append(Variant("dvi adaptive K", "dvi-adaptive", None, "full", dvi_engine(engine("full", SpecConfig()), None)))
+    adaptive = engine("full", SpecConfig())
+    adaptive.warm_up()  # the cost table adaptive K plans with (as `dvi serve` measures it at start-up)
+    ADAPTIVE_ENGINES["dvi adaptive K"] = adaptive
+    variants.append(Variant("dvi adaptive K", "dvi-adaptive", None, "full", dvi_engine(adaptive, None)))
     for k in ks:
         variants.append(Variant(f"HF assisted K={k}", "hf-assisted", k, "full", hf_assisted(target, drafters["full"].model, k, eos, pad)))
     for k in ks:
@@ -282,7 +295,10 @@ def build_variants(target, drafters: dict[str, Drafter], ks: list[int], vocabs: 
     if "trained" in drafters:  # --trained: a drafter the online trainer produced (bench_trainer.py --save)
         run = dvi_engine(engine("trained", SpecConfig(k=vocab_k, adaptive=False)), vocab_k)
         variants.append(Variant(f"dvi trained K={vocab_k}", "dvi-trained", vocab_k, "trained", run))
-        variants.append(Variant("dvi trained adaptive K", "dvi-adaptive", None, "trained", dvi_engine(engine("trained", SpecConfig()), None)))
+        trained = engine("trained", SpecConfig())
+        trained.warm_up()
+        ADAPTIVE_ENGINES["dvi trained adaptive K"] = trained
+        variants.append(Variant("dvi trained adaptive K", "dvi-adaptive", None, "trained", dvi_engine(trained, None)))
     return variants
 
 
@@ -395,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-k", type=int, default=4, help="K for the reduced-vocabulary rows")
     ap.add_argument("--cost-reps", type=int, default=None, help="timed forwards per cost term (default 20; --quick 6)")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N, as model.device")
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16")
     ap.add_argument("--trained", type=Path, default=None, help="a trained drafter directory (bench_trainer.py --save): adds its rows")
     ap.add_argument("--quick", action="store_true", help="tiny run to check that every path works")
     ap.add_argument("--json", type=Path, default=None, help="write every number here")
@@ -414,16 +432,21 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
     started = time.perf_counter()
 
+    try:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+    except DviError as e:
+        ap.error(str(e))
     target_dir = fetch_demo_target()
     tokenizer = load_tokenizer(target_dir, "target")
-    target = load_causal_lm(target_dir, "target")
+    target = load_causal_lm(target_dir, "target", dtype, device)
     vocab_size = int(target.config.vocab_size)
-    drafters = {"full": load_drafter(ensure_drafter(target_dir, None), vocab_size)}
+    drafters = {"full": load_drafter(ensure_drafter(target_dir, None), vocab_size, dtype, device)}
     for n in vocabs:
-        drafters[f"v{n}"] = load_drafter(ensure_drafter(target_dir, n), vocab_size)
+        drafters[f"v{n}"] = load_drafter(ensure_drafter(target_dir, n), vocab_size, dtype, device)
     drafters["self"] = Drafter(model=target, version="self")
     if args.trained:
-        drafters["trained"] = load_drafter(args.trained, vocab_size)
+        drafters["trained"] = load_drafter(args.trained, vocab_size, dtype, device)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     prompts = chat_prompts(tokenizer, n_prompts)
@@ -458,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         "vocab_k": args.vocab_k,
         "cost_reps": cost_reps,
         "threads": torch.get_num_threads(),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
         "quick": args.quick,
     }
     env = {
@@ -466,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        "processor": platform.processor(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
     }
     hf_token = 1.0 / rows[0]["tokens_per_s"]
     costs = {
@@ -477,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "hf_plain_s_per_token": hf_token,
         "samples": {f"{n}/{k}": len(s) for (n, k), s in timer.samples.items()},
         "min_s": {f"{n}/{k}": min(s) for (n, k), s in timer.samples.items()},
+        "engine_cost_tables": {name: e.costs.to_dict() for name, e in ADAPTIVE_ENGINES.items()},  # after the run
     }
     print(table(rows, n_prompts))
     print()

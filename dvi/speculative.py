@@ -140,16 +140,44 @@ def ideal_speedup(a: float, k: int, draft_cost: float, verify_cost: float) -> fl
 
 
 def choose_k(a: float, draft_cost: float, verify_slope: float, k_min: int, k_max: int, min_speedup: float = 1.0) -> int:
+    """`choose_k_from_costs` with the linear verify model: verifying k + 1 tokens costs 1 + verify_slope * k steps."""
+    return choose_k_from_costs(a, draft_cost, linear_verify_costs(verify_slope, k_max), k_min, k_max, min_speedup)
+
+
+def choose_k_from_costs(a: float, draft_cost: float, verify_cost: list[float], k_min: int, k_max: int,
+                        min_speedup: float = 1.0) -> int:
     """The K in [k_min, k_max] with the best predicted speedup, or 0 when none beats `min_speedup`.
 
-    The verify cost is modelled as 1 + verify_slope * k target steps.
+    verify_cost: [k_max + 1] cost of verifying k + 1 tokens, in target steps (verify_cost[0] = 1: plain decoding);
+    draft_cost: one drafter step in target steps. Predicted speedup = `ideal_speedup(a, k, draft_cost, verify_cost[k])`.
     """
     best_k, best = 0, min_speedup
     for k in range(k_min, k_max + 1):
-        s = ideal_speedup(a, k, draft_cost, 1.0 + verify_slope * k)
+        s = ideal_speedup(a, k, draft_cost, verify_cost[k])
         if s > best:
             best_k, best = k, s
     return best_k
+
+
+def cheapest_k(draft_cost: float, verify_cost: list[float], k_min: int, k_max: int) -> int:
+    """The K in [k_min, k_max] whose round costs least, k * draft_cost + verify_cost[k] (target steps): the
+    cheapest probe of a drafter that is not paying (on a CPU, verifying 2 tokens can cost more than 5)."""
+    return min(range(k_min, k_max + 1), key=lambda k: (k * draft_cost + verify_cost[k], k))
+
+
+def linear_verify_costs(verify_slope: float, k_max: int) -> list[float]:
+    """[k_max + 1] verify costs of the linear model, 1 + verify_slope * k target steps."""
+    return [1.0 + verify_slope * k for k in range(k_max + 1)]
+
+
+def batch_bucket(batch: int) -> int:
+    """The batch-size bucket whose costs a batch of `batch` rows shares: the next power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+def moving_average(old: float | None, new: float, weight: float) -> float:
+    """Exponential moving average: `new` weighs `weight`, the past 1 - weight; the first value is taken as is."""
+    return new if old is None else (1.0 - weight) * old + weight * new
 
 
 def acceptance_estimate(accepted: float, trials: float, prior: float, prior_weight: float) -> float:

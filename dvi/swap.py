@@ -73,9 +73,10 @@ def resolve_in_store(uri: str, version: str, store_root: Path) -> Path:
 
 def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Module, smoke_tokens: int = 8,
                    dtype: torch.dtype = torch.float32, family=None) -> Drafter:
-    """Check and load an announced drafter (see the module docstring). Returns it, or raises Refused. `family`: the
-    config every version must match but for the drafter's own fields: the configured drafter's (the trainer
-    publishes versions of it), or by default the target's (a drafter built from the target)."""
+    """Check and load an announced drafter (see the module docstring). Returns it in `dtype` on the target's
+    device, or raises Refused. `family`: the config every version must match but for the drafter's own fields:
+    the configured drafter's (the trainer publishes versions of it), or by default the target's (a drafter built
+    from the target)."""
     try:
         store.check_version_name(ann.version)
     except DviError as e:
@@ -102,7 +103,10 @@ def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Mod
         drafter = _build(config, weights, head, vocab, ann.version, str(path / DRAFT_HEAD))
     except Exception as e:  # DviError from the head's checks, or whatever transformers raises on a broken config
         raise Refused("load", f"drafter {ann.version} at {path} does not load: {type(e).__name__}: {str(e)[:300]}") from None
-    drafter.model.to(device=next(target.parameters()).device, dtype=dtype)
+    device = next(target.parameters()).device  # the drafter serves beside the target
+    drafter.model.to(device=device, dtype=dtype)
+    if drafter.vocab_map is not None:
+        drafter.vocab_map = drafter.vocab_map.to(device)
     bad = [name for name, p in drafter.model.named_parameters() if not bool(torch.isfinite(p).all())]
     if bad:
         raise Refused("nonfinite", f"drafter {ann.version}: non-finite weights in {bad[:3]}{' ...' if len(bad) > 3 else ''}")
@@ -173,7 +177,7 @@ def _build(config, weights: dict[str, torch.Tensor], head: dict[str, torch.Tenso
 
 @torch.inference_mode()
 def _smoke(drafter: Drafter, tokens: int, vocab: int) -> None:
-    ids = torch.tensor([SMOKE_PROMPT])
+    ids = torch.tensor([SMOKE_PROMPT], device=drafter.model.device)
     try:
         for _ in range(tokens):
             logits = drafter.model(input_ids=ids).logits[0, -1]  # [Vd]
@@ -184,7 +188,7 @@ def _smoke(drafter: Drafter, tokens: int, vocab: int) -> None:
                 nxt = int(drafter.vocab_map[nxt])
             if not 0 <= nxt < vocab:
                 raise Refused("smoke", f"drafter {drafter.version}: smoke decode produced token {nxt} outside the vocabulary")
-            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+            ids = torch.cat([ids, ids.new_tensor([[nxt]])], 1)
     except Refused:
         raise
     except Exception as e:

@@ -80,6 +80,10 @@ def _retrain(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reason", help="a note for the trainer's log")
 
 
+def _fetch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf", metavar="FILE", help="import this local GGUF file instead (no package index needed)")
+
+
 def _drafter_init(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, help="target layers to keep (default model.drafter_layers)")
     p.add_argument("--vocab", type=int, help="reduced head over the N most frequent tokens (0 = full vocabulary)")
@@ -109,7 +113,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("mlflow",), "run the local MLflow server (SQLite + local artifacts) on 127.0.0.1:tracking.port", "tracking:mlflow"),
     Command(("train",), "the online distillation trainer (DeepSpeed), fed by the decision stream", "train:train"),
     Command(("retrain",), "ask running trainers for a training session (control topic)", "train:retrain", _retrain),
-    Command(("models", "fetch"), "fetch and convert the demo target into the model cache", "models:fetch"),
+    Command(("models", "fetch"), "fetch and convert the demo target (or import a local GGUF file) into the model cache",
+            "models:fetch", _fetch),
     Command(("drafter", "init"), "build a drafter from the target's first layers", "models:drafter_init", _drafter_init),
     Command(("drafter", "distill"), "distill the drafter offline from every record on the decisions topic, then publish",
             "train:distill", _distill),

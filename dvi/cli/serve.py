@@ -48,6 +48,8 @@ def generate(args: argparse.Namespace) -> int:
     engine = SpeculativeEngine(
         pair.target, pair.drafter, cfg.serve.spec, stop_ids={pair.tokenizer.eos_token_id}, max_batch=cfg.serve.max_batch
     )
+    if pair.drafter is not None and cfg.serve.spec.adaptive and cfg.serve.spec.cost_ratio is None and cfg.serve.spec.warmup_reps:
+        engine.warm_up(cfg.serve.spec.warmup_reps)  # the cost table adaptive K plans with
     ids = encode_prompt(pair.tokenizer, args.prompt, args.raw)
     req = Request(ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed)
     t0 = time.perf_counter()
@@ -67,6 +69,8 @@ def generate(args: argparse.Namespace) -> int:
                     "finish_reason": result.finish_reason,
                     "drafter_version": drafter_version,
                     "drafter_versions": result.drafter_versions,
+                    "device": str(engine.device),
+                    "dtype": str(pair.target.dtype).removeprefix("torch."),
                     "sampling": {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new, "seed": seed},
                     "stats": result.stats.to_dict(),
                     "seconds": round(seconds, 4),

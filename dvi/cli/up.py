@@ -30,7 +30,7 @@ from typing import Callable
 
 from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
-from dvi.models import cache_dir, pair_dirs
+from dvi.models import cache_dir, pair_dirs, resolve_device, resolve_dtype
 from dvi.procs import Child, http_ok, port_in_use, sigterm_interrupts, spawn, wait_ready
 from dvi.tracking import CLASSIC_VIEW
 
@@ -286,6 +286,7 @@ def up(args: argparse.Namespace) -> int:
     if args.detach:
         return detach(args, cache)
     if any(p.name in ("serve", "train") for p in parts):
+        resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))  # one clear line here, not a restart loop of parts
         print("dvi up: preparing the model pair (a first run fetches and converts it: minutes)", flush=True)
         target, drafter = pair_dirs(cfg.model)  # fetched and built once, before two parts race to do it
         print(f"dvi up: target {target}, drafter {drafter}", flush=True)

@@ -2,9 +2,10 @@
 
 `Replica` owns three threads around one `SpeculativeEngine`:
 
-- **decode**: takes up to `serve.max_batch` waiting requests, decodes them together (static batches: a request
-  arriving mid-batch waits for the next one), fulfils their futures, feeds `ServingMetrics`, and hands each
-  request's DecisionRecords to the producer;
+- **decode** (after `start()` has measured the engine's cost table, `serve.spec.warmup_reps`): one continuously
+  refilled batch (`dvi.engine.Decoding`): a waiting request joins at the next round boundary while fewer than
+  `serve.max_batch` are decoding, and a finished one leaves in the round it finishes: its future is fulfilled,
+  `ServingMetrics` fed and its DecisionRecords handed to the producer;
 - **swap** (when handed a control channel): a `DrafterPublished` drafter is checked and loaded off the decode
   thread (`dvi.swap.load_announced`) and swapped in between rounds; after `serve.swap.window_tokens` drafted
   tokens the live check (`dvi.swap.judge`) either promotes it (MLflow alias `production`, `DrafterPromoted` on the
@@ -98,7 +99,7 @@ class Replica:
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=cfg.serve.max_queue)
         self._stop = threading.Event()
         self._draining = threading.Event()
-        self._decoding: list[Job] = []  # the batch the decode thread is on
+        self._decoding: list[Job] = []  # the jobs in the running batch (replaced, never mutated: drain reads it)
         self._threads: list[threading.Thread] = []
         self._swap_lock = threading.Lock()
         self._initial_drafter(configured=pair.drafter is not None)
@@ -107,6 +108,14 @@ class Replica:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> Replica:
+        """Measure the engine's cost table (`serve.spec.warmup_reps`; before the HTTP server answers, so no request
+        waits behind it), then start the threads."""
+        spec = self.cfg.serve.spec
+        if spec.warmup_reps and spec.adaptive and spec.cost_ratio is None:
+            try:
+                log.info("cost table measured at start-up: %s", self.engine.warm_up(spec.warmup_reps))
+            except Exception:  # adaptive K then learns the costs from live rounds only
+                log.exception("measuring the cost table failed")
         loops = [("dvi-decode", self._decode_loop), ("dvi-tracking", self._tracking_loop)]
         if self.control is not None and self.cfg.serve.swap.enabled:
             loops.append(("dvi-swap", self._swap_loop))
@@ -199,45 +208,61 @@ class Replica:
     # -- decode thread ---------------------------------------------------------------------------
 
     def _decode_loop(self) -> None:
+        """Continuous batching: waiting requests join the running batch at each round boundary while it has free
+        slots (`serve.max_batch`); a finished request is answered, and its slot freed, in the round it finishes."""
+        batch = self.engine.decoding()
         while not self._stop.is_set():
-            try:
-                jobs = [self._queue.get(timeout=0.2)]
-            except queue.Empty:
-                continue
-            while len(jobs) < self.cfg.serve.max_batch:
+            if not batch.size:
                 try:
-                    jobs.append(self._queue.get_nowait())
+                    self._join(batch, self._queue.get(timeout=0.2))
+                except queue.Empty:
+                    continue
+            while batch.size < self.cfg.serve.max_batch:
+                try:
+                    self._join(batch, self._queue.get_nowait())
                 except queue.Empty:
                     break
-            self._decode(jobs)
+            if not batch.size:
+                continue
+            try:
+                finished = batch.step()
+            except Exception as e:
+                if self._draining.is_set():
+                    log.info("decoding stopped for shutdown: %s", e)
+                else:
+                    log.exception("decoding a batch of %d requests failed", batch.size)
+                for job in self._decoding:
+                    if not job.future.done():
+                        job.future.set_exception(e)
+                self._decoding = []
+                batch = self.engine.decoding()
+                continue
+            for job, result in finished:
+                self._decoding = [j for j in self._decoding if j is not job]
+                self._finish(job, result)
 
-    def _decode(self, jobs: list[Job]) -> None:
-        def emit(i: int, ids: list[int]) -> None:
-            if jobs[i].on_tokens is not None and ids:
+    def _join(self, batch, job: Job) -> None:
+        def emit(ids: list[int]) -> None:
+            if job.on_tokens is not None and ids:
                 try:
-                    jobs[i].on_tokens(ids)
+                    job.on_tokens(ids)
                 except Exception:  # a client gone away must not stop the batch
                     log.debug("streaming callback failed", exc_info=True)
 
-        self._decoding = jobs
-        try:
-            results = self.engine.generate([j.request for j in jobs], on_tokens=emit)
-        except Exception as e:
-            if self._draining.is_set():
-                log.info("decoding stopped for shutdown: %s", e)
-            else:
-                log.exception("decoding a batch of %d requests failed", len(jobs))
-            for j in jobs:
-                if not j.future.done():
-                    j.future.set_exception(e)
+        if job.future.done():  # failed by a drain while it waited
             return
-        finally:
-            self._decoding = []
-        for job, result in zip(jobs, results):
-            self.metrics.observe(result, job.domain)
-            self._log_decisions(job, result)
-            if not job.future.done():  # a drain may have failed it already
-                job.future.set_result(result)
+        try:
+            batch.add(job.request, key=job, on_tokens=emit)
+        except DviError as e:
+            job.future.set_exception(e)
+            return
+        self._decoding = self._decoding + [job]
+
+    def _finish(self, job: Job, result: Result) -> None:
+        self.metrics.observe(result, job.domain)
+        self._log_decisions(job, result)
+        if not job.future.done():  # a drain may have failed it already
+            job.future.set_result(result)
 
     def _log_decisions(self, job: Job, result: Result) -> None:
         if self.producer is None:

@@ -573,3 +573,88 @@ def test_abort_stops_a_generation_in_progress_at_a_round_boundary(tiny_target, t
     with pytest.raises(DviError, match="aborted"):
         engine.generate([Request(PROMPTS[0], max_new_tokens=400)], on_tokens=on_tokens)
     assert rounds["n"] == 5  # not a round more
+
+
+# ----------------------------------------------------------------------------------------------
+# The measured cost table and continuous batching.
+
+
+def test_cost_table_plans_in_target_steps_and_borrows_across_buckets():
+    from dvi.engine import CostTable
+
+    table = CostTable(SpecConfig(k=2, k_max=3))
+    assert not table.measured and table.plan(1) == (0.25, pytest.approx([1.0, 1.12, 1.24, 1.36]))  # the prior until measured
+    for k, t in enumerate([0.050, 0.120, 0.100, 0.090]):  # non-monotone, as on this CPU
+        table.observe_verify(1, k, t)
+    table.observe_draft(1, 4, 0.048)  # 4 drafter steps in 48 ms
+    c, v = table.plan(1)
+    assert c == pytest.approx(0.24) and v == pytest.approx([1.0, 2.4, 2.0, 1.8])
+    table.observe_verify(8, 0, 0.200)  # batch 5..8: only the plain step measured; K costs borrowed in steps
+    assert table.plan(6)[1] == pytest.approx([1.0, 2.4, 2.0, 1.8]) and table.plan(6)[0] == pytest.approx(0.24)
+    table.observe_verify(1, 1, 0.020)  # a live round refreshes the moving average
+    assert table.plan(1)[1][1] == pytest.approx((0.8 * 0.120 + 0.2 * 0.020) / 0.050)
+    fixed_costs = CostTable(SpecConfig(k=2, k_max=3, cost_ratio=0.1, verify_slope=0.5))
+    fixed_costs.observe_verify(1, 0, 0.05)
+    assert fixed_costs.plan(1) == (0.1, pytest.approx([1.0, 1.5, 2.0, 2.5]))  # cost_ratio set: the fixed model, nothing measured
+
+
+def test_controller_never_plans_a_round_its_table_predicts_slower_than_plain():
+    from dvi.engine import _KController
+
+    spec = SpecConfig(k=4, k_min=1, k_max=4, probe_every=8)
+    slow = [1.0, 2.4, 2.0, 1.9, 1.5]  # c = 0.24: no K pays at the prior acceptance 0.5
+    ctrl = _KController(spec)
+    ks = []
+    for generated in range(40):
+        k = ctrl.next_k(generated, 0.24, slow, measured=True)
+        ks.append(k)
+        ctrl.observe(k, 0)
+    probes = [g for g, k in enumerate(ks) if k]
+    assert ks[0] == spec.k  # the first round (the prefill) drafts k, then the table's plan: plain decoding
+    assert probes == [0, 9, 17, 25, 33]  # only the probes draft ...
+    assert all(ks[g] == 4 for g in probes[1:])  # ... the cheapest round by the table (4 * 0.24 + 1.5 < 0.24 + 2.4), not k_min
+    fast = [1.0, 1.05, 1.1, 1.15, 1.2]
+    good = _KController(spec)
+    for generated in range(10):
+        k = good.next_k(generated, 0.05, fast, measured=True)
+        good.observe(k, k)
+    assert k == 4
+
+
+def test_warm_up_fills_the_table_and_adaptive_stays_exact(tiny_target, tiny_drafter):
+    engine = SpeculativeEngine(tiny_target, tiny_drafter, SpecConfig(k_max=6))
+    table = engine.warm_up(reps=2)
+    assert set(table["verify_s"]) == {f"b1/k{k}" for k in range(7)} and set(table["draft_step_s"]) == {"b1"}
+    assert engine.costs.measured and all(t > 0 for t in engine.costs.verify.values())
+    results = engine.generate([Request(p, max_new_tokens=30) for p in PROMPTS])
+    for res in results:
+        assert res.token_ids == target_greedy(tiny_target, res.prompt_ids, 30)
+    assert any(b == 4 for b, _ in engine.costs.verify)  # the batch of 4 was measured live
+
+
+def test_a_request_joins_a_running_batch_and_leaves_it_when_done(tiny_target, tiny_drafter):
+    engine = SpeculativeEngine(tiny_target, tiny_drafter, fixed(3))
+    batch = engine.decoding()
+    batch.add(Request(PROMPTS[2], max_new_tokens=NEW), key="long")
+    done: dict[str, tuple[int, object]] = {}
+    rounds = 0
+    while batch.size:
+        if rounds == 3:  # mid-way through the long one
+            batch.add(Request(PROMPTS[1], max_new_tokens=6), key="short")
+            assert batch.size == 2
+        for key, res in batch.step():
+            done[key] = (rounds, res)
+        rounds += 1
+    assert done["short"][0] < done["long"][0]  # the short one finished first, and left the batch at once
+    assert done["short"][1].token_ids == target_greedy(tiny_target, PROMPTS[1], 6)
+    assert done["long"][1].token_ids == target_greedy(tiny_target, PROMPTS[2], NEW)
+    assert_cache_matches_fresh_forward(tiny_target, [done["short"][1], done["long"][1]])
+
+
+def test_generate_refills_free_slots_and_stays_exact(tiny_target, tiny_drafter):
+    engine = SpeculativeEngine(tiny_target, tiny_drafter, fixed(2), max_batch=2)
+    reqs = [Request(p, max_new_tokens=n) for p, n in zip(PROMPTS, (40, 5, 12, 20))]
+    results = engine.generate(reqs)
+    for req, res in zip(reqs, results):
+        assert res.request_id == req.request_id
+        assert res.token_ids == target_greedy(tiny_target, req.prompt_ids, req.max_new_tokens)

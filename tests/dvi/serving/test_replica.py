@@ -470,3 +470,31 @@ def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_request_submitted_while_a_long_one_decodes_finishes_first(tiny_dirs, tmp_path):
+    """Continuous batching in the real Replica (no broker, no channels): the short request joins the running batch
+    at the next round boundary and is answered while the long one is still decoding; both stay exact."""
+    from dvi.config import StreamConfig
+    from dvi.engine import Request
+
+    cfg = DviConfig(model=ModelConfig(target=str(tiny_dirs[0]), drafter=str(tiny_dirs[1])), stream=StreamConfig(),
+                    serve=ServeConfig(spec=SpecConfig(k=3, adaptive=False), swap=SwapConfig(enabled=False, initial="none"),
+                                      max_batch=4, metrics_every_s=3600, plot_every_s=3600), tracking=TrackingConfig(enabled=False))
+    service = Replica(cfg, resolve_pair(cfg.model)).start()
+    try:
+        started = threading.Event()
+        long_job = service.submit(Request(PROMPTS[0], max_new_tokens=400), on_tokens=lambda ids: started.set())
+        assert started.wait(60), "the long request never started decoding"
+        short_job = service.submit(Request(PROMPTS[1], max_new_tokens=8))
+        short = short_job.future.result(timeout=60)
+        assert not long_job.future.done()  # answered while the long one was still decoding
+        long = long_job.future.result(timeout=120)
+    finally:
+        service.close()
+    from dvi.engine import SpeculativeEngine
+
+    plain = SpeculativeEngine(load_causal_lm(tiny_dirs[0], "target"), None, SpecConfig())
+    assert short.token_ids == plain.generate([Request(PROMPTS[1], max_new_tokens=8)])[0].token_ids
+    assert long.token_ids == plain.generate([Request(PROMPTS[0], max_new_tokens=400)])[0].token_ids
+    assert len(long.token_ids) == 400 or long.finish_reason == "stop"
