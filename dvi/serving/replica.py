@@ -49,7 +49,7 @@ from dvi.records import records_from_result
 from dvi.swap import Refused, judge, load_announced
 
 log = logging.getLogger("dvi.serving.replica")
-decision = logging.getLogger("dvi.decision.serve")  # swaps, promotions, rollbacks, refusals: one line each
+decisions = logging.getLogger("dvi.decision.serve")  # swaps, promotions, rollbacks, refusals: one line each
 
 
 REJECTED_KEPT = 1024  # rejected version names a replica remembers
@@ -307,11 +307,11 @@ class Replica:
         except Refused as e:
             if not automatic:
                 raise
-            decision.warning("not serving the store's drafter %s: %s; serving %s", version, e, self._version())
+            decisions.warning("not serving the store's drafter %s: %s; serving %s", version, e, self._version())
             self.metrics.event(f"refused:{e.reason}", version)
             return
         self.engine.swap_drafter(drafter)
-        decision.info("serving drafter %s from the store %s", version, self.store_root)
+        decisions.info("serving drafter %s from the store %s", version, self.store_root)
 
     def on_control(self, msg: Message) -> None:
         """Act on one control message (the swap thread calls it; tests may too)."""
@@ -320,7 +320,7 @@ class Replica:
                 self.install(msg)
             except Refused as e:
                 self.metrics.event(f"refused:{e.reason}", msg.version)
-                decision.warning("%s refused (%s): %s; still serving %s", msg.version, e.reason, e, self._version())
+                decisions.warning("%s refused (%s): %s; still serving %s", msg.version, e.reason, e, self._version())
         elif isinstance(msg, DrafterRejected):
             self._reject(msg.version)
             if msg.replica_id != self.replica_id and self._version() == msg.version:
@@ -352,7 +352,7 @@ class Replica:
             self.rollout = Rollout(drafter, previous, prev_counts, self.metrics.acceptance_of(drafter.version))
         self.metrics.serving(drafter.version)
         self.metrics.event("swap", drafter.version)
-        decision.info("%s swapped in (was %s), checked and loaded in %.2f s; on trial for %d drafted tokens", drafter.version,
+        decisions.info("%s swapped in (was %s), checked and loaded in %.2f s; on trial for %d drafted tokens", drafter.version,
                       previous.version if previous else None, time.perf_counter() - t0, window)
         return True
 
@@ -370,7 +370,7 @@ class Replica:
             self.rollout = None
             self.metrics.event("promote", r.drafter.version)
             prev = r.previous_counts
-            decision.info("%s promoted: live acceptance %s -> %.3f (%s over %d drafted tokens, %s before it)", r.drafter.version,
+            decisions.info("%s promoted: live acceptance %s -> %.3f (%s over %d drafted tokens, %s before it)", r.drafter.version,
                           f"{prev[1] / prev[0]:.3f}" if prev and prev[0] else "-", current[1] / current[0], r.drafter.version,
                           current[0], r.previous.version if r.previous else "no drafter")
             if self.tracker is not None:
@@ -394,7 +394,7 @@ class Replica:
         self._reject(version)
         self.metrics.serving(r.previous.version if r.previous else None)
         self.metrics.event("rollback", version)
-        decision.warning("%s rolled back to %s: %s", version, r.previous.version if r.previous else None, why)
+        decisions.warning("%s rolled back to %s: %s", version, r.previous.version if r.previous else None, why)
         if self.tracker is not None:
             self.tracker.tag_version(version, {"dvi.rejected": "true", "dvi.rejected_reason": why[:500], "dvi.rejected_by": self.replica_id})
         if announce:
