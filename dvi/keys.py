@@ -59,10 +59,7 @@ def load(folder: Path, sign_as: tuple[str, ...] = (), create: bool = True) -> Ke
     folder holds that role's public half alone) and every public key there (the trainer's and the replicas' are
     both made with their private halves on one host)."""
     folder = Path(folder).expanduser()
-    signing = {}
-    for role in sign_as:
-        key = _private(folder, role, create)
-        signing[role] = key
+    signing = {role: _private(folder, role, create) for role in sign_as}
     trusted = {}
     for role in ROLES:
         if role in signing:
@@ -81,7 +78,7 @@ def init_hosts(trainer_dir: Path, replica_dir: Path) -> None:
     trainer = _private(trainer_dir, "trainer", create=True)
     replica = _private(replica_dir, "replica", create=True)
     for folder, role, key in ((replica_dir, "trainer", trainer), (trainer_dir, "replica", replica)):
-        _write_once(folder / f"{role}.pub", key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex().encode(), mode=0o644)
+        _write_public(folder / f"{role}.pub", key)
 
 
 def _private(folder: Path, role: str, create: bool) -> Ed25519PrivateKey:
@@ -96,8 +93,12 @@ def _private(folder: Path, role: str, create: bool) -> Ed25519PrivateKey:
     except (OSError, ValueError) as e:
         raise DviError(f"{path} is not a readable {role} signing key ({e})") from None
     if not pub.exists():
-        _write_once(pub, key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex().encode(), mode=0o644)
+        _write_public(pub, key)
     return key
+
+
+def _write_public(path: Path, key: Ed25519PrivateKey) -> None:
+    _write_once(path, key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex().encode(), mode=0o644)
 
 
 def _public(path: Path) -> Ed25519PublicKey:

@@ -126,7 +126,8 @@ def publish(store: Path, version: str, state_dict: dict[str, torch.Tensor], sour
 
 
 class VersionError(DviError):
-    """A version directory that must not be loaded; `kind` is "files" (what the directory holds) or "checksum"."""
+    """A version directory that must not be loaded; `kind` is "pickle" (a pickle-capable file), "files" (what else
+    the directory holds) or "checksum"."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -135,22 +136,23 @@ class VersionError(DviError):
 
 def read_verified(path: Path, sha256: str | None = None, max_bytes: int | None = None) -> dict[str, bytes]:
     """Every file of the version at `path`, read once, as name -> bytes: the bytes a caller loads are the bytes
-    checked here. VersionError unless every entry is a regular file (lstat: no links, no folders), none is a
-    pickle-capable weight file, they hold at most `max_bytes` in all, SHA256SUMS matches `sha256` (when given) and
+    checked here. VersionError unless no entry is a pickle-capable weight file, every entry is a regular file (lstat:
+    no links, no folders), they hold at most `max_bytes` in all, SHA256SUMS matches `sha256` (when given) and
     lists exactly the other files with their digests, and every name is one ALLOWED_FILES has."""
     path = Path(path).expanduser()
     try:
         names = sorted(os.listdir(path))
     except OSError as e:
         raise VersionError("files", f"drafter version directory {path} cannot be read ({e.strerror})") from None
+    pickles = [name for name in names if name.endswith(PICKLE_SUFFIXES)]
+    if pickles:  # nothing here ever unpickles: refused by name, before anything is read
+        raise VersionError("pickle", f"{path} holds pickle-capable weight files {pickles}: refusing to load (safetensors only)")
     sizes = {}
     for name in names:
-        if not stat.S_ISREG(os.lstat(path / name).st_mode):
+        st = os.lstat(path / name)
+        if not stat.S_ISREG(st.st_mode):
             raise VersionError("files", f"{path / name} is not a regular file (a link or a folder): refusing the version")
-        sizes[name] = os.lstat(path / name).st_size
-    pickles = [name for name in names if name.endswith(PICKLE_SUFFIXES)]
-    if pickles:
-        raise VersionError("files", f"{path} holds pickle-capable weight files {pickles}: refusing to load (safetensors only)")
+        sizes[name] = st.st_size
     if SUMS not in sizes:
         raise VersionError("files", f"{path} has no {SUMS}: not a published drafter version")
     if max_bytes is not None and sum(sizes.values()) > max_bytes:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import safetensors.torch
@@ -84,9 +83,6 @@ def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Mod
     path = resolve_in_store(ann.uri, ann.version, store_root)
     if not path.is_dir():
         raise Refused("load", f"drafter {ann.version}: {path} does not exist (a store not shared with the trainer?)")
-    pickles = sorted(name for name in os.listdir(path) if name.endswith(store.PICKLE_SUFFIXES))
-    if pickles:
-        raise Refused("pickle", f"drafter {ann.version}: {path} holds pickle-capable files {pickles}; refusing it (safetensors only)")
     try:
         files = store.read_verified(path, ann.sha256, max_bytes=max_drafter_bytes(target))
     except store.VersionError as e:
