@@ -151,6 +151,7 @@ class ServeConfig:
     # the HTTP server (dvi serve)
     host: str = "127.0.0.1"
     port: int = 8000
+    served_model_name: str | None = None  # the model name clients send and see; null: the target's directory name
     api_key: str | None = None  # null: $DVI_API_KEY, or serve.api_key_file, or no authentication (never on argv)
     api_key_file: str | None = None  # a file holding the API key (when neither api_key nor $DVI_API_KEY is set)
     max_queue: int = 64  # requests waiting for the engine; beyond it the server answers 503
@@ -168,6 +169,8 @@ class ServeConfig:
         _check(self.max_batch >= 1, "serve.max_batch", self.max_batch, "an integer >= 1")
         _check(bool(str(self.host).strip()), "serve.host", self.host, "a host name or address")
         _check(0 <= self.port <= 65535, "serve.port", self.port, "a TCP port in [0, 65535] (0: any free port)")
+        _check(self.served_model_name is None or bool(str(self.served_model_name).strip()), "serve.served_model_name",
+               self.served_model_name, "null or a non-empty name")
         _check(self.api_key is None or len(str(self.api_key)) >= 8, "serve.api_key", "***", "null or at least 8 characters")
         _check(self.max_queue >= 1, "serve.max_queue", self.max_queue, "an integer >= 1")
         _check(self.max_max_tokens >= 1, "serve.max_max_tokens", self.max_max_tokens, "an integer >= 1")

@@ -38,6 +38,7 @@ from dvi.errors import DviError
 from dvi.models import Drafter
 from dvi.speculative import (
     acceptance_estimate,
+    ban_tokens,
     batch_bucket,
     cheapest_k,
     choose_k_from_costs,
@@ -58,6 +59,8 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None  # None: fresh entropy; an int makes a sampled run repeat exactly (with fixed K)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    ignore_eos: bool = False  # the engine's stop ids do not end generation (fixed-length benchmark requests)
+    min_tokens: int = 0  # the stop ids cannot be generated before this many tokens (their target probability is 0)
 
 
 @dataclass
@@ -139,7 +142,7 @@ class Result:
     request_id: str
     prompt_ids: list[int]
     token_ids: list[int]  # generated ids only (a stop token, if hit, is the last one)
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length", or the reason given to `Decoding.cancel` (e.g. "abort")
     drafter_versions: list[str]  # every drafter version that drafted for this request, in order
     rounds: list[Round]
     stats: SpecStats
@@ -448,6 +451,8 @@ class SpeculativeEngine:
         if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
             raise DviError(f"prompt token ids must be in [0, {self.vocab_size})")
         check_sampling(r.temperature, r.top_p, r.max_new_tokens)
+        if not 0 <= r.min_tokens <= r.max_new_tokens:
+            raise DviError(f"min_tokens must be in [0, max_new_tokens={r.max_new_tokens}], got {r.min_tokens}")
 
     def decoding(self) -> Decoding:
         """An empty running batch of this engine: `add` requests, `step` rounds."""
@@ -550,6 +555,7 @@ class _Row:
     stats: SpecStats = field(default_factory=SpecStats)
     versions: list[str] = field(default_factory=list)
     finish: str = ""
+    cancelled: str = ""  # set by Decoding.cancel from any thread: the row leaves at the next round boundary
 
     def result(self) -> Result:
         r = self.req
@@ -559,7 +565,8 @@ class _Row:
 
 class Decoding:
     """A running batch of one engine: rows join between rounds (`add`), `step()` runs one round and returns the
-    rows that finished in it, whose slots are free at once. Used from one thread (the decoding thread)."""
+    rows that finished in it, whose slots are free at once. Used from one thread (the decoding thread), except
+    `cancel`, which any thread may call."""
 
     def __init__(self, engine: SpeculativeEngine):
         self.engine = engine
@@ -582,12 +589,44 @@ class Decoding:
         self.tgt.add_rows([req.prompt_ids])
         self.dft.add_rows([req.prompt_ids])
 
+    def cancel(self, key: object, reason: str = "abort") -> bool:
+        """End the row of `key` at the next round boundary (a client went away, a stop string was seen): `step`
+        returns its result so far with finish reason `reason`. False if no row has that key (finished or unknown)."""
+        for r in list(self.rows):  # a snapshot: the decoding thread replaces the list, never mutates it
+            if r.key is key or r.key == key:
+                r.cancelled = reason
+                return True
+        return False
+
+    def _leave(self, keep: list[int]) -> None:
+        """Keep only the rows `keep`: the others' slots are free for the next round."""
+        self.rows = [self.rows[b] for b in keep]
+        if self.rows:
+            self.tgt.select(keep)
+            self.dft.select(keep)
+        else:
+            self.tgt, self.dft = _KV([], self.engine.device), _KV([], self.engine.device)
+
+    def _take_cancelled(self) -> list[tuple[object, Result]]:
+        gone = [b for b, r in enumerate(self.rows) if r.cancelled]
+        if not gone:
+            return []
+        out = []
+        for b in gone:
+            r = self.rows[b]
+            r.finish = r.cancelled
+            out.append((r.key, r.result()))
+        self._leave([b for b, r in enumerate(self.rows) if not r.cancelled])
+        return out
+
     @torch.inference_mode()
     def step(self) -> list[tuple[object, Result]]:
-        """One round for every row: draft, verify, accept, roll back. Returns (key, result) of the rows that finished."""
+        """One round for every row: draft, verify, accept, roll back. Returns (key, result) of the rows that finished
+        (cancelled rows first: they leave before the round)."""
+        cancelled = self._take_cancelled()
         e, rows = self.engine, self.rows
         if not rows:
-            return []
+            return cancelled
         if e._abort.is_set():
             raise DviError("decoding was aborted: the server is shutting down")
         device, batch = e.device, len(rows)
@@ -625,7 +664,9 @@ class Decoding:
             draft_ids, q = e._draft(drafter, self.dft, kmax, temp, top_p, u_draft)
         t1 = _now(device) if timing else 0.0
         logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)  # [B, Kmax + 1, V]
-        p = logits_to_probs(logits, temp, top_p)  # [B, Kmax + 1, V]
+        early = [min(r.req.min_tokens, r.budget) - len(r.out) for r in rows]  # positions of this round before min_tokens
+        warped = logits if max(early) <= 0 or not e.stop_ids else ban_tokens(logits, sorted(e.stop_ids), early)
+        p = logits_to_probs(warped, temp, top_p)  # [B, Kmax + 1, V]
         n, token = rejection_sample(draft_ids, q, p, k_row, u_accept, u_sample)  # [B], [B]
         topk = e.spec.topk_logprobs
         if topk:
@@ -672,9 +713,10 @@ class Decoding:
             r.stats.add(kb, nb)
             r.ctrl.observe(kb, nb)
             before = len(r.out)
+            stops = () if r.req.ignore_eos else e.stop_ids
             for t in drafted[b][:nb] + [token_list[b]]:
                 r.out.append(t)
-                if t in e.stop_ids:
+                if t in stops:
                     r.finish = "stop"
                     break
                 if len(r.out) >= r.budget:
@@ -687,12 +729,7 @@ class Decoding:
             else:
                 keep.append(b)
         if len(keep) < batch:  # finished rows leave now: their slots are free for the next round
-            self.rows = [rows[b] for b in keep]
-            if self.rows:
-                self.tgt.select(keep)
-                self.dft.select(keep)
-            else:
-                self.tgt, self.dft = _KV([], device), _KV([], device)
+            self._leave(keep)
         self.tgt.compact()
         self.dft.compact()
-        return finished
+        return cancelled + finished

@@ -209,6 +209,15 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool) ->
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
+def end_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every token id that ends generation: the tokenizer's end-of-text and each of the generation config's
+    `eos_token_id` (an int or a list: chat models often end on several, e.g. <|im_end|> and <|endoftext|>)."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(configured) if isinstance(configured, (list, tuple)) else {configured}
+    return {int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < int(model.config.vocab_size)}
+
+
 def check_same_tokenizer(target: PreTrainedTokenizerBase, drafter: PreTrainedTokenizerBase) -> None:
     """Raise unless the two tokenizers map text to the same ids (same vocabulary and special tokens)."""
     tv, dv = target.get_vocab(), drafter.get_vocab()

@@ -107,6 +107,7 @@ class Child:
             return self._returncode
         if proc.poll() is None:
             _signal_group(proc.pid, sig)
+        if sig != signal.SIGKILL and proc.poll() is None:
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:

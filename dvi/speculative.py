@@ -49,6 +49,18 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
     return torch.where(greedy, one_hot, probs)
 
 
+def ban_tokens(logits: torch.Tensor, ids: list[int], first: list[int]) -> torch.Tensor:
+    """Logits [B, J, V] with the tokens `ids` made impossible (-inf) at positions j < first[b] of row b (a
+    request's min_tokens: its end ids cannot come before). Verifying against the banned distribution keeps
+    speculative sampling exact for it: a drafted banned token has target probability 0 and is never accepted."""
+    j = torch.arange(logits.shape[1], device=logits.device)
+    early = j.unsqueeze(0) < torch.tensor(first, device=logits.device).unsqueeze(1)  # [B, J]
+    index = torch.tensor(ids, device=logits.device)
+    out = logits.clone()
+    out[..., index] = out[..., index].masked_fill(early.unsqueeze(-1), float("-inf"))
+    return out
+
+
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: the first index whose cumulative mass exceeds u * total.
 

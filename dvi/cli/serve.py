@@ -18,7 +18,7 @@ import uvicorn
 from dvi.config import check_sampling, flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
 from dvi.errors import DviError
-from dvi.models import encode_prompt, resolve_pair
+from dvi.models import encode_prompt, end_ids, resolve_pair
 from dvi.procs import default_replica_id
 from dvi.records import records_from_result
 from dvi.serving.api import create_app, draining_server
@@ -46,7 +46,7 @@ def generate(args: argparse.Namespace) -> int:
 
     pair = resolve_pair(cfg.model, with_drafter=not args.no_draft)
     engine = SpeculativeEngine(
-        pair.target, pair.drafter, cfg.serve.spec, stop_ids={pair.tokenizer.eos_token_id}, max_batch=cfg.serve.max_batch
+        pair.target, pair.drafter, cfg.serve.spec, stop_ids=end_ids(pair.target, pair.tokenizer), max_batch=cfg.serve.max_batch
     )
     if pair.drafter is not None and cfg.serve.spec.adaptive and cfg.serve.spec.cost_ratio is None and cfg.serve.spec.warmup_reps:
         engine.warm_up(cfg.serve.spec.warmup_reps)  # the cost table adaptive K plans with

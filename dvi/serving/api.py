@@ -8,7 +8,13 @@ into the request's DecisionRecords.
 
 Bodies are parsed by hand (`parse_completion`) so every mistake gets one clear 4xx in OpenAI's error shape
 ({"error": {"message", "type", "param", "code"}}): malformed JSON, a missing or empty prompt, an unknown model,
-out-of-range sampling values or max_tokens, `n` > 1, unsupported fields; a body that is not JSON is a 415. With an
+out-of-range sampling values or max_tokens, `n` > 1, `logprobs` (not served yet); a body that is not JSON is a 415.
+As vLLM does, fields this server does not know are ignored with a warning in its log, and it takes vLLM's
+extensions `ignore_eos`, `min_tokens` and `skip_special_tokens`; `stop` strings end generation and are cut from
+the text (held back while streaming until they cannot start a stop string: the streamed text is exactly the
+unstreamed one); chat content may be a list of text parts; `stream_options.include_usage` adds vLLM's last chunk
+with the usage and no choices. A request whose client goes away is cancelled: its row leaves the batch at the
+next round boundary (its decisions so far are still logged). With an
 API key set (`serve.api_key` or $DVI_API_KEY), everything but /health needs `Authorization: Bearer <key>`, and
 /health says only that the replica is up to a caller without it. A request that carries an `Origin` (a web page in
 a browser) is refused with 403 unless `serve.allowed_origins` lists it, so no page a user opens can drive
@@ -36,6 +42,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.datastructures import Headers
 
 from dvi.errors import DviError
 from dvi.records import DOMAIN
@@ -45,7 +52,11 @@ log = logging.getLogger("dvi.serving.api")
 
 MAX_BODY_BYTES = 4 << 20
 _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
-          "n", "stop", "user", "dvi", "stream_options"}
+          "n", "stop", "user", "dvi", "stream_options", "ignore_eos", "min_tokens", "skip_special_tokens", "logprobs",
+          "top_logprobs"}
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat template decides what it renders
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+_warned: set[str] = set()  # ignored field names already logged (bounded)
 
 
 class ApiError(Exception):
@@ -69,6 +80,11 @@ class Completion:
     seed: int | None
     stream: bool
     domain: str | None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
 
 
 def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tokens: int, max_max_tokens: int,
@@ -82,27 +98,31 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
         raise ApiError(400, f"malformed JSON body: {str(e)[:200] or 'nested too deeply'}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN)
-    if unknown:
-        raise ApiError(400, f"unsupported fields {unknown}", unknown[0])
+    ignored = sorted(set(body) - _KNOWN)
+    if ignored:  # as vLLM does: a client written for another server still gets an answer
+        fresh = [k[:40] for k in ignored if k[:40] not in _warned]
+        if fresh and len(_warned) < 256:
+            _warned.update(fresh)
+            log.warning("ignoring request fields this server does not implement: %s", fresh)
     model = body.get("model")
     if model not in (None, "", model_name, "dvi"):
         raise ApiError(404, f"model {model!r} not found: this server serves {model_name!r}", "model", "not_found_error")
     if body.get("n", 1) != 1:
         raise ApiError(400, "only n=1 is supported", "n")
-    if body.get("stop") not in (None, [], ""):
-        raise ApiError(400, "stop sequences are not supported; the model stops at its end-of-text token", "stop")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise ApiError(400, "logprobs are not served yet; leave logprobs and top_logprobs unset", "logprobs")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)):
+        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings of at most "
+                            f"{MAX_STOP_CHARS} characters", "stop")
 
     prompt = messages = None
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ApiError(400, f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
-            if m["role"] not in ("system", "user", "assistant"):
-                raise ApiError(400, f"messages[{i}].role {m['role']!r} is not system, user or assistant", "messages")
+        messages = [_message(m, i) for i, m in enumerate(messages)]
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -125,13 +145,47 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object, e.g. {\"include_usage\": true}", "stream_options")
+    include_usage = _flag(options, "include_usage", False, "stream_options.include_usage")
+    ignore_eos = _flag(body, "ignore_eos", False)
+    skip_special = _flag(body, "skip_special_tokens", True)
+    min_tokens = body.get("min_tokens", 0)
+    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or not 0 <= min_tokens <= max_tokens:
+        raise ApiError(400, f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {min_tokens!r}", "min_tokens")
     ext = body.get("dvi") or {}
     if not isinstance(ext, dict):
         raise ApiError(400, "'dvi' must be an object, e.g. {\"domain\": \"code\"}", "dvi")
     domain = ext.get("domain", domain_header)
     if domain is not None and (not isinstance(domain, str) or not DOMAIN.fullmatch(domain)):
         raise ApiError(400, "the domain tag must be 1 to 64 letters, digits, '.', '_' or '-'", "dvi.domain")
-    return Completion(prompt, messages, max_tokens, temperature, top_p, seed, stream, domain)
+    return Completion(prompt, messages, max_tokens, temperature, top_p, seed, stream, domain, tuple(stop), ignore_eos,
+                      min_tokens, skip_special, include_usage)
+
+
+def _message(m: Any, i: int) -> dict:
+    """A chat message with its content as one string: text parts are joined (OpenAI's content parts)."""
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+        raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", "messages")
+    if m["role"] not in ROLES:
+        raise ApiError(400, f"messages[{i}].role {m['role'][:40]!r} is not one of {', '.join(ROLES)}", "messages")
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(400, f"messages[{i}].content parts must be text parts {{\"type\": \"text\", \"text\": ...}} "
+                                "(this server serves a text model)", "messages")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+    return {"role": m["role"], "content": content}
+
+
+def _flag(body: dict, key: str, default: bool, param: str | None = None) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{param or key} must be true or false, got {value!r}", param or key)
+    return value
 
 
 def _number(body: dict, key: str, default: float, ok, expected: str) -> float:
@@ -146,16 +200,81 @@ def _number(body: dict, key: str, default: float, ok, expected: str) -> float:
 class TextStream:
     """Incremental detokenization: the text each new batch of token ids adds (held back while it ends mid-character)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip, self.ids, self.sent = tokenizer, skip_special_tokens, [], 0
+
+    def text(self, n: int | None = None) -> str:
+        """The text of the first `n` ids (all by default)."""
+        return self.tokenizer.decode(self.ids[:n], skip_special_tokens=self.skip)
 
     def feed(self, ids: list[int]) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.text()
         if text.endswith("\ufffd"):
             return ""
         delta, self.sent = text[self.sent :], len(text)
         return delta
+
+
+class StopText:
+    """Text released to a client, cut before the first stop string. What could still be the start of a stop
+    string is held back until it cannot, so the released text is the same however it was split into deltas."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self.text, self.sent = stops, "", 0
+        self.stopped: str | None = None  # the stop string found
+        self.end = 0  # where the stop string ends in `text`
+
+    def feed(self, delta: str) -> str:
+        """The text that can be released now that `delta` followed what came before."""
+        if self.stopped is not None:
+            return ""
+        self.text += delta
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
+        if hits:
+            i, self.stopped = min(hits)
+            self.end = i + len(self.stopped)
+            out, self.sent = self.text[self.sent : i], i
+            return out
+        left = len(self.text) - self.sent
+        hold = max((n for s in self.stops for n in range(min(len(s) - 1, left), 0, -1) if self.text.endswith(s[:n])), default=0)
+        out, self.sent = self.text[self.sent : len(self.text) - hold], len(self.text) - hold
+        return out
+
+    def flush(self) -> str:
+        """Generation ended without a stop string: release what was held back."""
+        if self.stopped is not None:
+            return ""
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+class Output:
+    """One completion's text as its tokens arrive: detokenized, cut at a stop string, and the number of tokens
+    that made it (through the one that completed the stop string, as vLLM counts them)."""
+
+    def __init__(self, tokenizer, c: Completion):
+        self.detok, self.stop = TextStream(tokenizer, c.skip_special_tokens), StopText(c.stop)
+        self.released: list[str] = []
+        self.tokens: int | None = None  # set when a stop string ended the text
+
+    def feed(self, ids: list[int]) -> str:
+        before = len(self.detok.ids)
+        out = self.stop.feed(self.detok.feed(ids))
+        if self.stop.stopped is not None and self.tokens is None:
+            self.tokens = next((n for n in range(before + 1, len(self.detok.ids) + 1) if len(self.detok.text(n)) >= self.stop.end),
+                               len(self.detok.ids))
+        self.released.append(out)
+        return out
+
+    def flush(self) -> str:
+        out = self.stop.flush()
+        self.released.append(out)
+        return out
+
+    @property
+    def stopped(self) -> str | None:
+        return self.stop.stopped
 
 
 def create_app(replica: Replica) -> Any:
@@ -167,25 +286,27 @@ def create_app(replica: Replica) -> Any:
     per_client = replica.cfg.serve.max_inflight_per_client
     inflight: Counter[str] = Counter()  # client -> requests in flight (touched on the event loop only)
 
-    def authorized(request: Request) -> bool:
-        given = request.headers.get("authorization", "")
+    def authorized(headers) -> bool:
+        given = headers.get("authorization", "")
         return not key or hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
+    def refusal(scope) -> JSONResponse | None:
         """Browser pages of other sites may not drive the API (their requests carry an Origin this server does not
         list); with an API key, everything but /health needs it."""
-        origin = request.headers.get("origin")
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
         if origin is not None and origin not in origins:
             replica.metrics.error(403)
             return JSONResponse(ApiError(403, f"requests from the web page at {origin[:100]!r} are not allowed; list the "
                                               "origin in serve.allowed_origins to allow it", kind="permission_error").body(),
                                 status_code=403)
-        if request.url.path != "/health" and not authorized(request):
+        if scope["path"] != "/health" and not authorized(headers):
             replica.metrics.error(401)
             return JSONResponse(ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
                                          kind="authentication_error").body(), status_code=401)
-        return await call_next(request)
+        return None
+
+    app.add_middleware(_Guard, refusal=refusal)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -196,7 +317,7 @@ def create_app(replica: Replica) -> Any:
     @app.get("/health")
     def health(request: Request):
         # with an API key, a caller without it learns that the replica is up, and nothing about the host
-        return replica.health() if authorized(request) else {"status": "ok"}
+        return replica.health() if authorized(request.headers) else {"status": "ok"}
 
     @app.get("/metrics")
     def metrics():
@@ -251,54 +372,108 @@ def create_app(replica: Replica) -> Any:
         except DviError as e:  # the engine's checks: prompt too long, ids out of the vocabulary, ...
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
         kind = "chat.completion" if chat else "text_completion"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id}"
         created = int(time.time())
-        if not c.stream:
-            job = submit(req, c.domain)
-            try:
-                result = await asyncio.wrap_future(job.future)
-            except DviError as e:  # the server drained it on shutdown
-                raise ApiError(503, str(e), kind="server_error") from None
-            text = replica.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            return {"id": f"cmpl-{req.request_id}", "object": kind, "created": created, "model": replica.model_name,
-                    "choices": [choice], "usage": _usage(req, result), "dvi": replica.extension(result)}
-
         loop = asyncio.get_running_loop()
+
+        def choice(text: str | None, finish: str | None, out: Output | None, delta: bool) -> dict:
+            ch: dict = {"index": 0}
+            if chat:
+                ch["delta" if delta else "message"] = ({"content": text} if text is not None else {}) if delta else \
+                    {"role": "assistant", "content": text}
+            else:
+                ch["text"] = text or ""
+            ch.update(logprobs=None, finish_reason=finish)
+            if finish is not None:
+                ch["stop_reason"] = out.stopped if out is not None else None  # vLLM's: the stop string that ended it
+            return ch
+
+        def usage(result, out: Output | None) -> dict:
+            completion = out.tokens if out is not None and out.tokens is not None else len(result.token_ids)
+            return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": completion,
+                    "total_tokens": len(req.prompt_ids) + completion}
+
+        def finish_reason(result, out: Output | None) -> str:
+            return "stop" if out is not None and out.stopped is not None else result.finish_reason
+
+        if not c.stream and not c.stop:
+            job = submit(req, c.domain)
+            result = await until_done(request, job)
+            text = replica.tokenizer.decode(result.token_ids, skip_special_tokens=c.skip_special_tokens)
+            return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
+                    "choices": [choice(text, result.finish_reason, None, False)], "usage": usage(result, None),
+                    "dvi": replica.extension(result)}
+
+        # tokens arrive round by round: streamed, or watched for stop strings
         chunks: asyncio.Queue = asyncio.Queue()
-        detok = TextStream(replica.tokenizer)
+        out = Output(replica.tokenizer, c)
         job = submit(req, c.domain, on_tokens=lambda ids: loop.call_soon_threadsafe(chunks.put_nowait, ids))
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(chunks.put_nowait, None))
+
+        async def deltas():
+            """The text as it can be released; a stop string cancels the request (it leaves at the next round)."""
+            while (ids := await chunks.get()) is not None:
+                delta = out.feed(ids)
+                if out.stopped is not None:
+                    replica.cancel(job, "stop")
+                if delta:
+                    yield delta
+            if tail := out.flush():
+                yield tail
+
+        if not c.stream:
+            finished = asyncio.create_task(until_done(request, job))  # watches for the client going away meanwhile
+            async for _ in deltas():
+                pass
+            result = await finished
+            return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
+                    "choices": [choice("".join(out.released), finish_reason(result, out), out, False)],
+                    "usage": usage(result, out), "dvi": replica.extension(result)}
+
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(release))  # decoding done: the slot is free
 
-        def chunk(delta: str | None, finish: str | None = None, **extra) -> str:
-            choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if chat:
-                choice["delta"] = {"content": delta} if delta is not None else {}
-            else:
-                choice["text"] = delta or ""
-            obj = {"id": f"cmpl-{req.request_id}", "object": f"{kind}.chunk" if chat else kind, "created": created,
-                   "model": replica.model_name, "choices": [choice], **extra}
+        def event(choices: list[dict], **extra) -> str:
+            obj = {"id": rid, "object": "chat.completion.chunk" if chat else kind, "created": created,
+                   "model": replica.model_name, "choices": choices, **extra}
             return f"data: {json.dumps(obj)}\n\n"
 
         async def events():
-            if chat:
-                yield chunk(None, **{"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
-            while (ids := await chunks.get()) is not None:
-                delta = detok.feed(ids)
-                if delta:
-                    yield chunk(delta)
             try:
-                result = job.future.result()
-            except Exception as e:  # shut down or failed: say so in the stream, never end it as if complete
-                error = ApiError(503, str(e), kind="server_error") if isinstance(e, DviError) else \
-                    ApiError(500, f"decoding failed: {e}", kind="server_error")
-                yield f"data: {json.dumps(error.body())}\n\n"
-                return
-            yield chunk("" if not chat else None, result.finish_reason, usage=_usage(req, result), dvi=replica.extension(result))
-            yield "data: [DONE]\n\n"
+                if chat:
+                    yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+                async for delta in deltas():
+                    yield event([choice(delta, None, out, True)])
+                try:
+                    result = job.future.result()
+                except Exception as e:  # shut down or failed: say so in the stream, never end it as if complete
+                    error = ApiError(503, str(e), kind="server_error") if isinstance(e, DviError) else \
+                        ApiError(500, f"decoding failed: {e}", kind="server_error")
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    return
+                yield event([choice("" if not chat else None, finish_reason(result, out), out, True)],
+                            usage=usage(result, out), dvi=replica.extension(result))
+                if c.include_usage:  # vLLM's last chunk: no choices, the usage
+                    yield event([], usage=usage(result, out))
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away mid-stream (the generator is closed): stop decoding for it
+                replica.cancel(job, "abort")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def until_done(request: Request, job):
+        """The job's result; a client that goes away meanwhile cancels it (it leaves the batch at the next round)."""
+        future = asyncio.wrap_future(job.future)
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=0.25)
+            if done:
+                break
+            if await request.is_disconnected():
+                replica.cancel(job, "abort")
+                break
+        try:
+            return await future
+        except DviError as e:  # the server drained it on shutdown
+            raise ApiError(503, str(e), kind="server_error") from None
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -309,6 +484,21 @@ def create_app(replica: Replica) -> Any:
         return await complete(request, chat=True)
 
     return app
+
+
+class _Guard:
+    """Plain ASGI middleware that answers a refused request itself (`refusal(scope)` gives the response) and
+    passes the rest through untouched: unlike Starlette's BaseHTTPMiddleware it leaves `receive` alone, so a
+    handler still sees its client go away (`Request.is_disconnected`)."""
+
+    def __init__(self, app, refusal):
+        self.app, self.refusal = app, refusal
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (response := self.refusal(scope)) is not None:
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -324,11 +514,6 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise ApiError(413, f"request body exceeds {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _usage(req, result) -> dict:
-    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(result.token_ids),
-            "total_tokens": len(req.prompt_ids) + len(result.token_ids)}
 
 
 def draining_server(config: uvicorn.Config, replica: Replica, grace_s: float) -> uvicorn.Server:

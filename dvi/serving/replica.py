@@ -43,7 +43,7 @@ from dvi.engine import Request, Result, SpeculativeEngine
 from dvi.errors import DviError
 from dvi.files import sha256_file
 from dvi.metrics import ServingMetrics, drift_plot
-from dvi.models import Drafter, Pair, encode_prompt
+from dvi.models import Drafter, Pair, encode_prompt, end_ids
 from dvi.procs import default_replica_id
 from dvi.records import records_from_result
 from dvi.swap import Refused, judge, load_announced
@@ -65,6 +65,7 @@ class Job:
     domain: str | None
     on_tokens: Callable[[list[int]], None] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    cancelled: str = ""  # set by Replica.cancel: the decoding thread ends the request at the next round boundary
 
 
 @dataclass
@@ -84,13 +85,13 @@ class Replica:
         self.cfg = cfg  # no reference to `pair` is kept: its drafter is freed once newer ones have replaced it
         self.tokenizer = pair.tokenizer
         self.defaults = cfg.serve.sampling
-        self.model_name = pair.target_dir.name
+        self.model_name = cfg.serve.served_model_name or pair.target_dir.name
         self.replica_id = cfg.stream.replica_id or default_replica_id()
         self.api_key = cfg.serve.api_key or os.environ.get("DVI_API_KEY") or _key_file(cfg.serve.api_key_file)
         self.store_root = store.serving_root(cfg)
         self.metrics = ServingMetrics(max_domains=cfg.serve.max_domains)
         self.producer, self.tracker, self.control = producer, tracker, control
-        stop_ids = {pair.tokenizer.eos_token_id} if pair.tokenizer.eos_token_id is not None else set()
+        stop_ids = end_ids(pair.target, pair.tokenizer)
         # the config every published version must match: the configured drafter's family, or the target's
         self.family = pair.drafter.model.config if pair.drafter is not None else pair.target.config
         self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
@@ -169,13 +170,17 @@ class Replica:
     def request(self, c) -> Request:
         """An engine request from a parsed completion (`dvi.serving.api.Completion`); DviError when the engine refuses it."""
         if c.messages is not None:
-            enc = self.tokenizer.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=True)
+            try:
+                enc = self.tokenizer.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=True)
+            except Exception as e:  # the template refuses the conversation (a role it does not know, an order it forbids)
+                raise DviError(f"the model's chat template refused these messages: {type(e).__name__}: {str(e)[:200]}") from None
             ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
         elif isinstance(c.prompt, list):
             ids = list(c.prompt)
         else:
             ids = encode_prompt(self.tokenizer, c.prompt, raw=True)
-        req = Request(ids, max_new_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, seed=c.seed)
+        req = Request(ids, max_new_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, seed=c.seed,
+                      ignore_eos=c.ignore_eos, min_tokens=min(c.min_tokens, c.max_tokens))
         self.engine.check_request(req)
         return req
 
@@ -189,6 +194,12 @@ class Replica:
         except queue.Full:
             raise Unavailable(f"{self._queue.maxsize} requests are already waiting; retry later") from None
         return job
+
+    def cancel(self, job: Job, reason: str = "abort") -> None:
+        """End `job` at the next round boundary (its client went away, or a stop string was seen): its future
+        resolves to the result so far, finish reason `reason`, and its decisions are logged as usual. Any thread."""
+        if not job.future.done():
+            job.cancelled = reason
 
     def extension(self, result: Result) -> dict:
         """The `dvi` field of a response: which drafters drafted for it, and how well."""
@@ -224,6 +235,9 @@ class Replica:
                     break
             if not batch.size:
                 continue
+            for job in self._decoding:
+                if job.cancelled:
+                    batch.cancel(job, job.cancelled)
             try:
                 finished = batch.step()
             except Exception as e:
@@ -250,6 +264,9 @@ class Replica:
                     log.debug("streaming callback failed", exc_info=True)
 
         if job.future.done():  # failed by a drain while it waited
+            return
+        if job.cancelled:  # its client went away while it waited: nothing was decoded, nothing to log
+            job.future.set_exception(DviError(f"request {job.request.request_id} cancelled ({job.cancelled}) before it started"))
             return
         try:
             batch.add(job.request, key=job, on_tokens=emit)

@@ -14,7 +14,7 @@ import torch
 from dvi.config import SpecConfig, load_config
 from dvi.engine import Request, SpeculativeEngine, _KV
 from dvi.errors import DviError
-from dvi.models import Drafter
+from dvi.models import Drafter, end_ids
 from dvi.speculative import logits_to_probs
 from stat_checks import chi_square_pvalue
 
@@ -327,6 +327,57 @@ def test_stop_token_ends_request(tiny_target, tiny_drafter):
     want = greedy[: greedy.index(stop) + 1] if stop in greedy else greedy
     assert other.token_ids == want
     assert other.finish_reason == ("stop" if stop in greedy else "length")
+
+
+def test_ignore_eos_runs_to_the_budget_through_stop_tokens(tiny_target, tiny_drafter):
+    greedy = target_greedy(tiny_target, PROMPTS[1], 30)
+    stop = greedy[5]
+    engine = SpeculativeEngine(tiny_target, tiny_drafter, fixed(3), stop_ids={stop})
+    res = engine.generate([Request(PROMPTS[1], max_new_tokens=30, ignore_eos=True)])[0]
+    assert res.token_ids == greedy and res.finish_reason == "length"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_keeps_stop_ids_out_of_the_first_tokens_exactly(tiny_target, tiny_drafter, temperature):
+    """Before min_tokens the stop ids have probability 0 under the target; the output is what the target with
+    those ids banned decodes (greedy: Hugging Face's own min_new_tokens processor), and no drafted stop id is
+    accepted there."""
+    free = SpeculativeEngine(tiny_target, tiny_drafter, fixed(3)).generate([Request(PROMPTS[2], max_new_tokens=30, temperature=temperature, seed=5)])[0]
+    stops = set(free.token_ids[:6])  # ids the free run emits early
+    engine = SpeculativeEngine(tiny_target, tiny_drafter, fixed(3), stop_ids=stops)
+    res = engine.generate([Request(PROMPTS[2], max_new_tokens=30, temperature=temperature, seed=5, min_tokens=12)])[0]
+    assert len(res.token_ids) >= 12 and not stops & set(res.token_ids[:12])
+    if res.finish_reason == "stop":
+        assert res.token_ids[-1] in stops and not stops & set(res.token_ids[12:-1])
+    if temperature == 0:
+        ids = torch.tensor([PROMPTS[2]])
+        with torch.inference_mode():
+            want = tiny_target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, min_new_tokens=12,
+                                        eos_token_id=sorted(stops), do_sample=False, pad_token_id=0)[0, len(PROMPTS[2]) :].tolist()
+        assert res.token_ids == want
+
+
+def test_min_tokens_out_of_range_is_refused(tiny_target):
+    with pytest.raises(DviError, match="min_tokens"):
+        SpeculativeEngine(tiny_target, None, fixed(2)).generate([Request(PROMPTS[0], max_new_tokens=4, min_tokens=5)])
+
+
+def test_cancelled_row_leaves_at_the_next_round_and_the_others_carry_on(tiny_target, tiny_drafter):
+    engine = SpeculativeEngine(tiny_target, tiny_drafter, fixed(2))
+    batch = engine.decoding()
+    batch.add(Request(PROMPTS[1], max_new_tokens=30), key="a")
+    batch.add(Request(PROMPTS[2], max_new_tokens=30), key="b")
+    assert batch.step() == [] and batch.step() == []
+    assert batch.cancel("a", "abort") and not batch.cancel("nobody")
+    finished = batch.step()
+    assert [k for k, _ in finished] == ["a"] and batch.size == 1
+    gone = finished[0][1]
+    assert gone.finish_reason == "abort" and 2 <= len(gone.token_ids) <= 6  # two rounds of at most K + 1 tokens
+    assert gone.token_ids == target_greedy(tiny_target, PROMPTS[1], 30)[: len(gone.token_ids)]
+    rest = []
+    while batch.size:
+        rest += batch.step()
+    assert rest[0][0] == "b" and rest[0][1].token_ids == target_greedy(tiny_target, PROMPTS[2], 30)  # unaffected
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 17])
@@ -658,3 +709,17 @@ def test_generate_refills_free_slots_and_stays_exact(tiny_target, tiny_drafter):
     for req, res in zip(reqs, results):
         assert res.request_id == req.request_id
         assert res.token_ids == target_greedy(tiny_target, req.prompt_ids, req.max_new_tokens)
+
+
+def test_end_ids_are_the_tokenizers_and_every_one_of_the_generation_config(tiny_target):
+    class Tok:
+        eos_token_id = 7
+
+    before = tiny_target.generation_config.eos_token_id
+    try:
+        tiny_target.generation_config.eos_token_id = [3, 9, 10**9]  # an id outside the vocabulary is no end id
+        assert end_ids(tiny_target, Tok()) == {3, 7, 9}
+        tiny_target.generation_config.eos_token_id = None
+        assert end_ids(tiny_target, Tok()) == {7}
+    finally:
+        tiny_target.generation_config.eos_token_id = before

@@ -15,6 +15,7 @@ from stat_checks import chi_square_pvalue
 from dvi.engine import SpecStats
 from dvi.speculative import (
     acceptance_estimate,
+    ban_tokens,
     batch_bucket,
     cheapest_k,
     choose_k,
@@ -548,3 +549,14 @@ def test_cheapest_k():
     assert cheapest_k(0.24, [1.0, 1.1, 1.2, 1.3, 1.4], 1, 4) == 1
     assert cheapest_k(0.0, [1.0, 1.0, 1.0], 1, 2) == 1  # ties: the smaller K
     assert cheapest_k(0.5, [1.0, 1.0, 1.0, 1.0], 2, 3) == 2
+
+
+def test_ban_tokens_bans_exactly_the_early_positions_of_each_row():
+    logits = torch.randn(2, 3, 7)
+    out = ban_tokens(logits, [1, 4], [2, 0])
+    for b, first in enumerate([2, 0]):
+        for j in range(3):
+            for t in range(7):
+                banned = t in (1, 4) and j < first
+                assert (out[b, j, t] == float("-inf")) if banned else (out[b, j, t] == logits[b, j, t])
+    assert not torch.isinf(logits).any()  # the input is untouched

@@ -339,7 +339,7 @@ def test_http_errors_are_clear_4xx_and_streaming_matches_the_plain_answer(runnin
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"prompt": "hi", "n": 3}, 400, "n=1"),
-        ({"prompt": "hi", "frobnicate": 1}, 400, "unsupported"),
+        ({"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
         ({"prompt": [1] * 600}, 400, "context window"),
         ({"prompt": [49152]}, 400, "token ids"),
         ([1, 2], 400, "JSON object"),

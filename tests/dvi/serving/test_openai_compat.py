@@ -1,0 +1,143 @@
+"""The OpenAI API as vLLM users bring it: the official `openai` client, stop strings (exact in streaming), vLLM's
+extensions (`ignore_eos`, `min_tokens`), content parts, usage on the last chunk, fields ignored rather than refused,
+and a client that goes away cancelling its request. Replicas of the tiny pair (the demo tokenizer, random weights)
+behind uvicorn; the cancellation test decodes with the real demo pair, slow enough to be cut short."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import pytest
+import requests
+from openai import OpenAI
+from test_replica import PROMPTS, Running, replica, service_config
+
+from dvi.config import DviConfig, ModelConfig, TrackingConfig
+from dvi.serving.api import StopText
+
+
+@pytest.fixture
+def running(stream_cfg, tiny_dirs, tmp_path):
+    r = Running(replica(service_config(stream_cfg, tiny_dirs, tmp_path / "store", served_model_name="tiny")))
+    yield r
+    r.close()
+
+
+def client(r: Running) -> OpenAI:
+    return OpenAI(base_url=r.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def stream_events(r: Running, path: str, body: dict) -> list[dict]:
+    with requests.post(r.url + path, data=json.dumps({**body, "stream": True}), stream=True, timeout=120) as s:
+        assert s.status_code == 200, s.text
+        events = [line[6:] for line in s.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_stop_text_releases_the_same_text_however_it_is_split():
+    text = "abcXYdefXYZghi"
+    for stops in [("XYZ",), ("XYZ", "fX"), ("nothing",), ("i",)]:
+        want = min((text.index(s) for s in stops if s in text), default=len(text))
+        for size in (1, 2, 3, 5, 100):
+            st = StopText(stops)
+            out = "".join(st.feed(text[i : i + size]) for i in range(0, len(text), size)) + st.flush()
+            assert out == text[:want], (stops, size)
+            assert (st.stopped is not None) == (want < len(text))
+
+
+def test_the_official_openai_client_gets_what_it_asks_for(running):
+    oa = client(running)
+    assert [m.id for m in oa.models.list().data] == ["tiny"]
+    plain = oa.completions.create(model="tiny", prompt="Once upon a time", max_tokens=40, temperature=0)
+    assert plain.id.startswith("cmpl-") and plain.model == "tiny" and plain.usage.completion_tokens == 40
+    text = plain.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop.strip()) > 0 and text.index(stop) > 0
+
+    # a stop string ends the text before it, plain and streamed alike, and counts the tokens that made it
+    cut = oa.completions.create(model="tiny", prompt="Once upon a time", max_tokens=40, temperature=0, stop=[stop, "\x00never"])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert 0 < cut.usage.completion_tokens < plain.usage.completion_tokens
+    chunks = list(oa.completions.create(model="tiny", prompt="Once upon a time", max_tokens=40, temperature=0, stop=stop,
+                                        stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == cut.usage.completion_tokens  # vLLM's last chunk
+
+    # vLLM's extensions: ignore_eos runs to max_tokens, min_tokens; unknown fields are ignored, not refused
+    full = oa.completions.create(model="tiny", prompt="Once upon a time", max_tokens=30, temperature=0,
+                                 extra_body={"ignore_eos": True, "min_tokens": 30, "frobnicate": 1}, frequency_penalty=0.0)
+    assert full.usage.completion_tokens == 30 and full.choices[0].finish_reason == "length"
+
+    # chat: content parts, the developer role, ids as OpenAI gives them
+    chat = oa.chat.completions.create(model="tiny", max_tokens=12, temperature=0, messages=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}])
+    same = oa.chat.completions.create(model="tiny", max_tokens=12, temperature=0, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Say hi"}])
+    assert chat.id.startswith("chatcmpl-") and chat.choices[0].message.content == same.choices[0].message.content
+    streamed = list(oa.chat.completions.create(model="tiny", max_tokens=12, temperature=0, stream=True,
+                                               stream_options={"include_usage": True},
+                                               messages=[{"role": "user", "content": "Say hi"}]))
+    assert streamed[-1].usage.completion_tokens == 12 and streamed[-1].choices == []
+
+
+def test_refusals_that_stay_and_the_chat_template_deciding_roles(running):
+    for body, words in [({"prompt": "hi", "logprobs": 2}, "logprobs"), ({"prompt": "hi", "n": 2}, "n=1"),
+                        ({"prompt": "hi", "stop": [""]}, "stop"), ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
+                        ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"), ({"prompt": "hi", "min_tokens": 99, "max_tokens": 4}, "min_tokens"),
+                        ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "include_usage")]:
+        r = running.post("/v1/completions", body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}
+    r = running.post("/v1/chat/completions", image)
+    assert r.status_code == 400 and "text parts" in r.json()["error"]["message"]
+
+
+def test_stop_strings_streamed_equal_the_plain_answer_for_many_prompts(running):
+    """A stop string that spans two streamed deltas is held back, never half sent."""
+    for prompt in PROMPTS[:6]:
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+        text = running.post("/v1/completions", body).json()["choices"][0]["text"]
+        for stop in {text[3:5], text[-4:-1]} - {""}:
+            plain = running.post("/v1/completions", {**body, "stop": stop}).json()
+            streamed = stream_events(running, "/v1/completions", {**body, "stop": stop})
+            assert plain["choices"][0]["text"] == text[: text.index(stop)]
+            assert "".join(c["choices"][0]["text"] for c in streamed) == plain["choices"][0]["text"]
+            assert streamed[-1]["choices"][0]["stop_reason"] == stop == plain["choices"][0]["stop_reason"]
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_a_client_that_goes_away_frees_its_row_at_the_next_round(stream_cfg, demo_target_dir, demo_drafter_dir, tmp_path):
+    cfg = DviConfig(model=ModelConfig(target=str(demo_target_dir), drafter=str(demo_drafter_dir)), stream=stream_cfg,
+                    serve=service_config(stream_cfg, (demo_target_dir, demo_drafter_dir), tmp_path / "store").serve,
+                    tracking=TrackingConfig(enabled=False))
+    r = Running(replica(cfg))
+    results = []
+    finish = r.service._finish
+    r.service._finish = lambda job, result: (results.append(result), finish(job, result))  # what the replica answered
+    try:
+        body = {"prompt": "Write a long story about a dragon.", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        with requests.post(r.url + "/v1/completions", data=json.dumps({**body, "stream": True}), stream=True, timeout=120) as s:
+            next(line for line in s.iter_lines() if line.startswith(b"data: "))
+        plain = http.client.HTTPConnection("127.0.0.1", r.port, timeout=1.0)
+        plain.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        with pytest.raises(TimeoutError):  # the plain client gives up after a second, and hangs up
+            plain.getresponse()
+        plain.close()
+        deadline = time.monotonic() + 30
+        while len(results) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [x.finish_reason for x in results] == ["abort", "abort"], results
+        assert all(len(x.token_ids) < 400 for x in results)
+        assert not r.service._decoding  # both rows left the batch
+        # the replica serves on
+        after = r.post("/v1/completions", {"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+    finally:
+        r.close()
+
