@@ -27,7 +27,16 @@ from dvi.errors import DviError
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
-CONF_DIR = Path(os.environ.get("DVI_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
+def _conf_dir() -> Path:
+    """$DVI_CONF_DIR; else a checkout's conf/ beside dvi/; else the copy a wheel ships as dvi/conf."""
+    if os.environ.get("DVI_CONF_DIR"):
+        return Path(os.environ["DVI_CONF_DIR"])
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "conf"
+    return checkout if (checkout / "config.yaml").is_file() else here / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def default_cache_dir() -> Path:
@@ -435,6 +444,24 @@ def flat_params(cfg: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flat_params(value, f"{prefix}{f.name}."))
         elif f.name not in SECRET_KEYS:
             out[f"{prefix}{f.name}"] = value
+    return out
+
+
+def shown(cfg: Any) -> dict[str, Any]:
+    """A config as nested plain data for people to read (`dvi config show`): every field, secrets masked as
+    "***" (the API key, and each `stream.security` option whose name says password, secret or token)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            value = shown(value)
+        elif f.name == "api_key":
+            value = None if value is None else "***"
+        elif f.name == "security":
+            value = {k: "***" if any(s in k for s in ("password", "secret", "token")) else v for k, v in value.items()}
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
     return out
 
 

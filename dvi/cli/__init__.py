@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import os
 import sys
@@ -33,7 +34,7 @@ class Command:
 
 
 GROUPS = {"models": "model cache", "drafter": "drafter checkpoints", "stream": "the decision stream",
-          "keys": "the control channel's signing keys"}
+          "keys": "the control channel's signing keys", "config": "the configuration"}
 
 
 def _generate(p: argparse.ArgumentParser) -> None:
@@ -118,6 +119,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("drafter", "init"), "build a drafter from the target's first layers", "models:drafter_init", _drafter_init),
     Command(("drafter", "distill"), "distill the drafter offline from every record on the decisions topic, then publish",
             "train:distill", _distill),
+    Command(("config", "show"), "print the resolved configuration (conf/ with the overrides applied, secrets masked) as YAML",
+            "status:config_show", light=True),
     Command(("keys", "init"), "make the trainer's and the replicas' signing keys for a deployment on several hosts",
             "models:keys_init", _keys_init),
 )
@@ -126,6 +129,7 @@ COMMANDS: tuple[Command, ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dvi", description="Draft, Verify, Improve: online drafter adaptation")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    parser.add_argument("--version", action="version", version=f"dvi {_version()}")
     top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for cmd in COMMANDS:
@@ -140,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="Hydra config overrides, key=value")
         p.set_defaults(run=cmd.run, light=cmd.light)
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dvi")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "unknown (not installed)"
 
 
 LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"

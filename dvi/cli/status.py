@@ -4,8 +4,9 @@ It asks each replica's `/health` (default: serve.host:serve.port; `--replica URL
 (`dvi.tracking.loop_view`: the newest trainer run's last metrics, the registered drafter versions and their
 aliases). Every source may be down: its line says so and the rest is still printed. It imports neither torch nor
 the mlflow package, so it answers in well under 2 s. Figures are formatted, "-" where unknown; acceptance is
-accepted / drafted tokens, so rounds that drafted nothing do not dilute it. This module reads; it never changes
-anything.
+accepted / drafted tokens, so rounds that drafted nothing do not dilute it. `dvi config show` prints the resolved
+configuration (`dvi.config.shown`: secrets masked, credentials in URIs redacted). This module reads; it never
+changes anything.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import argparse
 import json
 import time
 
-from dvi.config import load_config, overrides_of
+from omegaconf import OmegaConf
+
+from dvi.config import load_config, overrides_of, shown
 from dvi.procs import local_get
-from dvi.tracking import loop_view
+from dvi.tracking import loop_view, redact
 
 
 def replica(url: str, timeout_s: float = 1.5) -> dict:
@@ -135,4 +138,11 @@ def status(args: argparse.Namespace) -> int:
     else:
         lines += trainer_lines(m) + publish_lines(m)
     print("\n".join(lines))
+    return 0
+
+
+def config_show(args: argparse.Namespace) -> int:
+    """The configuration every dvi command would run with, given these overrides, as YAML."""
+    text = OmegaConf.to_yaml(OmegaConf.create(shown(load_config(overrides_of(args)))))
+    print(redact(text), end="")
     return 0

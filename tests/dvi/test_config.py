@@ -64,3 +64,17 @@ def test_checks_across_groups_name_both_values():
 
 def test_conf_dir_is_the_checkouts():
     assert CONF_DIR == Path(__file__).resolve().parents[2] / "conf"
+
+
+def test_shown_config_masks_every_secret_and_keeps_the_rest():
+    from dvi.config import ServeConfig, StreamConfig, shown
+
+    cfg = DviConfig(serve=ServeConfig(api_key="s3cret-key-1"),
+                    stream=StreamConfig(security={"sasl_plain_username": "alice", "sasl_plain_password": "pw1",
+                                                  "ssl_password": "pw2", "ssl_cafile": "/ca.pem"}))
+    out = shown(cfg)
+    assert out["serve"]["api_key"] == "***" and not {"s3cret", "pw1", "pw2"} & set(repr(out).replace("'", " ").split())
+    assert out["stream"]["security"] == {"sasl_plain_username": "alice", "sasl_plain_password": "***",
+                                         "ssl_password": "***", "ssl_cafile": "/ca.pem"}
+    assert out["serve"]["port"] == cfg.serve.port and out["serve"]["spec"]["k"] == cfg.serve.spec.k
+    assert shown(DviConfig())["serve"]["api_key"] is None

@@ -157,3 +157,24 @@ def test_gguf_import_of_a_missing_or_foreign_file_is_one_clear_line(tmp_path: Pa
     one_line_error(dvi("models", "fetch", "--gguf", str(tmp_path / "nope.gguf")), "nope.gguf")
     (tmp_path / "x.gguf").write_text("not a model")
     one_line_error(dvi("models", "fetch", "--gguf", str(tmp_path / "x.gguf")), "not a GGUF file")
+
+
+def test_version_and_the_resolved_config_with_secrets_masked(tmp_path: Path):
+    from omegaconf import OmegaConf
+
+    from dvi.config import load_config
+
+    version = dvi("--version")
+    assert version.returncode == 0 and version.stdout.startswith("dvi ") and version.stdout.split()[1][0].isdigit()
+    overrides = ["serve.port=9123", "trigger=threshold", "tracking.uri=http://alice:hunter2@mlflow:5000",
+                 "+stream.security.sasl_plain_username=alice", "+stream.security.security_protocol=SASL_SSL"]
+    show = dvi("config", "show", *overrides)
+    assert show.returncode == 0, show.stderr
+    printed = OmegaConf.to_container(OmegaConf.create(show.stdout))
+    cfg = load_config(overrides)
+    assert printed["serve"]["port"] == 9123 == cfg.serve.port and printed["trigger"]["kind"] == cfg.trigger.kind == "threshold"
+    assert printed["stream"]["security"] == {"sasl_plain_username": "alice", "security_protocol": "SASL_SSL"}
+    assert printed["tracking"]["uri"] == "http://***@mlflow:5000" and "hunter2" not in show.stdout
+    assert printed["serve"]["spec"]["k"] == cfg.serve.spec.k and printed["model"]["drafter_layers"] == cfg.model.drafter_layers
+    refused = dvi("config", "show", "serve.api_key=s3cret-key-1")
+    one_line_error(refused, "serve.api_key")
