@@ -2,7 +2,8 @@
 
 `ServingMetrics.observe(result, domain)` folds one finished request (`dvi.engine.Result`) in, round by round,
 so a request that spanned a hot swap counts each round for the drafter that drafted it. Readers take what they
-need: `prometheus(...)` renders the /metrics page, `interval()` the points for MLflow since the last call,
+need: `prometheus(...)` renders the /metrics page (prometheus_client: vLLM-shaped spec-decode counters by drafter
+version, domain and position, latency histograms fed by `observe_latency`, process metrics, a `model_name` label), `interval()` the points for MLflow since the last call,
 `recent_acceptance_of(version, tokens)` and `acceptance_of(version)` feed the swap judge, and `series` / `markers` the drift plot (`drift_plot`).
 Events (swaps, refusals, rollbacks, promotions) are counted with `event(kind, ...)`.
 Figures by version are kept for the VERSIONS_KEPT versions most recently seen (the serving one always): a replica
@@ -20,6 +21,9 @@ from collections import Counter, deque
 from datetime import datetime
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from dvi.engine import Result, SpecStats
 
 NO_DRAFTER = "none"  # the version label of rounds decoded without a drafter
@@ -27,6 +31,12 @@ NO_DOMAIN = "none"
 OTHER_DOMAIN = "other"  # the domains beyond the first max_domains seen
 RECENT_ROUNDS = 4096  # drafting rounds kept per version for `recent_acceptance_of`
 VERSIONS_KEPT = 16  # versions whose figures are kept (a rollout compares the newest two)
+# histogram buckets (seconds), vLLM's
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+                160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+               1920.0, 7680.0]
 
 
 @dataclass
@@ -43,13 +53,15 @@ class Point:
 class ServingMetrics:
     """Thread-safe counters of one serving replica (see the module docstring)."""
 
-    def __init__(self, history: int = 10_000, max_domains: int = 16):
+    def __init__(self, history: int = 10_000, max_domains: int = 16, model_name: str = "model"):
         self._lock = threading.Lock()
+        self.model_name = model_name  # the `model_name` label of every Prometheus series
         self.max_domains = max_domains  # domains tracked by name; traffic of any further one counts as OTHER_DOMAIN
         self.domains: set[str] = set()
         self.started = time.time()
         self.requests = 0
         self.tokens = 0  # generated
+        self.prompt_tokens = 0
         self.decode_seconds = 0.0  # summed over requests (a batch's requests overlap)
         self.errors: Counter[str] = Counter()  # HTTP status -> count
         self.events: Counter[str] = Counter()  # swap, rollback, promote, refused:<reason>
@@ -65,6 +77,20 @@ class ServingMetrics:
         self._interval_tokens = 0
         self._interval_start = time.time()
         self.version: str | None = None  # the drafter serving now
+        # the Prometheus registry of this replica: histograms observed as requests finish, the rest read at scrape
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._scrape_lock = threading.Lock()
+        self._scrape: tuple[dict, int, int] = ({}, 0, 0)
+
+        def histogram(name: str, help_: str, buckets: list[float]):
+            return Histogram(f"dvi_{name}", help_, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name)
+
+        self._ttft = histogram("time_to_first_token_seconds", "Seconds from a request's arrival to its first token.", TTFT_BUCKETS)
+        self._itl = histogram("inter_token_latency_seconds", "Seconds between tokens (a round's gap shared by its tokens).", ITL_BUCKETS)
+        self._e2e = histogram("e2e_request_latency_seconds", "Seconds from a request's arrival to its last token.", E2E_BUCKETS)
+        self._queue_time = histogram("request_queue_time_seconds", "Seconds a request waited for a batch slot.", E2E_BUCKETS)
+        self.registry.register(_Collector(self))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
 
     # -- writers ---------------------------------------------------------------------------------
 
@@ -78,6 +104,7 @@ class ServingMetrics:
                     self.domains.add(domain)
             self.requests += 1
             self.tokens += len(result.token_ids)
+            self.prompt_tokens += len(result.prompt_ids)
             self._interval_tokens += len(result.token_ids)
             self.decode_seconds += result.seconds
             if result.seconds > 0:
@@ -177,51 +204,93 @@ class ServingMetrics:
                 "errors": dict(self.errors),
             }
 
-    def prometheus(self, producer: dict | None = None, queue_depth: int = 0) -> str:
-        """The Prometheus text exposition of the counters (`producer`: the decision producer's stats)."""
+    def observe_latency(self, *, queued_s: float, first_token_s: float | None, total_s: float,
+                        gaps: list[tuple[float, int]]) -> None:
+        """One finished request's latencies, as a client saw them: seconds waiting for a batch slot, to its first
+        token and in all, and (seconds, tokens) between successive token emissions (each token of a round gets
+        its share of the gap)."""
+        self._queue_time.observe(queued_s)
+        if first_token_s is not None:
+            self._ttft.observe(first_token_s)
+        self._e2e.observe(total_s)
+        for seconds, tokens in gaps:
+            for _ in range(tokens):
+                self._itl.observe(seconds / tokens)
+
+    def prometheus(self, producer: dict | None = None, waiting: int = 0, running: int = 0) -> str:
+        """The Prometheus text exposition (`producer`: the decision producer's stats; `waiting`, `running`: requests
+        queued and in the batch now)."""
+        with self._scrape_lock:
+            self._scrape = (producer or {}, waiting, running)
+            return generate_latest(self.registry).decode()
+
+    def _collect(self):
+        """The counters and gauges of a scrape (a prometheus_client collector's `collect`)."""
+        producer, waiting, running = self._scrape
+        model = self.model_name
+
+        def family(kind, name: str, help_: str, labels: tuple[str, ...], samples):
+            fam = kind(f"dvi_{name}", help_, labels=("model_name",) + labels)
+            for values, value in samples:
+                fam.add_metric((model,) + tuple(values), value)
+            return fam
+
+        c, g = CounterMetricFamily, GaugeMetricFamily
         with self._lock:
-            lines: list[str] = []
-
-            def metric(name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
-                lines.append(f"# HELP dvi_{name} {help_}")
-                lines.append(f"# TYPE dvi_{name} {kind}")
-                for labels, value in samples:
-                    tag = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-                    lines.append(f"dvi_{name}{{{tag}}} {value:.10g}" if tag else f"dvi_{name} {value:.10g}")
-
             versions = sorted(self.by_version.items())
-            metric("requests_total", "counter", "Requests decoded.", [({}, self.requests)])
-            metric("generated_tokens_total", "counter", "Tokens generated.", [({}, self.tokens)])
-            metric("errors_total", "counter", "Requests answered with an HTTP error, by status.",
-                   [({"status": k}, v) for k, v in sorted(self.errors.items())])
-            metric("drafted_tokens_total", "counter", "Tokens drafted, by drafter version.",
-                   [({"drafter_version": v}, s.drafted) for v, s in versions])
-            metric("accepted_tokens_total", "counter", "Drafted tokens accepted by the target, by drafter version.",
-                   [({"drafter_version": v}, s.accepted) for v, s in versions])
-            metric("rounds_total", "counter", "Verification rounds, by drafter version.",
-                   [({"drafter_version": v}, s.rounds) for v, s in versions])
-            metric("acceptance_rate", "gauge", "Accepted / drafted since start, by drafter version and domain.",
-                   [({"drafter_version": v, "domain": d}, s.acceptance_rate) for (v, d), s in sorted(self.by_domain.items()) if s.drafted])
-            metric("mean_accepted_length", "gauge", "Tokens emitted per round (the bonus or recovered token included).",
-                   [({"drafter_version": v}, s.mean_accepted_length) for v, s in versions if s.rounds])
-            metric("position_acceptance", "gauge", "Acceptance of the j-th drafted token of a round, by drafter version.",
-                   [({"drafter_version": v, "position": str(j + 1)}, a) for v, s in versions for j, a in enumerate(s.per_position_acceptance)])
+            domains = sorted(self.by_domain.items())
             speeds = sorted(self.recent_speed)
-            metric("tokens_per_second", "gauge", "Median decode speed of the last 256 requests (tokens/s).",
-                   [({}, speeds[len(speeds) // 2] if speeds else 0.0)])
-            metric("drafter_info", "gauge", "The drafter serving now (value 1).", [({"drafter_version": self.version or NO_DRAFTER}, 1)])
-            metric("drafter_events_total", "counter", "Drafter swaps, rollbacks, promotions and refusals.",
-                   [({"event": k}, v) for k, v in sorted(self.events.items())])
-            metric("queue_depth", "gauge", "Requests waiting for the engine.", [({}, queue_depth)])
-            producer = producer or {}  # not logging decisions: nothing sent, nothing dropped
-            metric("records_sent_total", "counter", "DecisionRecords acknowledged by Kafka.", [({}, producer.get("sent", 0))])
-            metric("records_dropped_total", "counter", "DecisionRecords dropped (queue full, broker down, invalid).",
-                   [({}, producer.get("dropped", 0))])
-            return "\n".join(lines) + "\n"
+            out = [
+                family(c, "requests", "Requests decoded.", (), [((), self.requests)]),
+                family(c, "prompt_tokens", "Prompt tokens of the requests decoded.", (), [((), self.prompt_tokens)]),
+                family(c, "generation_tokens", "Tokens generated.", (), [((), self.tokens)]),
+                family(c, "errors", "Requests answered with an HTTP error, by status.", ("status",),
+                       [((k,), v) for k, v in sorted(self.errors.items())]),
+                # vLLM's spec-decode counters, by drafter version (and domain for the token counts): rate() them
+                family(c, "spec_decode_num_drafts", "Rounds that drafted at least one token.", ("drafter_version",),
+                       [((v,), s.spec_rounds) for v, s in versions]),
+                family(c, "spec_decode_num_draft_tokens", "Tokens drafted.", ("drafter_version", "domain"),
+                       [((v, d), s.drafted) for (v, d), s in domains]),
+                family(c, "spec_decode_num_accepted_tokens", "Drafted tokens the target accepted.", ("drafter_version", "domain"),
+                       [((v, d), s.accepted) for (v, d), s in domains]),
+                family(c, "spec_decode_num_accepted_tokens_per_pos", "Rounds that accepted the token drafted at a position.",
+                       ("drafter_version", "position"),
+                       [((v, str(j + 1)), a) for v, s in versions for j, a in enumerate(s.position_accepted)]),
+                family(c, "spec_decode_num_drafts_per_pos", "Rounds that drafted a token at a position (K adapts per round).",
+                       ("drafter_version", "position"),
+                       [((v, str(j + 1)), d) for v, s in versions for j, d in enumerate(s.position_drafted)]),
+                family(c, "rounds", "Verification rounds, drafting or not.", ("drafter_version",), [((v,), s.rounds) for v, s in versions]),
+                # ratios for a quick look (they cannot be summed across replicas; the counters above can)
+                family(g, "acceptance_rate", "Accepted / drafted since start.", ("drafter_version", "domain"),
+                       [((v, d), s.acceptance_rate) for (v, d), s in domains if s.drafted]),
+                family(g, "mean_accepted_length", "1 + accepted / drafts, as vLLM defines it.", ("drafter_version",),
+                       [((v,), 1 + s.accepted / s.spec_rounds) for v, s in versions if s.spec_rounds]),
+                family(g, "position_acceptance", "Acceptance of the j-th drafted token of a round.", ("drafter_version", "position"),
+                       [((v, str(j + 1)), a) for v, s in versions for j, a in enumerate(s.per_position_acceptance)]),
+                family(g, "tokens_per_second", "Median decode speed of the last 256 requests.", (),
+                       [((), speeds[len(speeds) // 2] if speeds else 0.0)]),
+                family(g, "drafter_info", "The drafter serving now (value 1).", ("drafter_version",), [((self.version or NO_DRAFTER,), 1)]),
+                family(c, "drafter_events", "Drafter swaps, rollbacks, promotions and refusals.", ("event",),
+                       [((k,), v) for k, v in sorted(self.events.items())]),
+            ]
+        out += [
+            family(g, "num_requests_running", "Requests in the running batch.", (), [((), running)]),
+            family(g, "num_requests_waiting", "Requests waiting for a batch slot.", (), [((), waiting)]),
+            family(c, "records_sent", "DecisionRecords acknowledged by Kafka.", (), [((), producer.get("sent", 0))]),
+            family(c, "records_dropped", "DecisionRecords dropped (queue full, broker down, invalid).", (),
+                   [((), producer.get("dropped", 0))]),
+        ]
+        return out
 
 
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class _Collector:
+    """prometheus_client's view of a ServingMetrics: its figures, read at each scrape."""
+
+    def __init__(self, metrics: ServingMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        return self.metrics._collect()
 
 
 def version_spans(series: list[Point]) -> list[tuple[float, float, str | None]]:

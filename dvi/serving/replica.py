@@ -66,6 +66,13 @@ class Job:
     on_tokens: Callable[[list[int]], None] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     cancelled: str = ""  # set by Replica.cancel: the decoding thread ends the request at the next round boundary
+    # when it arrived, joined the batch, got its first and its latest tokens (time.perf_counter), and the gaps
+    # between token emissions (seconds, tokens): its latencies as a client sees them (dvi_*_seconds histograms)
+    arrived: float = field(default_factory=time.perf_counter)
+    joined: float | None = None
+    first: float | None = None
+    last: float | None = None
+    gaps: list[tuple[float, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -89,7 +96,7 @@ class Replica:
         self.replica_id = cfg.stream.replica_id or default_replica_id()
         self.api_key = cfg.serve.api_key or os.environ.get("DVI_API_KEY") or _key_file(cfg.serve.api_key_file)
         self.store_root = store.serving_root(cfg)
-        self.metrics = ServingMetrics(max_domains=cfg.serve.max_domains)
+        self.metrics = ServingMetrics(max_domains=cfg.serve.max_domains, model_name=self.model_name)
         self.producer, self.tracker, self.control = producer, tracker, control
         stop_ids = end_ids(pair.target, pair.tokenizer)
         # the config every published version must match: the configured drafter's family, or the target's
@@ -214,7 +221,7 @@ class Replica:
 
     def prometheus(self) -> str:
         producer = self.producer.stats.to_dict() if self.producer is not None else None
-        return self.metrics.prometheus(producer, self._queue.qsize())
+        return self.metrics.prometheus(producer, waiting=self._queue.qsize(), running=len(self._decoding))
 
     # -- decode thread ---------------------------------------------------------------------------
 
@@ -257,6 +264,12 @@ class Replica:
 
     def _join(self, batch, job: Job) -> None:
         def emit(ids: list[int]) -> None:
+            now = time.perf_counter()
+            if job.first is None:
+                job.first = now
+            elif ids:
+                job.gaps.append((now - job.last, len(ids)))
+            job.last = now
             if job.on_tokens is not None and ids:
                 try:
                     job.on_tokens(ids)
@@ -273,10 +286,14 @@ class Replica:
         except DviError as e:
             job.future.set_exception(e)
             return
+        job.joined = time.perf_counter()
         self._decoding = self._decoding + [job]
 
     def _finish(self, job: Job, result: Result) -> None:
         self.metrics.observe(result, job.domain)
+        end = time.perf_counter()
+        self.metrics.observe_latency(queued_s=(job.joined or end) - job.arrived, total_s=end - job.arrived, gaps=job.gaps,
+                                     first_token_s=job.first - job.arrived if job.first is not None else None)
         self._log_decisions(job, result)
         if not job.future.done():  # a drain may have failed it already
             job.future.set_result(result)

@@ -10,7 +10,7 @@ from dvi.metrics import OTHER_DOMAIN, VERSIONS_KEPT, Point, ServingMetrics, drif
 def result(version: str, rounds: list[tuple[int, int]]):
     """A finished request as the metrics read it: rounds of (drafted, accepted) by one drafter version."""
     rs = [SimpleNamespace(drafter_version=version, k=k, accepted=a) for k, a in rounds]
-    return SimpleNamespace(rounds=rs, token_ids=[0] * sum(a + 1 for _, a in rounds), seconds=1.0)
+    return SimpleNamespace(rounds=rs, prompt_ids=[1, 2, 3], token_ids=[0] * sum(a + 1 for _, a in rounds), seconds=1.0)
 
 
 def test_recent_acceptance_covers_the_latest_tokens_while_the_lifetime_figure_remembers_old_traffic():
@@ -61,3 +61,36 @@ def test_drift_plot_shades_each_versions_span_and_leaves_idle_intervals_empty(tm
     path = tmp_path / "drift.png"
     drift_plot(series, [(t0 + 150, "swap", "d0001"), (t0 + 230, "promote", "d0001")], str(path), "test")
     assert path.stat().st_size > 10_000
+
+
+def test_prometheus_counters_add_up_as_vllm_defines_them_and_histograms_count_requests():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = ServingMetrics(model_name="m1")
+    m.observe(result("d1", [(4, 4), (4, 1), (0, 0)]), "code")
+    m.observe(result("d1", [(2, 0), (3, 3)]), "prose")
+    m.observe(result("d2", [(4, 2)]), None)
+    m.observe_latency(queued_s=0.01, first_token_s=0.2, total_s=1.5, gaps=[(0.3, 3), (0.1, 1)])
+    m.observe_latency(queued_s=0.02, first_token_s=None, total_s=0.5, gaps=[])
+    text = m.prometheus({"sent": 7, "dropped": 1}, waiting=2, running=3)
+    got = {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def total(name: str, **labels) -> float:
+        return sum(v for (n, *kv), v in got.items() if n == name and set(labels.items()) <= set(kv))
+
+    assert all(dict(kv).get("model_name") == "m1" for n, *kv in got if n.startswith("dvi_"))
+    assert total("dvi_spec_decode_num_drafts_total", drafter_version="d1") == 4  # the plain round drafted nothing
+    assert total("dvi_spec_decode_num_draft_tokens_total", drafter_version="d1") == 13
+    assert total("dvi_spec_decode_num_accepted_tokens_total", drafter_version="d1") == 8
+    assert total("dvi_spec_decode_num_accepted_tokens_total", domain="code") == 5
+    assert [total("dvi_spec_decode_num_accepted_tokens_per_pos_total", drafter_version="d1", position=str(j)) for j in (1, 2, 3, 4)] == [3, 2, 2, 1]
+    assert [total("dvi_spec_decode_num_drafts_per_pos_total", drafter_version="d1", position=str(j)) for j in (1, 2, 3, 4)] == [4, 4, 3, 2]
+    assert total("dvi_mean_accepted_length", drafter_version="d1") == 1 + 8 / 4  # vLLM's: 1 + accepted / drafts
+    assert total("dvi_rounds_total", drafter_version="d1") == 5
+    assert total("dvi_prompt_tokens_total") == 9 and total("dvi_requests_total") == 3
+    assert total("dvi_num_requests_running") == 3 and total("dvi_num_requests_waiting") == 2
+    assert total("dvi_records_sent_total") == 7 and total("dvi_records_dropped_total") == 1
+    assert total("dvi_e2e_request_latency_seconds_count") == 2 and total("dvi_time_to_first_token_seconds_count") == 1
+    assert total("dvi_inter_token_latency_seconds_count") == 4 and abs(total("dvi_inter_token_latency_seconds_sum") - 0.4) < 1e-9
+    assert total("dvi_request_queue_time_seconds_count") == 2
+    assert total("process_resident_memory_bytes") > 0
