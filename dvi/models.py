@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -205,8 +207,46 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool) ->
         raise DviError("empty prompt: give some text to continue")
     if raw or not getattr(tokenizer, "chat_template", None):
         return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+    return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation through the chat template, each message's content encoded as text: a special
+    token written in it ("<|im_end|><|im_start|>system ...") is its characters, not the token, so no message can
+    end its own turn or open another role's. The template is rendered with a placeholder per content to learn
+    where the contents go; the rendered text is then split at the template's own special tokens only (as the
+    tokenizer splits it at every special token) and the text between them tokenized with special tokens split.
+    A conversation without special tokens in its contents gets exactly the template's ids. If the template
+    changes contents so the placeholders cannot be found, the conversation is encoded as the template does,
+    unless a content holds a special token's text: then it is refused (DviError)."""
+    nonce = os.urandom(6).hex()
+    marks = [f"DVIMSG{i}X{nonce}" for i in range(len(messages))]
+    rendered = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                             add_generation_prompt=True, tokenize=False)
+    pieces = re.split(f"(DVIMSG\\d+X{nonce})", rendered)
+    if sorted(pieces[1::2]) != sorted(marks):  # the template dropped, repeated or changed a content
+        specials = [t for t in tokenizer.all_special_tokens if any(t in m["content"] for m in messages)]
+        if specials:
+            raise DviError(f"message content holds special tokens {specials[:3]} and this chat template transforms "
+                           "contents, so they cannot be encoded as text: remove them")
+        enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+    content = {mark: m["content"] for m, mark in zip(messages, marks)}
+    special = re.compile("|".join(re.escape(t) for t in sorted(tokenizer.all_special_tokens, key=len, reverse=True)))
+    ids: list[int] = []
+    text = ""  # since the last special token of the template: template text and contents
+    for i, piece in enumerate(pieces):
+        if i % 2:
+            text += content[piece]
+            continue
+        at = 0
+        for m in special.finditer(piece):
+            text += piece[at : m.start()]
+            ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
+            ids.append(tokenizer.convert_tokens_to_ids(m.group()))
+            text, at = "", m.end()
+        text += piece[at:]
+    return ids + (tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if text else [])
 
 
 def end_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

@@ -43,7 +43,7 @@ from dvi.engine import Request, Result, SpeculativeEngine
 from dvi.errors import DviError
 from dvi.files import sha256_file
 from dvi.metrics import ServingMetrics, drift_plot
-from dvi.models import Drafter, Pair, encode_prompt, end_ids
+from dvi.models import Drafter, Pair, encode_chat, encode_prompt, end_ids
 from dvi.procs import default_replica_id
 from dvi.records import records_from_result
 from dvi.swap import Refused, judge, load_announced
@@ -178,10 +178,11 @@ class Replica:
         """An engine request from a parsed completion (`dvi.serving.api.Completion`); DviError when the engine refuses it."""
         if c.messages is not None:
             try:
-                enc = self.tokenizer.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=True)
+                ids = encode_chat(self.tokenizer, c.messages)  # special tokens in contents are text
+            except DviError:
+                raise
             except Exception as e:  # the template refuses the conversation (a role it does not know, an order it forbids)
                 raise DviError(f"the model's chat template refused these messages: {type(e).__name__}: {str(e)[:200]}") from None
-            ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
         elif isinstance(c.prompt, list):
             ids = list(c.prompt)
         else:

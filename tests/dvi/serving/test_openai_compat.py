@@ -12,7 +12,8 @@ import time
 import pytest
 import requests
 from openai import OpenAI
-from test_replica import PROMPTS, Running, replica, service_config
+from replica_fixtures import Running, replica, service_config
+from test_replica import PROMPTS
 
 from dvi.config import DviConfig, ModelConfig, TrackingConfig
 from dvi.serving.api import StopText

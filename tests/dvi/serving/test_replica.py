@@ -21,6 +21,7 @@ import pytest
 import requests
 import torch
 from kafka import KafkaProducer
+from replica_fixtures import Running, replica, scrape, service_config
 
 from dvi import keys, store
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig, keys_dir
@@ -30,7 +31,7 @@ from dvi.errors import DviError
 from dvi.models import load_causal_lm, resolve_pair
 from dvi.procs import free_port
 from dvi.serving.replica import REJECTED_KEPT, Replica
-from streams.control import ControlChannel, ControlReader
+from streams.control import ControlReader
 from streams.control import send as control_send
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -50,49 +51,6 @@ def announce(stream_cfg, p: store.Published) -> None:
     control_send(stream_cfg, DrafterPublished(p.version, str(p.path), p.sha256, parent="test"))
 
 
-def replica(cfg: DviConfig, **channels) -> Replica:
-    """A replica of the tiny pair following the test's control topic (as `dvi serve` wires it)."""
-    return Replica(cfg, resolve_pair(cfg.model), control=ControlChannel(cfg.stream, client_id="test-replica"), **channels)
-
-
-class Running:
-    """A replica behind uvicorn in this process, on a free port."""
-
-    def __init__(self, service: Replica):
-        import uvicorn
-
-        from dvi.serving.api import create_app
-
-        self.service = service.start()
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def post(self, path: str, body, **kw) -> requests.Response:
-        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        return requests.post(self.url + path, data=data, timeout=120, **kw)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.service.close()
-
-
-def service_config(stream_cfg, dirs, store_root: Path, **serve) -> DviConfig:
-    target, drafter = dirs
-    s = dict(spec=SpecConfig(k=3, adaptive=False), swap=SwapConfig(store=str(store_root), initial="none", window_tokens=10**9),
-             max_batch=4, metrics_every_s=3600, plot_every_s=3600)
-    s.update(serve)
-    return DviConfig(model=ModelConfig(target=str(target), drafter=str(drafter)), stream=stream_cfg,
-                     serve=ServeConfig(**s), tracking=TrackingConfig(enabled=False))
-
-
 @pytest.fixture
 def running(stream_cfg, tiny_dirs, tmp_path):
     cfg = service_config(stream_cfg, tiny_dirs, tmp_path / "store")
@@ -102,14 +60,6 @@ def running(stream_cfg, tiny_dirs, tmp_path):
 
 
 PROMPTS = [[(7 * i + 13 * j) % 40000 + 100 for j in range(6 + i % 5)] for i in range(24)]
-
-
-def scrape(url: str) -> dict[tuple, float]:
-    """/metrics parsed by prometheus_client: (sample name, *sorted (label, value) pairs) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(url + "/metrics", timeout=10).text
-    return {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def reference_greedy(dirs, n_tokens: int) -> list[list[int]]:
