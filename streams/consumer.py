@@ -29,7 +29,7 @@ from kafka.structs import OffsetAndMetadata
 
 from dvi.config import StreamConfig
 from dvi.errors import DviError
-from dvi.records import Delivered, Limits, decode
+from dvi.records import Delivered, Limits, check_headers, decode
 from streams.client import client_options
 
 log = logging.getLogger("dvi.streams.consumer")
@@ -144,6 +144,7 @@ class DecisionConsumer:
             for m in messages:
                 self._received += 1
                 try:
+                    check_headers(m.headers)
                     record = decode(m.value, self.vocab_size, max_bytes=self.cfg.max_record_bytes, limits=self.limits)
                 except Exception as e:  # RecordError, or anything else a hostile payload provokes
                     self._invalid += 1

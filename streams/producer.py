@@ -3,7 +3,8 @@
 `submit(record)` only puts the record in a bounded in-memory queue (a few microseconds) and returns; if the
 queue is full the record is dropped and counted. A background thread encodes records (`dvi.records.encode`,
 size-bounded), hands them to a kafka-python `KafkaProducer` (batching with linger, gzip batch compression,
-key = request id so a request's chunks stay in order on one partition) and counts the outcome of each:
+key = request id so a request's chunks stay in order on one partition, headers with the content type and schema
+version) and counts the outcome of each:
 
 - sent: acknowledged by the broker;
 - dropped: will never be delivered (queue full, invalid or oversized, not acknowledged within
@@ -37,13 +38,14 @@ from kafka.errors import KafkaError, KafkaTimeoutError
 
 from dvi.config import StreamConfig
 from dvi.procs import default_replica_id
-from dvi.records import DecisionRecord, RecordError, encode
+from dvi.records import DecisionRecord, RecordError, encode, kafka_headers
 from streams.client import client_options
 
 log = logging.getLogger("dvi.streams.producer")
 
 _MAX_BATCH = 512  # records taken from the queue per send pass
 _PROBE_S = 1.0  # between TCP probes of the bootstrap servers while a client is open
+HEADERS = kafka_headers()  # on every record: its content type and schema version
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,7 @@ class DecisionProducer:
             self._resolve(False, self._generation)
             return
         try:
-            future = self._producer.send(self.topic, key=record.request_id.encode(), value=value)
+            future = self._producer.send(self.topic, key=record.request_id.encode(), value=value, headers=HEADERS)
         except Exception as e:  # KafkaError: metadata unavailable within max_block_ms, or a client in a fatal state
             self._warn("send", "send to %s failed (%s): dropping", self.topic, e)
             self._fatal = self._fatal or not isinstance(e, KafkaTimeoutError) or _is_fatal(self._producer, e)

