@@ -291,6 +291,7 @@ class TrainerConfig:
     max_seq_len: int = 512  # longer records keep their last tokens (context is truncated from the left)
     replay_share: float = 0.25  # share of each batch drawn from already-trained records (against forgetting)
     replay_size: int = 4096  # records kept for replay (oldest evicted)
+    replay_mb: float = 512.0  # and at most this many MiB of them (oldest evicted): long records cannot fill memory
     pending_size: int = 4096  # fresh records waiting to be trained (oldest skipped, counted, when full)
     replay_when_idle: bool = False  # with no fresh record waiting, keep stepping on replayed ones (offline epochs)
     version_decay: float = 0.5  # replay weight per drafter version behind the serving one
@@ -307,6 +308,7 @@ class TrainerConfig:
     holdout_share: float = 0.1  # fresh records set aside for the gate (never trained on)
     holdout_first: int = 4  # the first records are all held out until the gate has this many (then holdout_share)
     holdout_size: int = 256  # most recent held-out records kept
+    holdout_mb: float = 128.0  # and at most this many MiB of them
     gate_every: int = 50  # optimizer steps between gate checks
     gate_every_s: float | None = 60.0  # and a gate check this often (if a step was taken since the last); null: steps only
     gate_min_records: int = 4  # held-out records needed before a gate check
@@ -346,6 +348,8 @@ class TrainerConfig:
         _check(self.reward_penalty >= 0, "trainer.reward_penalty", self.reward_penalty, ">= 0")
         _check(0 <= self.holdout_share < 1, "trainer.holdout_share", self.holdout_share, "in [0, 1)")
         _check(self.holdout_size >= 1, "trainer.holdout_size", self.holdout_size, "an integer >= 1")
+        _check(self.replay_mb > 0 and self.holdout_mb > 0, "trainer.replay_mb/holdout_mb", (self.replay_mb, self.holdout_mb),
+               "sizes > 0 MiB")
         _check(self.gate_every >= 1, "trainer.gate_every", self.gate_every, "an integer >= 1")
         _check(self.gate_every_s is None or self.gate_every_s > 0, "trainer.gate_every_s", self.gate_every_s, "null or > 0 seconds")
         _check(self.holdout_first >= 0, "trainer.holdout_first", self.holdout_first, "an integer >= 0")

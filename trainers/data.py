@@ -15,7 +15,8 @@ Positions after a round's first rejection (j > n) lie off the sequence (their co
 they were never judged, and the one-forward layout leaves them out.
 
 The `Buffer` holds fresh records waiting to be trained (oldest skipped, and counted, when full), records held
-out for the gate, and already-trained records for replay (weighted down by drafter-version age). The `Ledger`
+out for the gate, and already-trained records for replay (weighted down by drafter-version age); held-out and
+replayed ones are bounded in count and in bytes (`Kept`). The `Ledger`
 remembers the `Fate` of every record id (trained, held out, skipped) for deduplication and for the
 exactly-once check after a restart; `Offsets` tracks which consumed offsets are done, so a checkpoint commits
 only offsets whose records it covers. `FileSource` reads a JSON-lines file of records (`dvi stream tail --json`)
@@ -71,6 +72,12 @@ class Example:
     @property
     def positions(self) -> int:
         return int(self.targets.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """The memory its arrays hold."""
+        arrays = (self.tokens, self.targets, self.topk_ids, self.topk_logprobs, self.drafted, self.reward, self.judged)
+        return sum(a.nbytes for a in arrays if a is not None)
 
 
 def example_from_record(record: DecisionRecord, max_seq_len: int, penalty: float = 1.0) -> Example:
@@ -253,6 +260,35 @@ class Item:
     offset: int
 
 
+class Kept:
+    """Examples kept oldest first, at most `max_items` of them and `max_bytes` of their arrays: the oldest leave
+    first (the newest always stays, however large)."""
+
+    def __init__(self, max_items: int, max_bytes: int):
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self._items: deque[Example] = deque()
+        self.nbytes = 0
+
+    def append(self, e: Example) -> None:
+        self._items.append(e)
+        self.nbytes += e.nbytes
+        while len(self._items) > 1 and (len(self._items) > self.max_items or self.nbytes > self.max_bytes):
+            self.nbytes -= self._items.popleft().nbytes
+
+    def extend(self, examples) -> None:
+        for e in examples:
+            self.append(e)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> Example:
+        return self._items[i]
+
+
 class Buffer:
     """Fresh, held-out and replay records; see the module docstring.
 
@@ -262,10 +298,11 @@ class Buffer:
     """
 
     def __init__(self, pending_size: int, replay_size: int, holdout_size: int, replay_share: float,
-                 holdout_share: float, version_decay: float, max_version_age: int, seed: int = 0, holdout_first: int = 0):
+                 holdout_share: float, version_decay: float, max_version_age: int, seed: int = 0, holdout_first: int = 0,
+                 replay_bytes: int = 1 << 62, holdout_bytes: int = 1 << 62):
         self.pending: deque[Item] = deque()
-        self.replay: deque[Example] = deque(maxlen=replay_size)
-        self.holdout: deque[Example] = deque(maxlen=holdout_size)
+        self.replay = Kept(replay_size, replay_bytes)
+        self.holdout = Kept(holdout_size, holdout_bytes)
         self.pending_size = pending_size
         self.replay_share = replay_share
         self.holdout_share = holdout_share

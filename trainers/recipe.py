@@ -210,7 +210,8 @@ class Trainer:
 
         t = self.tcfg
         self.buffer = Buffer(t.pending_size, t.replay_size, t.holdout_size, t.replay_share, t.holdout_share,
-                             t.version_decay, t.max_version_age, seed=t.seed, holdout_first=t.holdout_first)
+                             t.version_decay, t.max_version_age, seed=t.seed, holdout_first=t.holdout_first,
+                             replay_bytes=int(t.replay_mb * (1 << 20)), holdout_bytes=int(t.holdout_mb * (1 << 20)))
         self.offsets = Offsets()
         self.inflight: set[str] = set()  # ids read but not yet done (waiting in the fresh queue)
         self.trigger = Trigger(cfg.trigger, time.monotonic())

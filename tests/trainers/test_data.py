@@ -205,3 +205,24 @@ def test_a_record_of_a_later_minor_schema_trains_like_its_1_0_form(make_record):
     assert (a.record_id, a.version, a.accepted) == (b.record_id, b.version, b.accepted)
     batch = collate([b])  # and it batches
     assert batch is not None
+
+
+def test_replay_and_holdout_are_bounded_in_bytes_the_oldest_leaving_first(make_record):
+    """Long records cannot fill the trainer's memory: past the byte bound the oldest examples leave, whatever the
+    record count allows; one example larger than the whole bound is still kept alone (the newest always stays)."""
+    small = [example_from_record(make_record(rounds=2, k=1, seed=i), 10_000) for i in range(6)]
+    big = example_from_record(make_record(rounds=40, k=4, seed=99), 10_000)
+    assert big.nbytes > 5 * small[0].nbytes
+    bound = 3 * small[0].nbytes + small[0].nbytes // 2  # room for three small ones
+    buf = Buffer(100, replay_size=100, holdout_size=100, replay_share=0.5, holdout_share=0.0, version_decay=1.0,
+                 max_version_age=10, replay_bytes=bound, holdout_bytes=bound)
+    buf.trained(small)
+    assert [e.record_id for e in buf.replay] == [e.record_id for e in small[-3:]] and buf.replay.nbytes <= bound
+    buf.trained([big])
+    assert [e.record_id for e in buf.replay] == [big.record_id] and buf.replay.nbytes == big.nbytes
+    buf.holdout.extend(small)
+    assert len(buf.holdout) == 3 and buf.holdout.nbytes == sum(e.nbytes for e in small[-3:])
+    # the count bound still holds as before
+    counted = Buffer(100, replay_size=2, holdout_size=2, replay_share=0.5, holdout_share=0.0, version_decay=1.0, max_version_age=10)
+    counted.trained(small)
+    assert [e.record_id for e in counted.replay] == [e.record_id for e in small[-2:]]
