@@ -14,6 +14,8 @@ in a separate queue that overflow never touches. One background thread does all 
   version's source if it lies inside the run's artifacts, so a local source (file or folder) is first logged
   as the run's artifacts `drafters/<version>/` and the version points at `runs:/<run>/drafters/<version>`
   (tag `dvi.source` keeps the original); a remote URI (s3://, https://, runs:/, ...) is registered as it is.
+  A logged folder gets an `MLmodel` file (`mlmodel`) naming `dvi.registry_model` as its pyfunc loader, so
+  `mlflow.pyfunc.load_model("models:/<registry_model>@production")` loads the drafter.
 
 MLflow unreachable, at start or mid-run: nothing fails; the thread retries every `tracking.retry_s` while the
 queue fills. An error MLflow answers with a 4xx (a bad key, a param changed) drops what caused it, counted as
@@ -35,12 +37,15 @@ import json
 import logging
 import math
 import os
+import platform
 import re
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -471,9 +476,30 @@ class Tracker:
         artifact_path = f"drafters/{reg.version}"
         if path.is_dir():
             client.log_artifacts(self._run_id, str(path), artifact_path)
+            with tempfile.TemporaryDirectory() as tmp:  # the registry's tooling loads it as a pyfunc model
+                (Path(tmp) / "MLmodel").write_text(mlmodel(artifact_path, reg.version))
+                client.log_artifact(self._run_id, str(Path(tmp) / "MLmodel"), artifact_path)
         else:
             client.log_artifact(self._run_id, str(path), artifact_path)
         return f"runs:/{self._run_id}/{artifact_path}", {**tags, SOURCE_TAG: reg.source}
+
+
+def mlmodel(artifact_path: str, version: str) -> str:
+    """The MLmodel file of a logged drafter directory: a pyfunc model whose loader is `dvi.registry_model`, so
+    `mlflow.pyfunc.load_model("models:/<registry_model>@production")` loads the drafter. JSON, which is YAML."""
+    from mlflow import __version__ as mlflow_version  # heavy: see the module docstring
+
+    return json.dumps({
+        "artifact_path": artifact_path,
+        "flavors": {"python_function": {"loader_module": "dvi.registry_model", "python_version": platform.python_version()}},
+        # params only: inputs are prompts of any shape (text or token ids), checked by the loader
+        "signature": {"inputs": None, "outputs": None,
+                      "params": json.dumps([{"name": "max_new_tokens", "default": 8, "shape": None, "type": "long"}])},
+        "metadata": {"dvi_version": version},
+        "mlflow_version": mlflow_version,
+        "model_uuid": uuid.uuid4().hex,
+        "utc_time_created": time.strftime("%Y-%m-%d %H:%M:%S.000000", time.gmtime()),
+    }, indent=2) + "\n"
 
 
 def _error_code(e: Exception) -> str | None:

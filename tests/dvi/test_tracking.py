@@ -122,7 +122,40 @@ def test_register_drafter_creates_a_version_with_alias_and_tags(server, client, 
     assert mv.run_id == stats.run_id
     assert mv.tags == {"parent": "v0", "sha256": "ab" * 32, "dvi.version": "v2", "dvi.source": str(tmp_path / "store" / "v2")}
     assert mv.source == f"runs:/{stats.run_id}/drafters/v2"
-    assert [f.path for f in client.list_artifacts(stats.run_id, "drafters/v2")] == ["drafters/v2/model.safetensors"]
+    assert sorted(f.path for f in client.list_artifacts(stats.run_id, "drafters/v2")) == ["drafters/v2/MLmodel", "drafters/v2/model.safetensors"]
+
+
+@pytest.mark.slow
+def test_a_registered_drafter_loads_through_the_registry_as_a_pyfunc_model(server, tiny_dirs, tmp_path):
+    """`mlflow.pyfunc.load_model("models:/<name>@candidate")` gives the drafter, whose predictions are its own
+    greedy continuation."""
+    import mlflow
+    import torch
+
+    from dvi.models import load_drafter, load_tokenizer
+
+    cfg = config(server.uri)
+    tracker = Tracker(cfg, "run-pyfunc")
+    tracker.register_drafter(str(tiny_dirs[1]), "d0001", {"parent": "init"})
+    stats = tracker.close(timeout_s=60)
+    assert stats.failures == 0, stats
+    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(server.uri)
+    mlflow.set_registry_uri(server.uri)
+    try:
+        model = mlflow.pyfunc.load_model(f"models:/{cfg.registry_model}@candidate")
+    finally:
+        mlflow.set_tracking_uri(before[0])
+        mlflow.set_registry_uri(before[1])
+    prompt = [101, 2045, 330, 7, 88]
+    got = model.predict([prompt, "Once upon a time"], params={"max_new_tokens": 5})
+    drafter = load_drafter(tiny_dirs[1], 49152)
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(5):
+            ids.append(int(drafter.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert got[0]["token_ids"] == ids[len(prompt):]
+    assert len(got[1]["token_ids"]) == 5 and got[1]["text"] == load_tokenizer(tiny_dirs[0]).decode(got[1]["token_ids"])
 
 
 @pytest.mark.slow
