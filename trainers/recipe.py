@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
@@ -508,7 +509,16 @@ class Trainer:
             **{f"trigger/{k}": v for k, v in self.trigger.snapshot().items()},
             "holdout/records": len(self.buffer.holdout), "holdout/needed": t.gate_min_records,
             "gate/next_in_s": max(0.0, next_in), "gate/next_step": (self.state.step // t.gate_every + 1) * t.gate_every,
+            "buffer/replay_mb": self.buffer.replay.nbytes / (1 << 20), "buffer/holdout_mb": self.buffer.holdout.nbytes / (1 << 20),
+            **system_metrics(self._process, next(self.student.module.parameters()).device),
         }, step=self.state.step)
+
+    @property
+    def _process(self) -> psutil.Process:
+        if not hasattr(self, "_proc"):
+            self._proc = psutil.Process()
+            self._proc.cpu_percent()  # the first reading is 0: start the interval now
+        return self._proc
 
     def _lag(self) -> dict[str, float]:
         lag = self.source.lag() if hasattr(self.source, "lag") else None
@@ -686,4 +696,16 @@ def _merged_ledgers(ranks: list[dict]) -> list[list[str]]:
 
 def _params_finite(module: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def system_metrics(process: psutil.Process, device: torch.device) -> dict[str, float]:
+    """The trainer process's system figures for MLflow (`system/*`): CPU (percent of one core, since the last call),
+    resident memory, the host's memory in use and, on CUDA, the memory PyTorch holds."""
+    out = {"system/cpu_percent": process.cpu_percent(), "system/rss_mb": process.memory_info().rss / (1 << 20),
+           "system/memory_percent": psutil.virtual_memory().percent}
+    if device.type == "cuda":
+        out["system/gpu_memory_allocated_mb"] = torch.cuda.memory_allocated(device) / (1 << 20)
+        out["system/gpu_memory_reserved_mb"] = torch.cuda.memory_reserved(device) / (1 << 20)
+    return out
+
 

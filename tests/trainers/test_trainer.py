@@ -605,3 +605,16 @@ def test_servers_verdicts_are_recorded_in_the_store_for_restarting_replicas(stre
     assert store.verdicts(root) == {"d0001": store.PRODUCTION, "d0002": store.REJECTED}
     assert len((root / store.VERDICTS).read_text().splitlines()) == 2
     assert store.serving_version(root) == "d0001"
+
+
+def test_system_metrics_describe_this_process():
+    import psutil
+
+    from trainers.recipe import system_metrics
+
+    process = psutil.Process()
+    process.cpu_percent()
+    sum(i * i for i in range(200_000))  # some CPU time in the interval
+    m = system_metrics(process, torch.device("cpu"))
+    assert set(m) == {"system/cpu_percent", "system/rss_mb", "system/memory_percent"}
+    assert m["system/rss_mb"] > 50 and 0 < m["system/memory_percent"] <= 100 and m["system/cpu_percent"] >= 0
