@@ -8,12 +8,12 @@ into the request's DecisionRecords.
 
 Bodies are parsed by hand (`parse_completion`) so every mistake gets one clear 4xx in OpenAI's error shape
 ({"error": {"message", "type", "param", "code"}}): malformed JSON, a missing or empty prompt, an unknown model,
-out-of-range sampling values or max_tokens, `n` > 1, `logprobs` (not served yet); a body that is not JSON is a 415.
+out-of-range sampling values, max_tokens or `n`, `logprobs` (not served yet); a body that is not JSON is a 415.
 As vLLM does, fields this server does not know are ignored with a warning in its log, and it takes vLLM's
 extensions `ignore_eos`, `min_tokens` and `skip_special_tokens`; `stop` strings end generation and are cut from
 the text (held back while streaming until they cannot start a stop string: the streamed text is exactly the
 unstreamed one); chat content may be a list of text parts; `stream_options.include_usage` adds vLLM's last chunk
-with the usage and no choices. A request whose client goes away is cancelled: its row leaves the batch at the
+with the usage and no choices; `n` choices decode as n requests of the same prompt (seeds seed + i). A request whose client goes away is cancelled: its row leaves the batch at the
 next round boundary (its decisions so far are still logged). With an
 API key set (`serve.api_key` or $DVI_API_KEY), everything but /health needs `Authorization: Bearer <key>`, and
 /health says only that the replica is up to a caller without it. A request that carries an `Origin` (a web page in
@@ -29,12 +29,14 @@ OpenAI request shapes; decoding, batching and swaps are the replica's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import math
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,7 @@ _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "top_logprobs"}
 ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat template decides what it renders
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
+MAX_N = 16  # choices per request
 _warned: set[str] = set()  # ignored field names already logged (bounded)
 
 
@@ -85,6 +88,7 @@ class Completion:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
+    n: int = 1  # choices: the prompt decoded n times (sampled: each with its own seed)
 
 
 def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tokens: int, max_max_tokens: int,
@@ -107,8 +111,11 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
     model = body.get("model")
     if model not in (None, "", model_name, "dvi"):
         raise ApiError(404, f"model {model!r} not found: this server serves {model_name!r}", "model", "not_found_error")
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise ApiError(400, "logprobs are not served yet; leave logprobs and top_logprobs unset", "logprobs")
     stop = body.get("stop")
@@ -161,7 +168,7 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
     if domain is not None and (not isinstance(domain, str) or not DOMAIN.fullmatch(domain)):
         raise ApiError(400, "the domain tag must be 1 to 64 letters, digits, '.', '_' or '-'", "dvi.domain")
     return Completion(prompt, messages, max_tokens, temperature, top_p, seed, stream, domain, tuple(stop), ignore_eos,
-                      min_tokens, skip_special, include_usage)
+                      min_tokens, skip_special, include_usage, n)
 
 
 def _message(m: Any, i: int) -> dict:
@@ -371,13 +378,16 @@ def create_app(replica: Replica) -> Any:
             req = replica.request(c)
         except DviError as e:  # the engine's checks: prompt too long, ids out of the vocabulary, ...
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
+        # n choices: n engine requests of the same prompt, each its own seed (the given one + i) and request id
+        reqs = [req] + [dataclasses.replace(req, seed=None if c.seed is None else (c.seed + i) % 2**63, request_id=uuid.uuid4().hex)
+                        for i in range(1, c.n)]
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id}"
         created = int(time.time())
         loop = asyncio.get_running_loop()
 
-        def choice(text: str | None, finish: str | None, out: Output | None, delta: bool) -> dict:
-            ch: dict = {"index": 0}
+        def choice(i: int, text: str | None, finish: str | None, out: Output | None, delta: bool) -> dict:
+            ch: dict = {"index": i}
             if chat:
                 ch["delta" if delta else "message"] = ({"content": text} if text is not None else {}) if delta else \
                     {"role": "assistant", "content": text}
@@ -388,49 +398,77 @@ def create_app(replica: Replica) -> Any:
                 ch["stop_reason"] = out.stopped if out is not None else None  # vLLM's: the stop string that ended it
             return ch
 
-        def usage(result, out: Output | None) -> dict:
-            completion = out.tokens if out is not None and out.tokens is not None else len(result.token_ids)
+        def tokens(result, out: Output | None) -> int:
+            return out.tokens if out is not None and out.tokens is not None else len(result.token_ids)
+
+        def usage(results, outs) -> dict:  # the prompt counts once, as OpenAI and vLLM count it
+            completion = sum(tokens(r, o) for r, o in zip(results, outs))
             return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": completion,
                     "total_tokens": len(req.prompt_ids) + completion}
 
         def finish_reason(result, out: Output | None) -> str:
             return "stop" if out is not None and out.stopped is not None else result.finish_reason
 
+        def extension(results) -> dict:
+            ext = replica.extension(results[0])
+            return ext if len(results) == 1 else {**ext, "choices": [replica.extension(r) for r in results]}
+
+        def submit_all(watch: bool) -> list:
+            """Queue every choice's request (all or none); `watch`: their tokens go to `chunks` round by round."""
+            jobs = []
+            try:
+                for i, r in enumerate(reqs):
+                    hook = (lambda ids, i=i: loop.call_soon_threadsafe(chunks.put_nowait, (i, ids))) if watch else None
+                    jobs.append(submit(r, c.domain, hook))
+                    if watch:
+                        jobs[-1].future.add_done_callback(lambda _, i=i: loop.call_soon_threadsafe(chunks.put_nowait, (i, None)))
+            except BaseException:
+                for job in jobs:
+                    replica.cancel(job, "abort")
+                raise
+            return jobs
+
         if not c.stream and not c.stop:
-            job = submit(req, c.domain)
-            result = await until_done(request, job)
-            text = replica.tokenizer.decode(result.token_ids, skip_special_tokens=c.skip_special_tokens)
+            jobs = submit_all(watch=False)
+            results = await asyncio.gather(*(until_done(request, job) for job in jobs))
+            texts = [replica.tokenizer.decode(r.token_ids, skip_special_tokens=c.skip_special_tokens) for r in results]
             return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
-                    "choices": [choice(text, result.finish_reason, None, False)], "usage": usage(result, None),
-                    "dvi": replica.extension(result)}
+                    "choices": [choice(i, t, r.finish_reason, None, False) for i, (t, r) in enumerate(zip(texts, results))],
+                    "usage": usage(results, [None] * len(results)), "dvi": extension(results)}
 
         # tokens arrive round by round: streamed, or watched for stop strings
         chunks: asyncio.Queue = asyncio.Queue()
-        out = Output(replica.tokenizer, c)
-        job = submit(req, c.domain, on_tokens=lambda ids: loop.call_soon_threadsafe(chunks.put_nowait, ids))
-        job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(chunks.put_nowait, None))
+        outs = [Output(replica.tokenizer, c) for _ in reqs]
+        jobs = submit_all(watch=True)
 
         async def deltas():
-            """The text as it can be released; a stop string cancels the request (it leaves at the next round)."""
-            while (ids := await chunks.get()) is not None:
-                delta = out.feed(ids)
-                if out.stopped is not None:
-                    replica.cancel(job, "stop")
+            """(choice, text) as the text can be released; a stop string cancels its choice's request (it leaves the
+            batch at the next round)."""
+            running = len(jobs)
+            while running:
+                i, ids = await chunks.get()
+                if ids is None:
+                    running -= 1
+                    if tail := outs[i].flush():
+                        yield i, tail
+                    continue
+                delta = outs[i].feed(ids)
+                if outs[i].stopped is not None:
+                    replica.cancel(jobs[i], "stop")
                 if delta:
-                    yield delta
-            if tail := out.flush():
-                yield tail
+                    yield i, delta
 
         if not c.stream:
-            finished = asyncio.create_task(until_done(request, job))  # watches for the client going away meanwhile
+            finished = asyncio.gather(*(until_done(request, job) for job in jobs))  # watches for the client going away
             async for _ in deltas():
                 pass
-            result = await finished
+            results = await finished
             return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
-                    "choices": [choice("".join(out.released), finish_reason(result, out), out, False)],
-                    "usage": usage(result, out), "dvi": replica.extension(result)}
+                    "choices": [choice(i, "".join(o.released), finish_reason(r, o), o, False) for i, (r, o) in enumerate(zip(results, outs))],
+                    "usage": usage(results, outs), "dvi": extension(results)}
 
-        job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(release))  # decoding done: the slot is free
+        decoded = asyncio.gather(*(asyncio.wrap_future(job.future) for job in jobs), return_exceptions=True)
+        decoded.add_done_callback(lambda _: release())  # decoding done: the client's slot is free
 
         def event(choices: list[dict], **extra) -> str:
             obj = {"id": rid, "object": "chat.completion.chunk" if chat else kind, "created": created,
@@ -440,23 +478,25 @@ def create_app(replica: Replica) -> Any:
         async def events():
             try:
                 if chat:
-                    yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-                async for delta in deltas():
-                    yield event([choice(delta, None, out, True)])
+                    yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                                 for i in range(len(jobs))])
+                async for i, delta in deltas():
+                    yield event([choice(i, delta, None, outs[i], True)])
                 try:
-                    result = job.future.result()
+                    results = [job.future.result() for job in jobs]
                 except Exception as e:  # shut down or failed: say so in the stream, never end it as if complete
                     error = ApiError(503, str(e), kind="server_error") if isinstance(e, DviError) else \
                         ApiError(500, f"decoding failed: {e}", kind="server_error")
                     yield f"data: {json.dumps(error.body())}\n\n"
                     return
-                yield event([choice("" if not chat else None, finish_reason(result, out), out, True)],
-                            usage=usage(result, out), dvi=replica.extension(result))
+                yield event([choice(i, "" if not chat else None, finish_reason(r, o), o, True) for i, (r, o) in enumerate(zip(results, outs))],
+                            usage=usage(results, outs), dvi=extension(results))
                 if c.include_usage:  # vLLM's last chunk: no choices, the usage
-                    yield event([], usage=usage(result, out))
+                    yield event([], usage=usage(results, outs))
                 yield "data: [DONE]\n\n"
             finally:  # the client went away mid-stream (the generator is closed): stop decoding for it
-                replica.cancel(job, "abort")
+                for job in jobs:
+                    replica.cancel(job, "abort")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

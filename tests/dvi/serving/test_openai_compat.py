@@ -87,7 +87,7 @@ def test_the_official_openai_client_gets_what_it_asks_for(running):
 
 
 def test_refusals_that_stay_and_the_chat_template_deciding_roles(running):
-    for body, words in [({"prompt": "hi", "logprobs": 2}, "logprobs"), ({"prompt": "hi", "n": 2}, "n=1"),
+    for body, words in [({"prompt": "hi", "logprobs": 2}, "logprobs"), ({"prompt": "hi", "n": 17}, "n must be"),
                         ({"prompt": "hi", "stop": [""]}, "stop"), ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
                         ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"), ({"prompt": "hi", "min_tokens": 99, "max_tokens": 4}, "min_tokens"),
                         ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "include_usage")]:
@@ -142,3 +142,21 @@ def test_a_client_that_goes_away_frees_its_row_at_the_next_round(stream_cfg, dem
     finally:
         r.close()
 
+
+
+def test_n_choices_are_n_seeded_requests_plain_and_streamed(running):
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": 5, "ignore_eos": True}
+    many = running.post("/v1/completions", {**body, "n": 3}).json()
+    assert [ch["index"] for ch in many["choices"]] == [0, 1, 2] and many["usage"]["completion_tokens"] == 36
+    assert many["usage"]["prompt_tokens"] == running.post("/v1/completions", body).json()["usage"]["prompt_tokens"]
+    for i in range(3):  # choice i is the request with seed 5 + i
+        alone = running.post("/v1/completions", {**body, "seed": 5 + i}).json()
+        assert many["choices"][i]["text"] == alone["choices"][0]["text"]
+    assert len({ch["text"] for ch in many["choices"]}) > 1 and len(many["dvi"]["choices"]) == 3
+    streamed = stream_events(running, "/v1/completions", {**body, "n": 3, "stream_options": {"include_usage": True}})
+    for i in range(3):
+        assert "".join(ch["text"] for e in streamed for ch in e["choices"] if ch["index"] == i) == many["choices"][i]["text"]
+    assert streamed[-1]["choices"] == [] and streamed[-1]["usage"]["completion_tokens"] == 36
+    chat = client(running).chat.completions.create(model="tiny", max_tokens=6, temperature=0, n=2,
+                                                   messages=[{"role": "user", "content": "Say hi"}])
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content  # greedy

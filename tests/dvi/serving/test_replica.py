@@ -296,7 +296,7 @@ def test_http_errors_are_clear_4xx_and_streaming_matches_the_plain_answer(runnin
         ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-        ({"prompt": "hi", "n": 3}, 400, "n=1"),
+        ({"prompt": "hi", "n": 99}, 400, "n must be"),
         ({"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
         ({"prompt": [1] * 600}, 400, "context window"),
         ({"prompt": [49152]}, 400, "token ids"),
