@@ -59,6 +59,7 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None  # None: fresh entropy; an int makes a sampled run repeat exactly (with fixed K)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    logprobs: int | None = None  # the log-prob of each emitted token and this many top alternatives (Round.logprobs)
     ignore_eos: bool = False  # the engine's stop ids do not end generation (fixed-length benchmark requests)
     min_tokens: int = 0  # the stop ids cannot be generated before this many tokens (their target probability is 0)
 
@@ -75,6 +76,9 @@ class Round:
     drafter_version: str | None
     topk_ids: torch.Tensor | None = None  # [k + 1, topk] target's top-k ids at each drafted and the bonus position
     topk_logprobs: torch.Tensor | None = None  # [k + 1, topk] their log-probs (temperature 1, unwarped)
+    # for a request that asked for them: per emitted token (accepted drafts, then `token`), its log-prob and the
+    # top alternatives as (id, log-prob), from the same unwarped distribution
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -451,6 +455,8 @@ class SpeculativeEngine:
         if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
             raise DviError(f"prompt token ids must be in [0, {self.vocab_size})")
         check_sampling(r.temperature, r.top_p, r.max_new_tokens)
+        if r.logprobs is not None and not 0 <= r.logprobs <= 20:
+            raise DviError(f"logprobs must be in [0, 20] alternatives, got {r.logprobs}")
         if not 0 <= r.min_tokens <= r.max_new_tokens:
             raise DviError(f"min_tokens must be in [0, max_new_tokens={r.max_new_tokens}], got {r.min_tokens}")
 
@@ -530,6 +536,14 @@ class SpeculativeEngine:
                 logits = dft.forward(drafter.model, d.unsqueeze(1), keep=1)[:, -1]
         q = expand_draft_probs(torch.stack(qs, 1), drafter.vocab_map, self.vocab_size)  # [B, Kmax, V]
         return torch.stack(drafts, 1), q
+
+
+def _emitted_logprobs(log_p: torch.Tensor, emitted: list[int], n_top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """log_p [J, V] of one row's round: for emitted token j, its log-prob and the `n_top` most likely (id, log-prob)."""
+    j = torch.arange(len(emitted), device=log_p.device)
+    chosen = log_p[j, torch.tensor(emitted, device=log_p.device)].tolist()
+    top_lp, top_ids = log_p[: len(emitted)].topk(n_top, -1) if n_top else (log_p.new_zeros(len(emitted), 0),) * 2
+    return [(c, list(zip(map(int, i), lp))) for c, i, lp in zip(chosen, top_ids.tolist(), top_lp.tolist())]
 
 
 def _now(device: torch.device) -> float:
@@ -669,8 +683,11 @@ class Decoding:
         p = logits_to_probs(warped, temp, top_p)  # [B, Kmax + 1, V]
         n, token = rejection_sample(draft_ids, q, p, k_row, u_accept, u_sample)  # [B], [B]
         topk = e.spec.topk_logprobs
+        wanted = [b for b, r in enumerate(rows) if r.req.logprobs is not None]
+        if topk or wanted:
+            log_p = torch.log_softmax(logits.float(), -1)  # [B, Kmax + 1, V]
         if topk:
-            top_lp, top_ids = torch.log_softmax(logits.float(), -1).topk(topk, -1)  # [B, Kmax + 1, topk]
+            top_lp, top_ids = log_p.topk(topk, -1)  # [B, Kmax + 1, topk]
         n_list, token_list = n.tolist(), token.tolist()  # the round's one read of the accepted counts
         if timing:
             t2 = time.perf_counter()  # after the .tolist() above: the device is done
@@ -708,6 +725,8 @@ class Decoding:
                     drafter_version=version,
                     topk_ids=top_ids[b, : kb + 1].clone() if topk else None,
                     topk_logprobs=top_lp[b, : kb + 1].clone() if topk else None,
+                    logprobs=_emitted_logprobs(log_p[b], drafted[b][:nb] + [token_list[b]], r.req.logprobs)
+                    if r.req.logprobs is not None else None,
                 )
             )
             r.stats.add(kb, nb)

@@ -8,7 +8,8 @@ into the request's DecisionRecords.
 
 Bodies are parsed by hand (`parse_completion`) so every mistake gets one clear 4xx in OpenAI's error shape
 ({"error": {"message", "type", "param", "code"}}): malformed JSON, a missing or empty prompt, an unknown model,
-out-of-range sampling values, max_tokens or `n`, `logprobs` (not served yet); a body that is not JSON is a 415.
+out-of-range sampling values, max_tokens, `n` or `logprobs` (served without streaming; the target's unwarped
+log-probs, as vLLM's default); a body that is not JSON is a 415.
 As vLLM does, fields this server does not know are ignored with a warning in its log, and it takes vLLM's
 extensions `ignore_eos`, `min_tokens` and `skip_special_tokens`; `stop` strings end generation and are cut from
 the text (held back while streaming until they cannot start a stop string: the streamed text is exactly the
@@ -59,6 +60,7 @@ _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat template decides what it renders
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 _warned: set[str] = set()  # ignored field names already logged (bounded)
 
 
@@ -89,6 +91,7 @@ class Completion:
     skip_special_tokens: bool = True
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
     n: int = 1  # choices: the prompt decoded n times (sampled: each with its own seed)
+    logprobs: int | None = None  # the emitted tokens' log-probs with this many top alternatives (None: not asked)
 
 
 def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tokens: int, max_max_tokens: int,
@@ -116,8 +119,7 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise ApiError(400, "logprobs are not served yet; leave logprobs and top_logprobs unset", "logprobs")
+    logprobs = _logprobs(body, chat)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)):
@@ -152,6 +154,8 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
+    if logprobs is not None and stream:
+        raise ApiError(400, "logprobs are not served with stream=true yet: ask without streaming", "logprobs")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object, e.g. {\"include_usage\": true}", "stream_options")
@@ -168,7 +172,27 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
     if domain is not None and (not isinstance(domain, str) or not DOMAIN.fullmatch(domain)):
         raise ApiError(400, "the domain tag must be 1 to 64 letters, digits, '.', '_' or '-'", "dvi.domain")
     return Completion(prompt, messages, max_tokens, temperature, top_p, seed, stream, domain, tuple(stop), ignore_eos,
-                      min_tokens, skip_special, include_usage, n)
+                      min_tokens, skip_special, include_usage, n, logprobs)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top alternatives a request wants with its tokens' log-probs (None: no log-probs). Completions:
+    `logprobs` is that number; chat: `logprobs: true` and `top_logprobs` the number."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+
+    def count(v, name: str) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS:
+            raise ApiError(400, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}", name)
+        return v
+
+    if not chat:
+        return None if lp is None else count(lp, "logprobs")
+    if lp not in (None, True, False):
+        raise ApiError(400, f"logprobs must be true or false, got {lp!r}", "logprobs")
+    top = 0 if top is None else count(top, "top_logprobs")
+    if top and not lp:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return top if lp else None
 
 
 def _message(m: Any, i: int) -> dict:
@@ -409,6 +433,26 @@ def create_app(replica: Replica) -> Any:
         def finish_reason(result, out: Output | None) -> str:
             return "stop" if out is not None and out.stopped is not None else result.finish_reason
 
+        def logprobs_of(result, out: Output | None) -> dict | None:
+            """OpenAI's logprobs object of a choice: completions' token lists, or chat's `content` entries."""
+            if c.logprobs is None:
+                return None
+            n_tok = tokens(result, out)
+            pairs = [lp for r in result.rounds for lp in (r.logprobs or [])][:n_tok]
+            text = [replica.tokenizer.decode([t]) for t in result.token_ids[:n_tok]]
+            alts = [[(replica.tokenizer.decode([a]), lp) for a, lp in top] for _, top in pairs]
+            if chat:
+                return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                                     "top_logprobs": [{"token": a, "logprob": x, "bytes": list(a.encode())} for a, x in top]}
+                                    for t, (lp, _), top in zip(text, pairs, alts)]}
+            offsets = [sum(len(t) for t in text[:i]) for i in range(len(text))]
+            return {"tokens": text, "token_logprobs": [lp for lp, _ in pairs], "top_logprobs": [dict(top) for top in alts],
+                    "text_offset": offsets}
+
+        def with_logprobs(ch: dict, result, out: Output | None) -> dict:
+            ch["logprobs"] = logprobs_of(result, out)
+            return ch
+
         def extension(results) -> dict:
             ext = replica.extension(results[0])
             return ext if len(results) == 1 else {**ext, "choices": [replica.extension(r) for r in results]}
@@ -433,7 +477,8 @@ def create_app(replica: Replica) -> Any:
             results = await asyncio.gather(*(until_done(request, job) for job in jobs))
             texts = [replica.tokenizer.decode(r.token_ids, skip_special_tokens=c.skip_special_tokens) for r in results]
             return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
-                    "choices": [choice(i, t, r.finish_reason, None, False) for i, (t, r) in enumerate(zip(texts, results))],
+                    "choices": [with_logprobs(choice(i, t, r.finish_reason, None, False), r, None)
+                                for i, (t, r) in enumerate(zip(texts, results))],
                     "usage": usage(results, [None] * len(results)), "dvi": extension(results)}
 
         # tokens arrive round by round: streamed, or watched for stop strings
@@ -464,7 +509,8 @@ def create_app(replica: Replica) -> Any:
                 pass
             results = await finished
             return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
-                    "choices": [choice(i, "".join(o.released), finish_reason(r, o), o, False) for i, (r, o) in enumerate(zip(results, outs))],
+                    "choices": [with_logprobs(choice(i, "".join(o.released), finish_reason(r, o), o, False), r, o)
+                                for i, (r, o) in enumerate(zip(results, outs))],
                     "usage": usage(results, outs), "dvi": extension(results)}
 
         decoded = asyncio.gather(*(asyncio.wrap_future(job.future) for job in jobs), return_exceptions=True)

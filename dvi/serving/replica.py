@@ -188,7 +188,7 @@ class Replica:
         else:
             ids = encode_prompt(self.tokenizer, c.prompt, raw=True)
         req = Request(ids, max_new_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, seed=c.seed,
-                      ignore_eos=c.ignore_eos, min_tokens=min(c.min_tokens, c.max_tokens))
+                      ignore_eos=c.ignore_eos, min_tokens=min(c.min_tokens, c.max_tokens), logprobs=c.logprobs)
         self.engine.check_request(req)
         return req
 

@@ -723,3 +723,20 @@ def test_end_ids_are_the_tokenizers_and_every_one_of_the_generation_config(tiny_
         assert end_ids(tiny_target, Tok()) == {7}
     finally:
         tiny_target.generation_config.eos_token_id = before
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_of_emitted_tokens_equal_a_fresh_forward(tiny_target, tiny_drafter, temperature):
+    engine = SpeculativeEngine(tiny_target, tiny_drafter, fixed(3))
+    res = engine.generate([Request(PROMPTS[2], max_new_tokens=14, temperature=temperature, seed=1, logprobs=3)])[0]
+    pairs = [lp for r in res.rounds for lp in r.logprobs][: len(res.token_ids)]
+    assert len(pairs) == len(res.token_ids)
+    for i, (token, (chosen, top)) in enumerate(zip(res.token_ids, pairs)):
+        with torch.inference_mode():
+            fresh = torch.log_softmax(tiny_target(torch.tensor([PROMPTS[2] + res.token_ids[:i]])).logits[0, -1].float(), -1)
+        assert abs(fresh[token].item() - chosen) < 1e-4
+        assert [t for t, _ in top] == fresh.topk(3).indices.tolist() and len(top) == 3
+        if temperature == 0:
+            assert top[0][0] == token
+    plain = engine.generate([Request(PROMPTS[2], max_new_tokens=14, temperature=temperature, seed=1)])[0]
+    assert plain.token_ids == res.token_ids and all(r.logprobs is None for r in plain.rounds)

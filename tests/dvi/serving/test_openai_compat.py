@@ -87,7 +87,7 @@ def test_the_official_openai_client_gets_what_it_asks_for(running):
 
 
 def test_refusals_that_stay_and_the_chat_template_deciding_roles(running):
-    for body, words in [({"prompt": "hi", "logprobs": 2}, "logprobs"), ({"prompt": "hi", "n": 17}, "n must be"),
+    for body, words in [({"prompt": "hi", "logprobs": 21}, "logprobs"), ({"prompt": "hi", "logprobs": 2, "stream": True}, "stream"), ({"prompt": "hi", "n": 17}, "n must be"),
                         ({"prompt": "hi", "stop": [""]}, "stop"), ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
                         ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"), ({"prompt": "hi", "min_tokens": 99, "max_tokens": 4}, "min_tokens"),
                         ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "include_usage")]:
@@ -160,3 +160,20 @@ def test_n_choices_are_n_seeded_requests_plain_and_streamed(running):
     chat = client(running).chat.completions.create(model="tiny", max_tokens=6, temperature=0, n=2,
                                                    messages=[{"role": "user", "content": "Say hi"}])
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content  # greedy
+
+
+def test_logprobs_as_the_openai_client_reads_them(running):
+    oa = client(running)
+    plain = oa.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=2)
+    lp = plain.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == plain.usage.completion_tokens == 10
+    assert "".join(lp.tokens) == plain.choices[0].text and lp.text_offset[1] == len(lp.tokens[0])
+    assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+    assert all(abs(max(top.values()) - x) < 1e-5 for top, x in zip(lp.top_logprobs, lp.token_logprobs))  # greedy: the top one
+    chat = oa.chat.completions.create(model="tiny", max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+                                      messages=[{"role": "user", "content": "Say hi"}])
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 8 and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.token == e.top_logprobs[0].token and abs(e.logprob - e.top_logprobs[0].logprob) < 1e-5 for e in content)
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    assert oa.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].logprobs is None

@@ -297,7 +297,7 @@ def test_http_errors_are_clear_4xx_and_streaming_matches_the_plain_answer(runnin
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"prompt": "hi", "n": 99}, 400, "n must be"),
-        ({"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
+        ({"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
         ({"prompt": [1] * 600}, 400, "context window"),
         ({"prompt": [49152]}, 400, "token ids"),
         ([1, 2], 400, "JSON object"),
