@@ -126,7 +126,7 @@ def test_register_drafter_creates_a_version_with_alias_and_tags(server, client, 
 
 
 @pytest.mark.slow
-def test_a_registered_drafter_loads_through_the_registry_as_a_pyfunc_model(server, tiny_dirs, tmp_path):
+def test_a_registered_drafter_loads_through_the_registry_as_a_pyfunc_model(server, tiny_dirs, tmp_path, monkeypatch):
     """`mlflow.pyfunc.load_model("models:/<name>@candidate")` gives the drafter, whose predictions are its own
     greedy continuation."""
     import mlflow
@@ -139,14 +139,10 @@ def test_a_registered_drafter_loads_through_the_registry_as_a_pyfunc_model(serve
     tracker.register_drafter(str(tiny_dirs[1]), "d0001", {"parent": "init"})
     stats = tracker.close(timeout_s=60)
     assert stats.failures == 0, stats
-    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
-    mlflow.set_tracking_uri(server.uri)
-    mlflow.set_registry_uri(server.uri)
-    try:
-        model = mlflow.pyfunc.load_model(f"models:/{cfg.registry_model}@candidate")
-    finally:
-        mlflow.set_tracking_uri(before[0])
-        mlflow.set_registry_uri(before[1])
+    # the environment, not mlflow.set_*_uri: those pin a process-wide URI that would outlive this test
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", server.uri)
+    model = mlflow.pyfunc.load_model(f"models:/{cfg.registry_model}@candidate")
     prompt = [101, 2045, 330, 7, 88]
     got = model.predict([prompt, "Once upon a time"], params={"max_new_tokens": 5})
     drafter = load_drafter(tiny_dirs[1], 49152)
