@@ -70,6 +70,7 @@ from dvi.models import (
     DRAFTER_META,
     Drafter,
     build_drafter,
+    cache_kwarg,
     default_cache_dir,
     fetch_demo_target,
     load_causal_lm,
@@ -212,7 +213,7 @@ class StepTimer:
         self.caches = {}
         for name, model in models.items():
             cache = DynamicCache()
-            model(input_ids=torch.tensor([context], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=torch.tensor([context], device=device), use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
             self.caches[name] = cache
         self.samples: dict[tuple[str, int], list[float]] = {}
 
@@ -221,7 +222,8 @@ class StepTimer:
         sync = torch.cuda.synchronize if self.feed.is_cuda else (lambda: None)  # time the kernels, not their launch
         sync()
         t0 = time.perf_counter()
-        self.models[name](input_ids=self.feed[:, :tokens], past_key_values=cache, use_cache=True, logits_to_keep=tokens)
+        model = self.models[name]
+        model(input_ids=self.feed[:, :tokens], use_cache=True, logits_to_keep=tokens, **{cache_kwarg(model): cache})
         sync()
         self.samples.setdefault((name, tokens), []).append(time.perf_counter() - t0)
         cache.crop(-tokens)  # transformers 5: a negative count drops that many tokens

@@ -35,7 +35,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from dvi.config import SpecConfig, check_sampling
 from dvi.errors import DviError
-from dvi.models import Drafter
+from dvi.models import Drafter, cache_kwarg
 from dvi.speculative import (
     acceptance_estimate,
     ban_tokens,
@@ -201,9 +201,9 @@ class _KV:
             input_ids=ids,
             attention_mask=mask.unsqueeze(1),  # [B, 1, Q, L + Q]
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=keep,
+            **{cache_kwarg(model): self.cache},
         )
         self.valid = keys_ok
         self.length += ok.sum(1)

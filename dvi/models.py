@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import functools
+import inspect
 import re
 import shutil
 import subprocess
@@ -199,6 +201,17 @@ def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = t
     except Exception as e:
         raise DviError(f"could not load the {what} from {str(p)!r}: {e}") from e
     return model.to(device).eval()
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The name `model.forward` takes its KV cache by: `cache` since transformers 5.24, `past_key_values` before
+    (5.24 still accepts the old name, with a FutureWarning on every forward)."""
+    return _cache_kwarg(type(model))
+
+
+@functools.cache
+def _cache_kwarg(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool) -> list[int]:

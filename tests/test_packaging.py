@@ -4,6 +4,7 @@ imports comes from the base dependencies only, none from the `train` and `local`
 
 from __future__ import annotations
 
+import re
 import subprocess
 import tomllib
 import sys
@@ -52,3 +53,24 @@ def test_serving_imports_nothing_from_the_train_and_local_extras():
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[-2] == "[]", run.stdout[-500:]
+
+
+def _name(requirement: str) -> str:
+    """The canonical distribution name a requirement line names ('Flask>=3' -> 'flask', 'dvi[train]' -> 'dvi')."""
+    return re.split(r"[\[<>=!~;\s]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_constraints_pin_every_dependency_and_setup_installs_with_them():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {_name(r) for r in project["dependencies"]}
+    declared |= {_name(r) for reqs in project["optional-dependencies"].values() for r in reqs}
+    declared -= {"dvi", "torch"}  # the project itself; torch is pinned by .ci/setup and kept by the images
+    lines = [ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!-]+", ln) for ln in lines), [
+        ln for ln in lines if "==" not in ln or " " in ln]
+    pinned = {_name(ln) for ln in lines}
+    assert len(pinned) == len(lines), "a package pinned twice"
+    assert declared <= pinned, sorted(declared - pinned)
+    assert "torch" not in pinned
+    setup = (ROOT / ".ci" / "setup").read_text()
+    assert re.search(r"pip install .*-c constraints\.txt .*-e '\.\[test\]'", setup)

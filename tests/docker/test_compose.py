@@ -290,8 +290,9 @@ def test_mlflow_server_version_and_stores():
     dockerfile = read_dockerfile(dockerfile_of("mlflow"))
     assert version_tuple(arg_defaults(dockerfile)["MLFLOW_VERSION"]) >= MIN_MLFLOW
     assert any(op == "RUN" and '"mlflow==${MLFLOW_VERSION}"' in rest for op, rest in dockerfile)
-    for name in ("serve", "trainer"):  # clients pinned to the server's version
-        assert services()[name]["build"]["args"]["MLFLOW_VERSION"] == version
+    # the clients in the serve and trainer images install the tested version, constraints.txt's pin: the server's
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line)
+    assert pins["mlflow-skinny"] == pins["mlflow"] == version == arg_defaults(dockerfile)["MLFLOW_VERSION"]
 
     cmd = svc["command"]
     opt = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--") and not cmd[i + 1].startswith("--")}
@@ -465,3 +466,4 @@ def test_dvi_images_install_the_project_and_its_config(dockerfile):
     assert "DVI_CONF_DIR" not in env
     pip = " ".join(rest for op, rest in instructions if op == "RUN" and "pip " in rest)
     assert "--constraint /tmp/torch.txt" in pip  # keeps the base image's CUDA torch
+    assert "--constraint /tmp/src/constraints.txt" in pip and "constraints.txt" in copied  # the tested versions
