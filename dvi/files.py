@@ -1,4 +1,5 @@
-"""Durable file helpers shared by the model store and the trainer's checkpoints: digests and fsync.
+"""Durable file helpers shared by the model store, the trainer's checkpoints and the pinned downloads: digests,
+digest checks and fsync.
 
 Knows bytes on disk, nothing about models or what the files mean.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+
+from dvi.errors import DviError
 
 
 def sha256_file(path: Path, fsync: bool = False) -> str:
@@ -19,6 +22,14 @@ def sha256_file(path: Path, fsync: bool = False) -> str:
         if fsync:
             os.fsync(f.fileno())
     return digest.hexdigest()
+
+
+def check_sha256(path: Path, expected: str, what: str) -> None:
+    """Refuse (DviError naming `what`, the file and both digests) a file whose sha256 is not the pinned `expected`."""
+    found = sha256_file(path)
+    if found != expected:
+        raise DviError(f"{what} at {path} has sha256 {found}, not the pinned {expected}: refusing to use it "
+                       "(a corrupted or tampered download or install)")
 
 
 def write_synced(path: Path, data: bytes) -> None:

