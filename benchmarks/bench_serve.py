@@ -99,7 +99,7 @@ def swaps_under_load(model: ModelConfig, n_swaps: int, every_s: float, clients: 
             i = c
             while not stop.is_set():
                 times: list[float] = []
-                job = service.submit(Request(prompts[i % len(prompts)], max_new_tokens=48), on_tokens=lambda ids: times.append(time.perf_counter()))
+                job = service.submit(Request(prompts[i % len(prompts)], max_new_tokens=48), on_tokens=lambda ids, _: times.append(time.perf_counter()))
                 result = job.future.result()
                 finished.append((times, [r.drafter_version for r in result.rounds]))
                 i += clients

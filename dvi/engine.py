@@ -64,6 +64,12 @@ class Request:
     min_tokens: int = 0  # the stop ids cannot be generated before this many tokens (their target probability is 0)
 
 
+LogProb = tuple[float, list[tuple[int, float]]]  # an emitted token's log-prob and its top alternatives (id, log-prob)
+# streaming: called on the decoding thread after every round with the tokens a request gained in it, and their
+# LogProbs if the request asked for them (else None)
+TokenHook = Callable[[list[int], "list[LogProb] | None"], None]
+
+
 @dataclass
 class Round:
     """One verification decision for one request."""
@@ -78,7 +84,7 @@ class Round:
     topk_logprobs: torch.Tensor | None = None  # [k + 1, topk] their log-probs (temperature 1, unwarped)
     # for a request that asked for them: per emitted token (accepted drafts, then `token`), its log-prob and the
     # top alternatives as (id, log-prob), from the same unwarped distribution
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    logprobs: list[LogProb] | None = None
 
 
 @dataclass
@@ -477,7 +483,7 @@ class SpeculativeEngine:
         while waiting or batch.size:
             while waiting and batch.size < self.max_batch:
                 i = waiting.pop(0)
-                batch.add(requests[i], key=i, on_tokens=(lambda ids, i=i: on_tokens(i, ids)) if on_tokens is not None else None)
+                batch.add(requests[i], key=i, on_tokens=(lambda ids, _, i=i: on_tokens(i, ids)) if on_tokens is not None else None)
             for i, result in batch.step():
                 results[i] = result
         return results  # type: ignore[return-value]
@@ -538,7 +544,7 @@ class SpeculativeEngine:
         return torch.stack(drafts, 1), q
 
 
-def _emitted_logprobs(log_p: torch.Tensor, emitted: list[int], n_top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+def _emitted_logprobs(log_p: torch.Tensor, emitted: list[int], n_top: int) -> list[LogProb]:
     """log_p [J, V] of one row's round: for emitted token j, its log-prob and the `n_top` most likely (id, log-prob)."""
     j = torch.arange(len(emitted), device=log_p.device)
     chosen = log_p[j, torch.tensor(emitted, device=log_p.device)].tolist()
@@ -559,7 +565,7 @@ class _Row:
 
     key: object  # the caller's handle, returned with the result
     req: Request
-    on_tokens: Callable[[list[int]], None] | None
+    on_tokens: TokenHook | None
     budget: int  # tokens it may generate (max_new_tokens, clipped by the context window)
     gen: torch.Generator
     ctrl: _KController
@@ -593,7 +599,7 @@ class Decoding:
     def size(self) -> int:
         return len(self.rows)
 
-    def add(self, req: Request, key: object = None, on_tokens: Callable[[list[int]], None] | None = None) -> None:
+    def add(self, req: Request, key: object = None, on_tokens: TokenHook | None = None) -> None:
         """Join the batch; the request is prefilled in the next round, beside the others' verification."""
         e = self.engine
         e.check_request(req)
@@ -742,7 +748,8 @@ class Decoding:
                     r.finish = "length"
                     break
             if r.on_tokens is not None and len(r.out) > before:
-                r.on_tokens(r.out[before:])
+                emitted = r.rounds[-1].logprobs
+                r.on_tokens(r.out[before:], None if emitted is None else emitted[: len(r.out) - before])
             if r.finish:
                 finished.append((r.key, r.result()))
             else:

@@ -8,8 +8,8 @@ into the request's DecisionRecords.
 
 Bodies are parsed by hand (`parse_completion`) so every mistake gets one clear 4xx in OpenAI's error shape
 ({"error": {"message", "type", "param", "code"}}): malformed JSON, a missing or empty prompt, an unknown model,
-out-of-range sampling values, max_tokens, `n` or `logprobs` (served without streaming; the target's unwarped
-log-probs, as vLLM's default); a body that is not JSON is a 415.
+out-of-range sampling values, max_tokens, `n` or `logprobs` (the target's unwarped log-probs, as vLLM's default;
+streamed, each chunk carries the tokens decoded since the previous one); a body that is not JSON is a 415.
 As vLLM does, fields this server does not know are ignored with a warning in its log, and it takes vLLM's
 extensions `ignore_eos`, `min_tokens` and `skip_special_tokens`; `stop` strings end generation and are cut from
 the text (held back while streaming until they cannot start a stop string: the streamed text is exactly the
@@ -47,6 +47,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.datastructures import Headers
 
+from dvi.engine import LogProb
 from dvi.errors import DviError
 from dvi.records import DOMAIN
 from dvi.serving.replica import Replica, Unavailable
@@ -154,8 +155,6 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
-    if logprobs is not None and stream:
-        raise ApiError(400, "logprobs are not served with stream=true yet: ask without streaming", "logprobs")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object, e.g. {\"include_usage\": true}", "stream_options")
@@ -288,8 +287,11 @@ class Output:
         self.detok, self.stop = TextStream(tokenizer, c.skip_special_tokens), StopText(c.stop)
         self.released: list[str] = []
         self.tokens: int | None = None  # set when a stop string ended the text
+        self.logprobs: list[LogProb] = []  # the fed tokens' (streamed with logprobs)
+        self.reported = 0  # tokens whose logprobs went out in a chunk
 
-    def feed(self, ids: list[int]) -> str:
+    def feed(self, ids: list[int], logprobs: list[LogProb] | None = None) -> str:
+        self.logprobs += logprobs or []
         before = len(self.detok.ids)
         out = self.stop.feed(self.detok.feed(ids))
         if self.stop.stopped is not None and self.tokens is None:
@@ -306,6 +308,14 @@ class Output:
     @property
     def stopped(self) -> str | None:
         return self.stop.stopped
+
+    def take_logprobs(self) -> tuple[list[int], list[LogProb]]:
+        """The tokens (ids, logprobs) fed since the last call, none past the one that completed a stop string: the
+        next chunk reports them (a token's text may still be held back as a possible start of a stop string; it is
+        in the text by the end either way)."""
+        end = min(len(self.logprobs), self.tokens if self.tokens is not None else len(self.detok.ids))
+        start, self.reported = self.reported, max(self.reported, end)
+        return self.detok.ids[start:end], self.logprobs[start:end]
 
 
 def create_app(replica: Replica) -> Any:
@@ -433,21 +443,38 @@ def create_app(replica: Replica) -> Any:
         def finish_reason(result, out: Output | None) -> str:
             return "stop" if out is not None and out.stopped is not None else result.finish_reason
 
-        def logprobs_of(result, out: Output | None) -> dict | None:
-            """OpenAI's logprobs object of a choice: completions' token lists, or chat's `content` entries."""
-            if c.logprobs is None:
-                return None
-            n_tok = tokens(result, out)
-            pairs = [lp for r in result.rounds for lp in (r.logprobs or [])][:n_tok]
-            text = [replica.tokenizer.decode([t]) for t in result.token_ids[:n_tok]]
+        def logprobs_object(ids: list[int], pairs: list[LogProb], offset: int = 0) -> dict:
+            """OpenAI's logprobs object for these tokens: completions' token lists (`text_offset` counted from
+            `offset`), or chat's `content` entries."""
+            text = [replica.tokenizer.decode([t]) for t in ids]
             alts = [[(replica.tokenizer.decode([a]), lp) for a, lp in top] for _, top in pairs]
             if chat:
                 return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                                      "top_logprobs": [{"token": a, "logprob": x, "bytes": list(a.encode())} for a, x in top]}
                                     for t, (lp, _), top in zip(text, pairs, alts)]}
-            offsets = [sum(len(t) for t in text[:i]) for i in range(len(text))]
+            offsets = [offset + sum(len(t) for t in text[:i]) for i in range(len(text))]
             return {"tokens": text, "token_logprobs": [lp for lp, _ in pairs], "top_logprobs": [dict(top) for top in alts],
                     "text_offset": offsets}
+
+        def logprobs_of(result, out: Output | None) -> dict | None:
+            """A whole choice's logprobs object (None when not asked for)."""
+            if c.logprobs is None:
+                return None
+            n_tok = tokens(result, out)
+            return logprobs_object(result.token_ids[:n_tok], [lp for r in result.rounds for lp in (r.logprobs or [])][:n_tok])
+
+        offsets = [0] * c.n  # streaming completions: characters of token text reported so far, per choice
+
+        def streamed_logprobs(i: int, out: Output) -> dict | None:
+            """The logprobs object of choice i's next chunk: its tokens not yet reported (None when none or not asked)."""
+            if c.logprobs is None:
+                return None
+            ids, pairs = out.take_logprobs()
+            if not ids:
+                return None
+            obj = logprobs_object(ids, pairs, offsets[i])
+            offsets[i] += sum(len(replica.tokenizer.decode([t])) for t in ids)
+            return obj
 
         def with_logprobs(ch: dict, result, out: Output | None) -> dict:
             ch["logprobs"] = logprobs_of(result, out)
@@ -462,10 +489,10 @@ def create_app(replica: Replica) -> Any:
             jobs = []
             try:
                 for i, r in enumerate(reqs):
-                    hook = (lambda ids, i=i: loop.call_soon_threadsafe(chunks.put_nowait, (i, ids))) if watch else None
+                    hook = (lambda ids, lps, i=i: loop.call_soon_threadsafe(chunks.put_nowait, (i, ids, lps))) if watch else None
                     jobs.append(submit(r, c.domain, hook))
                     if watch:
-                        jobs[-1].future.add_done_callback(lambda _, i=i: loop.call_soon_threadsafe(chunks.put_nowait, (i, None)))
+                        jobs[-1].future.add_done_callback(lambda _, i=i: loop.call_soon_threadsafe(chunks.put_nowait, (i, None, None)))
             except BaseException:
                 for job in jobs:
                     replica.cancel(job, "abort")
@@ -491,13 +518,13 @@ def create_app(replica: Replica) -> Any:
             batch at the next round)."""
             running = len(jobs)
             while running:
-                i, ids = await chunks.get()
+                i, ids, lps = await chunks.get()
                 if ids is None:
                     running -= 1
                     if tail := outs[i].flush():
                         yield i, tail
                     continue
-                delta = outs[i].feed(ids)
+                delta = outs[i].feed(ids, lps)
                 if outs[i].stopped is not None:
                     replica.cancel(jobs[i], "stop")
                 if delta:
@@ -527,7 +554,9 @@ def create_app(replica: Replica) -> Any:
                     yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                                  for i in range(len(jobs))])
                 async for i, delta in deltas():
-                    yield event([choice(i, delta, None, outs[i], True)])
+                    ch = choice(i, delta, None, outs[i], True)
+                    ch["logprobs"] = streamed_logprobs(i, outs[i])
+                    yield event([ch])
                 try:
                     results = [job.future.result() for job in jobs]
                 except Exception as e:  # shut down or failed: say so in the stream, never end it as if complete
@@ -535,7 +564,8 @@ def create_app(replica: Replica) -> Any:
                         ApiError(500, f"decoding failed: {e}", kind="server_error")
                     yield f"data: {json.dumps(error.body())}\n\n"
                     return
-                yield event([choice(i, "" if not chat else None, finish_reason(r, o), o, True) for i, (r, o) in enumerate(zip(results, outs))],
+                yield event([{**choice(i, "" if not chat else None, finish_reason(r, o), o, True), "logprobs": streamed_logprobs(i, o)}
+                             for i, (r, o) in enumerate(zip(results, outs))],
                             usage=usage(results, outs), dvi=extension(results))
                 if c.include_usage:  # vLLM's last chunk: no choices, the usage
                     yield event([], usage=usage(results, outs))

@@ -34,12 +34,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from dvi import store
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, Message
-from dvi.engine import Request, Result, SpeculativeEngine
+from dvi.engine import LogProb, Request, Result, SpeculativeEngine, TokenHook
 from dvi.errors import DviError
 from dvi.files import sha256_file
 from dvi.metrics import ServingMetrics, drift_plot
@@ -63,7 +62,7 @@ class Unavailable(DviError):
 class Job:
     request: Request
     domain: str | None
-    on_tokens: Callable[[list[int]], None] | None = None
+    on_tokens: TokenHook | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     cancelled: str = ""  # set by Replica.cancel: the decoding thread ends the request at the next round boundary
     # when it arrived, joined the batch, got its first and its latest tokens (time.perf_counter), and the gaps
@@ -192,7 +191,7 @@ class Replica:
         self.engine.check_request(req)
         return req
 
-    def submit(self, req: Request, domain: str | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> Job:
+    def submit(self, req: Request, domain: str | None = None, on_tokens: TokenHook | None = None) -> Job:
         """Queue a request; its `future` resolves to the engine's Result. `Unavailable` when shutting down or full."""
         if self._stop.is_set() or self._draining.is_set():
             raise Unavailable("the server is shutting down")
@@ -264,7 +263,7 @@ class Replica:
                 self._finish(job, result)
 
     def _join(self, batch, job: Job) -> None:
-        def emit(ids: list[int]) -> None:
+        def emit(ids: list[int], logprobs: list[LogProb] | None) -> None:
             now = time.perf_counter()
             if job.first is None:
                 job.first = now
@@ -273,7 +272,7 @@ class Replica:
             job.last = now
             if job.on_tokens is not None and ids:
                 try:
-                    job.on_tokens(ids)
+                    job.on_tokens(ids, logprobs)
                 except Exception:  # a client gone away must not stop the batch
                     log.debug("streaming callback failed", exc_info=True)
 

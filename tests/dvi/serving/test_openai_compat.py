@@ -16,7 +16,8 @@ from replica_fixtures import Running, replica, service_config
 from test_replica import PROMPTS
 
 from dvi.config import DviConfig, ModelConfig, TrackingConfig
-from dvi.serving.api import StopText
+from dvi.models import load_tokenizer
+from dvi.serving.api import Output, StopText, parse_completion
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_the_official_openai_client_gets_what_it_asks_for(running):
 
 
 def test_refusals_that_stay_and_the_chat_template_deciding_roles(running):
-    for body, words in [({"prompt": "hi", "logprobs": 21}, "logprobs"), ({"prompt": "hi", "logprobs": 2, "stream": True}, "stream"), ({"prompt": "hi", "n": 17}, "n must be"),
+    for body, words in [({"prompt": "hi", "logprobs": 21}, "logprobs"), ({"prompt": "hi", "n": 17}, "n must be"),
                         ({"prompt": "hi", "stop": [""]}, "stop"), ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
                         ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"), ({"prompt": "hi", "min_tokens": 99, "max_tokens": 4}, "min_tokens"),
                         ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "include_usage")]:
@@ -177,3 +178,50 @@ def test_logprobs_as_the_openai_client_reads_them(running):
     assert all(e.token == e.top_logprobs[0].token and abs(e.logprob - e.top_logprobs[0].logprob) < 1e-5 for e in content)
     assert "".join(e.token for e in content) == chat.choices[0].message.content
     assert oa.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].logprobs is None
+
+
+def test_a_chunk_reports_the_tokens_decoded_since_the_last_and_none_past_a_stop(tiny_dirs):
+    tokenizer = load_tokenizer(tiny_dirs[0])
+    ids = tokenizer.encode("Hello world, the end is near and far")
+    c = parse_completion(json.dumps({"prompt": "x", "stop": [" end"], "logprobs": 1}).encode(), False, model_name="m",
+                         default_max_tokens=16, max_max_tokens=64, default_temperature=0.0, default_top_p=1.0)
+    out = Output(tokenizer, c)
+    lps = [(-float(i), [(t, -float(i))]) for i, t in enumerate(ids)]  # stand-ins: token i has log-prob -i
+    reported: list[int] = []
+    for start in range(0, len(ids), 3):  # rounds of 3 tokens, as accepted drafts plus one arrive
+        out.feed(ids[start : start + 3], lps[start : start + 3])
+        got, pairs = out.take_logprobs()
+        assert [lp for lp, _ in pairs] == [-float(ids.index(t, len(reported) + j)) for j, t in enumerate(got)]
+        reported += got
+    assert out.stopped == " end" and reported == ids[: out.tokens] and out.tokens < len(ids)
+    assert tokenizer.decode(reported).startswith("Hello world, the end") and out.take_logprobs() == ([], [])
+
+
+def test_streamed_logprobs_are_the_unstreamed_ones_chunk_by_chunk(running):
+    """Each chunk carries the logprobs of the tokens decoded since the previous one; joined, they are the unstreamed
+    choice's, cut where a stop string cut the text."""
+    oa = client(running)
+    text = oa.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0).choices[0].text
+    assert len(text) > 8
+    for stop in (None, [text[len(text) // 2: len(text) // 2 + 3]]):  # a stop string that may end inside a token
+        args = dict(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0, logprobs=2, n=2, stop=stop)
+        whole = oa.completions.create(**args)
+        chunks = list(oa.completions.create(**args, stream=True))
+        for choice in whole.choices:
+            mine = [ch for chunk in chunks for ch in chunk.choices if ch.index == choice.index]
+            parts = [ch.logprobs for ch in mine if ch.logprobs is not None]
+            assert [t for p in parts for t in p.tokens] == choice.logprobs.tokens
+            assert [x for p in parts for x in p.token_logprobs] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)
+            assert [o for p in parts for o in p.text_offset] == choice.logprobs.text_offset
+            tops = [t for p in parts for t in p.top_logprobs]
+            assert [sorted(t) for t in tops] == [sorted(t) for t in choice.logprobs.top_logprobs]
+            assert [sorted(t.values()) for t in tops] == [pytest.approx(sorted(t.values()), abs=1e-6) for t in choice.logprobs.top_logprobs]
+        if stop:
+            assert whole.choices[0].finish_reason == "stop" and len(whole.choices[0].logprobs.tokens) < 24
+    chat_args = dict(model="tiny", max_tokens=10, temperature=0, logprobs=True, top_logprobs=2,
+                     messages=[{"role": "user", "content": "Say hi"}])
+    whole = oa.chat.completions.create(**chat_args).choices[0].logprobs.content
+    streamed = [e for chunk in oa.chat.completions.create(**chat_args, stream=True) for ch in chunk.choices
+                if ch.logprobs is not None for e in ch.logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in whole]
+    assert len(streamed) == 10

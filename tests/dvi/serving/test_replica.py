@@ -446,7 +446,7 @@ def test_a_request_submitted_while_a_long_one_decodes_finishes_first(tiny_dirs, 
     service = Replica(cfg, resolve_pair(cfg.model)).start()
     try:
         started = threading.Event()
-        long_job = service.submit(Request(PROMPTS[0], max_new_tokens=400), on_tokens=lambda ids: started.set())
+        long_job = service.submit(Request(PROMPTS[0], max_new_tokens=400), on_tokens=lambda ids, _: started.set())
         assert started.wait(60), "the long request never started decoding"
         short_job = service.submit(Request(PROMPTS[1], max_new_tokens=8))
         short = short_job.future.result(timeout=60)
