@@ -109,6 +109,12 @@ class DecisionProducer:
                 self._submitted, self._sent, self._dropped, self._errors, self._queued + self._in_flight, self._recreated
             )
 
+    def client_metrics(self) -> dict:
+        """The Kafka client's own producer metrics (kafka-python's `producer-metrics` group: bytes sent, batch sizes,
+        compression rate, ...); empty while no client is connected."""
+        client = self._producer
+        return dict(client.metrics().get("producer-metrics", {})) if client is not None else {}
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every submitted record is sent or dropped; False if some are still pending at the timeout."""
         deadline = time.monotonic() + timeout_s
