@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
               "acceptance_before": acceptance(before), "acceptance_after": acceptance(after),
               "by_domain": {d: {"before": acceptance([x for x in before if x["domain"] == d]),
                                 "after": acceptance([x for x in after if x["domain"] == d])} for d in ("code", "prose")},
+              # requests served by one drafter version alone, per version in the order they served
+              "by_version": {v: {"requests": len(rows), "acceptance": acceptance(rows)}
+                             for v in dict.fromkeys(x["versions"][0] for x in served if len(x["versions"]) == 1)
+                             for rows in [[x for x in served if x["versions"] == [v]]]},
               "seconds_per_request_before": round(sum(x["s"] for x in before) / max(1, len(before)), 2),
               "seconds_per_request_after": round(sum(x["s"] for x in after) / max(1, len(after)), 2) if after else None,
               "decision_lines": [line for _, line in out.lines if " dvi.decision." in line]}
