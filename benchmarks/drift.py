@@ -323,7 +323,7 @@ class Options:
 
 
 # the CI-sized run: a short first phase, a longer shifted one, small bootstrap
-QUICK = dict(schedule=["code", "prose"], rounds=900, first_rounds=120, boot_prompts=12, boot_steps=12, max_tokens=32,
+QUICK = dict(schedule=["code", "prose"], rounds=1500, first_rounds=120, boot_prompts=12, boot_steps=12, max_tokens=32,
              plain_every=2, window=100)
 
 
