@@ -7,7 +7,7 @@ prints, from the moment the stack was ready: minutes and requests to the first p
 promotion, and the live acceptance (accepted / drafted) of the requests served by the initial drafter against
 those served by the published one. Stops after `--after` requests on the new drafter or `--requests` in all.
 
-    python -m benchmarks.first_publish [--requests 60] [--after 10] [--json] [key=value overrides]
+    python -m benchmarks.first_publish [--requests 60] [--after 10] [--json] [--screenshots DIR] [key=value overrides]
 
 It measures; it asserts nothing (tests/dvi/cli/test_up.py asserts the publish and the swap).
 """
@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 
+from benchmarks import mlflow_screenshots
 from dvi.config import load_config
 from dvi.models import pair_dirs
 from dvi.procs import free_port, local_post, sigterm_interrupts
@@ -72,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", type=int, default=10, help="stop after this many requests on the published drafter")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--screenshots", metavar="DIR", help="before stopping the stack, screenshot its MLflow pages into DIR "
+                   "(benchmarks.mlflow_screenshots; needs chromium)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     target, drafter = pair_dirs(load_config(args.overrides).model)
-    api_port = free_port()
+    api_port, mlflow_port = free_port(), free_port()
     cache = tempfile.mkdtemp(prefix="dvi-first-publish-")
     overrides = [f"model.target={target}", f"model.drafter={drafter}", f"model.cache_dir={cache}", f"stream.port={free_port()}",
-                 f"tracking.port={free_port()}", f"tracking.root={cache}/mlflow", f"serve.port={api_port}", *args.overrides]
+                 f"tracking.port={mlflow_port}", f"tracking.root={cache}/mlflow", f"serve.port={api_port}", *args.overrides]
     proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out, api, served = Output(proc), f"http://127.0.0.1:{api_port}", []
@@ -104,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("first_publish: interrupted; stopping the stack", flush=True)
         finally:
+            if args.screenshots and proc.poll() is None:
+                time.sleep(12)  # the replica's next metrics interval, and its tracker's flush
+                mlflow_screenshots.main(["--uri", f"http://127.0.0.1:{mlflow_port}", "--out", args.screenshots])
             proc.send_signal(signal.SIGTERM)
             proc.wait(180)
 

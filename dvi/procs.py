@@ -42,9 +42,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_replica_id() -> str:
-    """This process's name where `stream.replica_id` is not set: <host>-<pid>."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+def default_replica_id(port: int | None = None) -> str:
+    """This process's name where `stream.replica_id` is not set: <host>-<port> for a server (the same across restarts,
+    and so is its MLflow run, `serve-<host>-<port>`), <host>-<pid> for a one-off process."""
+    return f"{socket.gethostname()}-{os.getpid() if port is None else port}"
 
 
 class Child:

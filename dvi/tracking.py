@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from dvi import mlflow_view
 from dvi.config import TrackingConfig
 
 log = logging.getLogger("dvi.tracking")
@@ -63,10 +64,12 @@ SOURCE_TAG = "dvi.source"
 PRODUCTION_ALIAS, CANDIDATE_ALIAS = "production", "candidate"
 # experiment tags: MLflow 3 opens an experiment of this kind on its runs table (not the GenAI overview), and shows the note
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development",
-                   "mlflow.note.content": "dvi: online drafter adaptation. Runs: `trainer` (`gate/*`, `count/*`, `loss`); "
-                                          "`serve-<replica>` (`interval/acceptance.<domain>`, `version/<v>/acceptance_rate`, "
-                                          "and the artifact `plots/drift.png`: acceptance by domain and drafter version against "
-                                          "wall-clock time). Models: `dvi-drafter` (aliases `production`, `candidate`)."}
+                   "mlflow.note.content": "dvi: online drafter adaptation. Open the saved view `dvi: the loop at a glance` "
+                                          "(runs with their key figures as columns; its chart view plots acceptance by domain "
+                                          "and by drafter version, swaps, promotions, gates and publishes against wall-clock "
+                                          "time). Runs: `trainer` (`gate/*`, `count/*`, `loss`); `serve-<host>-<port>` "
+                                          "(`interval/acceptance.<domain>`, `version/<v>/acceptance_rate`, `events/*`, and the "
+                                          "artifact `plots/drift.png`). Models: `dvi-drafter` (aliases `production`, `candidate`)."}
 # MLflow 3.17 opens experiments in its GenAI view unless the page asks for the classic one (the experiment kind above
 # is not enough while its workflow switch is shown): links dvi prints carry this
 CLASSIC_VIEW = "?workflowType=machine_learning"
@@ -137,6 +140,10 @@ class Tracker:
         self._connected = False
         self._run_id: str | None = None
         self._params_logged = False
+        self._experiment: str | None = None
+        # the metric keys the experiment's saved view plots, as sent by this run, and as last written (None: not yet)
+        self._view_keys: frozenset[str] = frozenset()
+        self._view_written: frozenset[str] | None = None
         self._outage_reported = False
         self._outage: tuple[float, int, int] | None = None  # (started, points sent, points dropped) when contact was lost
         self._last_rejection: dict[str, float] = {}
@@ -310,6 +317,9 @@ class Tracker:
             while not self._done() and self._take_batch():
                 if not self._attempt(lambda: self._send_batch(client), "logging metrics"):
                     self._drop_in_flight()
+            if self._view_keys != self._view_written:
+                self._attempt(lambda: self._write_view(client), "the experiment's saved view")
+                self._view_written = self._view_keys
         except _Fatal:
             raise
         except Exception as e:
@@ -359,7 +369,7 @@ class Tracker:
     def _ensure_run(self, client) -> None:
         """The experiment, the run and its params, each created once (a reconnect keeps the same run)."""
         if self._run_id is None:
-            experiment_id = self._experiment_id(client)
+            experiment_id = self._experiment = self._experiment_id(client)
             try:
                 run = client.create_run(experiment_id, run_name=self.run_name, tags=self._tags)
             except Exception as e:
@@ -411,10 +421,18 @@ class Tracker:
         with self._lock:
             batch = list(self._in_flight)
         client.log_batch(self._run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in batch], synchronous=True)
+        self._view_keys = mlflow_view.plotted_keys(self._view_keys | {k for k, *_ in batch})
         with self._lock:
             if not self._abandoned:
                 self._sent += len(batch)
                 self._in_flight = []
+
+    def _write_view(self, client) -> None:
+        """The experiment's saved view (`dvi.mlflow_view`), its charts naming the keys this run has sent and those
+        the stored view already named (another run's domains and versions)."""
+        stored = (client.get_experiment(self._experiment).tags or {}).get(mlflow_view.TAG_KEY)
+        keys = mlflow_view.merged_keys(stored, self._view_keys)
+        client.set_experiment_tag(self._experiment, mlflow_view.TAG_KEY, mlflow_view.tag_value(keys, time.time() * 1000))
 
     def _drop_in_flight(self) -> None:
         with self._lock:
@@ -575,6 +593,25 @@ def rest(uri: str, endpoint: str, query: dict | None = None, body: dict | None =
         return json.loads(resp.read() or b"{}")
 
 
+def experiment_link(uri: str, experiment_id: str | None) -> str:
+    """The page that opens the experiment on dvi's saved view (`dvi.mlflow_view`: its runs, their key figures as
+    columns, the charts beside them); the experiments list while there is no experiment yet."""
+    if experiment_id is None:
+        return f"{redact(uri)}/#/experiments{CLASSIC_VIEW}"
+    return f"{redact(uri)}/#{mlflow_view.view_path(experiment_id)}"
+
+
+def find_experiment_link(cfg: TrackingConfig, timeout_s: float = 1.5) -> str:
+    """`experiment_link` for experiment `tracking.experiment`, looked up over the REST API (the list when MLflow does not
+    answer or has no such experiment yet)."""
+    try:
+        found = rest(cfg.tracking_uri, "experiments/get-by-name", {"experiment_name": cfg.experiment}, timeout_s=timeout_s)
+        experiment_id = found["experiment"]["experiment_id"]
+    except (OSError, ValueError, KeyError):
+        experiment_id = None
+    return experiment_link(cfg.tracking_uri, experiment_id)
+
+
 def loop_view(cfg: TrackingConfig, timeout_s: float = 1.5) -> dict:
     """What MLflow says of the loop (for `dvi status`), read over its REST API: the newest trainer run (name, status,
     last value, step and time of each metric) and the registered drafter versions (dvi version, parent, records,
@@ -589,6 +626,7 @@ def loop_view(cfg: TrackingConfig, timeout_s: float = 1.5) -> dict:
         exp = None
     except (OSError, ValueError) as e:
         return {"uri": redact(uri), "error": f"unreachable ({type(e).__name__}: {redact(str(e))[:160]})"}
+    out["link"] = experiment_link(uri, exp["experiment_id"] if exp else None)
     try:
         if exp is not None:
             runs = rest(uri, "runs/search", body={"experiment_ids": [exp["experiment_id"]], "max_results": 1,

@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import replace
 
 import uvicorn
 
@@ -24,6 +25,7 @@ from dvi.records import records_from_result
 from dvi.serving.api import create_app, draining_server
 from dvi.serving.replica import Replica
 from dvi.tracking import Tracker
+from dvi.waiting import waiting_for
 from streams.client import quiet_kafka_logs
 from streams.control import ControlChannel
 from streams.producer import DecisionProducer
@@ -108,7 +110,8 @@ def _log_result(cfg, producer: DecisionProducer, result, req: Request, target_na
 
 def serve(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
-    replica_id = cfg.stream.replica_id or default_replica_id()
+    replica_id = cfg.stream.replica_id or default_replica_id(cfg.serve.port)
+    cfg = replace(cfg, stream=replace(cfg.stream, replica_id=replica_id))  # one name for records, control and MLflow
     quiet_kafka_logs(args.verbose)
     producer = DecisionProducer(cfg.stream) if cfg.serve.log_decisions else None
     control = ControlChannel(cfg.stream, client_id=f"dvi-serve-{replica_id}") if cfg.serve.swap.enabled else None
@@ -117,8 +120,9 @@ def serve(args: argparse.Namespace) -> int:
         tracker = Tracker(cfg.tracking, run_name=f"serve-{replica_id}", params=flat_params(cfg),
                           tags={"dvi.role": "serve", "dvi.replica": replica_id})
     # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed
-    replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft), producer=producer, control=control,
-                      tracker=tracker)
+    with waiting_for(f"the model pair to load (target {cfg.model.target})"):
+        replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft), producer=producer, control=control,
+                          tracker=tracker)
     replica.start()
     server = draining_server(uvicorn.Config(create_app(replica), host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
                                             timeout_graceful_shutdown=5, access_log=False,

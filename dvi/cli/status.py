@@ -136,7 +136,7 @@ def status(args: argparse.Namespace) -> int:
     elif "error" in m and "versions" not in m:
         lines.append(f"mlflow {m['uri']}: {m['error']}")
     else:
-        lines += trainer_lines(m) + publish_lines(m)
+        lines += trainer_lines(m) + publish_lines(m) + [f"mlflow: {m['link']}"]
     print("\n".join(lines))
     return 0
 

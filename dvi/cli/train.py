@@ -28,6 +28,7 @@ from dvi.control import RetrainRequested
 from dvi.models import cache_dir
 from dvi.records import Limits
 from dvi.tracking import Tracker
+from dvi.waiting import waiting_for
 from streams import control
 from streams.client import quiet_kafka_logs
 from streams.consumer import DecisionConsumer
@@ -41,7 +42,8 @@ log = logging.getLogger("dvi.trainer")
 def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bool, dead_letter: bool = True):
     """The recipe fed by the decisions topic, listening to the control topic, publishing on it, tracked in MLflow."""
     quiet_kafka_logs(verbose)
-    ensure_topics(cfg.stream)
+    with waiting_for(f"the Kafka broker at {cfg.stream.bootstrap}"):
+        ensure_topics(cfg.stream)
     limits = Limits(topk=cfg.stream.topk, max_rounds=cfg.stream.chunk_rounds, max_k=cfg.serve.spec.k_max)
     source = DecisionConsumer(cfg.stream, group_id=group_id, from_beginning=True, limits=limits, dead_letter=dead_letter,
                               client_id="dvi-trainer")
@@ -49,8 +51,9 @@ def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bo
     role = "distill" if offline else "trainer"
     tracker = Tracker(cfg.tracking, run_name=role, params=flat_params(cfg),  # stable names: the README's `trainer`, `distill`
                       tags={"dvi.role": role, "dvi.trigger": cfg.trigger.kind, "dvi.started": time.strftime("%Y-%m-%d %H:%M:%S")})
-    trainer = Trainer(cfg, source, tracker=tracker, control=reader, publisher=lambda msg: control.send(cfg.stream, msg),
-                      offline=offline)
+    with waiting_for("the models to load and DeepSpeed to start"):
+        trainer = Trainer(cfg, source, tracker=tracker, control=reader, publisher=lambda msg: control.send(cfg.stream, msg),
+                          offline=offline)
     return trainer, (source, reader, tracker)
 
 
@@ -59,7 +62,8 @@ def _file_trainer(cfg: DviConfig, path: str):
     source = FileSource(path)
     tracker = Tracker(cfg.tracking, run_name="distill", params=flat_params(cfg),
                       tags={"dvi.role": "distill", "dvi.source": str(source.path), "dvi.started": time.strftime("%Y-%m-%d %H:%M:%S")})
-    return Trainer(cfg, source, tracker=tracker, offline=True), (source, None, tracker)
+    with waiting_for("the models to load and DeepSpeed to start"):
+        return Trainer(cfg, source, tracker=tracker, offline=True), (source, None, tracker)
 
 
 def _run(trainer: Trainer, parts) -> dict:

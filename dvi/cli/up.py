@@ -32,7 +32,7 @@ from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
 from dvi.models import cache_dir, pair_dirs, resolve_device, resolve_dtype
 from dvi.procs import Child, http_ok, port_in_use, sigterm_interrupts, spawn, wait_ready
-from dvi.tracking import CLASSIC_VIEW
+from dvi.tracking import find_experiment_link
 
 PARTS = ("broker", "mlflow", "serve", "train")
 
@@ -302,8 +302,8 @@ def up(args: argparse.Namespace) -> int:
             if "serve" in names:
                 lines.append(f"  API     http://{cfg.serve.host}:{cfg.serve.port}/v1  (health, metrics: /health, /metrics)")
             if cfg.tracking.enabled:
-                lines.append(f"  MLflow  {cfg.tracking.tracking_uri}/#/experiments{CLASSIC_VIEW}  (experiment "
-                             f"'{cfg.tracking.experiment}': runs trainer, serve-<replica>; model '{cfg.tracking.registry_model}')")
+                lines.append(f"  MLflow  {find_experiment_link(cfg.tracking)}  (experiment "
+                             f"'{cfg.tracking.experiment}': runs trainer, serve-<host>-<port>; model '{cfg.tracking.registry_model}')")
             if "broker" in names:
                 lines.append(f"  Kafka   {cfg.stream.bootstrap}  (topic {cfg.stream.topic}; `dvi stream tail`)")
             lines.append(f"  logs    {cache / 'logs'}")

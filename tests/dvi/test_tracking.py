@@ -6,6 +6,7 @@ server late on a port where nothing listened while the tracker was already loggi
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import socket
@@ -266,3 +267,27 @@ def test_credentials_in_a_tracking_uri_never_reach_a_log_or_dvi_status(caplog):
     view = loop_view(cfg)
     assert "error" in view and "hunter2" not in str(view)
     assert caplog.records and not any("hunter2" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_the_experiments_saved_view_charts_the_keys_of_every_run(server, client):
+    from dvi import mlflow_view
+
+    cfg = config(server.uri)
+    serve = Tracker(cfg, "serve-a")
+    serve.log_metrics({"interval/acceptance.code": 0.1, "version/init/acceptance_rate": 0.05, "records/sent": 3}, step=1)
+    serve.close(timeout_s=20)
+    exp = client.get_experiment_by_name(cfg.experiment)
+    first = json.loads(json.loads(exp.tags[mlflow_view.TAG_KEY])["state"])
+    assert {k for c in first["compareRunCharts"] for k in c["selectedMetricKeys"]} == {
+        "interval/acceptance.code", "version/init/acceptance_rate"}
+
+    trainer = Tracker(cfg, "trainer")  # a later run adds its keys and keeps the first one's
+    trainer.log_metrics({"gate/candidate_acceptance": 0.3, "gate/serving_acceptance": 0.2, "loss": 2.0}, step=1)
+    trainer.log_metrics({"version/d0001/acceptance_rate": 0.3}, step=2)
+    trainer.close(timeout_s=20)
+    tags = client.get_experiment(exp.experiment_id).tags
+    state = json.loads(json.loads(tags[mlflow_view.TAG_KEY])["state"])
+    assert state == mlflow_view.view_state({"interval/acceptance.code", "version/init/acceptance_rate",
+                                            "gate/candidate_acceptance", "gate/serving_acceptance", "loss", "version/d0001/acceptance_rate"})
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from dvi.errors import DviError
+from dvi.procs import free_port
 
 pytestmark = pytest.mark.real_model
 
@@ -195,3 +197,16 @@ def test_a_command_whose_extra_is_not_installed_says_which_to_install():
     code = "import sys; sys.modules['deepspeed'] = None; from dvi.cli import main; sys.exit(main(['train']))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     one_line_error(proc, "pip install 'dvi[train]'")
+
+
+def test_train_started_alone_says_what_it_waits_for_before_a_broker_that_never_answers():
+    """The wait for the broker (10 s, then a clear error) is announced while it lasts, with a timestamp."""
+    address = f"127.0.0.1:{free_port()}"
+    out = dvi("train", f"stream.bootstrap_servers={address}", timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    waits = [ln for ln in lines if re.fullmatch(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d dvi\.wait: waiting for the Kafka broker "
+                                                rf"at {re.escape(address)} \(\d+ s so far\)", ln)]
+    assert waits, lines  # timestamped, while the wait lasted
+    assert any(f"the Kafka broker at {address}: gave up after" in ln for ln in lines), lines
+    assert lines[-1].startswith("dvi: error: cannot reach the Kafka broker at " + address), lines

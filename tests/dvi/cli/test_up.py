@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,10 +17,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from dvi import mlflow_view
 from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, next_backoff, plan
 from dvi.config import load_config
 from dvi.errors import DviError
 from dvi.procs import free_port
+from dvi.tracking import rest
 
 
 def test_backoff_doubles_to_a_cap_and_starts_over_after_a_stable_run():
@@ -143,11 +146,11 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
     swaps in; the decision lines reach up.log (dvi up's terminal) with timestamps; `dvi status` says it; a second
     `dvi up` on the same ports refuses; `dvi down` stops the parts in order and leaves no process behind."""
     marker = f"DVI_UP_TEST={uuid.uuid4().hex}"
-    api = free_port()
+    api, mlflow_port = free_port(), free_port()
     cache = tmp_path / "cache"
     overrides = [
         f"model.target={demo_target_dir}", f"model.drafter={demo_drafter_dir}", f"model.cache_dir={cache}",
-        f"stream.port={free_port()}", f"tracking.port={free_port()}", f"tracking.root={tmp_path / 'mlflow'}", f"serve.port={api}",
+        f"stream.port={free_port()}", f"tracking.port={mlflow_port}", f"tracking.root={tmp_path / 'mlflow'}", f"serve.port={api}",
         # a gate every 15 s that any gain passes: the defaults (60 s, a gain of 0.02) publish within minutes
         # (benchmarks/first_publish.py measures them); this test is about the publish, the swap and what says so
         "trainer.gate_every_s=15", "trainer.min_gain=0",
@@ -182,6 +185,15 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
         assert "published: 1 versions, newest d0001" in status.stdout or "published: 2 versions" in status.stdout, status.stdout
         assert "None" not in status.stdout and "last gate at step" in status.stdout, status.stdout
         print(f"dvi status answered in {took:.2f} s:\n{status.stdout}")
+
+        # MLflow: the serve run's name is the same across restarts, and the link dvi prints opens the saved view
+        uri = f"http://127.0.0.1:{mlflow_port}"
+        exp = rest(uri, "experiments/get-by-name", {"experiment_name": "dvi"})["experiment"]
+        assert f"mlflow: {uri}/#/experiments/{exp['experiment_id']}/runs?viewStateShareKey=dvi" in status.stdout, status.stdout
+        runs = rest(uri, "runs/search", body={"experiment_ids": [exp["experiment_id"]]})["runs"]
+        assert {r["info"]["run_name"] for r in runs} == {"trainer", f"serve-{socket.gethostname()}-{api}"}, runs
+        view = json.loads(json.loads({t["key"]: t["value"] for t in exp["tags"]}[mlflow_view.TAG_KEY])["state"])
+        assert view["compareRunCharts"] and view["selectedColumns"] == mlflow_view.view_state([])["selectedColumns"], view
     finally:
         down = subprocess.run([*cli, "down", *overrides], capture_output=True, text=True, env=env, timeout=300)
     assert down.returncode == 0 and "stopped dvi up" in down.stdout, down.stdout + down.stderr
