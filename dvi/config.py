@@ -224,7 +224,7 @@ class StreamConfig:
     logprob_dtype: str = "float16"
     delivery_timeout_ms: int = 10000  # a record not acknowledged by then is dropped and counted
     session_timeout_ms: int = 6000  # consumer groups (group joins take about half of it)
-    replica_id: str | None = None  # null: <hostname>-<pid>
+    replica_id: str | None = None  # null: <hostname>-<port> (dvi serve), <hostname>-<pid> (dvi generate)
     security: dict[str, Any] = field(default_factory=dict)  # passed to every Kafka client as is
     # control messages are signed (Ed25519, dvi.keys): the trainer's key publishes, the replicas' key gives verdicts
     control_auth: bool = True
@@ -406,6 +406,7 @@ class TrackingConfig:
     queue_size: int = 100000  # metric points buffered while MLflow is unreachable (older ones are dropped, counted)
     retry_s: float = 5.0  # wait between attempts to reach an unreachable MLflow
     enabled: bool = True
+    auth: bool = False  # the local server requires a login (MLflow's basic-auth app; credentials from the environment)
 
     def __post_init__(self) -> None:
         _check(self.uri is None or bool(str(self.uri).strip()), "tracking.uri", self.uri, "null (the local server) or a URI")

@@ -33,6 +33,7 @@ log and what a drafter version holds are its callers' business.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -581,6 +582,17 @@ def flatten(params: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def auth_headers() -> dict[str, str]:
+    """The login the mlflow client would present, from its own variables: a bearer token (MLFLOW_TRACKING_TOKEN), or
+    basic auth (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD); none when they are not set."""
+    if token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        return {"Authorization": f"Bearer {token}"}
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    return {}
+
+
 def rest(uri: str, endpoint: str, query: dict | None = None, body: dict | None = None, timeout_s: float = 1.5) -> dict:
     """One call of MLflow's REST API (`/api/2.0/mlflow/<endpoint>`) with plain urllib: a GET with `query`, or a
     POST of `body` as JSON. For quick looks (`loop_view`) where importing the mlflow package would cost seconds."""
@@ -588,7 +600,8 @@ def rest(uri: str, endpoint: str, query: dict | None = None, body: dict | None =
     if query:
         url += "?" + urllib.parse.urlencode(query)
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST" if data else "GET")
+    headers = {"Content-Type": "application/json", **auth_headers()}
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read() or b"{}")
 
@@ -621,6 +634,9 @@ def loop_view(cfg: TrackingConfig, timeout_s: float = 1.5) -> dict:
     try:
         exp = rest(uri, "experiments/get-by-name", {"experiment_name": cfg.experiment}, timeout_s=timeout_s)["experiment"]
     except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            return {"uri": redact(uri), "error": f"HTTP {e.code} from MLflow: it wants a login (MLFLOW_TRACKING_USERNAME and "
+                                                 "MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN), and this one was refused or missing"}
         if e.code != 404:
             return {"uri": redact(uri), "error": f"HTTP {e.code} from MLflow"}
         exp = None

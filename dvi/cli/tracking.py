@@ -16,5 +16,5 @@ def mlflow(args: argparse.Namespace) -> int:
         raise DviError(
             f"tracking.uri is set ({cfg.uri}): runs go to that MLflow, not a local one; run `dvi mlflow tracking.uri=null` for a local one"
         )
-    server = LocalMlflow(default_root(cfg.root), cfg.port)
+    server = LocalMlflow(default_root(cfg.root), cfg.port, auth=cfg.auth)
     return run_foreground("mlflow", "the MLflow server", server, lambda s: f"MLflow on {s.uri}, data in {s.root}")

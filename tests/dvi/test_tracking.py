@@ -291,3 +291,38 @@ def test_the_experiments_saved_view_charts_the_keys_of_every_run(server, client)
     assert state == mlflow_view.view_state({"interval/acceptance.code", "version/init/acceptance_rate",
                                             "gate/candidate_acceptance", "gate/serving_acceptance", "loss", "version/d0001/acceptance_rate"})
 
+
+@pytest.mark.slow
+def test_a_local_mlflow_with_auth_refuses_anonymous_clients_and_dvi_logs_in_with_the_mlflow_variables(tmp_path, monkeypatch):
+    import urllib.error
+
+    from mlflow import MlflowClient
+
+    from dvi.tracking import rest
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "dvi-admin")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "a-long-secret-9")
+    with LocalMlflow(tmp_path / "mlflow", free_port(), auth=True) as s:
+        assert "a-long-secret-9" not in (tmp_path / "mlflow" / "basic_auth.ini").read_text()  # the password is in no file
+        cfg = config(s.uri)
+        tracker = Tracker(cfg, "trainer", tags={"dvi.role": "trainer"})
+        tracker.log_metrics({"loss": 1.5}, step=3)
+        stats = tracker.close(timeout_s=30)
+        assert (stats.sent, stats.dropped) == (1, 0)
+        assert [m.value for m in MlflowClient(s.uri).get_metric_history(stats.run_id, "loss")] == [1.5]
+        assert loop_view(cfg)["trainer"]["metrics"]["loss"]["value"] == 1.5  # `dvi status` logs in too
+
+        monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")  # anonymous: refused, and `dvi status` says why
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            rest(s.uri, "experiments/get-by-name", {"experiment_name": cfg.experiment})
+        assert refused.value.code == 401
+        assert "wants a login" in loop_view(cfg)["error"]
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "wrong")
+        assert "HTTP 401" in loop_view(cfg)["error"]
+
+
+def test_auth_without_credentials_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    with pytest.raises(DviError, match="set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"):
+        LocalMlflow(tmp_path, free_port(), auth=True).start()
