@@ -26,10 +26,9 @@ from pathlib import Path
 from dvi.errors import DviError
 from dvi.models import default_cache_dir
 from dvi.procs import HOST, ServerProcess, http_ok, port_in_use
+from dvi.tracking import PASSWORD_VAR, USER_VAR
 
 log = logging.getLogger("dvi.mlflow_server")
-
-USER_VAR, PASSWORD_VAR = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"  # the mlflow client reads these too
 
 
 def default_root(root: str | None) -> Path:

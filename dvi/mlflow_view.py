@@ -73,18 +73,22 @@ def _column(key: str) -> str:
     return f"metrics.`{key}`"  # MLflow's canonical column key
 
 
+def _section_id(section: str) -> str:
+    return f"dvi-{section.lower()}"
+
+
 def view_state(keys: Iterable[str]) -> dict:
     """The experiment page's state (search facets and UI state) for the metric keys seen so far."""
     seen = set(keys)
     sections, charts = [], []
     for name in dict.fromkeys(c.section for c in CHARTS):
-        sections.append({"uuid": f"dvi-{name.lower()}", "name": name, "display": True, "isReordered": False})
+        sections.append({"uuid": _section_id(name), "name": name, "display": True, "isReordered": False})
     for i, chart in enumerate(CHARTS):
         plotted = chart.keys(seen)
         if not plotted:
             continue
         charts.append({
-            "uuid": f"dvi-chart-{i}", "type": "LINE", "runsCountToCompare": 10, "metricSectionId": f"dvi-{chart.section.lower()}",
+            "uuid": f"dvi-chart-{i}", "type": "LINE", "runsCountToCompare": 10, "metricSectionId": _section_id(chart.section),
             "deleted": False, "isGenerated": False, "displayName": chart.title, "metricKey": plotted[0],
             "selectedMetricKeys": plotted, "lineSmoothness": 0, "xAxisScaleType": "linear", "scaleType": "linear",
             "range": {}, "xAxisKey": X_AXIS, "selectedXAxisMetricKey": "", "yAxisKey": "metric", "yAxisExpressions": [],

@@ -74,6 +74,8 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development",
 # MLflow 3.17 opens experiments in its GenAI view unless the page asks for the classic one (the experiment kind above
 # is not enough while its workflow switch is shown): links dvi prints carry this
 CLASSIC_VIEW = "?workflowType=machine_learning"
+# the MLflow client's login variables: dvi's REST calls (`auth_headers`) and the local server's admin account use them too
+USER_VAR, PASSWORD_VAR, TOKEN_VAR = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"
 # the MLflow client's defaults (7 retries with backoff, 120 s timeout) would stall the thread for minutes
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 _IDLE_S = 0.5  # how often the thread looks for new points when all is sent
@@ -583,11 +585,11 @@ def flatten(params: dict, prefix: str = "") -> dict[str, str]:
 
 
 def auth_headers() -> dict[str, str]:
-    """The login the mlflow client would present, from its own variables: a bearer token (MLFLOW_TRACKING_TOKEN), or
-    basic auth (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD); none when they are not set."""
-    if token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
+    """The login the mlflow client would present, from its own variables: a bearer token (TOKEN_VAR), or basic auth
+    (USER_VAR / PASSWORD_VAR); none when they are not set."""
+    if token := os.environ.get(TOKEN_VAR):
         return {"Authorization": f"Bearer {token}"}
-    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    user, password = os.environ.get(USER_VAR), os.environ.get(PASSWORD_VAR)
     if user and password:
         return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
     return {}
@@ -635,8 +637,8 @@ def loop_view(cfg: TrackingConfig, timeout_s: float = 1.5) -> dict:
         exp = rest(uri, "experiments/get-by-name", {"experiment_name": cfg.experiment}, timeout_s=timeout_s)["experiment"]
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
-            return {"uri": redact(uri), "error": f"HTTP {e.code} from MLflow: it wants a login (MLFLOW_TRACKING_USERNAME and "
-                                                 "MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN), and this one was refused or missing"}
+            return {"uri": redact(uri), "error": f"HTTP {e.code} from MLflow: it wants a login ({USER_VAR} and {PASSWORD_VAR}, "
+                                                 f"or {TOKEN_VAR}), and this one was refused or missing"}
         if e.code != 404:
             return {"uri": redact(uri), "error": f"HTTP {e.code} from MLflow"}
         exp = None
