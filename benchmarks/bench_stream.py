@@ -2,7 +2,8 @@
 
 One process, one run, against the real embedded Tansu broker (started here on a free port, or --bootstrap):
 
-1. Record size in bytes per generated token (`dvi.records.encode`, zlib): for the demo pair's real records (an
+1. Record size in bytes per generated token (`dvi.records.encode`; also after Kafka's gzip batch compression, and
+   as schema 1 wrote them, zlib per record): for the demo pair's real records (an
    engine `Result` per prompt, greedy, the default adaptive K, chunked every `stream.chunk_rounds` rounds), and
    for synthetic records with the demo shapes and every round drafting K = 4 (the size a trained drafter's
    records approach), each with top-8 log-probs in float16, in float32, and without teacher signal (topk = 0).
@@ -40,11 +41,13 @@ import uuid
 import numpy as np
 import torch
 import transformers
+from kafka.codec import gzip_encode
 
 from dvi.config import StreamConfig, load_config
 from dvi.engine import Request, SpeculativeEngine
 from dvi.models import encode_prompt, resolve_pair
 from dvi.procs import free_port
+from dvi import records_v1
 from dvi.records import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
 from streams.broker import EmbeddedBroker
 from streams.consumer import DecisionConsumer
@@ -88,6 +91,9 @@ def without_teacher(r: DecisionRecord) -> DecisionRecord:
 
 
 def size_rows(name: str, records: list[DecisionRecord]) -> list[dict]:
+    """Bytes per generated token of the same records: as encoded (schema 2, no compression of its own); after
+    Kafka's gzip (kafka-python's codec, level 9) of each record alone (a batch of one: the most a batch costs) and of
+    all of them in one batch; and as schema 1 wrote them (zlib per record), the figure schema 2 must not exceed."""
     tokens = sum(len(r.generated_ids) for r in records)
     rows = []
     for label, recs, dtype in (
@@ -95,9 +101,13 @@ def size_rows(name: str, records: list[DecisionRecord]) -> list[dict]:
         ("top-8 float32", records, "float32"),
         ("no teacher (topk 0)", [without_teacher(r) for r in records], "float16"),
     ):
-        sizes = [len(encode(r, logprob_dtype=dtype)) for r in recs]
+        data = [encode(r, logprob_dtype=dtype) for r in recs]
+        sizes = [len(d) for d in data]
+        alone = sum(len(gzip_encode(d)) for d in data)
         rows.append({"records": name, "teacher": label, "n": len(recs), "tokens": tokens,
                      "bytes/record": statistics.median(sizes), "bytes/token": sum(sizes) / tokens,
+                     "gzip alone B/token": alone / tokens, "gzip batch B/token": len(gzip_encode(b"".join(data))) / tokens,
+                     "schema 1 B/token": sum(len(records_v1.encode(r, logprob_dtype=dtype)) for r in recs) / tokens,
                      "drafted/token": sum(r.drafted for r in recs) / tokens})
     return rows
 
@@ -244,8 +254,9 @@ def main() -> int:
             broker.stop()
     results["load_after"] = os.getloadavg()
 
-    print(f"\nRecord size (dvi.records.encode, zlib level 6; {'demo pair and ' if real else ''}synthetic records)")
-    print(table(results["sizes"], ["records", "teacher", "n", "tokens", "drafted/token", "bytes/record", "bytes/token"]))
+    print(f"\nRecord size (dvi.records.encode, schema 2; {'demo pair and ' if real else ''}synthetic records)")
+    print(table(results["sizes"], ["records", "teacher", "n", "tokens", "drafted/token", "bytes/record", "bytes/token",
+                                   "gzip alone B/token", "gzip batch B/token", "schema 1 B/token"]))
     print(f"\nProducer / consumer throughput (kafka-python 3.0.12, Tansu at {bootstrap}, one partition per request key)")
     print(table(results["throughput"], ["compression", "records", "bytes/record", "batch ratio", "sent", "dropped", "submit us", "submit max ms",
                                         "producer rec/s", "producer MB/s", "consumer rec/s"]))

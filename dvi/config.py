@@ -217,11 +217,12 @@ class StreamConfig:
     queue_size: int = 10000  # records buffered in memory before the producer drops
     linger_ms: int = 20
     batch_bytes: int = 262144
-    compression: str = "gzip"  # Kafka batch compression: gzip or none
+    compression: str = "gzip"  # Kafka batch compression, the records' one compression layer: gzip or none
     max_record_bytes: int = 524288  # encoded DecisionRecord size bound (producer drops, consumer dead-letters)
     chunk_rounds: int = 64  # rounds per record; longer generations are split into chunks
     topk: int = 8  # teacher top-k log-probs per position to log (0 = none; <= serve.spec.topk_logprobs)
     logprob_dtype: str = "float16"
+    schema_id: int = 0  # the id a schema registry gave the record schema (`dvi stream schema`), in every record; 0: none
     delivery_timeout_ms: int = 10000  # a record not acknowledged by then is dropped and counted
     session_timeout_ms: int = 6000  # consumer groups (group joins take about half of it)
     replica_id: str | None = None  # null: <hostname>-<port> (dvi serve), <hostname>-<pid> (dvi generate)
@@ -249,6 +250,8 @@ class StreamConfig:
         _check(self.chunk_rounds >= 1, "stream.chunk_rounds", self.chunk_rounds, "an integer >= 1")
         _check(self.topk >= 0, "stream.topk", self.topk, "an integer >= 0 (0 = no teacher log-probs)")
         _check(self.logprob_dtype in ("float16", "float32"), "stream.logprob_dtype", self.logprob_dtype, "float16 or float32")
+        _check(type(self.schema_id) is int and 0 <= self.schema_id < 1 << 31, "stream.schema_id", self.schema_id,
+               "an integer in [0, 2^31): a schema registry's id for the record schema, or 0")
         _check(self.delivery_timeout_ms >= 1000, "stream.delivery_timeout_ms", self.delivery_timeout_ms, "an integer >= 1000")
         _check(self.session_timeout_ms >= 1000, "stream.session_timeout_ms", self.session_timeout_ms, "an integer >= 1000")
         _check(self.replica_id is None or bool(str(self.replica_id).strip()), "stream.replica_id", self.replica_id, "null or a non-empty name")

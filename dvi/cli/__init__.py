@@ -114,6 +114,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("down",), "stop a `dvi up --detach` (or any dvi up on this cache) the way Ctrl-C does", "up:down", _down, light=True),
     Command(("broker",), "run the embedded Kafka-protocol broker (Tansu) on 127.0.0.1:stream.port", "stream:broker"),
     Command(("stream", "tail"), "print DecisionRecords from the decisions topic", "stream:tail", _tail),
+    Command(("stream", "schema"), "print the DecisionRecord schema as a .proto file (to register in a schema registry)",
+            "stream:schema", light=True),
     Command(("mlflow",), "run the local MLflow server (SQLite + local artifacts) on 127.0.0.1:tracking.port", "tracking:mlflow"),
     Command(("train",), "the online distillation trainer (DeepSpeed), fed by the decision stream", "train:train"),
     Command(("retrain",), "ask running trainers for a training session (control topic)", "train:retrain", _retrain),

@@ -2,7 +2,8 @@
 
 `dvi broker` runs the embedded Tansu broker in the foreground on 127.0.0.1:stream.port (topics created) until
 Ctrl-C or SIGTERM. `dvi stream tail` prints records from the decisions topic, one line each (or one JSON object
-each with --json); it reads without a consumer group, commits nothing and dead-letters nothing.
+each with --json); it reads without a consumer group, commits nothing and dead-letters nothing. `dvi stream schema`
+prints the record schema as `.proto` text, the form a schema registry takes (its id then goes in stream.schema_id).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
 from dvi.procs import run_foreground
+from dvi.record_proto import proto_text
 from dvi.records import Delivered
 from streams.broker import EmbeddedBroker
 from streams.client import quiet_kafka_logs
@@ -53,6 +55,11 @@ def summary(d: Delivered) -> str:
         f"drafted={r.drafted} accepted={r.accepted} ({rate}) topk={r.topk} T={r.sampling.temperature:g}"
         + (f" domain={r.domain}" if r.domain else "")
     )
+
+
+def schema(args: argparse.Namespace) -> int:
+    print(proto_text(), end="")
+    return 0
 
 
 def tail(args: argparse.Namespace) -> int:

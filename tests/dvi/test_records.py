@@ -1,4 +1,4 @@
-"""DecisionRecord v1 without a broker: records from engine results, the wire format, and validation of bad records."""
+"""DecisionRecords without a broker: records from engine results, the wire format, and validation of bad records."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from broker_fixtures import make_record
 from dvi.config import SpecConfig
 from dvi.engine import Request, Result, Round, SpecStats, SpeculativeEngine
 from dvi.errors import DviError
-from broker_fixtures import newer_writer, rewrap
+from broker_fixtures import NEWER_FIELDS, edit_message, newer_writer, newer_writer_v1, rewrap_v1
 
-from dvi.records import (MAGIC, SCHEMA_VERSION, DecisionRecord, Limits, RecordError, RoundRecord, Sampling, Target, check_headers, decode,
-                         encode, kafka_headers, records_from_result, validate)
+from dvi import records_v1
+from dvi.record_proto import message_class, proto_text
+from dvi.records import (CONTENT_TYPE, READS, DecisionRecord, Limits, RecordError, RoundRecord, Sampling, Target, check_headers,
+                         decode, encode, kafka_headers, records_from_result, validate)
 
 VOCAB = 97
 
@@ -128,7 +130,7 @@ def broken(record: DecisionRecord, path: str, value) -> DecisionRecord:
 @pytest.mark.parametrize(
     "path, value, field",
     [
-        ("schema_version", 2, "schema_version"),
+        ("schema_version", 3, "schema_version"),
         ("record_id", "not-hex", "record_id"),
         ("request_id", 17, "request_id"),
         ("replica_id", "", "replica_id"),
@@ -198,22 +200,50 @@ def test_consumer_vocabulary_must_match(record):
 def test_bad_bytes_raise_record_error(record):
     data = encode(record)
     assert decode(data) == decode(bytes(data))
+
+    def cut(name, n):
+        return lambda m: setattr(m, name, getattr(m, name)[:n])
+
     cases = {
-        "garbage": (bytes(range(256)) * 3, "magic"),
-        "empty": (b"", "record"),
+        "garbage": (bytes(range(1, 256)) * 3, "magic"),
+        "empty": (b"", "magic"),
         "pickle": (b"\x80\x04\x95" + bytes(40), "magic"),
-        "schema v2": (data[:4] + struct.pack("<H", 2) + data[6:], "schema_version"),
+        "framing cut": (data[:5], "record"),
+        "message index": (data[:5] + b"\x02" + data[6:], "framing"),
+        "trailing garbage": (data + b"\xff\xff", "payload"),
+        "truncated": (data[: len(data) // 2], "payload"),
+        "no target": (edit_message(data, lambda m: m.ClearField("target")), "target"),
+        "id width": (edit_message(data, lambda m: setattr(m, "id_bytes", 3)), "id_bytes"),
+        "log-prob width": (edit_message(data, lambda m: setattr(m, "logprob_bytes", 8)), "logprob_bytes"),
+        "rounds cut": (edit_message(data, cut("rounds", -4)), "rounds"),
+        "drafts cut": (edit_message(data, cut("drafted", -2)), "drafted"),
+        "teacher ids cut": (edit_message(data, cut("topk_ids", -2)), "topk_ids"),
+        "log-probs odd": (edit_message(data, cut("topk_logprobs", -1)), "topk_logprobs"),
+        "no record id": (edit_message(data, lambda m: m.ClearField("record_id")), "record_id"),
+    }
+    for name, (bad, field) in cases.items():
+        with pytest.raises(RecordError) as e:
+            decode(bad)
+        assert e.value.field == field, (name, str(e.value))
+
+
+def test_bad_schema_1_bytes_raise_record_error(record):
+    """The reader of schema 1 (records written before an upgrade) is as strict as it always was."""
+    data = records_v1.encode(record)
+    assert decode(data) == decode(encode(record))
+    cases = {
+        "schema v9": (data[:4] + struct.pack("<H", 9) + data[6:], "schema_version"),
         "flags": (data[:6] + struct.pack("<H", 1) + data[8:], "flags"),
         "trailing": (data + b"xx", "payload"),
         "declared length": (data[:8] + struct.pack("<I", 10) + data[12:], "payload"),
         "zip bomb": (data[:8] + struct.pack("<I", 1 << 31) + data[12:], "payload"),
-        "header not JSON": (rewrap(data, lambda p: p[:4] + b"{" * (len(p) - 4)), "header"),
-        "unknown header key": (rewrap(data, lambda p: p.replace(b'"domain"', b'"dOmain"')), "header"),
-        "arrays cut": (rewrap(data, lambda p: p[:-3]), "topk_logprobs"),
-        "arrays extra": (rewrap(data, lambda p: p + b"\0\0"), "payload"),
+        "header not JSON": (rewrap_v1(data, lambda p: p[:4] + b"{" * (len(p) - 4)), "header"),
+        "unknown header key": (rewrap_v1(data, lambda p: p.replace(b'"domain"', b'"dOmain"')), "header"),
+        "arrays cut": (rewrap_v1(data, lambda p: p[:-3]), "topk_logprobs"),
+        "arrays extra": (rewrap_v1(data, lambda p: p + b"\0\0"), "payload"),
     }
-    for cut in (5, 12, 13, len(data) // 2, len(data) - 1):
-        cases[f"truncated at {cut}"] = (data[:cut], "record" if cut < 12 else "payload")
+    for n in (5, 12, 13, len(data) // 2, len(data) - 1):
+        cases[f"truncated at {n}"] = (data[:n], "record" if n < 12 else "payload")
     for name, (bad, field) in cases.items():
         with pytest.raises(RecordError) as e:
             decode(bad)
@@ -250,15 +280,20 @@ def test_ids_out_of_range_and_nan_in_bytes_are_rejected(record):
 
 
 def test_random_corruption_never_escapes_as_another_error(record):
-    """Flip bytes of the payload (and of the compressed form): decode returns a valid record or RecordError."""
-    data = encode(record)
+    """Flip bytes of a record (and of a schema-1 record's compressed payload): decode returns a valid record or
+    RecordError."""
+    data, old = encode(record), records_v1.encode(record)
     rng = random.Random(0)
     outcomes = {"ok": 0, "error": 0}
-    for i in range(400):
+    for i in range(600):
         def flip(p, i=i):
             for _ in range(rng.randint(1, 3)):
                 p[rng.randrange(len(p))] = rng.randrange(256)
-        bad = rewrap(data, flip) if i % 2 else bytes(b ^ (rng.randrange(256) if rng.random() < 0.01 else 0) for b in data)
+        if i % 3 == 2:
+            bad = rewrap_v1(old, flip)
+        else:
+            bad = bytearray(data if i % 3 else old)
+            flip(bad)
         try:
             validate(decode(bad))
             outcomes["ok"] += 1
@@ -267,14 +302,32 @@ def test_random_corruption_never_escapes_as_another_error(record):
     assert outcomes["error"] > 100
 
 
-def test_wire_format_is_compact_and_not_pickle(record):
-    data = encode(record)
-    assert data[:4] == MAGIC and b"\x80\x04" not in data[:2]
-    plain = encode(record, logprob_dtype="float32")
-    assert len(data) < len(plain)
+def test_wire_format_is_protobuf_in_the_registry_framing_and_not_pickle(record):
+    """Confluent's framing (byte 0, the schema id, message index 0), then a DecisionRecord that a protobuf reader
+    built from the printed schema alone parses; float16 log-probs make it smaller than float32."""
+    data = encode(record, schema_id=4242)
+    assert data[0] == 0 and int.from_bytes(data[1:5], "big") == 4242 and data[5] == 0
+    assert b"\x80\x04" not in data[:2] and decode(data) == decode(encode(record, logprob_dtype="float16"))
+    m = message_class()()
+    m.ParseFromString(data[6:])
+    assert (m.request_id, m.target.vocab_size, m.topk, m.minor) == (record.request_id, VOCAB, record.topk, 0)
+    for field_name in ("record_id", "target", "drafter_version", "topk_logprobs"):
+        assert f" {field_name} = " in proto_text()
+    assert len(data) < len(encode(record, logprob_dtype="float32"))
+    with pytest.raises(DviError, match="schema_id"):
+        encode(record, schema_id=1 << 31)
     untouched = RoundRecord(0, 0, [], 0, 1, np.zeros((1, 0), np.int32), np.zeros((1, 0), np.float32))
     assert untouched == copy.deepcopy(untouched) and untouched != record.rounds[0]
     assert Target("tiny", VOCAB) == record.target
+
+
+def test_optional_fields_keep_none_apart_from_empty_and_zero(record):
+    """drafter_version, domain and seed are absent or present: None is not "" or 0 after a round trip."""
+    for version, domain, seed in ((None, None, None), ("d0001", "code", 0), ("v", "prose", -7)):
+        r = copy.copy(record)
+        r.drafter_version, r.domain, r.sampling = version, domain, Sampling(0.7, 0.9, seed)
+        back = decode(encode(r))
+        assert (back.drafter_version, back.domain, back.sampling) == (version, domain, Sampling(0.7, 0.9, seed))
 
 
 LIMITS = Limits(topk=8, max_rounds=64, max_k=8)
@@ -296,14 +349,17 @@ def test_a_reader_with_limits_refuses_records_beyond_them_before_reading_their_a
 
 
 def test_the_largest_valid_record_decodes_and_a_bomb_costs_no_more_than_it():
-    """A record at every limit decodes; a 32 MiB payload compressed into a few KiB is refused by its declared size,
-    and decoding it allocates at most a few MiB."""
+    """A record at every limit decodes; a larger one is refused by its size before it is parsed; a schema-1 payload
+    of 32 MiB compressed into a few KiB is refused by its declared size, and decoding it allocates at most a few MiB."""
     biggest = make_record("max", rounds=LIMITS.max_rounds, k=LIMITS.max_k, topk=LIMITS.topk,
                           prompt_len=LIMITS.max_tokens - 2 * LIMITS.max_rounds * (LIMITS.max_k + 1))
     data = encode(biggest, logprob_dtype="float32")
     assert decode(data, limits=LIMITS).request_id == "max"
+    padded = newer_writer(data, future_arrays=b"\x00" * LIMITS.payload_bytes())
+    with pytest.raises(RecordError, match="more than the largest valid record"):
+        decode(padded, limits=LIMITS)
     payload = b"\x00" * (32 << 20)
-    bomb = struct.pack("<4sHHI", MAGIC, SCHEMA_VERSION, 0, len(payload)) + zlib.compress(payload, 9)
+    bomb = struct.pack("<4sHHI", records_v1.MAGIC, 1, 0, len(payload)) + zlib.compress(payload, 9)
     assert len(bomb) < 64 << 10
     tracemalloc.start()
     t0 = time.perf_counter()
@@ -318,26 +374,42 @@ def test_the_largest_valid_record_decodes_and_a_bomb_costs_no_more_than_it():
 
 
 def test_a_newer_minor_version_is_read_and_its_additions_skipped(record):
+    """A writer of schema 2.3 added fields (a string, a number, an array): this build reads the fields it knows and
+    skips the others; its own fields keep their checks."""
+    data = encode(record)
+    later = newer_writer(data, minor=3, novelty="future", acceptance_hint=0.5, future_arrays=b"\x01" * 24)
+    assert len(later) > len(data) + 30 and decode(later) == decode(data)
+    m = message_class(NEWER_FIELDS)()
+    m.ParseFromString(later[6:])
+    assert (m.novelty, m.minor) == ("future", 3)
+    with pytest.raises(RecordError) as e:
+        decode(edit_message(later, lambda m: setattr(m, "topk", record.topk + 1)))
+    assert e.value.field == "topk_ids"
+
+
+def test_a_newer_minor_version_of_schema_1_is_read_and_its_additions_skipped(record):
     """A writer of schema 1.3 added a header key, a key in `sampling` and an array after the 1.0 ones: this build
     reads the fields it knows, skips the rest, and still refuses a record whose declared tail does not add up."""
-    data = encode(record)
-    assert decode(newer_writer(data, b"\x01" * 24, minor=3, tail=24, novelty={"kind": "future"})) == decode(data)
+    data = records_v1.encode(record)
+    assert decode(newer_writer_v1(data, b"\x01" * 24, minor=3, tail=24, novelty={"kind": "future"})) == decode(data)
     for extra, declared in ((b"\x01" * 24, 23), (b"", 8), (b"\x01" * 8, 0)):
         with pytest.raises(RecordError) as e:
-            decode(newer_writer(data, extra, minor=3, tail=declared))
+            decode(newer_writer_v1(data, extra, minor=3, tail=declared))
         assert e.value.field == "payload"
     for key, value in (("minor", -1), ("minor", "3"), ("tail", -8)):
         with pytest.raises(RecordError) as e:
-            decode(newer_writer(data, **{key: value}))
+            decode(newer_writer_v1(data, **{key: value}))
         assert e.value.field == f"header.{key}"
 
 
 def test_headers_say_what_a_message_is_and_foreign_ones_are_refused():
     check_headers(None)
     check_headers([])
+    assert dict(kafka_headers()) == {"content-type": CONTENT_TYPE.encode(), "dvi-schema": b"2.0"}
     check_headers(kafka_headers())
-    check_headers([("dvi-schema", b"1.9"), ("other", b"x")])  # a newer minor version
-    for bad in ([("dvi-schema", b"2.0")], [("content-type", b"application/json")], [("dvi-schema", b"")]):
+    check_headers([("dvi-schema", b"2.9"), ("other", b"x")])  # a newer minor version
+    check_headers([("content-type", READS[1].encode()), ("dvi-schema", b"1.0")])  # written before schema 2
+    for bad in ([("dvi-schema", b"3.0")], [("content-type", b"application/json")], [("dvi-schema", b"")]):
         with pytest.raises(RecordError) as e:
             check_headers(bad)
         assert e.value.field == "headers"

@@ -61,7 +61,8 @@ def test_read_only_consumer_counts_but_does_not_dead_letter(stream_cfg, make_rec
 def test_records_carry_schema_headers_and_a_foreign_schema_or_content_type_is_refused(stream_cfg, make_record):
     from kafka import KafkaConsumer
 
-    from dvi.records import CONTENT_TYPE, SCHEMA_MINOR, SCHEMA_VERSION
+    from dvi import records_v1
+    from dvi.records import CONTENT_TYPE, READS, SCHEMA_MINOR, SCHEMA_VERSION
     from streams.producer import DecisionProducer
 
     with DecisionProducer(stream_cfg) as producer:
@@ -71,9 +72,12 @@ def test_records_carry_schema_headers_and_a_foreign_schema_or_content_type_is_re
     raw = KafkaProducer(bootstrap_servers=stream_cfg.bootstrap)
     value = encode(make_record("foreign", rounds=1))
     raw.send(stream_cfg.topic, key=b"json", value=value, partition=0, headers=[("content-type", b"application/json")])
-    raw.send(stream_cfg.topic, key=b"v2", value=value, partition=0, headers=[("dvi-schema", b"2.0")])
-    later = newer_writer(encode(make_record("later", rounds=1)), b"\x00" * 16, minor=7, tail=16, novelty=[1, 2])
-    raw.send(stream_cfg.topic, key=b"v1.7", value=later, partition=0, headers=[("dvi-schema", b"1.7")]).get(timeout=10)
+    raw.send(stream_cfg.topic, key=b"v3", value=value, partition=0, headers=[("dvi-schema", b"3.0")])
+    later = newer_writer(encode(make_record("later", rounds=1)), minor=7, novelty="x", future_arrays=b"\x00" * 16)
+    raw.send(stream_cfg.topic, key=b"v2.7", value=later, partition=0, headers=[("dvi-schema", b"2.7")])
+    older = records_v1.encode(make_record("older", rounds=1))
+    raw.send(stream_cfg.topic, key=b"v1.0", value=older, partition=0,
+             headers=[("content-type", READS[1].encode()), ("dvi-schema", b"1.0")]).get(timeout=10)
     raw.close()
 
     plain = KafkaConsumer(stream_cfg.topic, bootstrap_servers=stream_cfg.bootstrap, auto_offset_reset="earliest",
@@ -83,6 +87,6 @@ def test_records_carry_schema_headers_and_a_foreign_schema_or_content_type_is_re
     for key in (b"ok-0", b"ok-1"):
         assert headers[key] == {"content-type": CONTENT_TYPE.encode(), "dvi-schema": f"{SCHEMA_VERSION}.{SCHEMA_MINOR}".encode()}
     with DecisionConsumer(dataclasses.replace(stream_cfg), group_id=None, dead_letter=False) as c:
-        got = c.poll_until(3, timeout_s=15)
-    assert sorted(d.key for d in got) == [b"ok-0", b"ok-1", b"v1.7"]  # a newer minor version is read
+        got = c.poll_until(4, timeout_s=15)
+    assert sorted(d.key for d in got) == [b"ok-0", b"ok-1", b"v1.0", b"v2.7"]  # a newer minor version and schema 1 are read
     assert c.stats.invalid == 2

@@ -191,18 +191,22 @@ def test_file_source_delivers_valid_records_and_counts_the_rest(make_record, tmp
     assert len(source.poll()) == 3
 
 
-def test_a_record_of_a_later_minor_schema_trains_like_its_1_0_form(make_record):
-    """A writer that added fields (schema 1.4, a header key and an array) still feeds this trainer."""
+def test_records_of_a_later_minor_schema_and_of_schema_1_train_like_this_builds_own(make_record):
+    """A writer that added fields (schema 2.4: a number, a string and an array) still feeds this trainer, and so
+    does a record written before schema 2 (schema 1, read by `dvi.records_v1`)."""
     from broker_fixtures import newer_writer
 
+    from dvi import records_v1
     from dvi.records import decode, encode
 
     record = make_record(rounds=5, seed=3)
-    later = decode(newer_writer(encode(record), b"\x07" * 40, minor=4, tail=40, acceptance_hint=[0.5, 0.25]))
-    a, b = example_from_record(decode(encode(record)), 10_000), example_from_record(later, 10_000)
-    for name in ("tokens", "targets", "topk_ids", "topk_logprobs", "drafted", "reward", "judged"):
-        assert np.array_equal(getattr(a, name), getattr(b, name)), name
-    assert (a.record_id, a.version, a.accepted) == (b.record_id, b.version, b.accepted)
+    later = decode(newer_writer(encode(record), minor=4, acceptance_hint=0.5, novelty="x", future_arrays=b"\x07" * 40))
+    older = decode(records_v1.encode(record))
+    a = example_from_record(decode(encode(record)), 10_000)
+    for b in (example_from_record(later, 10_000), example_from_record(older, 10_000)):
+        for name in ("tokens", "targets", "topk_ids", "topk_logprobs", "drafted", "reward", "judged"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert (a.record_id, a.version, a.accepted) == (b.record_id, b.version, b.accepted)
     batch = collate([b])  # and it batches
     assert batch is not None
 

@@ -138,3 +138,31 @@ def test_producer_and_tail_agree_on_the_default_topic_names(stream_cfg, make_rec
         assert p.flush(10)
     proc = dvi("stream", "tail", "--from-beginning", "--max", "1", *overrides(stream_cfg))
     assert proc.returncode == 0 and "request=lib" in proc.stdout, proc.stderr
+
+
+def test_schema_prints_the_proto_of_the_message_the_codec_writes():
+    """`dvi stream schema` is the .proto a registry takes: every field of every message the codec builds, with its
+    number, type and presence, and nothing else."""
+    import re
+
+    from google.protobuf.descriptor import FieldDescriptor
+
+    from dvi.record_proto import message_class
+
+    proc = dvi("stream", "schema", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert text.startswith('syntax = "proto3";') and "package dvi.records.v2;" in text
+    printed = {}
+    for message, body in re.findall(r"message (\w+) \{\n(.*?)\n\}", text, re.S):
+        for optional, kind, name, number in re.findall(r"^  (optional )?(\w+) (\w+) = (\d+);", body, re.M):
+            printed[(message, name)] = (int(number), kind, bool(optional))
+    names = {FieldDescriptor.TYPE_STRING: "string", FieldDescriptor.TYPE_BYTES: "bytes", FieldDescriptor.TYPE_BOOL: "bool",
+             FieldDescriptor.TYPE_DOUBLE: "double", FieldDescriptor.TYPE_UINT32: "uint32", FieldDescriptor.TYPE_INT64: "int64"}
+    built = {}
+    record = message_class().DESCRIPTOR
+    for d in (record, record.fields_by_name["target"].message_type, record.fields_by_name["sampling"].message_type):
+        for f in d.fields:
+            kind = f.message_type.name if f.message_type else names[f.type]
+            built[(d.name, f.name)] = (f.number, kind, f.has_presence and not f.message_type)
+    assert printed == built and len(built) == 26
