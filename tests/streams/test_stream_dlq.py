@@ -65,7 +65,7 @@ def test_records_carry_schema_headers_and_a_foreign_schema_or_content_type_is_re
     from dvi.records import CONTENT_TYPE, READS, SCHEMA_MINOR, SCHEMA_VERSION
     from streams.producer import DecisionProducer
 
-    with DecisionProducer(stream_cfg) as producer:
+    with DecisionProducer(dataclasses.replace(stream_cfg, schema_id=77)) as producer:  # a registry's id for the schema
         for i in range(2):
             producer.submit(make_record(f"ok-{i}", rounds=1))
         assert producer.flush(20)
@@ -82,10 +82,12 @@ def test_records_carry_schema_headers_and_a_foreign_schema_or_content_type_is_re
 
     plain = KafkaConsumer(stream_cfg.topic, bootstrap_servers=stream_cfg.bootstrap, auto_offset_reset="earliest",
                           consumer_timeout_ms=5000)
-    headers = {m.key: dict(m.headers) for m in plain}
+    messages = {m.key: m for m in plain}
     plain.close()
     for key in (b"ok-0", b"ok-1"):
-        assert headers[key] == {"content-type": CONTENT_TYPE.encode(), "dvi-schema": f"{SCHEMA_VERSION}.{SCHEMA_MINOR}".encode()}
+        m = messages[key]
+        assert dict(m.headers) == {"content-type": CONTENT_TYPE.encode(), "dvi-schema": f"{SCHEMA_VERSION}.{SCHEMA_MINOR}".encode()}
+        assert m.value[:6] == b"\x00" + (77).to_bytes(4, "big") + b"\x00"  # the registry framing, with the configured id
     with DecisionConsumer(dataclasses.replace(stream_cfg), group_id=None, dead_letter=False) as c:
         got = c.poll_until(4, timeout_s=15)
     assert sorted(d.key for d in got) == [b"ok-0", b"ok-1", b"v1.0", b"v2.7"]  # a newer minor version and schema 1 are read
