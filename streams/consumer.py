@@ -14,6 +14,11 @@ A partition whose log now ends before the consumer's position has been lost and 
 its log in memory restarted; Tansu answers such fetches with nothing rather than OFFSET_OUT_OF_RANGE). Left alone,
 the consumer would skip every new record below its old position; it reads the new log from its start instead,
 logs it, counts it (`ConsumerStats.log_resets`) and names the partition in `take_resets()`.
+
+Compressed batches are inflated no further than a bound (`streams.batches`: 4 x the larger of stream.batch_bytes and
+stream.max_record_bytes, at least 16 MiB); a batch past it, or in a codec this host cannot read, is skipped: a note
+of it (no value; headers naming its partition, offsets and the reason) goes to the dead-letter topic, the consumer
+seeks past it and counts it (`ConsumerStats.batches_refused`).
 This module knows the wire format and Kafka, not what the records are used for.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
@@ -30,6 +36,7 @@ from kafka.structs import OffsetAndMetadata
 from dvi.config import StreamConfig
 from dvi.errors import DviError
 from dvi.records import Delivered, Limits, check_headers, decode
+from streams.batches import BatchRefused, guard, skip_past
 from streams.client import client_options
 
 log = logging.getLogger("dvi.streams.consumer")
@@ -46,6 +53,7 @@ class ConsumerStats:
     dead_lettered: int  # invalid messages handed to the dead-letter topic
     dlq_errors: int  # dead-letter sends that failed (the message is logged and skipped)
     log_resets: int = 0  # partitions found to have lost their log (read again from the new log's start)
+    batches_refused: int = 0  # compressed batches skipped unread: past the inflation bound, or an unreadable codec
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -85,10 +93,11 @@ class DecisionConsumer:
         self._received = self._delivered = self._invalid = self._dead = self._dlq_errors = 0
         self._unreachable = False  # the broker was down at the last poll
         self._resets: list = []  # partitions whose log was lost, not yet taken by take_resets()
-        self._log_resets = 0
+        self._log_resets = self._refused = 0
         self._next: dict = {}  # TopicPartition -> offset after the last message returned (the commit point)
         self._dlq = None
         self._dlq_futures: list = []
+        guard(max(16 << 20, 4 * max(cfg.batch_bytes, cfg.max_record_bytes)))
         try:
             self._consumer = KafkaConsumer(
                 **client_options(
@@ -128,6 +137,9 @@ class DecisionConsumer:
 
         try:
             batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except BatchRefused as e:
+            self._skip(e)
+            return []
         except KafkaError as e:  # the broker is down (the client raises from its coordinator lookup): nothing arrived
             if not self._unreachable:
                 log.warning("the broker at %s is unreachable (%s: %s): no records until it is back; retrying",
@@ -209,7 +221,8 @@ class DecisionConsumer:
 
     @property
     def stats(self) -> ConsumerStats:
-        return ConsumerStats(self._received, self._delivered, self._invalid, self._dead, self._dlq_errors, self._log_resets)
+        return ConsumerStats(self._received, self._delivered, self._invalid, self._dead, self._dlq_errors, self._log_resets,
+                             self._refused)
 
     # -- committing -----------------------------------------------------------------------------
 
@@ -244,6 +257,21 @@ class DecisionConsumer:
     def committed(self) -> dict:
         """TopicPartition -> the group's committed offset (None where it never committed)."""
         return {tp: self._consumer.committed(tp) for tp in self._consumer.assignment()}
+
+    def _skip(self, e: BatchRefused) -> None:
+        """Seek past a refused batch and dead-letter a note of it."""
+        if e.topic is None:
+            log.error("a record batch was refused but its partition is not known (%s); retrying", e)
+            return
+        tp, first, after = skip_past(self._consumer, e)
+        self._refused += 1
+        self._next[tp] = after
+        note = SimpleNamespace(topic=e.topic, partition=e.partition, offset=first, key=None, value=b"",
+                               headers=[("dvi.origin.next_offset", str(after).encode())])
+        if self.dead_letter:
+            self._dead_letter(note, e)
+        else:
+            log.warning("skipping %s", e)
 
     # -- the dead-letter path -------------------------------------------------------------------
 

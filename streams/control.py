@@ -3,8 +3,9 @@
 The control topic has one partition, so messages keep their order. `send` signs (`stream.control_auth`, with the
 key of the role that may say it, `dvi.keys`) and waits for the broker's acknowledgement (a control message matters
 more than latency). `ControlReader` reads the topic without a consumer group, from the end by default; anything
-`dvi.control.Verifier` refuses (unsigned, forged, stale, replayed, malformed) is skipped, logged at WARNING with
-its topic, partition and offset, and counted, and never raises. `ControlChannel` is what a serving replica is handed: a reader that (re)connects by itself, so a
+`dvi.control.Verifier` refuses (unsigned, forged, stale, replayed, malformed), and a compressed batch past the
+inflation bound (`streams.batches`), is skipped, logged at WARNING with its topic, partition and offset, and
+counted, and never raises. `ControlChannel` is what a serving replica is handed: a reader that (re)connects by itself, so a
 broker that is down or a reader that broke costs a log line and a retry, never an exception in the caller, plus
 `send`. This module knows Kafka; the messages' shapes are `dvi.control`'s, what they make happen is not known here.
 """
@@ -22,6 +23,7 @@ from dvi.config import StreamConfig, keys_dir
 from dvi.control import SIGNER, ControlError, Message, Verifier, decode, encode
 from dvi.errors import DviError
 from dvi.keys import Keys
+from streams.batches import BatchRefused, guard, skip_past
 from streams.client import client_options
 from streams.topics import ensure_topics
 
@@ -55,6 +57,7 @@ class ControlReader:
         self._topic = cfg.control_topic
         # signed messages only (stream.control_auth): verified with `keys`' public keys (default: stream.keys_dir)
         self._decode = Verifier(keys or signing.load(keys_dir(cfg))) if cfg.control_auth else decode
+        guard(1 << 20)  # control messages are small; the bound is the largest any consumer of the process asks for
         try:
             self._consumer = KafkaConsumer(**client_options(cfg, KafkaConsumer, client_id=client_id, enable_auto_commit=False,
                                                             bootstrap_timeout_ms=5000))
@@ -67,7 +70,15 @@ class ControlReader:
 
     def poll(self, timeout_s: float = 0.0) -> list[Message]:
         out = []
-        for messages in self._consumer.poll(timeout_ms=int(timeout_s * 1000)).values():
+        try:
+            polled = self._consumer.poll(timeout_ms=int(timeout_s * 1000))
+        except BatchRefused as e:  # a compressed batch past the bound (streams.batches): skipped like a bad message
+            self.invalid += 1
+            log.warning("skipping %s", e)
+            if e.topic is not None:
+                skip_past(self._consumer, e)
+            return out
+        for messages in polled.values():
             for m in messages:
                 try:
                     out.append(self._decode(m.value))

@@ -4,6 +4,7 @@ channel that waits for a broker that is not there yet without raising."""
 from __future__ import annotations
 
 import time
+import tracemalloc
 
 import pytest
 from kafka import KafkaProducer
@@ -20,19 +21,30 @@ pytestmark = pytest.mark.broker
 
 
 def test_messages_arrive_typed_and_in_order_and_bad_bytes_are_skipped(stream_cfg):
+    """A hostile message (5,000 nested brackets) and a gzip bomb batch (128 MiB of zeros, past the bound of any consumer
+    of this process) between two real messages: both are skipped and counted, the messages after them are read, and
+    the bomb costs about its bound, not its 128 MiB."""
     ensure_topics(stream_cfg)
     with ControlReader(stream_cfg) as reader:
         send(stream_cfg, RetrainRequested("first"))
         raw = KafkaProducer(bootstrap_servers=stream_cfg.bootstrap)
         raw.send(stream_cfg.control_topic, b"[" * 5000).get(timeout=10)
         raw.close()
+        bomb = KafkaProducer(bootstrap_servers=stream_cfg.bootstrap, compression_type="gzip", max_request_size=1 << 28,
+                             batch_size=1 << 20)
+        bomb.send(stream_cfg.control_topic, b"\0" * (128 << 20)).get(timeout=60)
+        bomb.close()
+        tracemalloc.start()
         send(stream_cfg, DrafterPublished("d0001", "/store/d0001", "ab" * 32))
         got, deadline = [], time.monotonic() + 20
         while len(got) < 2 and time.monotonic() < deadline:
             got += reader.poll(0.5)
         assert [type(m) for m in got] == [RetrainRequested, DrafterPublished]
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
         assert got[0].reason == "first" and got[1].version == "d0001"
-        assert reader.invalid == 1
+        assert reader.invalid == 2
+        assert peak < 64 << 20, peak
 
 
 def test_only_messages_signed_by_the_role_that_may_say_them_are_read(stream_cfg, tmp_path, caplog):

@@ -1,0 +1,118 @@
+"""Bounded reading of compressed Kafka record batches.
+
+Records are compressed by Kafka, a batch at a time (`stream.compression`), and kafka-python inflates a fetched batch
+whole before handing out any of its records: one small hostile batch (400 KiB of gzip holding 400 MiB of zeros)
+costs a consumer about 1.2 GB and several seconds before `dvi.records.decode` refuses the record it holds, and a
+batch in a codec this host lacks (zstd, lz4, snappy) makes every later poll of its partition fail the same way,
+so the consumer would never get past it.
+
+`guard(limit)` makes kafka-python refuse such batches instead: gzip is inflated no further than `limit` bytes, and
+a batch over it, or in a codec this host cannot read, raises `BatchRefused` naming its partition and offsets, so
+the consumer can skip it (`streams.consumer` dead-letters a note of it and seeks past) and go on. The limit is
+process-wide: the largest any consumer of the process asked for.
+
+This module knows kafka-python 3.0's record-batch and fetcher internals (the version is pinned in constraints.txt;
+tests/streams/test_batches.py checks the patch against it); it knows nothing about records.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import zlib
+
+from kafka import TopicPartition
+from kafka.consumer.fetcher import Fetcher
+from kafka.errors import UnsupportedCodecError
+from kafka.record import default_records, legacy_records
+
+_lock = threading.Lock()
+_limit = 0  # bytes a compressed batch may inflate to; 0 until guard() is called
+
+
+class BatchRefused(Exception):
+    """A record batch the consumer will not read: `reason`, where it is (`topic`, `partition`) and the offsets it
+    covers, `first` to `next` - 1 (`next` None: not known; skip one offset at a time)."""
+
+    def __init__(self, reason: str, first: int | None = None, next_offset: int | None = None):
+        super().__init__(reason)
+        self.reason, self.first, self.next = reason, first, next_offset
+        self.topic: str | None = None
+        self.partition: int | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.topic}[{self.partition}]" if self.topic is not None else "a partition"
+        span = f" offsets {self.first}..{self.next - 1}" if self.first is not None and self.next is not None else ""
+        return f"record batch of {where}{span}: {self.reason}"
+
+
+def inflate_gzip(data, limit: int) -> bytes:
+    """The gzip stream `data` inflated (every member), or `BatchRefused` once it passes `limit` bytes."""
+    out, rest = [], bytes(data)
+    size = 0
+    while rest:
+        z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            chunk = z.decompress(rest, limit - size + 1)
+        except zlib.error as e:
+            raise BatchRefused(f"corrupt gzip data ({e})") from None
+        size += len(chunk)
+        if size > limit:
+            raise BatchRefused(f"its gzip data inflates past {limit} bytes (a decompression bomb, or batches larger "
+                               "than stream.max_record_bytes and stream.batch_bytes allow)")
+        if not z.eof:
+            raise BatchRefused("its gzip data ends early")
+        out.append(chunk)
+        rest = z.unused_data
+    return b"".join(out)
+
+
+def _bounded_gzip_decode(payload) -> bytes:
+    return inflate_gzip(payload, _limit)
+
+
+def _with_offsets(uncompress):
+    @functools.wraps(uncompress)
+    def guarded(batch, *args):
+        try:
+            return uncompress(batch, *args)
+        except (BatchRefused, UnsupportedCodecError) as e:
+            reason = e.reason if isinstance(e, BatchRefused) else f"its codec cannot be read here ({e})"
+            first = getattr(batch, "base_offset", None)
+            raise BatchRefused(reason, first, getattr(batch, "next_offset", None) if first is not None else None) from None
+    return guarded
+
+
+def _with_partition(unpack):
+    @functools.wraps(unpack)
+    def guarded(self, tp, *args):
+        try:
+            yield from unpack(self, tp, *args)
+        except BatchRefused as e:
+            e.topic, e.partition = tp.topic, tp.partition
+            raise
+    return guarded
+
+
+def skip_past(consumer, e: BatchRefused) -> tuple[TopicPartition, int, int]:
+    """Seek a KafkaConsumer past a refused batch (one offset at a time where its end is not known): returns its
+    partition, the first offset skipped and the offset the consumer reads next."""
+    tp = TopicPartition(e.topic, e.partition)
+    first = e.first if e.first is not None else consumer.position(tp)
+    after = e.next if e.next is not None else first + 1
+    consumer.seek(tp, after)
+    return tp, first, after
+
+
+def guard(limit: int) -> None:
+    """Bound what kafka-python inflates per compressed batch to `limit` bytes (or more, if another consumer of this
+    process asked for more); refused batches raise `BatchRefused` from `KafkaConsumer.poll`."""
+    global _limit
+    with _lock:
+        if _limit == 0:
+            default_records.gzip_decode = _bounded_gzip_decode
+            legacy_records.gzip_decode = _bounded_gzip_decode
+            default_records.DefaultRecordBatch._maybe_uncompress = _with_offsets(default_records.DefaultRecordBatch._maybe_uncompress)
+            legacy_records.LegacyRecordBatch._decompress = _with_offsets(legacy_records.LegacyRecordBatch._decompress)
+            Fetcher.PartitionRecords._unpack_records = _with_partition(Fetcher.PartitionRecords._unpack_records)
+        _limit = max(_limit, int(limit))
