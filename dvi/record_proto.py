@@ -21,17 +21,9 @@ PACKAGE = "dvi.records.v2"
 FILE_NAME = "dvi/records/v2/decision_record.proto"
 
 # message -> [(field name, number, type, comment)]; a type is a scalar, "optional <scalar>" (proto3 explicit
-# presence: None is not the empty string or 0) or another message of this file
+# presence: None is not the empty string or 0) or another message of this file. DecisionRecord comes first: a
+# registry's serializers name a record's message by its index in the file, and the framing says [0].
 FIELDS: dict[str, list[tuple[str, int, str, str]]] = {
-    "Target": [
-        ("name", 1, "string", "the target model that verified"),
-        ("vocab_size", 2, "uint32", "its vocabulary: every id below is in [0, vocab_size)"),
-    ],
-    "Sampling": [
-        ("temperature", 1, "double", "0 = greedy"),
-        ("top_p", 2, "double", ""),
-        ("seed", 3, "optional int64", ""),
-    ],
     "DecisionRecord": [
         ("record_id", 1, "string", "32 lowercase hex digits; the trainer deduplicates on it"),
         ("time", 2, "double", "unix seconds when the record was made"),
@@ -54,6 +46,15 @@ FIELDS: dict[str, list[tuple[str, int, str, str]]] = {
         ("topk_ids", 19, "bytes", "[sum (k + 1), topk] the target's top-k ids at each drafted and the bonus position"),
         ("topk_logprobs", 20, "bytes", "[sum (k + 1), topk] their log-probs (temperature 1, unwarped)"),
         ("minor", 21, "uint32", "the schema minor version the writer knew"),
+    ],
+    "Target": [
+        ("name", 1, "string", "the target model that verified"),
+        ("vocab_size", 2, "uint32", "its vocabulary: every id below is in [0, vocab_size)"),
+    ],
+    "Sampling": [
+        ("temperature", 1, "double", "0 = greedy"),
+        ("top_p", 2, "double", ""),
+        ("seed", 3, "optional int64", ""),
     ],
 }
 RECORD = "DecisionRecord"

@@ -17,8 +17,8 @@ length limit).
 Wire format, one function each way (`encode` / `decode`), never pickle: a protobuf message (`dvi.record_proto`, the
 schema as `.proto` text from `dvi stream schema`) in Confluent's framing, so a schema-registry-aware tool reads it:
 
-    0x00 | u32 schema id (big-endian; a registry's id for the schema, 0: none) | 0x00 (message index: the first
-    message, DecisionRecord) | protobuf DecisionRecord
+    0x00 | u32 schema id (big-endian; a registry's id for the schema, 0: none) | message indexes [0] (the file's
+    first message, DecisionRecord; written as one 0 byte, read in either of Confluent's forms) | protobuf DecisionRecord
 
 Token ids and the teacher arrays are packed little-endian `bytes` fields (ids u16 if the vocabulary fits, else i32;
 log-probs f16 or f32), the width declared beside them. There is one compression layer, Kafka's batch compression
@@ -56,13 +56,16 @@ SCHEMA_VERSION = 2  # the major version this build writes
 SCHEMA_MINOR = 0  # the minor version this build writes; it reads records of any minor version
 CONTENT_TYPE = "application/vnd.dvi.decision-record+protobuf"
 READS = {1: "application/vnd.dvi.decision-record", 2: CONTENT_TYPE}  # major version -> content type, of what it reads
-_FRAME = struct.Struct(">BIB")  # Confluent's framing: magic byte 0, schema id, message index ([0] as one zero byte)
+_FRAME = struct.Struct(">BI")  # Confluent's framing: magic byte 0, schema id; then the message indexes ([0]: one 0 byte)
 LP_DTYPES = records_v1.LP_DTYPES  # the log-prob element types a record may carry
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 DOMAIN = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a domain or tenant tag: it names metrics and plot series
 _MAX_TEXT = 256  # characters of ids, names and tags
 MAX_METADATA = 64 << 10  # bytes of a record's fields other than its arrays, generously
 _LOGPROB_SLACK = 1e-3  # a log-prob may exceed 0 by float rounding only
+_U32_MAX = (1 << 32) - 1  # the wire's counts and sizes are uint32
+_I32_MAX = (1 << 31) - 1  # a round's position and k are int32
+_I64 = 1 << 63  # a seed is an int64
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ class RoundRecord:
 
 @dataclass
 class DecisionRecord:
-    """DecisionRecord v1: one request (or one chunk of its rounds) and every decision made for it."""
+    """A DecisionRecord: one request (or one chunk of its rounds) and every decision made for it."""
 
     request_id: str
     replica_id: str
@@ -136,7 +139,8 @@ class DecisionRecord:
     domain: str | None = None
     record_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     time: float = field(default_factory=time.time)  # unix seconds when the record was made
-    schema_version: int = SCHEMA_VERSION
+    # the schema it was written in (decoded records: 1 or 2); records equal in content are equal whichever it was
+    schema_version: int = field(default=SCHEMA_VERSION, compare=False)
 
     @property
     def drafted(self) -> int:
@@ -320,7 +324,8 @@ def validate(record: DecisionRecord, vocab_size: int | None = None) -> None:
     _text(record.record_id, "record_id")
     if not _HEX32.fullmatch(record.record_id):
         raise RecordError("record_id", f"expected 32 lowercase hex digits, got {record.record_id!r}")
-    _finite(record.time, "time", lo=0.0)
+    if _finite(record.time, "time", lo=0.0) == 0:  # also what a protobuf record without the field says
+        raise RecordError("time", "missing (0)")
     _text(record.replica_id, "replica_id")
     _text(record.request_id, "request_id")
     _int(record.chunk_index, "chunk_index", lo=0)
@@ -342,7 +347,7 @@ def validate(record: DecisionRecord, vocab_size: int | None = None) -> None:
     if not 0 < top_p <= 1:
         raise RecordError("sampling.top_p", f"expected a number in (0, 1], got {top_p}")
     if record.sampling.seed is not None:
-        _int(record.sampling.seed, "sampling.seed")
+        _int(record.sampling.seed, "sampling.seed", lo=-_I64, hi=_I64 - 1)
     if record.domain is not None:
         _text(record.domain, "domain")
         if not DOMAIN.fullmatch(record.domain):
@@ -366,8 +371,8 @@ def validate(record: DecisionRecord, vocab_size: int | None = None) -> None:
         name = f"rounds[{i}]"
         if not isinstance(r, RoundRecord):
             raise RecordError(name, f"expected a RoundRecord, got {type(r).__name__}")
-        pos = _int(r.position, f"{name}.position", lo=0)
-        k = _int(r.k, f"{name}.k", lo=0)
+        pos = _int(r.position, f"{name}.position", lo=0, hi=_I32_MAX)
+        k = _int(r.k, f"{name}.k", lo=0, hi=_I32_MAX)
         drafted = r.drafted.tolist() if isinstance(r.drafted, np.ndarray) else r.drafted
         if not isinstance(drafted, (list, tuple)) or not _all_ints(drafted):
             raise RecordError(f"{name}.drafted", "expected a list of integer token ids")
@@ -441,19 +446,26 @@ def _all_ints(v) -> bool:
     return all(type(x) is int for x in v) or all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in v)
 
 
-def _int(v: Any, name: str, lo: int | None = None) -> int:
+def _int(v: Any, name: str, lo: int | None = None, hi: int = _U32_MAX) -> int:
+    """An integer in [lo, hi]; `hi` defaults to what the wire's widest unsigned field holds."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise RecordError(name, f"expected an integer, got {type(v).__name__}")
     if lo is not None and v < lo:
         raise RecordError(name, f"expected >= {lo}, got {v}")
+    if v > hi:
+        raise RecordError(name, f"expected <= {hi}, got {v}")
     return int(v)
 
 
 def _finite(v: Any, name: str, lo: float | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise RecordError(name, f"expected a number, got {type(v).__name__}")
-    if not math.isfinite(v):
-        raise RecordError(name, f"expected a finite number, got {v}")
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        raise RecordError(name, f"expected a finite number, got {str(v)[:40]}")
     if lo is not None and v < lo:
         raise RecordError(name, f"expected >= {lo}, got {v}")
     return float(v)
@@ -537,7 +549,7 @@ def encode(record: DecisionRecord, *, logprob_dtype: str = "float16", max_bytes:
     if record.topk:
         m.topk_ids = np.concatenate([r.topk_ids for r in rounds]).astype(id_t).tobytes()  # [sum(k+1), topk]
         m.topk_logprobs = np.concatenate([r.topk_logprobs for r in rounds]).astype(lp_t).tobytes()
-    data = _FRAME.pack(0, schema_id, 0) + m.SerializeToString()
+    data = _FRAME.pack(0, schema_id) + b"\x00" + m.SerializeToString()
     if max_bytes is not None and len(data) > max_bytes:
         raise RecordError("record", f"encoded size {len(data)} bytes exceeds the bound of {max_bytes} (stream.max_record_bytes)")
     return data
@@ -593,15 +605,12 @@ def decode(data: bytes, vocab_size: int | None = None, *, max_bytes: int | None 
 
 
 def _parse(data: bytes, limits: Limits | None) -> DecisionRecord:
-    if len(data) < _FRAME.size:
-        raise RecordError("record", f"truncated: {len(data)} bytes, shorter than the {_FRAME.size}-byte framing")
-    if data[5] != 0:
-        raise RecordError("framing", f"message index byte {data[5]}, expected 0 (the schema's first message, {RECORD})")
-    if limits is not None and len(data) > _FRAME.size + limits.payload_bytes():
+    start = _payload_start(data)
+    if limits is not None and len(data) > start + limits.payload_bytes():
         raise RecordError("record", f"{len(data)} bytes, more than the largest valid record ({limits.payload_bytes()})")
     m = message_class()()
     try:
-        m.ParseFromString(data[_FRAME.size :])
+        m.ParseFromString(data[start:])
     except DecodeError as e:
         raise RecordError("payload", f"truncated or corrupt: not a protobuf {RECORD} ({e})") from None
     for key in ("target", "sampling"):
@@ -637,7 +646,7 @@ def _parse(data: bytes, limits: Limits | None) -> DecisionRecord:
     rows = int((ks + 1).sum())
     s = m.sampling
     return assemble(
-        m.record_id, m.time, m.replica_id, m.request_id, m.chunk_index, m.final, m.target.name, m.target.vocab_size,
+        SCHEMA_VERSION, m.record_id, m.time, m.replica_id, m.request_id, m.chunk_index, m.final, m.target.name, m.target.vocab_size,
         m.drafter_version if m.HasField("drafter_version") else None,
         s.temperature, s.top_p, s.seed if s.HasField("seed") else None,
         m.domain if m.HasField("domain") else None,
@@ -648,9 +657,43 @@ def _parse(data: bytes, limits: Limits | None) -> DecisionRecord:
     )
 
 
-def assemble(record_id, time_s, replica_id, request_id, chunk_index, final, target_name, vocab_size, drafter_version,
-             temperature, top_p, seed, domain, topk: int, prompt: np.ndarray, prefix: np.ndarray, generated: np.ndarray,
-             table: np.ndarray, drafted: np.ndarray, t_ids: np.ndarray, t_lps: np.ndarray) -> DecisionRecord:
+def _payload_start(data: bytes) -> int:
+    """Where the protobuf message starts after the framing, whose message indexes must say [0] (DecisionRecord):
+    Confluent writes [0] as one 0 byte, or as the zigzag-varint array it is (count 1, index 0)."""
+    pos = _FRAME.size
+    if len(data) <= pos:
+        raise RecordError("record", f"truncated: {len(data)} bytes, shorter than the {pos + 1}-byte framing")
+    count, pos = _zigzag(data, pos)
+    if count == 0:
+        return pos
+    if not 0 < count <= 8:
+        raise RecordError("framing", f"{count} message indexes, expected [0] (the schema's first message, {RECORD})")
+    indexes = []
+    for _ in range(count):
+        index, pos = _zigzag(data, pos)
+        indexes.append(index)
+    if indexes != [0]:
+        raise RecordError("framing", f"message indexes {indexes}, expected [0] (the schema's first message, {RECORD})")
+    return pos
+
+
+def _zigzag(data: bytes, pos: int) -> tuple[int, int]:
+    """A zigzag varint at `pos` and the position after it."""
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise RecordError("framing", "truncated or overlong varint in the message indexes")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return (value >> 1) ^ -(value & 1), pos
+
+
+def assemble(schema_version: int, record_id, time_s, replica_id, request_id, chunk_index, final, target_name, vocab_size,
+             drafter_version, temperature, top_p, seed, domain, topk: int, prompt: np.ndarray, prefix: np.ndarray,
+             generated: np.ndarray, table: np.ndarray, drafted: np.ndarray, t_ids: np.ndarray, t_lps: np.ndarray) -> DecisionRecord:
     """A record from its parsed fields and arrays (`table` [R, 4], `drafted` [sum k], teacher rows [sum (k + 1), topk]);
     not yet validated. The fields come in the order `records_v1.parse` returns them."""
     rounds = []
@@ -665,5 +708,5 @@ def assemble(record_id, time_s, replica_id, request_id, chunk_index, final, targ
         request_id=request_id, replica_id=replica_id, chunk_index=chunk_index, final=final,
         target=Target(target_name, vocab_size), drafter_version=drafter_version, sampling=Sampling(temperature, top_p, seed),
         prompt_ids=prompt.tolist(), prefix_ids=prefix.tolist(), generated_ids=generated.tolist(), rounds=rounds, topk=topk,
-        domain=domain, record_id=record_id, time=time_s, schema_version=SCHEMA_VERSION,
+        domain=domain, record_id=record_id, time=time_s, schema_version=schema_version,
     )

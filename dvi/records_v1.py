@@ -179,7 +179,7 @@ def _parse_payload(payload: bytes, limits) -> tuple:
         raise RecordError("payload", f"{len(buf) - pos} bytes after the arrays, the header declares {tail}")
     s = h["sampling"]
     return (
-        h["record_id"], h["time"], h["replica_id"], h["request_id"], h["chunk_index"], h["final"],
+        VERSION, h["record_id"], h["time"], h["replica_id"], h["request_id"], h["chunk_index"], h["final"],
         h["target"]["name"], h["target"]["vocab_size"], h["drafter_version"],
         s["temperature"], s["top_p"], s["seed"], h["domain"], topk, prompt, prefix, generated, table,
         drafted, t_ids, t_lps,

@@ -7,9 +7,10 @@ batch in a codec this host lacks (zstd, lz4, snappy) makes every later poll of i
 so the consumer would never get past it.
 
 `guard(limit)` makes kafka-python refuse such batches instead: gzip is inflated no further than `limit` bytes, and
-a batch over it, or in a codec this host cannot read, raises `BatchRefused` naming its partition and offsets, so
-the consumer can skip it (`streams.consumer` dead-letters a note of it and seeks past) and go on. The limit is
-process-wide: the largest any consumer of the process asked for.
+a batch over it, in another codec (dvi's writers use gzip or none, `stream.compression`), corrupt, or failing its
+CRC raises `BatchRefused` naming its partition and offsets, so the consumer can skip it (`streams.consumer`
+dead-letters a note of it and seeks past) and go on. The limit is process-wide: the largest any consumer of the
+process asked for.
 
 This module knows kafka-python 3.0's record-batch and fetcher internals (the version is pinned in constraints.txt;
 tests/streams/test_batches.py checks the patch against it); it knows nothing about records.
@@ -23,16 +24,19 @@ import zlib
 
 from kafka import TopicPartition
 from kafka.consumer.fetcher import Fetcher
-from kafka.errors import UnsupportedCodecError
+from kafka.errors import CorruptRecordError
 from kafka.record import default_records, legacy_records
 
 _lock = threading.Lock()
-_limit = 0  # bytes a compressed batch may inflate to; 0 until guard() is called
+_limit = 0  # bytes a compressed batch may inflate to (the largest any guard() asked for)
+_patched = False
+_READ = (default_records.DefaultRecordBatch.CODEC_NONE, default_records.DefaultRecordBatch.CODEC_GZIP)
 
 
 class BatchRefused(Exception):
-    """A record batch the consumer will not read: `reason`, where it is (`topic`, `partition`) and the offsets it
-    covers, `first` to `next` - 1 (`next` None: not known; skip one offset at a time)."""
+    """A record batch the consumer will not read: `reason`, where it is (`topic`, `partition`) and the offsets its
+    header claims, `first` to `next` - 1 (`next` None: not known, as for an old-format (magic 0/1) batch, whose
+    `first` is its wrapper's offset, or a batch that failed its CRC; `skip_past` then moves one offset at a time)."""
 
     def __init__(self, reason: str, first: int | None = None, next_offset: int | None = None):
         super().__init__(reason)
@@ -74,12 +78,18 @@ def _bounded_gzip_decode(payload) -> bytes:
 def _with_offsets(uncompress):
     @functools.wraps(uncompress)
     def guarded(batch, *args):
+        codec = getattr(batch, "compression_type", None)
         try:
+            if codec is not None and codec not in _READ:  # stream.compression writes gzip or nothing
+                raise BatchRefused(f"compression codec {codec}: only gzip and uncompressed batches are read")
             return uncompress(batch, *args)
-        except (BatchRefused, UnsupportedCodecError) as e:
-            reason = e.reason if isinstance(e, BatchRefused) else f"its codec cannot be read here ({e})"
-            first = getattr(batch, "base_offset", None)
-            raise BatchRefused(reason, first, getattr(batch, "next_offset", None) if first is not None else None) from None
+        except BatchRefused as e:
+            reason = e.reason
+        except Exception as e:  # corrupt data in any codec, or a codec the batch names but this host lacks
+            reason = f"it cannot be decompressed ({type(e).__name__}: {str(e)[:200]})"
+        first = getattr(batch, "base_offset", None)
+        nxt = getattr(batch, "next_offset", None) if isinstance(batch, default_records.DefaultRecordBatch) else None
+        raise BatchRefused(reason, first, nxt) from None
     return guarded
 
 
@@ -91,15 +101,24 @@ def _with_partition(unpack):
         except BatchRefused as e:
             e.topic, e.partition = tp.topic, tp.partition
             raise
+        except CorruptRecordError as e:  # a CRC check failed: read past it rather than fail every poll
+            refused = BatchRefused(str(e)[:200])
+            refused.topic, refused.partition = tp.topic, tp.partition
+            raise refused from None
     return guarded
 
 
 def skip_past(consumer, e: BatchRefused) -> tuple[TopicPartition, int, int]:
-    """Seek a KafkaConsumer past a refused batch (one offset at a time where its end is not known): returns its
-    partition, the first offset skipped and the offset the consumer reads next."""
+    """Seek a KafkaConsumer past a refused batch: returns its partition, the first offset skipped and the offset the
+    consumer reads next. The batch's own claim of its end is trusted only to move forward and not past the partition's
+    end (a hostile header could say anything); without one it moves a single offset."""
     tp = TopicPartition(e.topic, e.partition)
-    first = e.first if e.first is not None else consumer.position(tp)
-    after = e.next if e.next is not None else first + 1
+    position = consumer.position(tp)  # the first offset not yet returned: inside the refused batch
+    first = e.first if e.first is not None and e.first <= position else position
+    after = max(e.next if e.next is not None else 0, position + 1)
+    end = consumer.highwater(tp)
+    if end is not None and after > end:
+        after = max(end, position + 1)
     consumer.seek(tp, after)
     return tp, first, after
 
@@ -107,12 +126,21 @@ def skip_past(consumer, e: BatchRefused) -> tuple[TopicPartition, int, int]:
 def guard(limit: int) -> None:
     """Bound what kafka-python inflates per compressed batch to `limit` bytes (or more, if another consumer of this
     process asked for more); refused batches raise `BatchRefused` from `KafkaConsumer.poll`."""
-    global _limit
+    global _limit, _patched
+    if limit <= 0:
+        raise ValueError(f"the bound must be a positive number of bytes, got {limit}")
     with _lock:
-        if _limit == 0:
+        if not _patched:
+            for owner, name in ((default_records, "gzip_decode"), (legacy_records, "gzip_decode"),
+                                (default_records.DefaultRecordBatch, "_maybe_uncompress"),
+                                (legacy_records.LegacyRecordBatch, "_decompress"), (Fetcher.PartitionRecords, "_unpack_records")):
+                if not hasattr(owner, name):
+                    raise RuntimeError(f"kafka-python has no {owner.__name__}.{name}: streams.batches knows kafka-python 3.0 "
+                                       "(constraints.txt), install that version")
             default_records.gzip_decode = _bounded_gzip_decode
             legacy_records.gzip_decode = _bounded_gzip_decode
             default_records.DefaultRecordBatch._maybe_uncompress = _with_offsets(default_records.DefaultRecordBatch._maybe_uncompress)
             legacy_records.LegacyRecordBatch._decompress = _with_offsets(legacy_records.LegacyRecordBatch._decompress)
             Fetcher.PartitionRecords._unpack_records = _with_partition(Fetcher.PartitionRecords._unpack_records)
+            _patched = True
         _limit = max(_limit, int(limit))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import random
 import struct
 import time
@@ -209,7 +210,9 @@ def test_bad_bytes_raise_record_error(record):
         "empty": (b"", "magic"),
         "pickle": (b"\x80\x04\x95" + bytes(40), "magic"),
         "framing cut": (data[:5], "record"),
-        "message index": (data[:5] + b"\x02" + data[6:], "framing"),
+        "message index": (data[:5] + b"\x02" + data[6:], "framing"),  # [5]: the next byte read as an index
+        "two message indexes": (data[:5] + b"\x04\x00\x00" + data[6:], "framing"),
+        "no time": (edit_message(data, lambda m: m.ClearField("time")), "time"),
         "trailing garbage": (data + b"\xff\xff", "payload"),
         "truncated": (data[: len(data) // 2], "payload"),
         "no target": (edit_message(data, lambda m: m.ClearField("target")), "target"),
@@ -228,9 +231,21 @@ def test_bad_bytes_raise_record_error(record):
 
 
 def test_bad_schema_1_bytes_raise_record_error(record):
-    """The reader of schema 1 (records written before an upgrade) is as strict as it always was."""
+    """The reader of schema 1 (records written before an upgrade) is as strict as it always was; what it reads says
+    which schema carried it."""
     data = records_v1.encode(record)
     assert decode(data) == decode(encode(record))
+    assert (decode(data).schema_version, decode(encode(record)).schema_version) == (1, 2)
+    for key, value in (("time", 10**400), ("seed", 2**70)):
+        def edit(p, key=key, value=value):
+            (hlen,) = struct.unpack_from("<I", p)
+            h = json.loads(bytes(p[4 : 4 + hlen]))
+            (h["sampling"] if key == "seed" else h)[key] = value
+            head = json.dumps(h).encode()
+            return struct.pack("<I", len(head)) + head + bytes(p[4 + hlen :])
+        with pytest.raises(RecordError) as e:  # not an OverflowError
+            decode(rewrap_v1(data, edit))
+        assert e.value.field in ("time", "sampling.seed"), str(e.value)
     cases = {
         "schema v9": (data[:4] + struct.pack("<H", 9) + data[6:], "schema_version"),
         "flags": (data[:6] + struct.pack("<H", 1) + data[8:], "flags"),
@@ -307,6 +322,9 @@ def test_wire_format_is_protobuf_in_the_registry_framing_and_not_pickle(record):
     built from the printed schema alone parses; float16 log-probs make it smaller than float32."""
     data = encode(record, schema_id=4242)
     assert data[0] == 0 and int.from_bytes(data[1:5], "big") == 4242 and data[5] == 0
+    assert decode(data[:5] + b"\x02\x00" + data[6:]) == decode(data)  # [0] as the full array: count 1, index 0
+    assert list(message_class().DESCRIPTOR.file.message_types_by_name)[0] == "DecisionRecord"  # what index [0] names
+    assert proto_text().index("message DecisionRecord") < proto_text().index("message Target")
     assert b"\x80\x04" not in data[:2] and decode(data) == decode(encode(record, logprob_dtype="float16"))
     m = message_class()()
     m.ParseFromString(data[6:])

@@ -15,7 +15,7 @@ from kafka.record.memory_records import MemoryRecords
 from kafka.record.util import calc_crc32c
 
 from dvi.records import encode
-from streams.batches import BatchRefused, guard, inflate_gzip
+from streams.batches import BatchRefused, guard, inflate_gzip, skip_past
 from streams.consumer import DLQ_HEADERS, DecisionConsumer
 
 
@@ -61,9 +61,46 @@ def test_a_batch_over_the_bound_or_in_a_codec_this_host_lacks_is_refused_with_it
                                 (DefaultRecordBatch.CODEC_LZ4, kafka.codec.has_lz4),
                                 (DefaultRecordBatch.CODEC_ZSTD, kafka.codec.has_zstd)) if not has()]
     unreadable = MemoryRecords(batch_bytes((lacking or [5])[0])).next_batch()  # 5: no codec has that id
-    with pytest.raises(BatchRefused, match="codec cannot be read here") as e:
+    with pytest.raises(BatchRefused, match="only gzip and uncompressed batches are read") as e:
         list(unreadable)
     assert (e.value.first, e.value.next) == (40, 43)
+
+
+class Position:
+    """The three calls `skip_past` makes of a KafkaConsumer, over one partition (a stand-in for pure logic)."""
+
+    def __init__(self, position: int, highwater: int | None):
+        self.at, self.end = position, highwater
+
+    def position(self, tp):
+        return self.at
+
+    def highwater(self, tp):
+        return self.end
+
+    def seek(self, tp, offset):
+        self.at = offset
+
+
+def test_skipping_trusts_a_batch_header_only_to_move_forward_and_not_past_the_end():
+    """A hostile header can claim any end (its CRC is the writer's own): the consumer always moves forward, and never
+    past the partition's end; without a claim it moves one offset."""
+    cases = [  # (position, highwater, claimed first, claimed next) -> (first skipped, next read)
+        ((40, 100, 40, 43), (40, 43)),  # an honest header
+        ((41, 100, 40, 43), (40, 43)),  # records before the position were already returned
+        ((40, 100, 40, 40), (40, 41)),  # last_offset_delta = -1: would seek to the same batch forever
+        ((40, 100, 40, 12), (40, 41)),  # a negative delta: would re-deliver records
+        ((40, 100, 40, 10**12), (40, 100)),  # far past the end: would look like a lost log
+        ((40, None, 40, 43), (40, 43)),  # no high-water mark known yet
+        ((40, 100, None, None), (40, 41)),  # an old-format batch or a failed CRC: one offset
+        ((40, 100, 90, 95), (40, 95)),  # a first offset past the position is not believed
+    ]
+    for (position, end, first, nxt), expected in cases:
+        e = BatchRefused("test", first, nxt)
+        e.topic, e.partition = "t", 0
+        consumer = Position(position, end)
+        _, skipped, after = skip_past(consumer, e)
+        assert (skipped, after) == expected == (skipped, consumer.at), (position, end, first, nxt)
 
 
 @pytest.mark.broker
