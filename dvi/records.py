@@ -58,6 +58,8 @@ CONTENT_TYPE = "application/vnd.dvi.decision-record+protobuf"
 READS = {1: "application/vnd.dvi.decision-record", 2: CONTENT_TYPE}  # major version -> content type, of what it reads
 _FRAME = struct.Struct(">BI")  # Confluent's framing: magic byte 0, schema id; then the message indexes ([0]: one 0 byte)
 LP_DTYPES = records_v1.LP_DTYPES  # the log-prob element types a record may carry
+_IDS_OF_WIDTH = {2: np.dtype("<u2"), 4: np.dtype("<i4")}  # id_bytes -> the ids' element type
+_LOGPROBS_OF_WIDTH = {t.itemsize: t for t in LP_DTYPES.values()}  # logprob_bytes -> the log-probs' element type
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 DOMAIN = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a domain or tenant tag: it names metrics and plot series
 _MAX_TEXT = 256  # characters of ids, names and tags
@@ -523,7 +525,7 @@ def encode(record: DecisionRecord, *, logprob_dtype: str = "float16", max_bytes:
         raise DviError(f"logprob_dtype must be one of {sorted(LP_DTYPES)}, got {logprob_dtype!r}")
     if isinstance(schema_id, bool) or not isinstance(schema_id, int) or not 0 <= schema_id < 1 << 31:
         raise DviError(f"schema_id must be an integer in [0, 2^31), got {schema_id!r}")
-    id_t = np.dtype("<u2") if record.target.vocab_size <= 1 << 16 else np.dtype("<i4")
+    id_t = _IDS_OF_WIDTH[2 if record.target.vocab_size <= 1 << 16 else 4]
     lp_t = LP_DTYPES[logprob_dtype]
     rounds = record.rounds
     table = np.array([(r.position, r.k, r.accepted, r.token) for r in rounds], dtype="<i4").reshape(-1, 4)  # [R, 4]
@@ -616,8 +618,8 @@ def _parse(data: bytes, limits: Limits | None) -> DecisionRecord:
     for key in ("target", "sampling"):
         if not m.HasField(key):
             raise RecordError(key, "missing")
-    id_t = {2: np.dtype("<u2"), 4: np.dtype("<i4")}.get(m.id_bytes)
-    lp_t = {2: LP_DTYPES["float16"], 4: LP_DTYPES["float32"]}.get(m.logprob_bytes)
+    id_t = _IDS_OF_WIDTH.get(m.id_bytes)
+    lp_t = _LOGPROBS_OF_WIDTH.get(m.logprob_bytes)
     if id_t is None:
         raise RecordError("id_bytes", f"{m.id_bytes}, expected 2 (uint16) or 4 (int32)")
     if lp_t is None:

@@ -16,9 +16,9 @@ the consumer would skip every new record below its old position; it reads the ne
 logs it, counts it (`ConsumerStats.log_resets`) and names the partition in `take_resets()`.
 
 Compressed batches are inflated no further than a bound (`streams.batches`: 4 x the larger of stream.batch_bytes and
-stream.max_record_bytes, at least 16 MiB); a batch past it, or in a codec this host cannot read, is skipped: a note
-of it (no value; headers naming its partition, offsets and the reason) goes to the dead-letter topic, the consumer
-seeks past it and counts it (`ConsumerStats.batches_refused`).
+stream.max_record_bytes, at least 16 MiB); a batch past it, in a codec other than gzip, corrupt, or failing its CRC
+is skipped: a note of it (no value; headers naming its partition, offsets and the reason) goes to the dead-letter
+topic, the consumer seeks past it and counts it (`ConsumerStats.batches_refused`).
 This module knows the wire format and Kafka, not what the records are used for.
 """
 
@@ -53,7 +53,7 @@ class ConsumerStats:
     dead_lettered: int  # invalid messages handed to the dead-letter topic
     dlq_errors: int  # dead-letter sends that failed (the message is logged and skipped)
     log_resets: int = 0  # partitions found to have lost their log (read again from the new log's start)
-    batches_refused: int = 0  # compressed batches skipped unread: past the inflation bound, or an unreadable codec
+    batches_refused: int = 0  # batches skipped unread (streams.batches): past the inflation bound, another codec, corrupt
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
