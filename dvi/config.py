@@ -151,11 +151,34 @@ class SwapConfig:
         _check(bool(self.initial), "serve.swap.initial", self.initial, "production, latest, none or a version name")
 
 
+ENGINES = ("dvi", "vllm")
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """vLLM as the serving engine (serve.engine=vllm; dvi.serving.vllm_engine): what dvi passes to vLLM's engine."""
+
+    max_model_len: int = 2048  # tokens of context per request (prompt and output)
+    enforce_eager: bool = True  # no CUDA graphs or torch.compile (faster start-up; needed on the CPU build)
+    gpu_memory_utilization: float = 0.85  # share of the GPU vLLM may hold (weights and KV cache); GPU only
+    cpu_kv_cache_gb: float = 2.0  # GiB of KV cache on the CPU build (VLLM_CPU_KVCACHE_SPACE)
+    # vLLM's prefix cache shares draft KV blocks between requests: after a hot swap they would hold the previous
+    # drafter's keys and values, so it is off unless asked for (drafts, never outputs, would suffer)
+    prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.max_model_len >= 16, "serve.vllm.max_model_len", self.max_model_len, "an integer >= 16")
+        _check(0 < self.gpu_memory_utilization <= 1, "serve.vllm.gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        _check(self.cpu_kv_cache_gb > 0, "serve.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb, "> 0 GiB")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     swap: SwapConfig = field(default_factory=SwapConfig)
+    engine: str = "dvi"  # dvi: dvi's own engine (dvi.engine); vllm: vLLM's, with the same API, records and swaps
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     max_batch: int = 8  # requests decoded together
     # the HTTP server (dvi serve)
     host: str = "127.0.0.1"
@@ -176,6 +199,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_batch >= 1, "serve.max_batch", self.max_batch, "an integer >= 1")
+        _check(self.engine in ENGINES, "serve.engine", self.engine, " or ".join(ENGINES))
         _check(bool(str(self.host).strip()), "serve.host", self.host, "a host name or address")
         _check(0 <= self.port <= 65535, "serve.port", self.port, "a TCP port in [0, 65535] (0: any free port)")
         _check(self.served_model_name is None or bool(str(self.served_model_name).strip()), "serve.served_model_name",

@@ -64,6 +64,24 @@ class Request:
     min_tokens: int = 0  # the stop ids cannot be generated before this many tokens (their target probability is 0)
 
 
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for (as OpenAI's API)
+
+
+def check_request(r: Request, window: int, vocab_size: int, window_name: str = "the target's context window") -> None:
+    """DviError unless an engine whose context holds `window` tokens can decode `r`."""
+    if not r.prompt_ids:
+        raise DviError("empty prompt: give at least one token")
+    if len(r.prompt_ids) >= window:
+        raise DviError(f"prompt of {len(r.prompt_ids)} tokens does not fit {window_name} of {window}")
+    if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab_size:
+        raise DviError(f"prompt token ids must be in [0, {vocab_size})")
+    check_sampling(r.temperature, r.top_p, r.max_new_tokens)
+    if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
+        raise DviError(f"logprobs must be in [0, {MAX_LOGPROBS}] alternatives, got {r.logprobs}")
+    if not 0 <= r.min_tokens <= r.max_new_tokens:
+        raise DviError(f"min_tokens must be in [0, max_new_tokens={r.max_new_tokens}], got {r.min_tokens}")
+
+
 LogProb = tuple[float, list[tuple[int, float]]]  # an emitted token's log-prob and its top alternatives (id, log-prob)
 # streaming: called on the decoding thread after every round with the tokens a request gained in it, and their
 # LogProbs if the request asked for them (else None)
@@ -422,7 +440,7 @@ class SpeculativeEngine:
         self.vocab_size = int(target.config.vocab_size)
         self.window = int(getattr(target.config, "max_position_embeddings", 1 << 30))
         if drafter is not None:
-            self._check_drafter(drafter)
+            self.check_drafter(drafter)
         self.costs = CostTable(spec)
 
     # -- drafter pointer --------------------------------------------------------------------------
@@ -440,11 +458,12 @@ class SpeculativeEngine:
     def swap_drafter(self, drafter: Drafter | None) -> None:
         """Install a new drafter; decoding picks it up at the next round boundary."""
         if drafter is not None:
-            self._check_drafter(drafter)
+            self.check_drafter(drafter)
         with self._lock:
             self._drafter = drafter
 
-    def _check_drafter(self, drafter: Drafter) -> None:
+    def check_drafter(self, drafter: Drafter) -> None:
+        """DviError unless this engine can draft with `drafter` (its vocabulary is the target's)."""
         if int(drafter.model.config.vocab_size) != self.vocab_size:
             raise DviError(
                 f"drafter {drafter.version!r} has vocabulary size {drafter.model.config.vocab_size}, "
@@ -454,17 +473,7 @@ class SpeculativeEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     def check_request(self, r: Request) -> None:
-        if not r.prompt_ids:
-            raise DviError("empty prompt: give at least one token")
-        if len(r.prompt_ids) >= self.window:
-            raise DviError(f"prompt of {len(r.prompt_ids)} tokens does not fit the target's context window of {self.window}")
-        if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
-            raise DviError(f"prompt token ids must be in [0, {self.vocab_size})")
-        check_sampling(r.temperature, r.top_p, r.max_new_tokens)
-        if r.logprobs is not None and not 0 <= r.logprobs <= 20:
-            raise DviError(f"logprobs must be in [0, 20] alternatives, got {r.logprobs}")
-        if not 0 <= r.min_tokens <= r.max_new_tokens:
-            raise DviError(f"min_tokens must be in [0, max_new_tokens={r.max_new_tokens}], got {r.min_tokens}")
+        check_request(r, self.window, self.vocab_size)
 
     def decoding(self) -> Decoding:
         """An empty running batch of this engine: `add` requests, `step` rounds."""

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from dvi.config import default_cache_dir
 from dvi.errors import DviError
@@ -215,6 +215,23 @@ def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = t
     except Exception as e:
         raise DviError(f"could not load the {what} from {str(p)!r}: {e}") from e
     return model.to(device).eval()
+
+
+def target_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The model at `path` on the meta device: its config, generation config and parameter shapes, no weights
+    (what checks of a drafter read from the target when another engine holds the weights)."""
+    p = _require_dir(path, "target")
+    try:
+        config = AutoConfig.from_pretrained(p)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as e:
+        raise DviError(f"could not read the target's config from {str(p)!r}: {e}") from e
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(p)
+    except OSError:  # no generation_config.json: the one from_config derived
+        pass
+    return model.eval()
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:
@@ -503,16 +520,21 @@ def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
     return target_dir, drafter_dir
 
 
-def resolve_pair(cfg, with_drafter: bool = True) -> Pair:
+def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True) -> Pair:
     """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
-    tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads)."""
+    tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads).
+    `target_weights=False`: the target is its skeleton (`target_skeleton`) and the drafter stays on the CPU, for an
+    engine that loads the target itself (serve.engine=vllm)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target_dir, drafter_dir = pair_dirs(cfg, with_drafter)
     tokenizer = load_tokenizer(target_dir, "target")
-    target = load_causal_lm(target_dir, "target", dtype, device)
+    if target_weights:
+        target = load_causal_lm(target_dir, "target", dtype, device)
+    else:
+        target, device = target_skeleton(target_dir, dtype), torch.device("cpu")
     drafter = None
     if drafter_dir is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))

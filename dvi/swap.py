@@ -32,6 +32,7 @@ This module knows the model store, safetensors and the engine's `Drafter`; not K
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -71,11 +72,11 @@ def resolve_in_store(uri: str, version: str, store_root: Path) -> Path:
 
 
 def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Module, smoke_tokens: int = 8,
-                   dtype: torch.dtype = torch.float32, family=None) -> Drafter:
-    """Check and load an announced drafter (see the module docstring). Returns it in `dtype` on the target's
-    device, or raises Refused. `family`: the config every version must match but for the drafter's own fields:
+                   dtype: torch.dtype = torch.float32, family=None, device: torch.device | None = None) -> Drafter:
+    """Check and load an announced drafter (see the module docstring). Returns it in `dtype` on `device` (None: the
+    target's), or raises Refused. `family`: the config every version must match but for the drafter's own fields:
     the configured drafter's (the trainer publishes versions of it), or by default the target's (a drafter built
-    from the target)."""
+    from the target). `target` may hold no weights (the meta device): only its config and parameter count are read."""
     try:
         store.check_version_name(ann.version)
     except DviError as e:
@@ -99,7 +100,7 @@ def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Mod
         drafter = _build(config, weights, head, vocab, ann.version, str(path / DRAFT_HEAD))
     except Exception as e:  # DviError from the head's checks, or whatever transformers raises on a broken config
         raise Refused("load", f"drafter {ann.version} at {path} does not load: {type(e).__name__}: {str(e)[:300]}") from None
-    device = next(target.parameters()).device  # the drafter serves beside the target
+    device = device if device is not None else next(target.parameters()).device  # the drafter serves beside the target
     drafter.model.to(device=device, dtype=dtype)
     if drafter.vocab_map is not None:
         drafter.vocab_map = drafter.vocab_map.to(device)
@@ -163,12 +164,23 @@ def _check_shapes(config, weights: dict[str, torch.Tensor], reduced_head: bool, 
 
 def _build(config, weights: dict[str, torch.Tensor], head: dict[str, torch.Tensor] | None, vocab: int, version: str,
            head_where: str) -> Drafter:
-    """The drafter made of exactly these (checked) tensors."""
-    model = AutoModelForCausalLM.from_config(config)
+    """The drafter made of exactly these (checked) tensors. No random initialisation first (half the time of a
+    swap on the CPU): every parameter is overwritten, as `_check_shapes` made sure."""
+    with _no_init():
+        model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, strict=False)  # what may be absent (a tied or reduced head) was checked above
     model.tie_weights()
     vocab_map = attach_head(model, head, vocab, head_where) if head is not None else None
     return Drafter(model=model.eval(), version=version, vocab_map=vocab_map)
+
+
+def _no_init():
+    """transformers' context that skips weight initialisation (5.x: transformers.initialization), or a no-op."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 @torch.inference_mode()

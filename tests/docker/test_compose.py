@@ -32,7 +32,7 @@ COMPOSE = DOCKER / "compose.yaml"
 ENV_EXAMPLE = ROOT / ".env.example"
 
 DVI_SERVICES = ("models", "serve", "trainer")
-DOCKERFILES = ("Dockerfile.serve", "Dockerfile.train", "Dockerfile.mlflow")
+DOCKERFILES = ("Dockerfile.serve", "Dockerfile.train", "Dockerfile.mlflow", "Dockerfile.serve-vllm")
 NO_HEALTH_ENDPOINT = {"trainer"}  # a consumer-group member with no HTTP port; restart policy only
 MIN_MLFLOW = (3, 10)
 
@@ -448,7 +448,7 @@ def test_dockerfile_basics(dockerfile):
                 )
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile.serve", "Dockerfile.train"])
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.serve", "Dockerfile.train", "Dockerfile.serve-vllm"])
 def test_dvi_images_install_the_project_and_its_config(dockerfile):
     instructions = read_dockerfile(DOCKER / dockerfile)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -465,5 +465,12 @@ def test_dvi_images_install_the_project_and_its_config(dockerfile):
     env = " ".join(rest for op, rest in instructions if op == "ENV")
     assert "DVI_CONF_DIR" not in env
     pip = " ".join(rest for op, rest in instructions if op == "RUN" and "pip " in rest)
+    if dockerfile == "Dockerfile.serve-vllm":  # vLLM's image: every package it holds stays (vLLM, its torch), dvi adds the rest
+        assert "pip freeze" in pip and "--constraint /tmp/image.txt" in pip
+        assert exec_form(instructions, "ENTRYPOINT") == ["dvi", "serve"] and "serve.engine=vllm" in exec_form(instructions, "CMD")
+        image = next(rest for op, rest in instructions if op == "FROM")
+        vllm_pin = re.search(r'"vllm==([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+        assert image.startswith("vllm/vllm-openai:") and arg_defaults(instructions)["VLLM_TAG"] == f"v{vllm_pin}"
+        return
     assert "--constraint /tmp/torch.txt" in pip  # keeps the base image's CUDA torch
     assert "--constraint /tmp/src/constraints.txt" in pip and "constraints.txt" in copied  # the tested versions

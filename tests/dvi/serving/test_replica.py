@@ -15,13 +15,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
-import torch
 from kafka import KafkaProducer
-from replica_fixtures import Running, replica, scrape, service_config
+from replica_fixtures import Running, publish_noisy, replica, scrape, service_config
 
 from dvi import keys, store
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig, keys_dir
@@ -35,16 +33,6 @@ from streams.control import ControlReader
 from streams.control import send as control_send
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
-
-
-def publish_noisy(store_root: Path, target_dir: Path, version: str, noise: float, seed: int) -> store.Published:
-    """A copy of the target with relative Gaussian noise `noise` on every matrix (noise 10: unrelated weights)."""
-    model = load_causal_lm(target_dir, "drafter")
-    g = torch.Generator().manual_seed(seed)
-    weights = {}
-    for k, v in model.state_dict().items():
-        weights[k] = v + torch.randn(v.shape, generator=g) * noise * v.std() if v.ndim >= 2 else v.clone()
-    return store.publish(store_root, version, weights, target_dir, {"parent": "test"})
 
 
 def announce(stream_cfg, p: store.Published) -> None:

@@ -1,0 +1,98 @@
+"""The part of dvi that runs inside vLLM's worker: it reads every verification and swaps the draft model's weights.
+
+vLLM mixes this class into its worker (`worker_extension_cls`); `dvi.serving.vllm_engine` calls its methods through
+`LLMEngine.collective_rpc`, in process (vLLM's engine runs in the replica's process: no RPC server, no HTTP route,
+nothing an API client can reach). It reads vLLM at a private interface, `GPUModelRunner._sample(logits,
+spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi.serving.vllm_engine.VLLM_VERSION`):
+
+- `dvi_capture(topk)` wraps `_sample`: for every step it keeps the batch's request ids, each request's drafted ids,
+  the tokens the rejection sampler emitted (vLLM pads a row with -1 after a rejection), and, from the logits the
+  sampler verifies with (the target's, before any temperature or top-p), the `topk` most likely ids with their
+  log-probs at every drafted and bonus position, and the log-prob of each emitted token;
+- `dvi_take()` hands over the steps kept since the last call (CPU tensors and lists). The log-probs are computed on
+  a thread of the extension's own from a copy of the logits, beside vLLM's next work (the drafts of the next step),
+  so that a step waits only for the copy;
+- `dvi_load_drafter(weights)` loads a state dict (Hugging Face names) into the draft model, through vLLM's
+  layer-wise reload (a plain `load_weights` fails where the CPU build has repacked linear weights).
+
+The logits of a step hold one row per drafted position and one bonus row per request, request after request
+(`SpecDecodeMetadata.cu_num_sampled_tokens`); a step without drafts has one row per request. This module knows
+vLLM's worker; it does not know dvi's records, requests or drafter versions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import torch
+
+
+class DviWorkerExtension:
+    """Mixed into vLLM's worker (see the module docstring); `self.model_runner` and `self.vllm_config` are vLLM's."""
+
+    def dvi_capture(self, topk: int) -> bool:
+        runner = self.model_runner
+        if getattr(runner, "_dvi_sample", None) is not None:
+            return False
+        original = runner._sample
+        self._dvi_steps: list[concurrent.futures.Future] = []
+        # the log-probs are computed beside vLLM's next work (proposing the next drafts), not in its way: a copy of the
+        # logits is taken before the sampler (which may scale them in place), the rest runs on this thread
+        self._dvi_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dvi-capture")
+
+        def _sample(logits, spec_decode_metadata):
+            if logits is None:
+                return original(logits, spec_decode_metadata)
+            verified = logits.detach().float().clone()  # [rows, vocabulary]
+            out = original(logits, spec_decode_metadata)
+            req_ids = list(runner.input_batch.req_ids)
+            n = len(req_ids)
+            if spec_decode_metadata is None:
+                drafts, drafted = [0] * n, []
+            else:
+                drafts, drafted = list(spec_decode_metadata.num_draft_tokens), spec_decode_metadata.draft_token_ids.tolist()
+            sampled = out.sampled_token_ids[:n].clone()  # [B, max drafts + 1], -1 after the last emitted token
+            self._dvi_steps.append(self._dvi_pool.submit(_step, verified, sampled, req_ids, drafts, drafted, topk))
+            return out
+
+        runner._dvi_sample = _sample
+        runner._sample = _sample
+        return True
+
+    def dvi_take(self) -> list[dict]:
+        """The steps kept since the last call, oldest first (waiting for the last one's log-probs)."""
+        steps, self._dvi_steps = self._dvi_steps, []
+        return [f.result() for f in steps]
+
+    def dvi_load_drafter(self, weights: dict[str, torch.Tensor]) -> float:
+        """Load `weights` into the draft model; returns the seconds it took."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        t0 = time.perf_counter()
+        model = self.model_runner.get_draft_model()
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+            model.load_weights(iter(weights.items()))
+            finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
+        return time.perf_counter() - t0
+
+
+def _step(verified: torch.Tensor, sampled: torch.Tensor, req_ids: list[str], drafts: list[int], drafted: list[int], topk: int) -> dict:
+    """One captured step: the top-k log-probs at every verified row and the log-prob of each emitted token."""
+    log_p = torch.log_softmax(verified, -1)
+    top = log_p.topk(topk, -1) if topk else None
+    width = torch.tensor([k + 1 for k in drafts])
+    first = (width.cumsum(0) - width).to(log_p.device)  # each request's first logits row
+    emitted = sampled.clamp(min=0)  # [B, J]
+    rows = (first.unsqueeze(1) + torch.arange(emitted.shape[1], device=log_p.device)).clamp(max=log_p.shape[0] - 1)
+    return {
+        "req_ids": req_ids,
+        "num_draft": drafts,
+        "drafted": drafted,
+        "sampled": sampled.tolist(),
+        "chosen": log_p[rows, emitted.to(log_p.device)].cpu(),  # [B, J]
+        "top_ids": top.indices.cpu() if top is not None else None,  # [sum(k + 1), topk]
+        "top_logprobs": top.values.cpu() if top is not None else None,
+    }
