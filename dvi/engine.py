@@ -462,6 +462,10 @@ class SpeculativeEngine:
         with self._lock:
             self._drafter = drafter
 
+    def take_load_failures(self) -> list[tuple[str, str]]:
+        """Drafters swapped in that the engine failed to load: none here (a swap replaces a pointer)."""
+        return []
+
     def check_drafter(self, drafter: Drafter) -> None:
         """DviError unless this engine can draft with `drafter` (its vocabulary is the target's)."""
         if int(drafter.model.config.vocab_size) != self.vocab_size:

@@ -406,6 +406,8 @@ class Replica:
 
     def check_rollout(self) -> str | None:
         """Judge the drafter on trial (see dvi.swap.judge); returns the decision once there is one."""
+        for version, why in self.engine.take_load_failures():
+            self._load_failed(version, why)
         with self._swap_lock:
             r = self.rollout
             if r is None:
@@ -430,6 +432,17 @@ class Replica:
                    f"{self.cfg.serve.swap.rollback_margin} below {r.previous.version if r.previous else None}'s {prev[1] / prev[0]:.3f}")
             self._roll_back(why, announce=True)
         return decision
+
+    def _load_failed(self, version: str, why: str) -> None:
+        """The engine could not load a drafter it was handed (and serves the previous one again): refused here, not
+        announced (the fault may be this replica's)."""
+        with self._swap_lock:
+            if self.rollout is not None and self.rollout.drafter.version == version:
+                self.rollout = None
+        self._reject(version)
+        self.metrics.serving(self._version())
+        self.metrics.event("refused:load", version)
+        decisions.warning("%s refused (load): %s; still serving %s", version, why, self._version())
 
     def _roll_back(self, why: str, announce: bool) -> None:
         with self._swap_lock:

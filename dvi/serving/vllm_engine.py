@@ -1,7 +1,7 @@
 """vLLM as the serving engine (serve.engine=vllm): dvi's engine interface over vLLM's in-process engine.
 
 `VllmEngine` offers what the replica asks of `dvi.engine.SpeculativeEngine` (`decoding()`, `check_request`,
-`check_drafter`, `swap_drafter`, `drafter`, `abort`, `target`, `device`, `vocab_size`), so that the
+`check_drafter`, `swap_drafter`, `take_load_failures`, `drafter`, `abort`, `target`, `device`, `vocab_size`), so that the
 replica's API, decision records, hot swaps, live judge and metrics are the same for both engines. Underneath:
 
 - vLLM's V1 `LLMEngine` runs in this process (no engine process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`), the target
@@ -43,7 +43,7 @@ log = logging.getLogger("dvi.serving.vllm")
 
 VLLM_VERSION = "0.32"  # the vLLM release whose worker internals dvi.serving.vllm_worker reads
 EXTENSION = "dvi.serving.vllm_worker.DviWorkerExtension"
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
 
 
 def set_vllm_env(cfg: VllmConfig) -> None:
@@ -94,6 +94,7 @@ class VllmEngine:
         self._batch: VllmDecoding | None = None  # the running batch (decoding())
         self._drafter = drafter  # the drafter swapped in last (what `drafter` reports)
         self._loaded = drafter  # the drafter whose weights vLLM's draft model holds
+        self._failures: list[tuple[str, str]] = []  # drafters vLLM failed to load (take_load_failures)
         self._drafted_by = drafter.version if drafter is not None else None  # who proposed the drafts of the next step
         self._shape = _shape(drafter) if drafter is not None else None
         if drafter is not None:
@@ -125,12 +126,14 @@ class VllmEngine:
     def check_drafter(self, drafter: Drafter) -> None:
         """DviError unless vLLM's draft model can take `drafter`'s weights: the full vocabulary, and the shape of the
         draft model vLLM was started with."""
+        if self._shape is None:
+            raise DviError("this vLLM engine was started without a drafter (--no-draft): it cannot take one while serving")
         if drafter.vocab_map is not None:
             raise DviError(f"drafter {drafter.version!r} has a reduced vocabulary head ({drafter.vocab_size} rows); "
                            "vLLM's draft model drafts over the target's whole vocabulary")
         if int(drafter.model.config.vocab_size) != self.vocab_size:
             raise DviError(f"drafter {drafter.version!r} has vocabulary size {drafter.model.config.vocab_size}, the target has {self.vocab_size}")
-        if self._shape is not None and _shape(drafter) != self._shape:
+        if _shape(drafter) != self._shape:
             raise DviError(f"drafter {drafter.version!r} has {drafter.model.config.num_hidden_layers} layers and other shapes than the "
                            f"draft model vLLM was started with; vLLM sizes its draft model once (restart the server to change it)")
 
@@ -138,22 +141,39 @@ class VllmEngine:
         """Install a new drafter: its weights go into vLLM's draft model before the next step."""
         if drafter is None:
             raise DviError("serve.engine=vllm cannot drop its drafter while serving")
-        if self._shape is None:
-            raise DviError("this vLLM engine was started without a drafter: it cannot take one while serving")
         self.check_drafter(drafter)
         with self._lock:
             self._drafter = drafter
 
     def _load_pending(self) -> None:
-        """On the decode thread, between steps: load the drafter swapped in since the last step."""
+        """On the decode thread, between steps: load the drafter swapped in since the last step. If vLLM fails to
+        load it, the previous weights go back in, the previous drafter serves on, and `take_load_failures` says so."""
         with self._lock:
             want = self._drafter
         if want is self._loaded:
             return
-        weights = {k: v.detach().float() for k, v in want.model.state_dict().items()}
-        seconds = self.llm.collective_rpc("dvi_load_drafter", args=(weights,))[0]
+        try:
+            seconds = self._load(want)
+        except Exception as e:
+            log.exception("vLLM could not load drafter %s; putting %s back", want.version, self._loaded.version)
+            with self._lock:
+                if self._drafter is want:
+                    self._drafter = self._loaded
+                self._failures.append((want.version, f"vLLM could not load it: {type(e).__name__}: {str(e)[:300]}"))
+            self._load(self._loaded)  # the draft model may hold part of the new weights
+            return
         self._loaded = want
         log.info("drafter %s loaded into vLLM's draft model in %.2f s", want.version, seconds)
+
+    def _load(self, drafter: Drafter) -> float:
+        weights = {k: v.detach().float() for k, v in drafter.model.state_dict().items()}
+        return self.llm.collective_rpc("dvi_load_drafter", args=(weights,))[0]
+
+    def take_load_failures(self) -> list[tuple[str, str]]:
+        """(version, reason) of each swapped-in drafter vLLM failed to load since the last call."""
+        with self._lock:
+            failures, self._failures = self._failures, []
+        return failures
 
     def abort(self) -> None:
         """Stop decoding for good (shutdown): the next step raises DviError instead."""
@@ -163,6 +183,8 @@ class VllmEngine:
 
     def check_request(self, r: Request) -> None:
         check_request(r, self.window, self.vocab_size, "the context window (serve.vllm.max_model_len)")
+        if r.temperature > MAX_TEMPERATURE:
+            raise DviError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] with serve.engine=vllm (vLLM's limit), got {r.temperature:g}")
 
     def sampling_params(self, r: Request):
         budget = min(r.max_new_tokens, self.window - len(r.prompt_ids))
@@ -228,7 +250,10 @@ class VllmDecoding:
         e.check_request(req)
         if any(r.req.request_id == req.request_id for r in self.rows.values()):
             raise DviError(f"request id {req.request_id} is already decoding")
-        internal = e.llm.add_request(req.request_id, {"prompt_token_ids": list(req.prompt_ids)}, e.sampling_params(req))
+        try:
+            internal = e.llm.add_request(req.request_id, {"prompt_token_ids": list(req.prompt_ids)}, e.sampling_params(req))
+        except Exception as err:  # vLLM's own checks: the request fails, the batch goes on
+            raise DviError(f"vLLM refused request {req.request_id}: {type(err).__name__}: {str(err)[:300]}") from None
         self.rows[internal] = _Row(key, req, on_tokens, internal)
 
     def _leave(self, row: _Row) -> None:
@@ -277,7 +302,7 @@ class VllmDecoding:
                 row.on_tokens(new, self._logprobs(row, before) if row.req.logprobs is not None else None)
             if o.finished:
                 self._leave(row)
-                finished.append((row.key, row.result(_FINISH.get(str(o.outputs[0].finish_reason), "stop"))))
+                finished.append((row.key, row.result(str(o.outputs[0].finish_reason))))  # stop, length, abort; error
         return cancelled + finished
 
     def _rounds(self, s: dict, drafted_by: str | None) -> None:

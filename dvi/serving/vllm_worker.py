@@ -6,7 +6,8 @@ nothing an API client can reach). It reads vLLM at a private interface, `GPUMode
 spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi.serving.vllm_engine.VLLM_VERSION`):
 
 - `dvi_capture(topk)` wraps `_sample`: for every step it keeps the batch's request ids, each request's drafted ids,
-  the tokens the rejection sampler emitted (vLLM pads a row with -1 after a rejection), and, from the logits the
+  the tokens the rejection sampler emitted (vLLM pads a row with -1 after a rejection; the row of a prefill chunk
+  that is not the last, whose token vLLM discards, is all -1 here), and, from the logits the
   sampler verifies with (the target's, before any temperature or top-p), the `topk` most likely ids with their
   log-probs at every drafted and bonus position, and the log-prob of each emitted token;
 - `dvi_take()` hands over the steps kept since the last call (CPU tensors and lists). The log-probs are computed on
@@ -53,6 +54,9 @@ class DviWorkerExtension:
             else:
                 drafts, drafted = list(spec_decode_metadata.num_draft_tokens), spec_decode_metadata.draft_token_ids.tolist()
             sampled = out.sampled_token_ids[:n].clone()  # [B, max drafts + 1], -1 after the last emitted token
+            # a chunk of a prefill that is not finished samples a token that vLLM then throws away: none emitted
+            discard = torch.from_numpy(runner.discard_request_mask.np[:n].copy()).to(sampled.device)
+            sampled[discard] = -1
             self._dvi_steps.append(self._dvi_pool.submit(_step, verified, sampled, req_ids, drafts, drafted, topk))
             return out
 

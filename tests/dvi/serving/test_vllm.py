@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.real_model]
 PROMPTS = [[1, 504, 3458, 282, 4371, 314], [1, 2683, 13888, 30, 28], [1, 744, 1691, 1201, 314, 253, 1127],
            [1, 31, 2683, 2060, 30, 28, 1446], [1, 7429, 34, 6052, 28, 253]]
 N_TOKENS = 40
+LONG = [[(7 * j + 13 * i) % 40000 + 100 for j in range(1500)] for i in range(2)]
 
 
 def vllm_config(stream_cfg, target: Path, drafter: Path, store_root: Path, **serve):
@@ -57,10 +58,14 @@ def test_greedy_answers_equal_the_target_and_the_records_reproduce_them(stream_c
     running = Running(vllm_replica(cfg, producer=producer))
     try:
         service = running.service
+        # two long prompts arriving together: vLLM prefills the second in chunks (2,048 tokens a step), and the
+        # tokens it samples for a chunk before the last are thrown away, not rounds
+        long_jobs = [service.submit(Request(p, max_new_tokens=8)) for p in LONG]
         jobs = [service.submit(Request(p, max_new_tokens=N_TOKENS)) for p in PROMPTS]
         streamed: list[tuple[list[int], list | None]] = []
         asked = service.submit(Request(PROMPTS[1], max_new_tokens=12, logprobs=3), on_tokens=lambda ids, lps: streamed.append((ids, lps)))
         results = [j.future.result(300) for j in jobs]
+        long_results = [j.future.result(300) for j in long_jobs]
         with_logprobs = asked.future.result(300)
         # the OpenAI API over the same engine: the answer and dvi's extension, as with the native engine
         body = running.post("/v1/completions", {"model": service.model_name, "prompt": PROMPTS[0], "max_tokens": N_TOKENS}).json()
@@ -69,6 +74,9 @@ def test_greedy_answers_equal_the_target_and_the_records_reproduce_them(stream_c
         running.close()
 
     assert [r.token_ids for r in results] == target_greedy(demo_target_dir, PROMPTS, N_TOKENS)
+    assert [r.token_ids for r in long_results] == target_greedy(demo_target_dir, LONG, 8)
+    for r in long_results:
+        assert r.rounds[0].k == 0 and [x.position for x in r.rounds] == [0] + [sum(y.accepted + 1 for y in r.rounds[:i]) for i in range(1, len(r.rounds))]
     assert body["usage"]["completion_tokens"] == len(results[0].token_ids)
     assert body["dvi"]["drafter_version"] == "init-L2-full" and body["dvi"]["stats"]["drafted"] > 0
     for r in results:
@@ -84,9 +92,9 @@ def test_greedy_answers_equal_the_target_and_the_records_reproduce_them(stream_c
     for token, (lp, top) in zip(with_logprobs.token_ids, lps):
         assert top[0][0] == token and lp == pytest.approx(top[0][1]) and lp <= 0 and top[0][1] >= top[1][1] >= top[2][1]
 
-    by_id = {r.request_id: r for r in results}
+    by_id = {r.request_id: r for r in results + long_results}
     with DecisionConsumer(cfg.stream, group_id=None, vocab_size=service.engine.vocab_size) as consumer:
-        got = consumer.poll_until(len(results) + 2, timeout_s=20)
+        got = consumer.poll_until(len(results) + len(long_results) + 2, timeout_s=20)
     assert consumer.stats.invalid == 0
     records = sorted((d.record for d in got if d.record.request_id in by_id), key=lambda rec: (rec.request_id, rec.chunk_index))
     assert {rec.request_id for rec in records} == set(by_id)
@@ -166,6 +174,8 @@ def test_a_drafter_vllm_cannot_take_is_refused_and_the_current_one_keeps_serving
         assert service.submit(Request(PROMPTS[0], max_new_tokens=8)).future.result(300).drafter_versions == ["init-L2-full"]
         with pytest.raises(DviError, match="cannot drop its drafter"):
             service.engine.swap_drafter(None)
+        with pytest.raises(DviError, match="vLLM's limit"):  # a request vLLM would refuse fails alone, before the batch
+            service.engine.check_request(Request(PROMPTS[0], temperature=2.5))
     finally:
         service.close()
 
