@@ -510,8 +510,15 @@ class Trainer:
             "holdout/records": len(self.buffer.holdout), "holdout/needed": t.gate_min_records,
             "gate/next_in_s": max(0.0, next_in), "gate/next_step": (self.state.step // t.gate_every + 1) * t.gate_every,
             "buffer/replay_mb": self.buffer.replay.nbytes / (1 << 20), "buffer/holdout_mb": self.buffer.holdout.nbytes / (1 << 20),
-            **system_metrics(self._process, next(self.student.module.parameters()).device),
+            **system_metrics(self._process, next(self.student.module.parameters()).device), **self._source_counts(),
         }, step=self.state.step)
+
+    def _source_counts(self) -> dict[str, float]:
+        """What the source saw (`stream/received`, `stream/invalid`, `stream/dead_lettered`, `stream/batches_refused`, ...
+        of a DecisionConsumer; `stream/invalid` of a file)."""
+        stats = getattr(self.source, "stats", None)
+        counts = stats.to_dict() if hasattr(stats, "to_dict") else vars(stats) if stats is not None else {}
+        return {f"stream/{k}": float(v) for k, v in counts.items() if isinstance(v, (int, float))}
 
     @property
     def _process(self) -> psutil.Process:

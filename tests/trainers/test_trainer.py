@@ -504,6 +504,9 @@ def test_manual_retrain_runs_a_session_then_publishes_to_store_registry_and_cont
         assert "gate.candidate_acceptance" in mv.tags and mv.tags["sha256"] == msgs[0].sha256
         run = client.get_run(stats.run_id)
         assert {"loss", "train/acceptance", "gate/candidate_acceptance", "step_time_s"} <= set(run.data.metrics)
+        # the consumer's counts, refused batches among them (streams.batches), beside the trainer's
+        assert run.data.metrics["stream/received"] == len(tiny_records) and run.data.metrics["stream/batches_refused"] == 0
+        assert run.data.metrics["stream/invalid"] == 0
         assert run.data.params["trainer.lr"] == str(cfg.trainer.lr)
 
 
