@@ -52,6 +52,7 @@ def set_vllm_env(cfg: VllmConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.cpu_kv_cache_gb:g}")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the CPU build keeps a core back unless told
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up report is dozens of INFO lines
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
 
 
