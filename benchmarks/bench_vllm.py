@@ -65,7 +65,7 @@ def log(msg: str) -> None:
 
 def plain_vllm(target_dir: Path, drafter_dir: Path | None, max_batch: int, max_len: int, kv_gb: float):
     """vLLM's engine as its users run it: no dvi code in it."""
-    set_vllm_env(VllmConfig(cpu_kv_cache_gb=kv_gb))
+    set_vllm_env(VllmConfig(cpu_kv_cache_gb=int(kv_gb)))
     vllm = import_vllm()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     store_root = Path(os.environ.get("TMPDIR", "/tmp")) / f"dvi-bench-vllm-{name}"
     cfg = DviConfig(model=ModelConfig(target=str(target_dir), drafter=str(drafter_dir)), stream=stream,
                     serve=ServeConfig(engine="vllm", spec=SpecConfig(k=K, adaptive=False), max_batch=8,
-                                      vllm=VllmConfig(max_model_len=max_len, cpu_kv_cache_gb=1.0),
+                                      vllm=VllmConfig(max_model_len=max_len, cpu_kv_cache_gb=1),
                                       swap=SwapConfig(store=str(store_root), initial="none"), metrics_every_s=3600, plot_every_s=3600),
                     tracking=TrackingConfig(enabled=False))
     log("starting the engines (three vLLM engines and dvi's)...")

@@ -161,7 +161,7 @@ class VllmConfig:
     max_model_len: int = 2048  # tokens of context per request (prompt and output)
     enforce_eager: bool = True  # no CUDA graphs or torch.compile (faster start-up; needed on the CPU build)
     gpu_memory_utilization: float = 0.85  # share of the GPU vLLM may hold (weights and KV cache); GPU only
-    cpu_kv_cache_gb: float = 2.0  # GiB of KV cache on the CPU build (VLLM_CPU_KVCACHE_SPACE)
+    cpu_kv_cache_gb: int = 2  # GiB of KV cache on the CPU build (VLLM_CPU_KVCACHE_SPACE, whole GiB)
     # vLLM's prefix cache shares draft KV blocks between requests: after a hot swap they would hold the previous
     # drafter's keys and values, so it is off unless asked for (drafts, never outputs, would suffer)
     prefix_caching: bool = False
@@ -169,7 +169,7 @@ class VllmConfig:
     def __post_init__(self) -> None:
         _check(self.max_model_len >= 16, "serve.vllm.max_model_len", self.max_model_len, "an integer >= 16")
         _check(0 < self.gpu_memory_utilization <= 1, "serve.vllm.gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
-        _check(self.cpu_kv_cache_gb > 0, "serve.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb, "> 0 GiB")
+        _check(self.cpu_kv_cache_gb >= 1, "serve.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb, "a whole number of GiB >= 1")
 
 
 @dataclass(frozen=True)

@@ -462,6 +462,9 @@ class SpeculativeEngine:
         with self._lock:
             self._drafter = drafter
 
+    def close(self) -> None:
+        """Nothing to release: the models are plain modules, freed with their last reference."""
+
     def take_load_failures(self) -> list[tuple[str, str]]:
         """Drafters swapped in that the engine failed to load: none here (a swap replaces a pointer)."""
         return []

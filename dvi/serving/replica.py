@@ -176,6 +176,7 @@ class Replica:
             self.producer.close(timeout_s)
         if self.control is not None:
             self.control.close()
+        self.engine.close()  # after the decode thread has stopped: vLLM's engine holds its memory until shut down
 
     # -- requests --------------------------------------------------------------------------------
 

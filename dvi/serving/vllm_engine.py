@@ -24,6 +24,7 @@ API; its worker extension knows the private part. It does not know HTTP, Kafka o
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -47,9 +48,10 @@ MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
 
 
 def set_vllm_env(cfg: VllmConfig) -> None:
-    """vLLM's settings that are environment variables, read when its engine starts; a value the user set wins."""
+    """vLLM's settings that are environment variables, read when its engine starts; but for the KV cache's size (the
+    config's), a value the user set wins."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: steps from our thread
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.cpu_kv_cache_gb:g}")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.cpu_kv_cache_gb))  # per engine: the config's, not the first one's
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the CPU build keeps a core back unless told
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up report is dozens of INFO lines
@@ -179,6 +181,21 @@ class VllmEngine:
     def abort(self) -> None:
         """Stop decoding for good (shutdown): the next step raises DviError instead."""
         self._abort.set()
+
+    def close(self) -> None:
+        """Release vLLM's engine (its weights and KV cache): vLLM freezes the garbage collector's view of everything
+        allocated while it starts, so without its shutdown nothing it holds is ever freed in this process."""
+        self._abort.set()
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        try:
+            llm.collective_rpc("dvi_close")
+            llm.engine_core.shutdown()
+        except Exception:
+            log.exception("shutting vLLM's engine down failed")
+        del llm
+        gc.collect()
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -69,6 +69,12 @@ class DviWorkerExtension:
         steps, self._dvi_steps = self._dvi_steps, []
         return [f.result() for f in steps]
 
+    def dvi_close(self) -> None:
+        """Stop the capture thread (the engine is shutting down)."""
+        pool = getattr(self, "_dvi_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
     def dvi_load_drafter(self, weights: dict[str, torch.Tensor]) -> float:
         """Load `weights` into the draft model; returns the seconds it took."""
         from vllm.config import set_current_vllm_config
