@@ -199,9 +199,10 @@ def local_get(url: str, timeout_s: float = 2.0) -> bytes:
         return resp.read()
 
 
-def local_post(url: str, data: bytes, timeout_s: float = 2.0, content_type: str = "application/json", method: str = "POST") -> bytes:
+def local_post(url: str, data: bytes, timeout_s: float = 2.0, content_type: str = "application/json", method: str = "POST",
+               headers: dict[str, str] | None = None) -> bytes:
     """POST (or `method`) `data` to a local server, never via a proxy; urllib's errors (an HTTPError on a non-2xx answer)."""
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": content_type}, method=method)
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": content_type, **(headers or {})}, method=method)
     with _NO_PROXY.open(req, timeout=timeout_s) as resp:
         return resp.read()
 

@@ -5,7 +5,8 @@ Kafka metadata request, and stops it cleanly (SIGINT, Tansu's immediate shutdown
 Storage is in memory unless a storage engine URL is given (e.g. `s3://tansu/`): a memory broker forgets topics,
 records and committed offsets when it stops. With a data folder (`stream.data_dir`) the broker is durable on one
 machine: a LocalBucket server (a small S3-compatible store, the `localbucket` package) keeps Tansu's topics, records
-and committed offsets as files in that folder, and they survive a broker killed with SIGKILL. The same launcher serves `dvi broker`, the tests and the local
+and committed offsets as files in that folder, and they survive a broker killed with SIGKILL. That store answers only
+requests signed with a key pair made at each start and handed to Tansu in its environment (`streams.s3_store`). The same launcher serves `dvi broker`, the tests and the local
 all-in-one stack; external Kafka is just `stream.bootstrap_servers`. This module knows how to run the broker,
 not what goes through it; starting and stopping processes is dvi.procs. The binary runs only if its sha256 is the
 one pinned for this platform (`TANSU_SHA256`).
@@ -17,8 +18,10 @@ import functools
 import importlib.util
 import logging
 import os
+import secrets
 import signal
 import sys
+import urllib.error
 from pathlib import Path
 
 from kafka import KafkaAdminClient
@@ -26,7 +29,8 @@ from kafka.errors import KafkaError
 
 from dvi.errors import DviError
 from dvi.files import check_sha256
-from dvi.procs import HOST, ServerProcess, free_port, http_ok, local_post, port_in_use
+from dvi.procs import HOST, ServerProcess, free_port, local_post, port_in_use
+from streams import s3_store
 
 log = logging.getLogger("dvi.streams.broker")
 
@@ -89,16 +93,33 @@ BUCKET = "dvi"  # the bucket of a durable embedded broker's local S3 store
 
 
 class LocalS3(ServerProcess):
-    """A LocalBucket server on 127.0.0.1 (a free port) serving `data_dir`, with the broker's bucket created."""
+    """The broker's store on 127.0.0.1 (a free port): LocalBucket serving `data_dir` behind SigV4 checks
+    (`streams.s3_store`), with a key pair made at every start, and the broker's bucket created."""
 
     def __init__(self, data_dir: Path, startup_timeout_s: float = 15.0):
         self.data_dir = Path(data_dir)
         self.startup_timeout_s = startup_timeout_s
         self.port = free_port()
+        self.access_key, self.secret = "", ""
 
     @property
     def endpoint(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    def request(self, method: str, path: str, body: bytes = b"") -> bytes:
+        """One signed request to the store (urllib's errors)."""
+        url = self.endpoint + path
+        headers = s3_store.sign(self.access_key, self.secret, method, url, {"host": f"{HOST}:{self.port}"}, body)
+        return local_post(url, body, method=method, headers=headers)
+
+    def _answers(self) -> str | None:
+        try:
+            self.request("GET", "/")
+            return None
+        except urllib.error.HTTPError as e:
+            return f"HTTP {e.code}"
+        except OSError as e:
+            return str(getattr(e, "reason", e))
 
     def start(self) -> LocalS3:
         if self.running:
@@ -109,21 +130,22 @@ class LocalS3(ServerProcess):
             self.data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise DviError(f"stream.data_dir={self.data_dir}: cannot create it ({e})") from None
-        cmd = [sys.executable, "-m", "localbucket", str(self.data_dir), "--host", HOST, "--port", str(self.port)]
-        self._launch("localbucket", cmd, lambda: http_ok(self.endpoint + "/"), self.startup_timeout_s,
-                     f"the local S3 store on {self.endpoint}")
+        self.access_key, self.secret = "dvi-" + secrets.token_hex(8), secrets.token_urlsafe(32)
+        env = {**os.environ, s3_store.ACCESS_VAR: self.access_key, s3_store.SECRET_VAR: self.secret}
+        cmd = [sys.executable, "-m", "streams.s3_store", str(self.data_dir), "--host", HOST, "--port", str(self.port)]
+        self._launch("s3-store", cmd, self._answers, self.startup_timeout_s, f"the local S3 store on {self.endpoint}", env=env)
         if not (self.data_dir / BUCKET).is_dir():
             try:
-                local_post(f"{self.endpoint}/{BUCKET}", b"", method="PUT")
+                self.request("PUT", f"/{BUCKET}")
             except OSError as e:
                 self.stop()
                 raise DviError(f"cannot create the broker's bucket in {self.data_dir} ({e})") from None
         return self
 
     def broker_env(self) -> dict:
-        """Tansu's S3 client settings (credentials are not checked by LocalBucket)."""
-        return {"AWS_ENDPOINT": self.endpoint, "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": "dvi",
-                "AWS_SECRET_ACCESS_KEY": "dvi", "AWS_DEFAULT_REGION": "us-east-1"}
+        """Tansu's S3 client settings: the store's endpoint and this start's key pair (in the environment, never argv)."""
+        return {"AWS_ENDPOINT": self.endpoint, "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": self.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 class EmbeddedBroker(ServerProcess):

@@ -90,7 +90,7 @@ def test_broker_command_runs_until_sigterm(stream_config, durable, tmp_path):
     assert _free(port)
     if durable:  # the topics are files in the folder, and no S3 store process is left behind
         assert any((tmp_path / "broker").rglob("*")), "nothing was written to stream.data_dir"
-        left = [cmd for cmd in map(_cmdline, Path("/proc").glob("[0-9]*/cmdline")) if f"localbucket {tmp_path / 'broker'} " in cmd + " "]
+        left = [cmd for cmd in map(_cmdline, Path("/proc").glob("[0-9]*/cmdline")) if f"streams.s3_store {tmp_path / 'broker'} " in cmd + " "]
         assert not left, left
 
 
