@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if args.screenshots and proc.poll() is None:
                 time.sleep(12)  # the replica's next metrics interval, and its tracker's flush
-                mlflow_screenshots.main(["--uri", f"http://127.0.0.1:{mlflow_port}", "--out", args.screenshots])
+                mlflow_screenshots.main(["--out", args.screenshots, *overrides])  # the stack's MLflow, with its login
             proc.send_signal(signal.SIGTERM)
             proc.wait(180)
 

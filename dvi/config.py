@@ -49,6 +49,11 @@ def keys_dir(cfg: StreamConfig) -> Path:
     return Path(cfg.keys_dir).expanduser() if cfg.keys_dir else default_cache_dir() / "keys"
 
 
+def mlflow_root(cfg: TrackingConfig) -> Path:
+    """The local MLflow server's folder (database, artifacts, login): `tracking.root`, or <cache>/mlflow."""
+    return Path(cfg.root).expanduser() if cfg.root else default_cache_dir() / "mlflow"
+
+
 def _check(ok: bool, key: str, value: object, expected: str) -> None:
     if not ok:
         raise DviError(f"invalid value {key}={value!r}: expected {expected}")
@@ -433,7 +438,7 @@ class TrackingConfig:
     queue_size: int = 100000  # metric points buffered while MLflow is unreachable (older ones are dropped, counted)
     retry_s: float = 5.0  # wait between attempts to reach an unreachable MLflow
     enabled: bool = True
-    auth: bool = False  # the local server requires a login (MLflow's basic-auth app; credentials from the environment)
+    auth: bool = True  # the local server requires a login (MLflow's basic-auth app; see dvi.tracking.local_login)
 
     def __post_init__(self) -> None:
         _check(self.uri is None or bool(str(self.uri).strip()), "tracking.uri", self.uri, "null (the local server) or a URI")

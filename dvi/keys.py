@@ -18,7 +18,6 @@ purpose. This module knows files and Ed25519; which message needs which role is 
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from dvi.errors import DviError
+from dvi.files import write_once
 
 ROLES = ("trainer", "replica")
 
@@ -98,7 +98,7 @@ def _private(folder: Path, role: str, create: bool) -> Ed25519PrivateKey:
 
 
 def _write_public(path: Path, key: Ed25519PrivateKey) -> None:
-    _write_once(path, key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex().encode(), mode=0o644)
+    write_once(path, key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex().encode(), mode=0o644)
 
 
 def _public(path: Path) -> Ed25519PublicKey:
@@ -113,22 +113,4 @@ def _make(folder: Path, role: str) -> None:
     os.chmod(folder, 0o700)
     key = Ed25519PrivateKey.generate()
     raw = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-    _write_once(folder / f"{role}.key", raw.hex().encode(), mode=0o600)
-
-
-def _write_once(path: Path, data: bytes, mode: int) -> None:
-    """Write `path` unless it exists: a temporary file linked into place, so a reader never sees half a key and the
-    first of two writers wins."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_once(folder / f"{role}.key", raw.hex().encode(), mode=0o600)

@@ -5,11 +5,13 @@ artifacts proxied by the server into `<root>/artifacts`, so clients on other mac
 waits until `/health` answers, and stops the whole process group on exit (dvi.procs); `dvi mlflow` runs it in the
 foreground. A team server is just `tracking.uri`.
 
-With `auth=True` (`tracking.auth`) the server is MLflow's basic-auth app (the `mlflow[auth]` extra): every request
-but `/health` needs a login, and the admin account is the one clients present, MLFLOW_TRACKING_USERNAME and
-MLFLOW_TRACKING_PASSWORD from the environment (MLflow's own client variables, so dvi's parts, the mlflow client and
-`dvi status` all log in with them; the server gets them in its environment, never in a file). Its config
-(`<root>/basic_auth.ini`) keeps users in `<root>/auth.db`; the Flask session key is new at every start.
+With `auth=True` (`tracking.auth`, the default) the server is MLflow's basic-auth app (the `mlflow[auth]` extra):
+every request but `/health` needs a login, and the admin account is the one clients present, MLFLOW_TRACKING_USERNAME
+and MLFLOW_TRACKING_PASSWORD (MLflow's own client variables, so dvi's parts, the mlflow client and `dvi status` all log
+in with them): from the environment, or else from `<root>/login.env`, made once with a random password
+(`dvi.tracking.use_login`). The server gets them in its environment; its config (`<root>/basic_auth.ini`) holds no
+secret and keeps users in `<root>/auth.db`; the Flask session key is new at every start. An admin account in
+auth.db whose password is not the login's is one clear error at start.
 
 This module knows how to run MLflow, not what is logged to it.
 """
@@ -21,19 +23,17 @@ import logging
 import os
 import secrets
 import sys
+import urllib.error
 from pathlib import Path
 
 from dvi.errors import DviError
-from dvi.models import default_cache_dir
 from dvi.procs import HOST, ServerProcess, http_ok, port_in_use
-from dvi.tracking import PASSWORD_VAR, USER_VAR
+from dvi.tracking import LOGIN_FILE, PASSWORD_VAR, USER_VAR, rest, use_login
 
 log = logging.getLogger("dvi.mlflow_server")
 
 
-def default_root(root: str | None) -> Path:
-    """Where the local server keeps its database and artifacts: `tracking.root`, or <cache>/mlflow."""
-    return Path(root).expanduser() if root else default_cache_dir() / "mlflow"
+AUTH_CACHE_S = 60  # how long the basic-auth app trusts a login it has checked (MLflow's own cache, keyed by an HMAC)
 
 
 class LocalMlflow(ServerProcess):
@@ -65,16 +65,30 @@ class LocalMlflow(ServerProcess):
         login) and a fresh session key."""
         if importlib.util.find_spec("flask_wtf") is None:
             raise DviError("tracking.auth=true needs MLflow's basic-auth app: pip install 'dvi[local]' (mlflow[auth])")
-        user, password = os.environ.get(USER_VAR, ""), os.environ.get(PASSWORD_VAR, "")
-        if not user or not password:
-            raise DviError(f"tracking.auth=true: set {USER_VAR} and {PASSWORD_VAR} in the environment (the admin "
-                           "account of the local MLflow, and the login every dvi part uses)")
+        use_login(self.root)
+        user, password = os.environ[USER_VAR], os.environ[PASSWORD_VAR]
         ini = self.root / "basic_auth.ini"
         ini.write_text("[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
                        f"database_uri = sqlite:///{self.root / 'auth.db'}\n"
-                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                       # a password check costs 0.2 s on 2 cores (scrypt): a login that passed is trusted for a minute
+                       f"auth_cache_ttl_seconds = {AUTH_CACHE_S}\n")
         return {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_AUTH_ADMIN_USERNAME": user, "MLFLOW_AUTH_ADMIN_PASSWORD": password,
                 "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32)}
+
+    def _check_login(self) -> None:
+        """The admin account MLflow keeps in auth.db (made at its first start) takes this login; DviError if not."""
+        try:
+            rest(self.uri, "experiments/get-by-name", {"experiment_name": "Default"}, timeout_s=10)
+        except urllib.error.HTTPError as e:
+            if e.code != 401:
+                return
+            self.stop()
+            raise DviError(f"the local MLflow's admin account in {self.root / 'auth.db'} has another password than "
+                           f"{USER_VAR} / {PASSWORD_VAR} ({LOGIN_FILE} in {self.root} unless the environment sets them): "
+                           "give that password, or remove auth.db to make the account again") from None
+        except OSError:
+            return
 
     def start(self) -> LocalMlflow:
         """Launch the server and return once /health answers (DviError otherwise)."""
@@ -95,5 +109,7 @@ class LocalMlflow(ServerProcess):
             env.update(self._auth_env())
         self._launch("mlflow", self.command(), lambda: http_ok(f"{self.uri}/health"), self.startup_timeout_s,
                      f"the MLflow server on {self.uri}", env=env, cwd=self.root, interval_s=0.2)
+        if self.auth:
+            self._check_login()
         log.info("mlflow server (pid %d) ready on %s, root %s", self._child.pid, self.uri, self.root)
         return self

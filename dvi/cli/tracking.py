@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from dvi.config import load_config, overrides_of
+from dvi.config import load_config, mlflow_root, overrides_of
 from dvi.errors import DviError
-from dvi.mlflow_server import LocalMlflow, default_root
+from dvi.mlflow_server import LocalMlflow
 from dvi.procs import run_foreground
+from dvi.tracking import local_login
 
 
 def mlflow(args: argparse.Namespace) -> int:
@@ -16,5 +17,7 @@ def mlflow(args: argparse.Namespace) -> int:
         raise DviError(
             f"tracking.uri is set ({cfg.uri}): runs go to that MLflow, not a local one; run `dvi mlflow tracking.uri=null` for a local one"
         )
-    server = LocalMlflow(default_root(cfg.root), cfg.port, auth=cfg.auth)
-    return run_foreground("mlflow", "the MLflow server", server, lambda s: f"MLflow on {s.uri}, data in {s.root}")
+    server = LocalMlflow(mlflow_root(cfg), cfg.port, auth=cfg.auth)
+    login = local_login(cfg) if cfg.auth else None
+    where = f", login in {login}" if login else ""
+    return run_foreground("mlflow", "the MLflow server", server, lambda s: f"MLflow on {s.uri}, data in {s.root}{where}")

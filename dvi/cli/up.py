@@ -32,7 +32,7 @@ from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
 from dvi.models import cache_dir, pair_dirs, resolve_device, resolve_dtype
 from dvi.procs import Child, http_ok, port_in_use, sigterm_interrupts, spawn, wait_ready
-from dvi.tracking import find_experiment_link
+from dvi.tracking import find_experiment_link, local_login
 
 PARTS = ("broker", "mlflow", "serve", "train")
 
@@ -304,6 +304,8 @@ def up(args: argparse.Namespace) -> int:
             if cfg.tracking.enabled:
                 lines.append(f"  MLflow  {find_experiment_link(cfg.tracking)}  (experiment "
                              f"'{cfg.tracking.experiment}': runs trainer, serve-<host>-<port>; model '{cfg.tracking.registry_model}')")
+                if login := local_login(cfg.tracking):
+                    lines.append(f"          login: user and password in {login}")
             if "broker" in names:
                 lines.append(f"  Kafka   {cfg.stream.bootstrap}  (topic {cfg.stream.topic}; `dvi stream tail`)")
             lines.append(f"  logs    {cache / 'logs'}")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import socket
+import stat
 import time
 import uuid
 
@@ -18,7 +20,7 @@ import pytest
 from dvi.config import TrackingConfig
 from dvi.errors import DviError
 from dvi.mlflow_server import LocalMlflow
-from dvi.procs import free_port
+from dvi.procs import free_port, port_in_use
 from dvi.tracking import Tracker, loop_view, redact
 
 
@@ -321,8 +323,36 @@ def test_a_local_mlflow_with_auth_refuses_anonymous_clients_and_dvi_logs_in_with
         assert "HTTP 401" in loop_view(cfg)["error"]
 
 
-def test_auth_without_credentials_is_one_clear_error(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_without_the_variables_the_local_server_makes_a_login_that_every_dvi_part_uses(tmp_path, monkeypatch):
+    import urllib.error
+
+    from dvi.tracking import LOGIN_FILE, local_login, rest
+
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
-    with pytest.raises(DviError, match="set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"):
-        LocalMlflow(tmp_path, free_port(), auth=True).start()
+    port = free_port()
+    cfg = TrackingConfig(root=str(tmp_path / "mlflow"), port=port)
+    assert cfg.auth  # the default
+    with LocalMlflow(tmp_path / "mlflow", port, auth=True) as s:
+        login = tmp_path / "mlflow" / LOGIN_FILE
+        assert stat.S_IMODE(login.stat().st_mode) == 0o600
+        password = os.environ["MLFLOW_TRACKING_PASSWORD"]
+        assert len(password) >= 32 and f"MLFLOW_TRACKING_PASSWORD={password}" in login.read_text()
+        monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")  # another process: it reads the file
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            rest(s.uri, "experiments/get-by-name", {"experiment_name": "Default"})
+        assert refused.value.code == 401
+        assert local_login(cfg) == login and local_login(cfg) == login
+        assert rest(s.uri, "experiments/get-by-name", {"experiment_name": "Default"})["experiment"]["name"] == "Default"
+        tracker = Tracker(cfg, "trainer")
+        tracker.log_metrics({"loss": 0.5}, step=1)
+        assert tracker.close(timeout_s=30).sent == 1
+    # a login that is not the admin account's is one clear error at start, and the server is not left running
+    login.write_text(f"MLFLOW_TRACKING_USERNAME=dvi\nMLFLOW_TRACKING_PASSWORD={password}-changed\n")
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME")
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+    with pytest.raises(DviError, match="has another password"):
+        LocalMlflow(tmp_path / "mlflow", port, auth=True).start()
+    assert not port_in_use(port)
+    assert TrackingConfig(uri="http://mlflow:5000").auth and local_login(TrackingConfig(uri="http://mlflow:5000")) is None

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import uuid
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, next_backoff, plan
 from dvi.config import load_config
 from dvi.errors import DviError
 from dvi.procs import free_port
-from dvi.tracking import rest
+from dvi.tracking import local_login, rest
 
 
 def test_backoff_doubles_to_a_cap_and_starts_over_after_a_stable_run():
@@ -141,7 +142,7 @@ def test_dvi_up_answers_restarts_a_killed_part_and_stops_everything(demo_target_
 @pytest.mark.real_model
 @pytest.mark.broker
 def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops_with_dvi_down(demo_target_dir, demo_drafter_dir,
-                                                                                               tmp_path):
+                                                                                               tmp_path, monkeypatch):
     """`dvi up --detach` returns once ready; README-style chat requests get a first published drafter that the replica
     swaps in; the decision lines reach up.log (dvi up's terminal) with timestamps; `dvi status` says it; a second
     `dvi up` on the same ports refuses; `dvi down` stops the parts in order and leaves no process behind."""
@@ -155,6 +156,8 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
         # (benchmarks/first_publish.py measures them); this test is about the publish, the swap and what says so
         "trainer.gate_every_s=15", "trainer.min_gain=0",
     ]  # fmt: skip
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):  # the stack makes its own MLflow login
+        monkeypatch.delenv(name, raising=False)
     env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"}
     cli = [sys.executable, "-m", "dvi.cli"]
     try:
@@ -186,8 +189,13 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
         assert "None" not in status.stdout and "last gate at step" in status.stdout, status.stdout
         print(f"dvi status answered in {took:.2f} s:\n{status.stdout}")
 
-        # MLflow: the serve run's name is the same across restarts, and the link dvi prints opens the saved view
+        # MLflow asks for a login, the one in the file `dvi up` names; the serve run's name is the same across restarts,
+        # and the link dvi prints opens the saved view
         uri = f"http://127.0.0.1:{mlflow_port}"
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            rest(uri, "experiments/get-by-name", {"experiment_name": "dvi"})
+        login = local_login(load_config(overrides).tracking)
+        assert login == tmp_path / "mlflow" / "login.env" and f"login: user and password in {login}" in up.stdout, up.stdout
         exp = rest(uri, "experiments/get-by-name", {"experiment_name": "dvi"})["experiment"]
         assert f"mlflow: {uri}/#/experiments/{exp['experiment_id']}/runs?viewStateShareKey=dvi" in status.stdout, status.stdout
         runs = rest(uri, "runs/search", body={"experiment_ids": [exp["experiment_id"]]})["runs"]
