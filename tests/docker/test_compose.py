@@ -2,14 +2,19 @@
 
 The compose file is read with PyYAML and interpolated with the values of .env.example, as `docker compose`
 would with a copied .env. Every `dvi` command line in it (image entrypoint + compose command) goes through
-the real CLI parser and config loader, so an override that `dvi` would reject fails here.
+the real CLI parser and config loader, so an override that `dvi` would reject fails here. The security set-up
+(SASL_SSL listeners, ACLs, the MLflow login, secrets kept off command lines) is checked the same way: Kafka's
+settings as the image turns the environment into properties, the ACL and SCRAM commands of the one-shot kafka-topics
+service, the auth config the mlflow service writes, read by MLflow's own loader.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -179,8 +184,9 @@ def argv_of(service: str) -> list[str]:
     return [str(a) for a in entrypoint + command]
 
 
+@functools.cache
 def dvi_config(service: str):
-    """Parse the service's dvi command line exactly as `dvi.cli.main` does, then load its config."""
+    """Parse the service's dvi command line exactly as `dvi.cli.main` does, then load its config (once per service)."""
     argv = argv_of(service)
     assert argv[0] == "dvi", f"{service} runs {argv[0]!r}, not dvi"
     args, unknown = build_parser().parse_known_args(argv[1:])
@@ -212,12 +218,24 @@ def test_env_example_documents_exactly_the_compose_variables():
     assert sorted(ENV.keys() - used) == [], "variables in .env.example that compose.yaml never uses"
 
 
+def env_secrets() -> dict[str, str]:
+    return {k: v for k, v in ENV.items() if re.search(r"PASSWORD|SECRET|API_KEY|TOKEN", k)}
+
+
 def test_env_example_holds_placeholders_not_secrets():
-    secrets = {k: v for k, v in ENV.items() if re.search(r"PASSWORD|SECRET|API_KEY|TOKEN", k)}
-    assert {"POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD", "DVI_API_KEY"} <= secrets.keys()
+    secrets = env_secrets()
+    assert {"POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD", "DVI_API_KEY", "KAFKA_ADMIN_PASSWORD", "KAFKA_KEYSTORE_PASSWORD",
+            "DVI_KAFKA_TRAINER_PASSWORD", "DVI_KAFKA_REPLICA_PASSWORD", "MLFLOW_AUTH_ADMIN_PASSWORD",
+            "DVI_MLFLOW_PASSWORD"} <= secrets.keys()
     for key, value in secrets.items():
         assert value.startswith("change-me"), f"{key} in .env.example must be a change-me placeholder"
+        # written into JAAS, properties and ini files and URIs: nothing there needs quoting or escaping
+        assert re.fullmatch(r"[A-Za-z0-9._~-]+", value), f"{key}: URL-safe characters only"
+    assert len(set(secrets.values())) == len(secrets), "every secret has its own placeholder"
     assert len(ENV["MINIO_ROOT_PASSWORD"]) >= 8 and len(ENV["DVI_API_KEY"]) >= 8
+    assert len(ENV["KAFKA_KEYSTORE_PASSWORD"]) >= 6  # keytool's minimum
+    assert len(ENV["MLFLOW_AUTH_ADMIN_PASSWORD"]) >= 12 and len(ENV["DVI_MLFLOW_PASSWORD"]) >= 12  # MLflow's minimum
+    assert ENV["DVI_MLFLOW_USERNAME"] != ENV["MLFLOW_AUTH_ADMIN_USERNAME"], "dvi's MLflow account is not the admin"
 
 
 def test_interpolation_follows_compose_rules():
@@ -237,6 +255,32 @@ def kafka_brokers() -> dict[str, dict]:
     return {name: svc for name, svc in services().items() if "KAFKA_NODE_ID" in (svc.get("environment") or {})}
 
 
+# environment variables the apache/kafka image does not turn into server properties (its KafkaDockerWrapper)
+KAFKA_NON_PROPERTIES = {"KAFKA_VERSION", "KAFKA_HEAP_OPT", "KAFKA_LOG4J_OPTS", "KAFKA_OPTS", "KAFKA_JMX_OPTS",
+                        "KAFKA_JVM_PERFORMANCE_OPTS", "KAFKA_GC_LOG_OPTS", "KAFKA_LOG4J_ROOT_LOGLEVEL", "KAFKA_LOG4J_LOGGERS",
+                        "KAFKA_TOOLS_LOG4J_LOGLEVEL", "KAFKA_JMX_HOSTNAME"}
+
+
+def kafka_properties(name: str) -> dict[str, str]:
+    """A broker's server properties as the image writes them from its environment: KAFKA_A_B -> a.b, ___ -> -, __ -> _."""
+    props = {}
+    for key, value in services()[name]["environment"].items():
+        if key.startswith("KAFKA_") and key not in KAFKA_NON_PROPERTIES:
+            prop = key.replace("KAFKA_", "").lower().replace("_", ".").replace("...", "-").replace("..", "_")
+            props[prop] = str(value)
+    return props
+
+
+def endpoints(value: str) -> dict[str, tuple[str, int]]:
+    """listeners / advertised.listeners: listener name -> (host, port)."""
+    out = {}
+    for item in value.split(","):
+        m = re.fullmatch(r"([A-Z_]+)://([^:]*):(\d+)", item.strip())
+        assert m, f"not a listener: {item!r}"
+        out[m.group(1)] = (m.group(2), int(m.group(3)))
+    return out
+
+
 def test_kafka_is_three_combined_kraft_nodes_with_a_full_quorum():
     brokers = kafka_brokers()
     assert len(brokers) == 3
@@ -251,7 +295,8 @@ def test_kafka_is_three_combined_kraft_nodes_with_a_full_quorum():
         voters = {int(k): v for k, v in (x.split("@") for x in env["KAFKA_CONTROLLER_QUORUM_VOTERS"].split(","))}
         assert {v.split(":")[1] for v in voters.values()} == {controller_port}
         quorums.add(tuple(sorted((k, v.split(":")[0]) for k, v in voters.items())))
-        assert env["KAFKA_ADVERTISED_LISTENERS"] == f"PLAINTEXT://{name}:9092"
+        listeners, advertised = endpoints(env["KAFKA_LISTENERS"]), endpoints(env["KAFKA_ADVERTISED_LISTENERS"])
+        assert {listener: (name, port) for listener, (_, port) in listeners.items() if listener != "CONTROLLER"} == advertised
         assert env["KAFKA_DEFAULT_REPLICATION_FACTOR"] == "3"
         assert env["KAFKA_MIN_INSYNC_REPLICAS"] == "2"
         assert env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == "3"
@@ -275,7 +320,8 @@ def test_topics_are_created_as_dvi_configures_them():
         r"--topic (\S+) --partitions (\d+) --replication-factor (\d+)", script)}
     assert {t: p for t, (p, _) in created.items()} == stream_topics(cfg.stream)
     assert {rf for _, rf in created.values()} == {3} == {cfg.stream.replication_factor}
-    assert "--bootstrap-server kafka-1:9092,kafka-2:9092,kafka-3:9092" in script
+    admin = ",".join(f"{n}:{endpoints(kafka_properties(n)['listeners'])['BROKER'][1]}" for n in sorted(kafka_brokers()))
+    assert f"--bootstrap-server {admin} --command-config /tmp/admin.properties" in script
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,7 +335,7 @@ def test_mlflow_server_version_and_stores():
     assert svc["image"].endswith(f":{version}")
     dockerfile = read_dockerfile(dockerfile_of("mlflow"))
     assert version_tuple(arg_defaults(dockerfile)["MLFLOW_VERSION"]) >= MIN_MLFLOW
-    assert any(op == "RUN" and '"mlflow==${MLFLOW_VERSION}"' in rest for op, rest in dockerfile)
+    assert any(op == "RUN" and '"mlflow[auth]==${MLFLOW_VERSION}"' in rest for op, rest in dockerfile)
     # the clients in the serve and trainer images install the tested version, constraints.txt's pin: the server's
     pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line)
     assert pins["mlflow-skinny"] == pins["mlflow"] == version == arg_defaults(dockerfile)["MLFLOW_VERSION"]
@@ -297,7 +343,9 @@ def test_mlflow_server_version_and_stores():
     cmd = svc["command"]
     opt = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--") and not cmd[i + 1].startswith("--")}
     pg = services()["postgres"]["environment"]
-    assert opt["--backend-store-uri"] == (
+    # the store URI holds the database password: in the environment, which `mlflow server` reads, not on its command line
+    assert "--backend-store-uri" not in cmd
+    assert svc["environment"]["MLFLOW_BACKEND_STORE_URI"] == (
         f"postgresql://{pg['POSTGRES_USER']}:{pg['POSTGRES_PASSWORD']}@postgres:5432/{pg['POSTGRES_DB']}"
     )
     assert opt["--artifacts-destination"].startswith(f"s3://{services()['minio-bucket']['environment']['BUCKET']}/")
@@ -347,14 +395,15 @@ def test_serve_and_trainer_share_stream_tracking_models_and_store():
     _, _, serve = dvi_config("serve")
     _, _, train = dvi_config("trainer")
     _, _, models = dvi_config("models")
-    assert serve.stream == train.stream
+    # one stream; each side logs in to Kafka as its own principal
+    assert serve.stream.security["sasl_plain_username"] != train.stream.security["sasl_plain_username"]
+    assert without_username(serve.stream) == without_username(train.stream)
     assert serve.tracking == train.tracking
     assert serve.model == train.model
     for field in ("cache_dir", "target", "drafter_layers"):
         assert getattr(models.model, field) == getattr(serve.model, field)
 
-    brokers = kafka_brokers()
-    assert sorted(serve.stream.bootstrap_servers.split(",")) == sorted(f"{n}:9092" for n in brokers)
+    assert sorted(serve.stream.bootstrap_servers.split(",")) == sorted(client_endpoints())
     assert serve.stream.replication_factor == 3
     assert serve.tracking.uri == "http://mlflow:5000"
 
@@ -371,6 +420,10 @@ def test_serve_and_trainer_share_stream_tracking_models_and_store():
     health = " ".join(rest for op, rest in read_dockerfile(dockerfile_of("serve")) if op == "HEALTHCHECK")
     assert f"http://127.0.0.1:{serve.serve.port}/health" in health
     assert services()["serve"]["environment"]["DVI_API_KEY"] == ENV["DVI_API_KEY"]
+
+
+def without_username(stream):
+    return dataclasses.replace(stream, security={k: v for k, v in stream.security.items() if k != "sasl_plain_username"})
 
 
 def test_replicas_and_gpu_reservation():
@@ -474,3 +527,318 @@ def test_dvi_images_install_the_project_and_its_config(dockerfile):
         return
     assert "--constraint /tmp/torch.txt" in pip  # keeps the base image's CUDA torch
     assert "--constraint /tmp/src/constraints.txt" in pip and "constraints.txt" in copied  # the tested versions
+
+
+
+# ----------------------------------------------------------------------------------------------
+# security: Kafka over SASL_SSL with ACLs, MLflow behind a login, secrets only in environments
+
+ADMIN = "User:admin"  # the brokers' own principal (replication, quorum) and the admin tools'
+
+
+def client_endpoints() -> list[str]:
+    """host:port of the listener dvi's services use (CLIENT), advertised by every broker."""
+    return [f"{h}:{p}" for n in kafka_brokers() for h, p in [endpoints(kafka_properties(n)["advertised.listeners"])["CLIENT"]]]
+
+
+def kafka_clients() -> dict:
+    """dvi services that talk to the Kafka cluster -> their loaded config."""
+    configs = {service: dvi_config(service)[2] for service in DVI_SERVICES}
+    return {service: cfg for service, cfg in configs.items() if cfg.stream.bootstrap_servers}
+
+
+def principal(cfg) -> str:
+    return f"User:{cfg.stream.security['sasl_plain_username']}"
+
+
+def script_of(service: str) -> str:
+    """A one-shot's shell script (`entrypoint: [/bin/sh, -c]`, the script as its command), interpolated."""
+    assert RAW["services"][service]["entrypoint"] == ["/bin/sh", "-c"]
+    return services()[service]["command"][0]
+
+
+def calls(service: str, function: str) -> list[list[str]]:
+    """The arguments of each call of a shell function in a one-shot's script."""
+    return [shlex.split(line)[1:] for line in script_of(service).splitlines() if line.strip().startswith(f"{function} ")]
+
+
+def env_var_of(service: str, key: str) -> str:
+    """The .env variable a service's environment entry is made from: exactly one `${VAR...}` reference."""
+    value = RAW["services"][service]["environment"][key]
+    m = re.fullmatch(r"\$\{([A-Z_][A-Z0-9_]*)(?::?[-?][^}]*)?\}", value)
+    assert m, f"{service}: {key} must be one ${{VAR}} reference, not {value!r}"
+    return m.group(1)
+
+
+def jaas_options(jaas: str) -> dict[str, str]:
+    return dict(re.findall(r'(\w+)="([^"]*)"', jaas))
+
+
+def acl_grants() -> set[tuple[str, str, str, str, str]]:
+    """(principal, operation, resource type, name, pattern type) of every `acl` call in kafka-topics."""
+    grants = set()
+    for args in calls("kafka-topics", "acl"):
+        opts: dict[str, list[str]] = {}
+        for flag, value in zip(args[::2], args[1::2]):
+            opts.setdefault(flag, []).append(value)
+        assert len(args) % 2 == 0 and set(opts) <= {"--allow-principal", "--operation", "--topic", "--group",
+                                                    "--resource-pattern-type"}, f"unexpected acl call {args}"
+        assert "--operation" in opts, f"{args}: no --operation (kafka-acls would grant All)"
+        (who,), pattern = opts["--allow-principal"], opts.get("--resource-pattern-type", ["literal"])[0]
+        for kind in ("topic", "group"):
+            for name in opts.get(f"--{kind}", []):
+                grants |= {(who, op, kind, name, pattern) for op in opts["--operation"]}
+    return grants
+
+
+def test_every_kafka_listener_is_sasl_ssl():
+    for name in kafka_brokers():
+        props = kafka_properties(name)
+        protocols = dict(item.split(":") for item in props["listener.security.protocol.map"].split(","))
+        listeners, advertised = endpoints(props["listeners"]), endpoints(props["advertised.listeners"])
+        assert set(protocols) == set(listeners) and set(advertised) <= set(listeners)
+        # no PLAINTEXT listener (nor SASL without TLS, nor TLS without a login), advertised or internal
+        assert set(protocols.values()) == {"SASL_SSL"}, f"{name}: {protocols}"
+        assert props["inter.broker.listener.name"] == "BROKER" and props["controller.listener.names"] == "CONTROLLER"
+        assert props["listener.name.client.sasl.enabled.mechanisms"] == "SCRAM-SHA-512"
+        assert props["listener.name.broker.sasl.enabled.mechanisms"] == props["sasl.mechanism.inter.broker.protocol"] == "PLAIN"
+        assert props["listener.name.controller.sasl.enabled.mechanisms"] == props["sasl.mechanism.controller.protocol"] == "PLAIN"
+        for listener in listeners:  # every mechanism a listener takes has its JAAS settings
+            for mechanism in props[f"listener.name.{listener.lower()}.sasl.enabled.mechanisms"].split(","):
+                assert f"listener.name.{listener.lower()}.{mechanism.lower()}.sasl.jaas.config" in props, (name, listener)
+        # TLS from the kafka-secrets volume; the peers' certificates checked against the CA (PEM: no password)
+        assert props["ssl.keystore.type"] == "PKCS12" and props["ssl.keystore.location"].startswith("/etc/kafka/secrets/")
+        assert props["ssl.truststore.type"] == "PEM" and props["ssl.truststore.location"] == "/etc/kafka/secrets/ca.pem"
+        assert props.get("ssl.endpoint.identification.algorithm", "https") == "https"
+        assert volume_mounts(name)["/etc/kafka/secrets"] == ("kafka-secrets", True)
+        # the healthcheck logs in on the admin listener
+        assert f':{listeners["BROKER"][1]}"' in " ".join(services()[name]["healthcheck"]["test"])
+
+
+def test_dvi_services_connect_to_the_client_listener_over_sasl_ssl(monkeypatch):
+    from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+
+    from streams.client import SASL_PASSWORD_ENV, client_options
+
+    clients = kafka_clients()
+    assert set(clients) == {"serve", "trainer"}
+    mechanisms = {kafka_properties(n)["listener.name.client.sasl.enabled.mechanisms"] for n in kafka_brokers()}
+    for service, cfg in clients.items():
+        # only the CLIENT listener is given to dvi (not the admin one)
+        assert sorted(cfg.stream.bootstrap_servers.split(",")) == sorted(client_endpoints())
+        sec = cfg.stream.security
+        assert sec["security_protocol"] == "SASL_SSL" and {sec["sasl_mechanism"]} == mechanisms
+        assert sec.get("ssl_check_hostname", True) is True
+        assert not any(re.search("password|secret|token", k) for k in sec), f"{service}: a secret in stream.security"
+        # the CA certificate, from the kafka-trust volume, read-only
+        assert volume_mounts(service)[str(Path(sec["ssl_cafile"]).parent)] == ("kafka-trust", True)
+        # the password reaches every kafka-python client through the variable dvi reads, which compose sets
+        password = services()[service]["environment"][SASL_PASSWORD_ENV]
+        monkeypatch.setenv(SASL_PASSWORD_ENV, password)
+        for cls in (KafkaProducer, KafkaConsumer, KafkaAdminClient):
+            opts = client_options(cfg.stream, cls)
+            assert (opts["security_protocol"], opts["sasl_mechanism"]) == ("SASL_SSL", "SCRAM-SHA-512")
+            assert opts["sasl_plain_username"] == sec["sasl_plain_username"] and opts["sasl_plain_password"] == password
+            assert opts["ssl_cafile"] == sec["ssl_cafile"]
+
+
+def test_tls_material_is_made_once_and_split_by_who_needs_it():
+    script = script_of("kafka-tls")
+    assert services()["kafka-tls"]["restart"] == "no"
+    brokers = kafka_brokers()
+    for name in brokers:
+        assert services()[name]["depends_on"]["kafka-tls"]["condition"] == "service_completed_successfully"
+    # the broker certificate names every broker as clients and peers reach it
+    sans = {d.removeprefix("dns:") for d in re.search(r"-ext SAN=(\S+)", script).group(1).split(",")}
+    assert sans == {svc["hostname"] for svc in brokers.values()} == {
+        h for n in brokers for h, _ in endpoints(kafka_properties(n)["advertised.listeners"]).values()}
+    # written where the brokers read it
+    props = kafka_properties(next(iter(brokers)))
+    assert f"ks={props['ssl.keystore.location']}" in script and f"cp /tmp/ca.pem {props['ssl.truststore.location']}" in script
+    # made only if missing: every key generation sits inside an `if` (CA absent; broker keystore absent or unreadable)
+    depth = 0
+    for line in script.splitlines():
+        words = line.split()
+        depth += words[:1] == ["if"]
+        depth -= words[:1] == ["fi"]
+        assert "-genkeypair" not in line or depth > 0, f"key made unconditionally: {line.strip()}"
+    assert 'if [ ! -s "$ca" ]; then' in script and 'if ! kt -list -keystore "$ks" -alias broker' in script
+    # the keystore password from the environment (keytool's :env), the same variable the brokers open it with
+    assert "-storepass:env STOREPASS" in script and not re.search(r"-storepass\s", script)
+    assert env_var_of("kafka-tls", "STOREPASS") == env_var_of("kafka-1", "KAFKA_SSL_KEYSTORE_PASSWORD")
+    # the CA key stays with kafka-tls; the broker key with the brokers; every other service gets ca.pem alone
+    users = {}
+    for name, svc in services().items():
+        for v in svc.get("volumes", []):
+            users.setdefault(v.split(":")[0], set()).add(name)
+    assert users["kafka-ca"] == {"kafka-tls"}
+    assert users["kafka-secrets"] == {"kafka-tls", *brokers}
+    assert users["kafka-trust"] >= {"kafka-tls", "kafka-topics", *kafka_clients()}
+    for name in users["kafka-trust"] - {"kafka-tls"}:
+        assert [ro for _, (vol, ro) in volume_mounts(name).items() if vol == "kafka-trust"] == [True], name
+
+
+def test_the_authorizer_denies_what_no_acl_allows():
+    clients = {principal(cfg) for cfg in kafka_clients().values()}
+    for name in kafka_brokers():
+        props = kafka_properties(name)
+        assert props["authorizer.class.name"] == "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+        assert props["allow.everyone.if.no.acl.found"] == "false"
+        assert set(props["super.users"].split(";")) == {ADMIN}
+        assert not clients & {ADMIN, "User:*", "User:ANONYMOUS"}
+        # the super user is the principal the brokers log in to each other and to the quorum as, and nobody else
+        for listener in ("broker", "controller"):
+            opts = jaas_options(props[f"listener.name.{listener}.plain.sasl.jaas.config"])
+            assert f"User:{opts['username']}" == ADMIN and set(opts) == {"username", "password", "user_admin"}
+            assert opts["password"] == opts["user_admin"]
+
+
+def test_acls_give_each_principal_only_what_dvi_needs():
+    from streams.topics import stream_topics
+
+    clients = kafka_clients()
+    train, serve = clients["trainer"], clients["serve"]
+    s, trainer, replica = train.stream, principal(train), principal(serve)
+    assert trainer != replica
+    # `dvi drafter distill` reads the topic in a consumer group of its own, named with this prefix
+    assert 'group_id=f"dvi-distill-' in (ROOT / "dvi" / "cli" / "train.py").read_text()
+    assert acl_grants() == {
+        (trainer, "Read", "topic", s.topic, "literal"),
+        (trainer, "Write", "topic", s.dlq_topic, "literal"),
+        (trainer, "Read", "topic", s.control_topic, "literal"),
+        (trainer, "Write", "topic", s.control_topic, "literal"),
+        (trainer, "Read", "group", train.trainer.group_id, "literal"),
+        (trainer, "Read", "group", "dvi-distill-", "prefixed"),
+        (replica, "Write", "topic", s.topic, "literal"),
+        (replica, "Read", "topic", s.control_topic, "literal"),
+        (replica, "Write", "topic", s.control_topic, "literal"),
+        (replica, "Describe", "topic", s.dlq_topic, "literal"),
+    }
+    # both sides check at start that every topic of the stream exists (streams.topics.ensure_topics): any grant on a
+    # topic lets a principal see it, so neither ever tries to create one (only the admin may)
+    for who in (trainer, replica):
+        assert {name for p, _, kind, name, _ in acl_grants() if p == who and kind == "topic"} == set(stream_topics(s))
+
+
+def test_only_dvi_roles_write_the_control_topic_and_only_the_trainer_key_publishes():
+    from dvi.control import SIGNER, DrafterPublished, RetrainRequested
+
+    clients = kafka_clients()
+    control = clients["trainer"].stream.control_topic
+    writers = {p for p, op, kind, name, pattern in acl_grants()
+               if kind == "topic" and op in ("Write", "All") and (name == control or (pattern == "prefixed" and control.startswith(name)))}
+    # replicas publish their verdicts (drafter_promoted / drafter_rejected) there, so they need Write on it too; what
+    # each may say is decided by the Ed25519 key that signs it (dvi.keys), and only the trainer's key signs a drafter
+    assert writers == {principal(clients["trainer"]), principal(clients["serve"])}
+    assert SIGNER[DrafterPublished.kind] == SIGNER[RetrainRequested.kind] == "trainer"
+    assert set(SIGNER.values()) == {"trainer", "replica"}
+    assert all(cfg.stream.control_auth for cfg in clients.values())
+    # the key that signs drafters is on the trainer's volume only; the replicas mount theirs
+    keys_cmd = services()["keys"]["command"]
+    trainer_dir, replica_dir = keys_cmd[keys_cmd.index("--trainer") + 1], keys_cmd[keys_cmd.index("--replica") + 1]
+    assert volume_mounts("trainer")[clients["trainer"].stream.keys_dir][0] == volume_mounts("keys")[trainer_dir][0]
+    assert volume_mounts("serve")[clients["serve"].stream.keys_dir][0] == volume_mounts("keys")[replica_dir][0]
+    assert volume_mounts("keys")[trainer_dir][0] not in {vol for vol, _ in volume_mounts("serve").values()}
+
+
+def test_each_principal_logs_in_with_its_own_password_from_env():
+    from streams.client import SASL_PASSWORD_ENV
+
+    # kafka-topics sets one SCRAM login per dvi principal, with the mechanism the CLIENT listener takes
+    script = script_of("kafka-topics")
+    assert "printf 'SCRAM-SHA-512=password=%s\\n'" in script and "--add-config-file /tmp/scram.properties" in script
+    scram = {user: env_var_of("kafka-topics", arg.lstrip("$")) for user, arg in calls("kafka-topics", "scram")}
+    clients = kafka_clients()
+    assert set(scram) == {cfg.stream.security["sasl_plain_username"] for cfg in clients.values()}
+    for service, cfg in clients.items():
+        assert env_var_of(service, SASL_PASSWORD_ENV) == scram[cfg.stream.security["sasl_plain_username"]]
+    admin = env_var_of("kafka-topics", "ADMIN_PASSWORD")
+    assert len({admin, *scram.values()}) == len(scram) + 1, "one password per principal"
+    # the brokers' admin password is the one the admin tools log in with
+    assert 'password="$ADMIN_PASSWORD"' in script
+    for name in kafka_brokers():
+        for listener in ("BROKER", "CONTROLLER"):
+            assert referenced(RAW["services"][name]["environment"][f"KAFKA_LISTENER_NAME_{listener}_PLAIN_SASL_JAAS_CONFIG"]) == {admin}
+
+
+def test_no_secret_in_compose_or_on_a_command_line():
+    text = COMPOSE.read_text()
+    secrets = env_secrets()
+    for key, value in secrets.items():
+        assert value not in text, f"the value of {key} is written in compose.yaml"
+    # every password-like setting in the file is a reference: ${VAR} (compose) or $VAR (a container's own environment)
+    ref = r"\$\{[A-Z_][A-Z0-9_]*(?::?[-?][^}]*)?\}|\$\$[A-Z_][A-Z0-9_]*"
+    for m in re.finditer(r'\b(password|user_\w+)="([^"]*)"', text):
+        assert re.fullmatch(ref, m.group(2)), f"literal {m.group(1)} in compose.yaml: {m.group(0)}"
+    for m in re.finditer(r"://[^/\s:@]+:([^/\s@]+)@", text):
+        assert re.fullmatch(ref, m.group(1)), f"literal password in a URI: {m.group(0)}"
+    for name, svc in RAW["services"].items():
+        for key in svc.get("environment") or {}:
+            if re.search(r"PASSWORD|SECRET|TOKEN|API_KEY|STOREPASS", key):
+                env_var_of(name, key)
+    # no secret reaches a command line: not a dvi one, nor any service's entrypoint, command or healthcheck
+    for name, svc in services().items():
+        argv = argv_of(name) if name in DVI_SERVICES else [*(svc.get("entrypoint") or []), *(svc.get("command") or [])]
+        argv += list((svc.get("healthcheck") or {}).get("test") or [])
+        for key, value in secrets.items():
+            assert not any(value in str(a) for a in argv), f"{name}: {key} on its command line"
+    for service in DVI_SERVICES:
+        _, overrides, _ = dvi_config(service)
+        assert not [o for o in overrides if re.search("password|secret|token|api_key", o.split("=", 1)[0])], service
+
+
+def test_mlflow_runs_the_basic_auth_app(tmp_path, monkeypatch):
+    import importlib.util
+
+    svc, raw = services()["mlflow"], RAW["services"]["mlflow"]
+    cmd = svc["command"]
+    assert cmd[cmd.index("--app-name") + 1] == "basic-auth"
+    dockerfile = read_dockerfile(dockerfile_of("mlflow"))
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line)
+    pip = " ".join(rest for op, rest in dockerfile if op == "RUN")
+    assert '"mlflow[auth]==${MLFLOW_VERSION}"' in pip and f'"Flask-WTF=={pins["Flask-WTF"]}"' in pip
+    # the entrypoint writes the auth config from the environment, then runs `mlflow server` with the command's options
+    entrypoint = svc["entrypoint"]
+    assert entrypoint[:2] == ["/bin/sh", "-c"] and entrypoint[2].rstrip().endswith('exec mlflow server "$@"')
+    ini = re.search(r'cat > "\$MLFLOW_AUTH_CONFIG_PATH" <<EOF\n(.*?)\nEOF\n', entrypoint[2], re.S).group(1)
+    env = svc["environment"]
+    path = tmp_path / "basic_auth.ini"
+    path.write_text(ini.replace("$MLFLOW_BACKEND_STORE_URI", env["MLFLOW_BACKEND_STORE_URI"]))
+    for key in ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD"):
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(path))
+    # read by MLflow's own loader (its module alone: importing the auth package would build MLflow's server app)
+    config_py = Path(importlib.util.find_spec("mlflow").origin).parent / "server" / "auth" / "config.py"
+    loader = importlib.util.spec_from_file_location("_mlflow_auth_config", config_py)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    auth = module.read_auth_config()
+    assert auth.default_permission in ("READ", "NO_PERMISSIONS"), "logged-in users may not edit what others made"
+    assert auth.database_uri == env["MLFLOW_BACKEND_STORE_URI"]
+    assert auth.authorization_function == "mlflow.server.auth:authenticate_request_basic_auth"
+    assert (auth.admin_username, auth.admin_password) == (ENV["MLFLOW_AUTH_ADMIN_USERNAME"], ENV["MLFLOW_AUTH_ADMIN_PASSWORD"])
+    assert env["MLFLOW_AUTH_CONFIG_PATH"].startswith("/home/mlflow/")  # the image user's home: writable
+    assert "MLFLOW_FLASK_SERVER_SECRET_KEY" in entrypoint[2]  # the auth app refuses to start without one
+    assert raw["environment"]["MLFLOW_AUTH_ADMIN_PASSWORD"].startswith("${MLFLOW_AUTH_ADMIN_PASSWORD:?")
+    # /health is the one path the auth app leaves open: the healthcheck needs no login
+    assert svc["healthcheck"]["test"][-1].endswith("urlopen('http://127.0.0.1:5000/health', timeout=4)")
+
+
+def test_dvi_services_log_in_to_mlflow_as_their_own_account():
+    from dvi.tracking import PASSWORD_VAR, USER_VAR
+
+    # mlflow-users keeps dvi's account (made if missing, password set from .env), logged in as the admin
+    users = services()["mlflow-users"]
+    assert users["restart"] == "no" and users["depends_on"]["mlflow"]["condition"] == "service_healthy"
+    assert env_var_of("mlflow-users", USER_VAR) == env_var_of("mlflow", "MLFLOW_AUTH_ADMIN_USERNAME")
+    assert env_var_of("mlflow-users", PASSWORD_VAR) == env_var_of("mlflow", "MLFLOW_AUTH_ADMIN_PASSWORD")
+    script = users["command"][0]
+    assert "AuthServiceClient" in script and "create_user" in script and "update_user_password" in script
+    account = (env_var_of("mlflow-users", "DVI_MLFLOW_USERNAME"), env_var_of("mlflow-users", "DVI_MLFLOW_PASSWORD"))
+    # every dvi service that talks to the compose MLflow logs in with it, after mlflow-users has run
+    tracked = [s for s in DVI_SERVICES if dvi_config(s)[2].tracking.uri == "http://mlflow:5000"]
+    assert sorted(tracked) == ["serve", "trainer"]
+    for service in tracked:
+        assert (env_var_of(service, USER_VAR), env_var_of(service, PASSWORD_VAR)) == account, service
+        assert services()[service]["depends_on"]["mlflow-users"]["condition"] == "service_completed_successfully"
+    assert account[1] != env_var_of("mlflow", "MLFLOW_AUTH_ADMIN_PASSWORD")
