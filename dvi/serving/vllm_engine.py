@@ -239,6 +239,7 @@ class _Row:
     out: list[int] = field(default_factory=list)  # tokens vLLM returned
     emitted: int = 0  # tokens the captured rounds emitted (ahead of `out` only within a step)
     rounds: list[Round] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # the rounds' LogProbs, one per emitted token, in order
     versions: list[str] = field(default_factory=list)
     cancelled: str = ""
 
@@ -352,10 +353,10 @@ class VllmDecoding:
             row.rounds.append(Round(position=row.emitted, k=k, drafted=drafted, accepted=n, token=tokens[-1], drafter_version=version,
                                     topk_ids=top_ids[:, :topk].clone() if topk else None,
                                     topk_logprobs=top_lps[:, :topk].clone() if topk else None, logprobs=logprobs))
+            row.logprobs.extend(logprobs or [])
             row.emitted += len(tokens)
 
     @staticmethod
     def _logprobs(row: _Row, before: int):
         """The LogProbs of row.out[before:], from its rounds."""
-        flat = [lp for r in row.rounds for lp in (r.logprobs or [])]
-        return flat[before : len(row.out)]
+        return row.logprobs[before : len(row.out)]
