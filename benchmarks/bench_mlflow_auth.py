@@ -16,8 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dvi import mlflow_server
-from dvi.mlflow_server import LocalMlflow
+from dvi.mlflow_server import AUTH_CACHE_S, LocalMlflow
 from dvi.procs import free_port
 from dvi.tracking import PASSWORD_VAR, USER_VAR, rest
 
@@ -40,11 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop(USER_VAR, None)
     os.environ.pop(PASSWORD_VAR, None)
     out = {}
-    for name, auth, cache_s in (("no login", False, 0), ("login, cached", True, mlflow_server.AUTH_CACHE_S),
-                                ("login, uncached", True, 0)):
-        mlflow_server.AUTH_CACHE_S = cache_s
-        with tempfile.TemporaryDirectory() as root, LocalMlflow(Path(root), free_port(), auth=auth) as server:
-            out[name] = median_call_s(server.uri, args.calls)
+    for name, auth, cache_s in (("no login", False, 0), ("login, cached", True, AUTH_CACHE_S), ("login, uncached", True, 0)):
+        with tempfile.TemporaryDirectory() as root:
+            with LocalMlflow(Path(root), free_port(), auth=auth, auth_cache_s=cache_s) as server:
+                out[name] = median_call_s(server.uri, args.calls)
     base = out["no login"]
     for name, s in out.items():
         print(f"{name:16s} {s * 1000:7.1f} ms per call  ({s / base:.2f}x)")

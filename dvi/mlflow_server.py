@@ -40,11 +40,13 @@ class LocalMlflow(ServerProcess):
     """An `mlflow server` process on 127.0.0.1:<port>; a context manager (start on enter, stop on exit; stopping
     signals its process group, the uvicorn worker too)."""
 
-    def __init__(self, root: Path, port: int, startup_timeout_s: float = 60.0, auth: bool = False):
+    def __init__(self, root: Path, port: int, startup_timeout_s: float = 60.0, auth: bool = False,
+                 auth_cache_s: int = AUTH_CACHE_S):
         self.root = Path(root).resolve()
         self.port = port
         self.startup_timeout_s = startup_timeout_s
         self.auth = auth
+        self.auth_cache_s = auth_cache_s  # 0: every request's password is checked
 
     @property
     def uri(self) -> str:
@@ -72,7 +74,7 @@ class LocalMlflow(ServerProcess):
                        f"database_uri = sqlite:///{self.root / 'auth.db'}\n"
                        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
                        # a password check costs 0.2 s on 2 cores (scrypt): a login that passed is trusted for a minute
-                       f"auth_cache_ttl_seconds = {AUTH_CACHE_S}\n")
+                       f"auth_cache_ttl_seconds = {self.auth_cache_s}\n")
         return {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_AUTH_ADMIN_USERNAME": user, "MLFLOW_AUTH_ADMIN_PASSWORD": password,
                 "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32)}
 

@@ -207,10 +207,10 @@ def local_post(url: str, data: bytes, timeout_s: float = 2.0, content_type: str 
         return resp.read()
 
 
-def http_ok(url: str, timeout_s: float = 2.0) -> str | None:
-    """A probe: None when GET `url` answers 200, else what it answered."""
+def http_ok(url: str, timeout_s: float = 2.0, headers: dict[str, str] | None = None) -> str | None:
+    """A probe: None when GET `url` (with `headers`) answers 200, else what it answered."""
     try:
-        with _NO_PROXY.open(url, timeout=timeout_s) as resp:
+        with _NO_PROXY.open(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as resp:
             return None if resp.status == 200 else f"HTTP {resp.status}"
     except urllib.error.HTTPError as e:
         return f"HTTP {e.code}"

@@ -21,7 +21,6 @@ import os
 import secrets
 import signal
 import sys
-import urllib.error
 from pathlib import Path
 
 from kafka import KafkaAdminClient
@@ -29,7 +28,7 @@ from kafka.errors import KafkaError
 
 from dvi.errors import DviError
 from dvi.files import check_sha256
-from dvi.procs import HOST, ServerProcess, free_port, local_post, port_in_use
+from dvi.procs import HOST, ServerProcess, free_port, http_ok, local_post, port_in_use
 from streams import s3_store
 
 log = logging.getLogger("dvi.streams.broker")
@@ -106,20 +105,13 @@ class LocalS3(ServerProcess):
     def endpoint(self) -> str:
         return f"http://{HOST}:{self.port}"
 
+    def _signed(self, method: str, url: str, body: bytes = b"") -> dict[str, str]:
+        return s3_store.sign(self.access_key, self.secret, method, url, {"host": f"{HOST}:{self.port}"}, body)
+
     def request(self, method: str, path: str, body: bytes = b"") -> bytes:
         """One signed request to the store (urllib's errors)."""
         url = self.endpoint + path
-        headers = s3_store.sign(self.access_key, self.secret, method, url, {"host": f"{HOST}:{self.port}"}, body)
-        return local_post(url, body, method=method, headers=headers)
-
-    def _answers(self) -> str | None:
-        try:
-            self.request("GET", "/")
-            return None
-        except urllib.error.HTTPError as e:
-            return f"HTTP {e.code}"
-        except OSError as e:
-            return str(getattr(e, "reason", e))
+        return local_post(url, body, method=method, headers=self._signed(method, url, body))
 
     def start(self) -> LocalS3:
         if self.running:
@@ -133,7 +125,9 @@ class LocalS3(ServerProcess):
         self.access_key, self.secret = "dvi-" + secrets.token_hex(8), secrets.token_urlsafe(32)
         env = {**os.environ, s3_store.ACCESS_VAR: self.access_key, s3_store.SECRET_VAR: self.secret}
         cmd = [sys.executable, "-m", "streams.s3_store", str(self.data_dir), "--host", HOST, "--port", str(self.port)]
-        self._launch("s3-store", cmd, self._answers, self.startup_timeout_s, f"the local S3 store on {self.endpoint}", env=env)
+        listing = self.endpoint + "/"
+        self._launch("s3-store", cmd, lambda: http_ok(listing, headers=self._signed("GET", listing)), self.startup_timeout_s,
+                     f"the local S3 store on {self.endpoint}", env=env)
         if not (self.data_dir / BUCKET).is_dir():
             try:
                 self.request("PUT", f"/{BUCKET}")

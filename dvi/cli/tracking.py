@@ -18,6 +18,6 @@ def mlflow(args: argparse.Namespace) -> int:
             f"tracking.uri is set ({cfg.uri}): runs go to that MLflow, not a local one; run `dvi mlflow tracking.uri=null` for a local one"
         )
     server = LocalMlflow(mlflow_root(cfg), cfg.port, auth=cfg.auth)
-    login = local_login(cfg) if cfg.auth else None
+    login = local_login(cfg)
     where = f", login in {login}" if login else ""
     return run_foreground("mlflow", "the MLflow server", server, lambda s: f"MLflow on {s.uri}, data in {s.root}{where}")
