@@ -61,7 +61,7 @@ def main() -> int:
     stream = StreamConfig(port=broker.port)
     ensure_topics(stream)
     cfg = DviConfig(model=ModelConfig(), stream=stream, tracking=TrackingConfig(enabled=False),
-                    serve=ServeConfig(spec=SpecConfig(k=4, adaptive=False), max_batch=1, swap=SwapConfig(enabled=False, initial="none")))
+                    serve=ServeConfig(engine="dvi", spec=SpecConfig(k=4, adaptive=False), max_batch=1, swap=SwapConfig(enabled=False, initial="none")))
     pair = resolve_pair(cfg.model)
     prompts = [list(pair.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                        tokenize=True)["input_ids"]) for q in QUESTIONS]

@@ -85,7 +85,7 @@ def swaps_under_load(model: ModelConfig, n_swaps: int, every_s: float, clients: 
         versions = publish_copies(store_root, drafter_dir, n_swaps)
         stream = StreamConfig(port=broker.port)
         cfg = DviConfig(model=model, stream=stream, tracking=TrackingConfig(enabled=False),
-                        serve=ServeConfig(spec=SpecConfig(k=4, adaptive=False), max_batch=clients,
+                        serve=ServeConfig(engine="dvi", spec=SpecConfig(k=4, adaptive=False), max_batch=clients,
                                           swap=SwapConfig(store=str(store_root), initial="none", window_tokens=10**9)))
         pair = resolve_pair(cfg.model)
         prompts = [list(pair.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

@@ -92,9 +92,11 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def run(url: str, *, requests_n: int, concurrency: int, input_len: int, output_len: int, model: str | None = None,
-        id_range: tuple[int, int] = (1000, 30000), seed: int = 0, api_key: str | None = None) -> dict:
-    """Send the requests; the summary, with `problems` listing every request a vLLM-style client would trip on."""
-    batch = prompts(requests_n, input_len, id_range, seed)
+        id_range: tuple[int, int] = (1000, 30000), seed: int = 0, api_key: str | None = None,
+        prompt_ids: list[list[int]] | None = None) -> dict:
+    """Send the requests; the summary, with `problems` listing every request a vLLM-style client would trip on.
+    `prompt_ids`: these prompts (token ids, taken in turn) instead of random ones of `input_len` tokens."""
+    batch = [prompt_ids[i % len(prompt_ids)] for i in range(requests_n)] if prompt_ids else prompts(requests_n, input_len, id_range, seed)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         outcomes = list(pool.map(lambda p: one(url, model, p, output_len, api_key), batch))

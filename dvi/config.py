@@ -69,7 +69,7 @@ class ModelConfig:
     drafter_vocab: int | None = None  # demo drafter: reduced head over the N most frequent tokens (None = full)
     cache_dir: str | None = None  # None: $DVI_CACHE or ~/.cache/dvi
     device: str = "auto"  # auto (CUDA when present, else CPU), cpu, cuda or cuda:N; target and drafters go there
-    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16
+    dtype: str = "auto"  # auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16 or float16
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
 
     def __post_init__(self) -> None:
@@ -156,7 +156,7 @@ class SwapConfig:
         _check(bool(self.initial), "serve.swap.initial", self.initial, "production, latest, none or a version name")
 
 
-ENGINES = ("dvi", "vllm")
+ENGINES = ("auto", "dvi", "vllm")
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,9 @@ class VllmConfig:
     """vLLM as the serving engine (serve.engine=vllm; dvi.serving.vllm_engine): what dvi passes to vLLM's engine."""
 
     max_model_len: int = 2048  # tokens of context per request (prompt and output)
-    enforce_eager: bool = True  # no CUDA graphs or torch.compile (faster start-up; needed on the CPU build)
+    # no CUDA graphs or torch.compile: starts in seconds instead of minutes, decodes slower (compiled is the default;
+    # its caches live under <cache>/compile, so a second start reuses them)
+    enforce_eager: bool = False
     gpu_memory_utilization: float = 0.85  # share of the GPU vLLM may hold (weights and KV cache); GPU only
     cpu_kv_cache_gb: int = 2  # GiB of KV cache on the CPU build (VLLM_CPU_KVCACHE_SPACE, whole GiB)
     # vLLM's prefix cache shares draft KV blocks between requests: after a hot swap they would hold the previous
@@ -182,7 +184,9 @@ class ServeConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     swap: SwapConfig = field(default_factory=SwapConfig)
-    engine: str = "dvi"  # dvi: dvi's own engine (dvi.engine); vllm: vLLM's, with the same API, records and swaps
+    # auto: vLLM where it is installed, else dvi's (dvi.hardware.pick_engine); dvi: dvi's own engine (dvi.engine); vllm:
+    # vLLM's, with the same API, records and swaps
+    engine: str = "auto"
     vllm: VllmConfig = field(default_factory=VllmConfig)
     max_batch: int = 8  # requests decoded together
     # the HTTP server (dvi serve)

@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -43,9 +43,11 @@ from dvi.speculative import (
     cheapest_k,
     choose_k_from_costs,
     expand_draft_probs,
+    ideal_speedup,
     linear_verify_costs,
     logits_to_probs,
     moving_average,
+    position_acceptance,
     rejection_sample,
     sample_from,
 )
@@ -309,6 +311,7 @@ class CostTable:
         self.spec = spec
         self.verify: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds
         self.draft: dict[int, float] = {}  # bucket -> seconds of one drafter step
+        self.propose0: dict[int, float] = {}  # bucket -> seconds a step spends in a proposer drafting nothing (observe_step)
 
     def observe_verify(self, batch: int, k: int, seconds: float) -> None:
         key = (batch_bucket(batch), k)
@@ -318,6 +321,19 @@ class CostTable:
         if steps:
             b = batch_bucket(batch)
             self.draft[b] = moving_average(self.draft.get(b), seconds / steps, self.WEIGHT)
+
+    def observe_step(self, batch: int, verified_k: int, proposed_k: int, step_s: float, propose_s: float) -> None:
+        """One step of an engine that verifies and drafts in the same call (vLLM): it verified `verified_k` drafts per
+        request in `step_s` seconds, `propose_s` of which went to proposing `proposed_k` drafts for the next step. The
+        proposer's time at K = 0 (the drafter's pass over the step's new tokens, paid whatever K is) counts as part of
+        every step; what proposing K drafts costs beyond it is K drafter steps."""
+        b = batch_bucket(batch)
+        if proposed_k == 0:
+            self.propose0[b] = moving_average(self.propose0.get(b), propose_s, self.WEIGHT)
+        base = self.propose0.get(b, 0.0)
+        self.observe_verify(batch, verified_k, max(step_s - propose_s, 0.0) + base)
+        if proposed_k:
+            self.observe_draft(batch, proposed_k, max(propose_s - base, 0.0))
 
     @property
     def measured(self) -> bool:
@@ -337,7 +353,8 @@ class CostTable:
         v = []
         for k in range(s.k_max + 1):
             at = self._nearest(bucket, lambda b, k=k: (b, k) in self.verify and (b, 0) in self.verify)
-            v.append(self.verify[(at, k)] / self.verify[(at, 0)] if at is not None else prior[k])
+            # a measured ratio below 1 is noise: verifying K + 1 tokens cannot cost less than verifying one
+            v.append(max(1.0, self.verify[(at, k)] / self.verify[(at, 0)]) if at is not None else prior[k])
         draft_at = self._nearest(bucket, lambda b: b in self.draft and (b, 0) in self.verify)
         c = self.draft[draft_at] / self.verify[(draft_at, 0)] if draft_at is not None else 0.25
         return c, v
@@ -362,6 +379,16 @@ class CostTable:
                 "draft_step_s": {f"b{b}": round(t, 6) for b, t in sorted(self.draft.items())}}
 
 
+@dataclass(frozen=True)
+class Routing:
+    """A decision about where drafting runs: `on` or `off` at a batch size, or a `probe` step while it is off."""
+
+    decision: str  # on | off | probe; sleep | wake: the drafter's pass at K = 0 skipped or run again (StepPlanner)
+    batch: int
+    k: int  # the K drafted from then on (on), for the probe (probe), 0 (off)
+    why: str
+
+
 class _KController:
     """One request's K: fixed, or the K with the best predicted speedup for its measured acceptance and the
     engine's cost table; 0 (plain decoding, probing again every `probe_every` tokens) when no K is predicted
@@ -372,6 +399,7 @@ class _KController:
         self.accepted = 0.0
         self.trials = 0.0
         self.off_at: int | None = None  # tokens generated when drafting was switched off
+        self.routed: Routing | None = None  # the routing decision the last next_k took (on, off, probe), if any
 
     def acceptance(self) -> float:
         s = self.spec
@@ -385,19 +413,27 @@ class _KController:
         positions cost little, and every request then measures the drafter (the live check after a swap and the
         trainer's records need drafted rounds)."""
         s = self.spec
+        self.routed = None
         if not s.adaptive or not self.trials:
             return s.k
-        k = choose_k_from_costs(self.acceptance(), cost_ratio, verify_cost, s.k_min, s.k_max, s.min_speedup)
+        a = self.acceptance()
+        k = choose_k_from_costs(a, cost_ratio, verify_cost, s.k_min, s.k_max, s.min_speedup)
+        why = f"acceptance {a:.3f}, drafter step {cost_ratio:.3f} target steps ({'measured' if measured else 'assumed'})"
         if k:
+            if self.off_at is not None:
+                self.routed = Routing("on", 0, k, why)
             self.off_at = None
             return k
         if self.off_at is None:
             self.off_at = generated
+            self.routed = Routing("off", 0, 0, f"no K beats {s.min_speedup:g}x: {why}")
+            return 0
         if generated - self.off_at >= s.probe_every:  # probe: the traffic, or the drafter, may have changed
             self.off_at = generated
-            if measured:  # the cheapest round that drafts, by this machine's table
-                return cheapest_k(cost_ratio, verify_cost, s.k_min, s.k_max)
-            return s.k_min
+            # the cheapest round that drafts, by this machine's table
+            k = cheapest_k(cost_ratio, verify_cost, s.k_min, s.k_max) if measured else s.k_min
+            self.routed = Routing("probe", 0, k, f"drafting has been off for {s.probe_every} tokens")
+            return k
         return 0
 
     def observe(self, k: int, n: int) -> None:
@@ -405,6 +441,165 @@ class _KController:
             return
         self.accepted = self.accepted * self.spec.decay + n
         self.trials = self.trials * self.spec.decay + n + (n < k)
+
+
+class StepPlanner:
+    """K for every step of an engine that drafts one K for a whole batch (vLLM's batch-size schedule), the engine-wide
+    counterpart of `_KController`: from the live acceptance of the serving drafter and the cost table, the K with the
+    best predicted speedup at each batch size, 0 (drafting off) where none beats `serve.spec.min_speedup`. Drafting off
+    at a batch size comes back on only when the best K is predicted to beat plain decoding by `HYSTERESIS` more, so
+    that an estimate hovering at the line does not flip it every step.
+
+    Acceptance is measured on the rounds of requests whose drafter cache is whole (`observe`; the engine says which),
+    position by position (`position_acceptance`: a drafter that is right tends to stay right, which one rate over all
+    positions misses, mispredicting what each K returns), decayed over about the last 100 drafting rounds, shrunk to the prior. While the batch about to step has drafting
+    off, every `probe_every`-th step is a probe that drafts the cheapest K, so acceptance (which traffic or a new
+    drafter may change) keeps being measured.
+
+    Off at every batch size, even the drafter's pass over each step's new tokens (which keeps its cache whole, and
+    which an engine pays at K = 0) is a cost: once `WAKE_TOKENS` drafted tokens have been measured since the planner
+    last woke and drafting is still off everywhere, it *sleeps* (`awake` False: the engine skips that pass; requests
+    then lose their drafter cache) for `SLEEP_STEPS` steps, then wakes to measure again on requests that start awake.
+    While awake with drafting off everywhere, and for the first `trial_tokens` drafted tokens of a new drafter (the
+    live judge's window after a swap), probes come `FAST_PROBES` times as often and draft `serve.spec.k`.
+
+    `schedule(batch)` returns the dense K lookup for the next step (index = batch size, as vLLM's scheduler reads it)
+    and the routing decisions it took. A fresh drafter (`reset`) drafts `serve.spec.k` until its first rounds are seen.
+    """
+
+    HYSTERESIS = 0.05
+    FAST_PROBES = 8
+    # every request's rounds feed one estimate, and probes are few: it keeps about the last 100 drafting rounds
+    # (serve.spec.decay is a request's own, over its last ten or so; with as few trials the prior would dominate)
+    DECAY = 0.99
+    WAKE_TOKENS = 32
+    SLEEP_STEPS = 512
+
+    def __init__(self, spec: SpecConfig, max_batch: int, costs: CostTable, trial_tokens: int = 0):
+        self.spec, self.max_batch, self.costs, self.trial_tokens = spec, max_batch, costs, trial_tokens
+        self.accepted = 0.0  # decayed accepted drafts, all positions (the summary `acceptance`)
+        self.trials = 0.0  # ... and tested drafts
+        self.by_position = ([0.0] * spec.k_max, [0.0] * spec.k_max)  # decayed (accepted, tested) at each draft position
+        self.steps_off = 0  # steps since the last one that drafted, at batch sizes with drafting off
+        self.on = [True] * (max_batch + 1)  # drafting on at each batch size (index 0 unused)
+        self.planned = [spec.k] * (max_batch + 1)  # the last lookup planned, probes aside
+        self.trial_left = 0  # drafted tokens before the drafter serving now leaves its trial
+        self.awake = True  # False: the engine skips the drafter's pass at K = 0
+        self.measured_awake = 0  # drafted tokens measured since the planner last woke
+        self.sleep_left = 0  # steps until it wakes
+
+    def reset(self) -> None:
+        """A new drafter serves: what was measured of the last one says nothing about it; it is on trial."""
+        self.accepted = self.trials = 0.0
+        self.by_position = ([0.0] * self.spec.k_max, [0.0] * self.spec.k_max)
+        self.steps_off = 0
+        self.trial_left = self.trial_tokens
+        self.measured_awake = 0
+
+    def drafted(self, k: int) -> None:
+        """A round of the serving drafter drafted `k` tokens, its cache whole or not (the judge counts them all)."""
+        self.trial_left = max(0, self.trial_left - k)
+
+    def observe(self, k: int, n: int) -> None:
+        """A round of a request whose drafter cache is whole: `n` of `k` drafts accepted (k = 0: nothing learnt)."""
+        if k == 0:
+            return
+        self.measured_awake += k
+        d = self.DECAY
+        self.accepted = self.accepted * d + n
+        self.trials = self.trials * d + n + (n < k)
+        accepted, tested = self.by_position
+        for i in range(len(accepted)):  # draft i + 1 was tested when the i before it were accepted
+            accepted[i] = accepted[i] * d + (n > i)
+            tested[i] = tested[i] * d + (i < k and n >= i)
+
+    def acceptance(self) -> float:
+        """The per-token acceptance over all positions (what logs and tests summarise)."""
+        s = self.spec
+        return acceptance_estimate(self.accepted, self.trials, s.prior_acceptance, s.prior_weight)
+
+    def acceptance_by_position(self) -> list[float]:
+        """The acceptance at each draft position given the ones before it were accepted (what K is planned with)."""
+        s = self.spec
+        return position_acceptance(*self.by_position, s.prior_acceptance, s.prior_weight)
+
+    def plan(self, batch: int, costs: tuple[float, list[float]] | None = None) -> tuple[int, float, str]:
+        """(K, predicted speedup, why) at this batch size (`costs`: `self.costs.plan(batch)`), without probing or hysteresis."""
+        s = self.spec
+        if not self.trials:
+            return s.k, 0.0, "no round of this drafter measured yet"
+        c, v = costs or self.costs.plan(batch)
+        a = self.acceptance_by_position()
+        k = choose_k_from_costs(a, c, v, s.k_min, s.k_max, 0.0)
+        speedup = ideal_speedup(a, k, c, v[k])
+        source = "measured" if self.costs.measured else "assumed"
+        by_position = " ".join(f"{x:.2f}" for x in a[:k])
+        return k, speedup, (f"acceptance {self.acceptance():.3f} ({by_position} at positions 1-{k}), drafter step {c:.3f} "
+                            f"and verify of K={k} {v[k]:.3f} target steps ({source})")
+
+    def schedule(self, batch: int, whole: int | None = None) -> tuple[list[int], list[Routing]]:
+        """The K lookup for the next step, the batch about to step having `batch` requests, `whole` of them with a whole
+        drafter cache (None: all), and the decisions taken. A probe needs a request to measure on: with none whole,
+        only a drafter on trial is probed (the judge counts every round of it)."""
+        s = self.spec
+        lookup = [0] * (self.max_batch + 1)
+        changes = []
+        by_bucket: dict[int, tuple[float, list[float]]] = {}
+        for b in range(1, self.max_batch + 1):
+            bucket = batch_bucket(b)
+            if bucket not in by_bucket:
+                by_bucket[bucket] = self.costs.plan(b)
+            k, speedup, why = self.plan(b, by_bucket[bucket])
+            on = True
+            if self.trials:
+                need = s.min_speedup * (1.0 + (0.0 if self.on[b] else self.HYSTERESIS))
+                on = speedup > need
+                why = f"predicted speedup {speedup:.2f} {'>' if on else '<='} {need:.2f} at K={k}: {why}"
+            if on != self.on[b]:
+                self.on[b] = on
+                changes.append(Routing("on" if on else "off", b, k if on else 0, why))
+            lookup[b] = k if on else 0
+        self.planned = lookup
+        b = min(max(batch, 1), self.max_batch)
+        everywhere_off = not any(lookup) and self.trials and not self.trial_left
+        if not everywhere_off:
+            if not self.awake:
+                self._wake(changes, b, "drafting is on again" if any(lookup) else "a new drafter")
+        elif not self.awake:
+            self.sleep_left -= 1
+            if self.sleep_left > 0:
+                return lookup, changes
+            self._wake(changes, b, f"drafting has been off for {self.SLEEP_STEPS} steps: measuring the drafter again")
+        elif self.measured_awake >= self.WAKE_TOKENS:
+            self.awake, self.sleep_left = False, self.SLEEP_STEPS
+            changes.append(Routing("sleep", b, 0, f"drafting off at every batch size after {self.measured_awake} drafted "
+                                                   f"tokens measured: the drafter's pass skipped for {self.SLEEP_STEPS} steps"))
+            return lookup, changes
+        if lookup[b]:
+            self.steps_off = 0
+            return lookup, changes
+        self.steps_off += 1
+        if not self.trial_left and whole == 0:
+            return lookup, changes
+        fast = self.trial_left or everywhere_off
+        every = max(1, s.probe_every // self.FAST_PROBES) if fast else s.probe_every
+        if self.steps_off >= every:
+            self.steps_off = 0
+            if fast:
+                k = s.k
+                why = (f"a drafter on trial ({self.trial_left} drafted tokens to go)" if self.trial_left else
+                       f"measuring the drafter before its pass is skipped ({self.measured_awake} of {self.WAKE_TOKENS} tokens)")
+            else:
+                c, v = by_bucket[batch_bucket(b)]
+                k = cheapest_k(c, v, s.k_min, s.k_max) if self.costs.measured else s.k_min
+                why = f"drafting has been off for {every} steps"
+            lookup = [0] + [k] * self.max_batch
+            changes.append(Routing("probe", b, k, why))
+        return lookup, changes
+
+    def _wake(self, changes: list[Routing], batch: int, why: str) -> None:
+        self.awake, self.measured_awake, self.sleep_left = True, 0, 0
+        changes.append(Routing("wake", batch, 0, why))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,6 +637,7 @@ class SpeculativeEngine:
         if drafter is not None:
             self.check_drafter(drafter)
         self.costs = CostTable(spec)
+        self._routing: list[tuple[Routing, list[int] | None]] = []  # per-request routing decisions (take_routing)
 
     # -- drafter pointer --------------------------------------------------------------------------
 
@@ -468,6 +664,13 @@ class SpeculativeEngine:
     def take_load_failures(self) -> list[tuple[str, str]]:
         """Drafters swapped in that the engine failed to load: none here (a swap replaces a pointer)."""
         return []
+
+    def take_routing(self) -> list[tuple[Routing, list[int] | None]]:
+        """The speculation routing decisions of requests (drafting off, on again, probes) since the last call; each
+        request plans its own K here, so there is no engine-wide schedule (None)."""
+        with self._lock:
+            out, self._routing = self._routing, []
+        return out
 
     def check_drafter(self, drafter: Drafter) -> None:
         """DviError unless this engine can draft with `drafter` (its vocabulary is the target's)."""
@@ -673,10 +876,15 @@ class Decoding:
         drafter = self.drafter
         c, verify_cost = e.costs.plan(batch)
         measured = e.costs.measured
-        ks = []
+        ks, routed = [], []
         for r in rows:
             k = r.ctrl.next_k(len(r.out), c, verify_cost, measured) if drafter is not None else 0
             ks.append(max(0, min(k, r.budget - len(r.out) - 1)))  # never draft past the budget
+            if drafter is not None and r.ctrl.routed is not None:
+                routed.append((replace(r.ctrl.routed, batch=batch), None))
+        if routed:
+            with e._lock:
+                e._routing.extend(routed)
         kmax = max(ks)
         # each row draws 2 k + 1 uniforms from its own generator, however long the other rows draft, so a
         # seeded request samples the same tokens alone or in any batch; drafts past k use u = 0 (ignored)

@@ -65,6 +65,8 @@ class ServingMetrics:
         self.decode_seconds = 0.0  # summed over requests (a batch's requests overlap)
         self.errors: Counter[str] = Counter()  # HTTP status -> count
         self.events: Counter[str] = Counter()  # swap, rollback, promote, refused:<reason>
+        self.routing: Counter[str] = Counter()  # speculation routing decisions: on, off, probe (dvi.engine.Routing)
+        self.schedule: list[int] = []  # the K drafted at each batch size (index 0 unused), where the engine plans one
         self.total = SpecStats()
         self.by_version: dict[str, SpecStats] = {}
         self.by_domain: dict[tuple[str, str], SpecStats] = {}
@@ -140,6 +142,13 @@ class ServingMetrics:
             if not kind.startswith("refused"):
                 self.markers.append((time.time(), kind, version or NO_DRAFTER))
 
+    def route(self, decision: str, schedule: list[int] | None = None) -> None:
+        """Count a speculation routing decision (on, off, probe); `schedule`: the K per batch size it left."""
+        with self._lock:
+            self.routing[decision] += 1
+            if schedule is not None:
+                self.schedule = list(schedule)
+
     def serving(self, version: str | None) -> None:
         with self._lock:
             self.version = version
@@ -201,6 +210,8 @@ class ServingMetrics:
                 "median_tokens_per_s": round(speeds[len(speeds) // 2], 3) if speeds else None,
                 "by_version": {v: s.to_dict() for v, s in self.by_version.items()},
                 "events": dict(self.events),
+                "routing": dict(self.routing),
+                "schedule": {str(b): k for b, k in enumerate(self.schedule) if b},
                 "errors": dict(self.errors),
             }
 
@@ -272,6 +283,10 @@ class ServingMetrics:
                 family(g, "drafter_info", "The drafter serving now (value 1).", ("drafter_version",), [((self.version or NO_DRAFTER,), 1)]),
                 family(c, "drafter_events", "Drafter swaps, rollbacks, promotions and refusals.", ("event",),
                        [((k,), v) for k, v in sorted(self.events.items())]),
+                family(c, "spec_routing", "Speculation routing decisions: drafting turned on or off, probe steps while off.",
+                       ("decision",), [((k,), v) for k, v in sorted(self.routing.items())]),
+                family(g, "spec_k", "The K drafted at each batch size now (0: drafting off), where the engine plans one.",
+                       ("batch_size",), [((str(b),), k) for b, k in enumerate(self.schedule) if b]),
             ]
         out += [
             family(g, "num_requests_running", "Requests in the running batch.", (), [((), running)]),

@@ -40,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from dvi.config import default_cache_dir
 from dvi.errors import DviError
 from dvi.files import check_sha256, sha256_file
+from dvi.hardware import pick_dtype
 from dvi.waiting import waiting_for
 
 log = logging.getLogger(__name__)
@@ -190,10 +191,10 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The torch dtype `model.dtype` names on `device`: auto is bfloat16 on CUDA, float32 on the CPU. A dtype
-    the device cannot run raises DviError naming both."""
+    """The torch dtype `model.dtype` names on `device`: auto is bfloat16 on CUDA and on a CPU with native bf16, else
+    float32 (`dvi.hardware.pick_dtype`). A dtype the device cannot run raises DviError naming both."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, pick_dtype(name, device.type).value)
     dtype = getattr(torch, name)
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise DviError(f"model.dtype={name}: {torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32")

@@ -22,6 +22,7 @@ Nothing here knows about models, caches, tokenizers or batching policy.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -133,16 +134,41 @@ def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 # The cost model (Leviathan et al. 2023, section 3.4), in units of one target decoding step.
 
 
-def expected_tokens_per_round(a: float, k: int) -> float:
-    """E[tokens emitted per round] = (1 - a^(k+1)) / (1 - a) for per-token acceptance a and k drafts."""
+Acceptance = float | Sequence[float]
+"""Per-token acceptance: one rate for every draft position, or the rate at each position given the drafts before it
+were accepted (`position_acceptance`; positions past its end take its last)."""
+
+
+def expected_tokens_per_round(a: Acceptance, k: int) -> float:
+    """E[tokens emitted per round] for k drafts: 1 + sum over j <= k of P(the first j drafts accepted); for one rate
+    a, (1 - a^(k+1)) / (1 - a)."""
     if k <= 0:
         return 1.0
+    if isinstance(a, Sequence):
+        tokens = run = 1.0
+        for j in range(k):
+            run *= a[min(j, len(a) - 1)]
+            tokens += run
+        return tokens
     if a >= 1.0:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def ideal_speedup(a: float, k: int, draft_cost: float, verify_cost: float) -> float:
+def position_acceptance(accepted: Sequence[float], trials: Sequence[float], prior: float, prior_weight: float) -> list[float]:
+    """The acceptance at each draft position given the drafts before it were accepted, from counts per position
+    (`accepted[i]`: rounds that accepted draft i + 1; `trials[i]`: rounds that tested it, i.e. drafted it and accepted
+    the i before). Acceptance is bursty (a context the drafter has right stays right for a few tokens), so one rate
+    over all positions mispredicts what each K returns (over at some K, under at others). Position 1 shrinks to `prior`, each later position to the
+    estimate of the one before (a position rarely tested takes its neighbour's rate), `prior_weight` trials each."""
+    out, anchor = [], prior
+    for acc, tr in zip(accepted, trials):
+        anchor = acceptance_estimate(acc, tr, anchor, prior_weight)
+        out.append(anchor)
+    return out
+
+
+def ideal_speedup(a: Acceptance, k: int, draft_cost: float, verify_cost: float) -> float:
     """Speedup over plain decoding: tokens per round over the round's cost (k drafts plus one verify).
 
     draft_cost: one drafter step / one target step (the cost ratio c); verify_cost: one verification of
@@ -156,7 +182,7 @@ def choose_k(a: float, draft_cost: float, verify_slope: float, k_min: int, k_max
     return choose_k_from_costs(a, draft_cost, linear_verify_costs(verify_slope, k_max), k_min, k_max, min_speedup)
 
 
-def choose_k_from_costs(a: float, draft_cost: float, verify_cost: list[float], k_min: int, k_max: int,
+def choose_k_from_costs(a: Acceptance, draft_cost: float, verify_cost: list[float], k_min: int, k_max: int,
                         min_speedup: float = 1.0) -> int:
     """The K in [k_min, k_max] with the best predicted speedup, or 0 when none beats `min_speedup`.
 

@@ -177,9 +177,9 @@ def dead_letters(cfg: StreamConfig, bad: dict, origin: dict) -> list:
     return letters
 
 
-def engine_records(target_dir: Path, drafter_dir: Path, n: int, new_tokens: int = 24, seed: int = 0) -> list:
+def engine_records(target_dir: Path, drafter_dir: Path | None, n: int, new_tokens: int = 24, seed: int = 0) -> list:
     """Real DecisionRecords: the engine decoding n random prompts with a pair of the demo vocabulary (greedy, K = 3,
-    top-8 teacher)."""
+    top-8 teacher); no drafter: target-only, as a replica logs while drafting is off (no round drafted)."""
     import torch
 
     from dvi.config import SpecConfig
@@ -187,7 +187,7 @@ def engine_records(target_dir: Path, drafter_dir: Path, n: int, new_tokens: int 
     from dvi.models import load_causal_lm, load_drafter
 
     target = load_causal_lm(target_dir, "target")
-    drafter = load_drafter(drafter_dir, DEMO_VOCAB)
+    drafter = load_drafter(drafter_dir, DEMO_VOCAB) if drafter_dir is not None else None
     engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=8)
     g = torch.Generator().manual_seed(seed)
     requests = [Request(torch.randint(0, DEMO_VOCAB, (12,), generator=g).tolist(), max_new_tokens=new_tokens) for _ in range(n)]

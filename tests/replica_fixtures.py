@@ -56,10 +56,12 @@ class Running:
 
 def service_config(stream_cfg, dirs, store_root: Path, **serve) -> DviConfig:
     target, drafter = dirs
-    s = dict(spec=SpecConfig(k=3, adaptive=False), swap=SwapConfig(store=str(store_root), initial="none", window_tokens=10**9),
+    # dvi's engine unless a test names another: these replicas decode the tiny pair, about the replica, not the engine
+    s = dict(engine="dvi", spec=SpecConfig(k=3, adaptive=False), swap=SwapConfig(store=str(store_root), initial="none", window_tokens=10**9),
              max_batch=4, metrics_every_s=3600, plot_every_s=3600)
     s.update(serve)
-    return DviConfig(model=ModelConfig(target=str(target), drafter=str(drafter)), stream=stream_cfg,
+    # fp32 whatever the CPU: tests compare greedy answers with the target's own, exactly
+    return DviConfig(model=ModelConfig(target=str(target), drafter=str(drafter), dtype="float32"), stream=stream_cfg,
                      serve=ServeConfig(**s), tracking=TrackingConfig(enabled=False))
 
 

@@ -47,7 +47,7 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -59,7 +59,7 @@ from dvi import __version__, store
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
-from dvi.models import cache_dir, load_drafter, resolve_pair
+from dvi.models import cache_dir, load_drafter, resolve_device, resolve_pair
 from dvi.records import DecisionRecord, Delivered
 from trainers import checkpoint, ds
 from trainers.data import Batch, Buffer, Example, Fate, Item, Ledger, Offsets, collate, example_from_record
@@ -185,7 +185,10 @@ class Trainer:
         self.store = store.default_root(cfg)
 
         # the drafter to train, and the vocabulary its records must use
-        pair = resolve_pair(cfg.model, with_drafter=True)
+        model_cfg = cfg.model
+        if model_cfg.dtype == "auto" and resolve_device(model_cfg.device).type == "cpu":
+            model_cfg = replace(model_cfg, dtype="float32")  # a CPU trains in fp32 (trainer.precision), bf16 CPU or not
+        pair = resolve_pair(model_cfg, with_drafter=True)
         self.target_dir, self.vocab_size = pair.target_dir, int(pair.target.config.vocab_size)
         self.vocab_map = pair.drafter.vocab_map
         self.state = State(lineage=[pair.drafter.version], serving_dir=str(pair.drafter_dir))
@@ -252,7 +255,11 @@ class Trainer:
         return PositionLM(drafter.model.eval()).requires_grad_(False)
 
     def version_age(self, version: str | None) -> int | None:
-        """Publishes between `version` and the serving drafter (0: serving); None for a version not in the lineage."""
+        """Publishes between `version` and the serving drafter (0: serving); None for a version not in the lineage.
+        A record no drafter drafted for (version None: drafting was off, or the engine served target-only) carries
+        the target's choices alone, as current for any drafter as the newest record: age 0."""
+        if version is None:
+            return 0
         lineage = self.state.lineage
         return len(lineage) - 1 - lineage.index(version) if version in lineage else None
 

@@ -19,7 +19,8 @@ import uvicorn
 from dvi.config import check_sampling, flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
 from dvi.errors import DviError
-from dvi.models import encode_prompt, end_ids, resolve_pair
+from dvi.hardware import pick_dtype, pick_engine
+from dvi.models import encode_prompt, end_ids, resolve_device, resolve_pair
 from dvi.procs import default_replica_id
 from dvi.records import records_from_result
 from dvi.serving.api import create_app, draining_server
@@ -121,8 +122,11 @@ def serve(args: argparse.Namespace) -> int:
                           tags={"dvi.role": "serve", "dvi.replica": replica_id})
     # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed.
     # serve.engine=vllm: vLLM loads the target's weights; dvi keeps its skeleton (config, shapes) for its checks
-    with waiting_for(f"the model pair to load (target {cfg.model.target})"):
-        replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft, target_weights=cfg.serve.engine != "vllm"),
+    engine = pick_engine(cfg.serve.engine)
+    dtype = pick_dtype(cfg.model.dtype, resolve_device(cfg.model.device).type)
+    print(f"dvi serve: engine {engine}, dtype {dtype}", flush=True)
+    with waiting_for(f"the model pair to load (target {cfg.model.target}, engine {engine.value})"):
+        replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft, target_weights=engine.value != "vllm"),
                           producer=producer, control=control, tracker=tracker)
     replica.start()
     server = draining_server(uvicorn.Config(create_app(replica), host=cfg.serve.host, port=cfg.serve.port, log_level="warning",

@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from dvi.config import load_config, overrides_of, shown
+from dvi.hardware import pick_dtype, pick_engine
 from dvi.procs import local_get
 from dvi.tracking import loop_view, redact
 
@@ -143,6 +145,16 @@ def status(args: argparse.Namespace) -> int:
 
 def config_show(args: argparse.Namespace) -> int:
     """The configuration every dvi command would run with, given these overrides, as YAML."""
-    text = OmegaConf.to_yaml(OmegaConf.create(shown(load_config(overrides_of(args)))))
+    cfg = load_config(overrides_of(args))
+    text = OmegaConf.to_yaml(OmegaConf.create(shown(cfg)))
     print(redact(text), end="")
+    # what the auto settings settle to here (a comment: the YAML above stays the config as given)
+    device = "cuda" if cfg.model.device.startswith("cuda") else "cpu" if cfg.model.device == "cpu" else _auto_device()
+    print(f"# on this machine: serve.engine -> {pick_engine(cfg.serve.engine)}")
+    print(f"# on this machine: model.dtype -> {pick_dtype(cfg.model.dtype, device)} on {device}")
     return 0
+
+
+def _auto_device() -> str:
+    """model.device=auto without importing torch: CUDA when an NVIDIA driver is loaded (torch confirms when it loads)."""
+    return "cuda" if Path("/proc/driver/nvidia/version").exists() else "cpu"

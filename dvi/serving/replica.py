@@ -42,6 +42,7 @@ from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, Mess
 from dvi.engine import LogProb, Request, Result, SpeculativeEngine, TokenHook
 from dvi.errors import DviError
 from dvi.files import sha256_file
+from dvi.hardware import pick_engine
 from dvi.metrics import ServingMetrics, drift_plot
 from dvi.models import Drafter, Pair, encode_chat, encode_prompt, end_ids
 from dvi.procs import default_replica_id
@@ -102,9 +103,10 @@ class Replica:
         stop_ids = end_ids(pair.target, pair.tokenizer)
         # the config every published version must match: the configured drafter's family, or the target's
         self.family = pair.drafter.model.config if pair.drafter is not None else pair.target.config
-        if cfg.serve.engine == "vllm":
+        self.engine_kind = pick_engine(cfg.serve.engine)  # auto: vLLM where installed
+        if self.engine_kind.value == "vllm":
             self.engine = VllmEngine(pair.target_dir, pair.target, pair.drafter, pair.drafter_dir, cfg.serve.spec, cfg.serve.vllm,
-                                     stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
+                                     stop_ids=stop_ids, max_batch=cfg.serve.max_batch, trial_tokens=cfg.serve.swap.window_tokens)
         else:
             self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
         self.rejected: OrderedDict[str, None] = OrderedDict()  # versions never to serve again, oldest first
@@ -124,7 +126,7 @@ class Replica:
         """Measure the engine's cost table (`serve.spec.warmup_reps`; before the HTTP server answers, so no request
         waits behind it), then start the threads."""
         spec = self.cfg.serve.spec
-        if spec.warmup_reps and spec.adaptive and spec.cost_ratio is None and self.cfg.serve.engine == "dvi":  # vLLM: a fixed K
+        if spec.warmup_reps and spec.adaptive and spec.cost_ratio is None and self.engine_kind.value == "dvi":  # vLLM: from live steps
             try:
                 log.info("cost table measured at start-up: %s", self.engine.warm_up(spec.warmup_reps))
             except Exception:  # adaptive K then learns the costs from live rounds only
@@ -222,7 +224,8 @@ class Replica:
                 "seconds": round(result.seconds, 4)}
 
     def health(self) -> dict:
-        return {"status": "ok", "model": self.model_name, "replica_id": self.replica_id, "pid": os.getpid(), "queue_depth": self._queue.qsize(),
+        return {"status": "ok", "model": self.model_name, "replica_id": self.replica_id, "pid": os.getpid(), "engine": self.engine_kind.value,
+                "queue_depth": self._queue.qsize(),
                 "rollout": self.rollout.drafter.version if self.rollout else None, "rejected": sorted(self.rejected),
                 "records": self.producer.stats.to_dict() if self.producer is not None else None, **self.metrics.snapshot()}
 
@@ -268,6 +271,28 @@ class Replica:
             for job, result in finished:
                 self._decoding = [j for j in self._decoding if j is not job]
                 self._finish(job, result)
+            self._log_routing()
+
+    def _log_routing(self) -> None:
+        """The engine's speculation routing decisions since the last step: counted, and one line per kind of decision
+        (drafting on or off, with the batch sizes and the reason; probes, and the drafter's pass put to sleep or woken
+        while drafting is off, at DEBUG: they come every few seconds)."""
+        taken = self.engine.take_routing()
+        if not taken:
+            return
+        by_kind: dict[str, list] = {}
+        for routing, schedule in taken:
+            by_kind.setdefault(routing.decision, []).append((routing, schedule))
+        for kind, items in by_kind.items():
+            first, schedule = items[0][0], items[-1][1]
+            self.metrics.route(kind, schedule)
+            sizes = _ranges(sorted({r.batch for r, _ in items}))
+            if kind == "probe":
+                decisions.debug("probe step at batch size %s: K=%d (%s)", sizes, first.k, first.why)
+            elif kind in ("sleep", "wake"):
+                decisions.debug("drafter pass %s: %s", "skipped" if kind == "sleep" else "running again", first.why)
+            else:
+                decisions.info("drafting %s at batch size %s%s: %s", kind, sizes, f" (K={first.k})" if first.k else "", first.why)
 
     def _join(self, batch, job: Job) -> None:
         def emit(ids: list[int], logprobs: list[LogProb] | None) -> None:
@@ -513,6 +538,18 @@ class Replica:
         if self.tracker is not None:
             self.tracker.log_artifact(str(path), "plots", remove=True)
         return path
+
+
+def _ranges(sizes: list[int]) -> str:
+    """[1, 2, 3, 5] -> "1-3, 5"."""
+    out, start = [], None
+    for i, b in enumerate(sizes):
+        if start is None:
+            start = b
+        if i + 1 == len(sizes) or sizes[i + 1] != b + 1:
+            out.append(str(start) if start == b else f"{start}-{b}")
+            start = None
+    return ", ".join(out)
 
 
 def _key_file(path: str | None) -> str | None:

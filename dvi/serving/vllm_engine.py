@@ -5,9 +5,17 @@
 replica's API, decision records, hot swaps, live judge and metrics are the same for both engines. Underneath:
 
 - vLLM's V1 `LLMEngine` runs in this process (no engine process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`), the target
-  as its model and the drafter as its `draft_model` speculator with K = `serve.spec.k` drafts per step (vLLM drafts a
-  fixed K: `serve.spec.adaptive` does not apply). The replica's decode thread steps it: `VllmDecoding.step()` is one
-  `LLMEngine.step()`, one scheduled batch;
+  as its model and the drafter as its `draft_model` speculator. The replica's decode thread steps it:
+  `VllmDecoding.step()` is one `LLMEngine.step()`, one scheduled batch;
+- speculation only where it pays (`serve.spec.adaptive`): vLLM drafts one K for a whole step, read from its
+  batch-size schedule (`num_speculative_tokens_per_batch_size`, a dense lookup in its scheduler). Before every step
+  `dvi.engine.StepPlanner` rewrites that lookup from the live acceptance of the serving drafter and the costs measured
+  on this machine (`dvi.engine.CostTable`, fed by every step's timings): K = 0 where drafting would slow decoding,
+  with probe steps that keep acceptance measured. A step with K = 0 still verifies and logs: its requests' rounds
+  carry the target's token and top-k like any other, so the trainer keeps learning. Each routing decision is
+  queued for the replica (`take_routing`). With `serve.spec.adaptive=false` vLLM drafts `serve.spec.k` every step;
+- compiled by default (`serve.vllm.enforce_eager=false`): vLLM's and torch inductor's caches live under
+  `<cache>/compile`, so only the first start on a machine compiles;
 - every verification is read inside vLLM's worker by `dvi.serving.vllm_worker` and becomes the same `Round`s the
   native engine returns (drafted ids, accepted count, the target's token, its top-k log-probs at each drafted and
   bonus position), so the records on the topic do not say which engine wrote them;
@@ -35,22 +43,36 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from dvi.config import SpecConfig, VllmConfig
-from dvi.engine import MAX_LOGPROBS, Request, Result, Round, SpecStats, TokenHook, check_request
+from dvi.config import SpecConfig, VllmConfig, default_cache_dir
+from dvi.engine import MAX_LOGPROBS, CostTable, Request, Result, Round, Routing, SpecStats, StepPlanner, TokenHook, check_request
 from dvi.errors import DviError
+from dvi.hardware import VLLM_RELEASE
 from dvi.models import Drafter
 
 log = logging.getLogger("dvi.serving.vllm")
 
-VLLM_VERSION = "0.32"  # the vLLM release whose worker internals dvi.serving.vllm_worker reads
+VLLM_VERSION = VLLM_RELEASE  # the vLLM release whose worker internals dvi.serving.vllm_worker reads
 EXTENSION = "dvi.serving.vllm_worker.DviWorkerExtension"
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
+
+
+def compile_cache_dir() -> Path:
+    """Where vLLM and torch inductor keep what they compile (a second start reuses it): <cache>/compile."""
+    return default_cache_dir() / "compile"
 
 
 def set_vllm_env(cfg: VllmConfig) -> None:
     """vLLM's settings that are environment variables, read when its engine starts; but for the KV cache's size (the
     config's), a value the user set wins."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: steps from our thread
+    cache = compile_cache_dir()
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    # vLLM 0.32's CPU build saves an ahead-of-time compiled artifact it then fails to load ("'function' object has no
+    # attribute 'finalize_loading'") and compiles again at every start; without it, torch inductor's own cache makes a
+    # second start take seconds of compiling instead of minutes
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.cpu_kv_cache_gb))  # per engine: the config's, not the first one's
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the CPU build keeps a core back unless told
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -78,7 +100,8 @@ class VllmEngine:
     checkpoint, which vLLM loads; None: no speculation."""
 
     def __init__(self, target_dir: Path, target: PreTrainedModel, drafter: Drafter | None, drafter_dir: Path | None,
-                 spec: SpecConfig, vcfg: VllmConfig, *, stop_ids=frozenset(), max_batch: int = 8, seed: int = 0):
+                 spec: SpecConfig, vcfg: VllmConfig, *, stop_ids=frozenset(), max_batch: int = 8, seed: int = 0,
+                 trial_tokens: int = 0):
         set_vllm_env(vcfg)
         vllm = import_vllm()
         from vllm.engine.arg_utils import EngineArgs
@@ -100,11 +123,16 @@ class VllmEngine:
         self._failures: list[tuple[str, str]] = []  # drafters vLLM failed to load (take_load_failures)
         self._drafted_by = drafter.version if drafter is not None else None  # who proposed the drafts of the next step
         self._shape = _shape(drafter) if drafter is not None else None
+        self.costs = CostTable(spec)  # seconds of this machine's steps, by batch size and K (where drafting pays)
+        self.planner = StepPlanner(spec, max_batch, self.costs, trial_tokens) if drafter is not None and spec.adaptive else None
+        self._routing: list[tuple[Routing, list[int]]] = []  # decisions for the replica (take_routing)
         if drafter is not None:
             self.check_drafter(drafter)
         speculative = None
         if drafter is not None:
             speculative = {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": spec.k}
+            if self.planner is not None:  # a batch-size schedule, rewritten before every step (StepPlanner)
+                speculative.update(num_speculative_tokens=spec.k_max, num_speculative_tokens_per_batch_size=[(1, max_batch, spec.k)])
         args = EngineArgs(
             model=str(target_dir), tokenizer=str(target_dir), dtype=str(target.dtype).removeprefix("torch."), seed=seed,
             max_model_len=self.window, max_num_seqs=max_batch, enforce_eager=vcfg.enforce_eager,
@@ -113,11 +141,53 @@ class VllmEngine:
             disable_log_stats=True, max_logprobs=MAX_LOGPROBS,
         )
         t0 = time.perf_counter()
+        if not vcfg.enforce_eager:
+            log.warning("vLLM compiles the target%s (the first start on this machine takes minutes; the compiled code is "
+                        "kept in %s for the next starts)", " and the drafter" if drafter is not None else "", compile_cache_dir())
         self.llm = LLMEngine.from_engine_args(args)
         self.llm.collective_rpc("dvi_capture", args=(max(self.topk, MAX_LOGPROBS),))
-        log.info("vLLM %s engine up in %.1f s (target %s, drafter %s, K=%d)", vllm.__version__, time.perf_counter() - t0,
-                 target_dir, drafter_dir, spec.k)
+        self._lookup = self._schedule_lookup() if self.planner is not None else None
+        self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.awake)
+        log.warning("vLLM %s engine up in %.1f s (%s, %s; target %s, drafter %s, %s)", vllm.__version__, time.perf_counter() - t0,
+                    args.dtype, "eager" if vcfg.enforce_eager else "compiled", target_dir, drafter_dir,
+                    "K planned per step" if self.planner is not None else f"K={spec.k}")
         self.params = vllm.SamplingParams  # how requests are described to vLLM
+
+    def _schedule_lookup(self) -> list[int]:
+        """vLLM's batch size -> K lookup (its scheduler reads it at every step; dvi rewrites it in place)."""
+        lookup = getattr(getattr(getattr(self.llm.engine_core, "engine_core", None), "scheduler", None), "dynamic_sd_lookup", None)
+        if not isinstance(lookup, list) or len(lookup) != self.max_batch + 1:
+            raise DviError(f"vLLM {VLLM_VERSION}'s scheduler has no batch-size schedule where dvi reads it; "
+                           "set serve.spec.adaptive=false to draft a fixed K")
+        return lookup
+
+    def take_routing(self) -> list[tuple[Routing, list[int]]]:
+        """The speculation routing decisions since the last call, each with the K per batch size it left."""
+        with self._lock:
+            out, self._routing = self._routing, []
+        return out
+
+    def _plan_step(self, rows: list[_Row]) -> None:
+        """Before a step of these requests: vLLM's schedule from the planner (see the module docstring); asleep, the
+        worker skips the drafter's pass at K = 0, and the requests of the step lose their whole drafter cache."""
+        lookup, changes = self.planner.schedule(len(rows), sum(r.whole for r in rows))
+        self._lookup[:] = lookup
+        if self.planner.awake == self._asleep:
+            self._asleep = not self.planner.awake
+            self.llm.collective_rpc("dvi_sleep", args=(self._asleep,))
+        if self._asleep:
+            for r in rows:
+                r.whole = False
+        if changes:
+            with self._lock:
+                self._routing.extend((c, list(self.planner.planned)) for c in changes)
+
+    def _observe_step(self, s: dict, step_s: float) -> None:
+        """A captured step's costs into the cost table (not a step that prefilled: it is no steady step's cost)."""
+        meta = s["meta"]
+        if not meta or meta["tokens"] != meta["requests"] + meta["verify_tokens"]:
+            return
+        self.costs.observe_step(meta["requests"], max(s["num_draft"], default=0), meta["proposed_k"], step_s, meta["propose_s"])
 
     # -- drafter pointer ----------------------------------------------------------------------
 
@@ -166,6 +236,11 @@ class VllmEngine:
             self._load(self._loaded)  # the draft model may hold part of the new weights
             return
         self._loaded = want
+        if self.planner is not None:
+            self.planner.reset()
+        if self._batch is not None:  # the requests in flight hold the previous weights' draft KV cache
+            for r in self._batch.rows.values():
+                r.whole = False
         log.info("drafter %s loaded into vLLM's draft model in %.2f s", want.version, seconds)
 
     def _load(self, drafter: Drafter) -> float:
@@ -242,6 +317,7 @@ class _Row:
     logprobs: list = field(default_factory=list)  # the rounds' LogProbs, one per emitted token, in order
     versions: list[str] = field(default_factory=list)
     cancelled: str = ""
+    whole: bool = True  # its draft KV cache covers every token, computed by the weights drafting now (acceptance counts)
 
     def result(self, finish: str) -> Result:
         rounds = [r for r in self.rounds if r.position < len(self.out)]  # vLLM clips a step at a stop or the length limit
@@ -304,9 +380,16 @@ class VllmDecoding:
             raise DviError("decoding was aborted: the server is shutting down")
         e._load_pending()
         drafted_by = e._drafted_by
+        if e.planner is not None:
+            e._plan_step(list(self.rows.values()))
+        t0 = time.perf_counter()
         outputs = e.llm.step()
-        for captured in e.llm.collective_rpc("dvi_take")[0]:
+        steps = e.llm.collective_rpc("dvi_take")[0]
+        step_s = time.perf_counter() - t0  # the capture's log-probs count: they grow with K too
+        for captured in steps:
             self._rounds(captured, drafted_by)
+        if e.planner is not None and len(steps) == 1:
+            e._observe_step(steps[0], step_s)
         e._drafted_by = e._loaded.version if e._loaded is not None else None  # the drafts of the next step
         by_request = {r.req.request_id: r for r in self.rows.values()}
         finished = []
@@ -343,6 +426,11 @@ class VllmDecoding:
             if version and (not row.versions or row.versions[-1] != version):
                 row.versions.append(version)
             n = len(tokens) - 1
+            planner = self.engine.planner
+            if planner is not None and k and self.engine._loaded is not None and version == self.engine._loaded.version:
+                planner.drafted(k)
+                if row.whole:
+                    planner.observe(k, n)
             top_ids = s["top_ids"][rows] if s["top_ids"] is not None else None
             top_lps = s["top_logprobs"][rows] if s["top_logprobs"] is not None else None
             logprobs = None

@@ -10,6 +10,12 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
   that is not the last, whose token vLLM discards, is all -1 here), and, from the logits the
   sampler verifies with (the target's, before any temperature or top-p), the `topk` most likely ids with their
   log-probs at every drafted and bonus position, and the log-prob of each emitted token;
+- it also times each step's parts for the cost table that decides where drafting pays (`dvi.engine.StepPlanner`):
+  wrapping the runner's `execute_model` (what the step scheduled: requests, tokens, drafts to verify, the K to
+  propose, `SchedulerOutput.num_spec_tokens_to_schedule`) and `propose_draft_token_ids` (the seconds the drafter took);
+- `dvi_sleep(flag)`: while set, a step that proposes no drafts skips the drafter's pass over its new tokens (vLLM
+  runs it at K = 0 to keep the draft model's KV cache whole; it costs several percent of a step); the requests then
+  in flight draft from a cache with holes when drafting comes back, which costs acceptance, never correctness;
 - `dvi_take()` hands over the steps kept since the last call (CPU tensors and lists). The log-probs are computed on
   a thread of the extension's own from a copy of the logits, beside vLLM's next work (the drafts of the next step),
   so that a step waits only for the copy;
@@ -37,7 +43,9 @@ class DviWorkerExtension:
         if getattr(runner, "_dvi_sample", None) is not None:
             return False
         original = runner._sample
+        execute, propose = runner.execute_model, runner.propose_draft_token_ids
         self._dvi_steps: list[concurrent.futures.Future] = []
+        self._dvi_meta: dict = {}
         # the log-probs are computed beside vLLM's next work (proposing the next drafts), not in its way: a copy of the
         # logits is taken before the sampler (which may scale them in place), the rest runs on this thread
         self._dvi_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dvi-capture")
@@ -57,12 +65,47 @@ class DviWorkerExtension:
             # a chunk of a prefill that is not finished samples a token that vLLM then throws away: none emitted
             discard = torch.from_numpy(runner.discard_request_mask.np[:n].copy()).to(sampled.device)
             sampled[discard] = -1
-            self._dvi_steps.append(self._dvi_pool.submit(_step, verified, sampled, req_ids, drafts, drafted, topk))
+            self._dvi_steps.append(self._dvi_pool.submit(_step, verified, sampled, req_ids, drafts, drafted, topk, self._dvi_meta))
             return out
 
+        def execute_model(scheduler_output, *args, **kwargs):
+            # a dict per step, read by the step's capture; propose_draft_token_ids adds its seconds to it
+            self._dvi_meta = {"requests": len(scheduler_output.num_scheduled_tokens),
+                              "tokens": scheduler_output.total_num_scheduled_tokens,
+                              "verify_tokens": sum(len(v) for v in scheduler_output.scheduled_spec_decode_tokens.values()),
+                              "proposed_k": scheduler_output.num_spec_tokens_to_schedule, "propose_s": 0.0}
+            return execute(scheduler_output, *args, **kwargs)
+
+        def propose_draft_token_ids(*args, **kwargs):
+            t0 = time.perf_counter()
+            drafts = propose(*args, **kwargs)
+            if isinstance(drafts, torch.Tensor) and drafts.is_cuda:
+                torch.cuda.synchronize(drafts.device)  # kernels run asynchronously: time them, not their launch
+            self._dvi_meta["propose_s"] += time.perf_counter() - t0
+            return drafts
+
+        self._dvi_asleep = False
+        proposer = getattr(runner, "drafter", None)
+        if proposer is not None and hasattr(proposer, "propose"):
+            propose_drafts = proposer.propose
+
+            def skip_or_propose(*args, num_speculative_tokens, **kwargs):
+                if self._dvi_asleep and num_speculative_tokens == 0:  # what the proposer returns at K = 0, without its pass
+                    proposer.num_speculative_tokens, proposer._last_draft_probs = 0, None
+                    nxt = kwargs["next_token_ids"]
+                    return torch.empty(nxt.shape[0], 0, dtype=torch.int64, device=nxt.device)
+                return propose_drafts(*args, num_speculative_tokens=num_speculative_tokens, **kwargs)
+
+            proposer.propose = skip_or_propose
         runner._dvi_sample = _sample
         runner._sample = _sample
+        runner.execute_model = execute_model
+        runner.propose_draft_token_ids = propose_draft_token_ids
         return True
+
+    def dvi_sleep(self, asleep: bool) -> None:
+        """Skip the drafter's pass at K = 0 (True) or run it again (False); see the module docstring."""
+        self._dvi_asleep = bool(asleep)
 
     def dvi_take(self) -> list[dict]:
         """The steps kept since the last call, oldest first (waiting for the last one's log-probs)."""
@@ -89,8 +132,10 @@ class DviWorkerExtension:
         return time.perf_counter() - t0
 
 
-def _step(verified: torch.Tensor, sampled: torch.Tensor, req_ids: list[str], drafts: list[int], drafted: list[int], topk: int) -> dict:
-    """One captured step: the top-k log-probs at every verified row and the log-prob of each emitted token."""
+def _step(verified: torch.Tensor, sampled: torch.Tensor, req_ids: list[str], drafts: list[int], drafted: list[int], topk: int,
+          meta: dict) -> dict:
+    """One captured step: the top-k log-probs at every verified row and the log-prob of each emitted token; `meta`,
+    what the step scheduled and the proposer's seconds (filled in after the sampler, read once the step is over)."""
     log_p = torch.log_softmax(verified, -1)
     top = log_p.topk(topk, -1) if topk else None
     width = torch.tensor([k + 1 for k in drafts])
@@ -105,4 +150,5 @@ def _step(verified: torch.Tensor, sampled: torch.Tensor, req_ids: list[str], dra
         "chosen": log_p[rows, emitted.to(log_p.device)].cpu(),  # [B, J]
         "top_ids": top.indices.cpu() if top is not None else None,  # [sum(k + 1), topk]
         "top_logprobs": top.values.cpu() if top is not None else None,
+        "meta": meta,
     }

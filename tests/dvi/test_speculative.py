@@ -7,6 +7,7 @@ statistically: whatever the drafter proposes, the emitted tokens must follow the
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from dvi.speculative import (
     expand_draft_probs,
     expected_acceptance,
     expected_tokens_per_round,
+    position_acceptance,
     ideal_speedup,
     linear_verify_costs,
     logits_to_probs,
@@ -425,6 +427,30 @@ def test_expected_tokens_per_round():
             series = sum(a**i for i in range(k + 1))  # 1 + a + ... + a^k
             assert expected_tokens_per_round(a, k) == pytest.approx(series)
     assert expected_tokens_per_round(0.7, 3) < expected_tokens_per_round(0.7, 4) < expected_tokens_per_round(0.8, 4)
+
+
+def test_expected_tokens_per_round_by_position_matches_the_rounds_it_describes():
+    rng = random.Random(3)
+    for _ in range(20):
+        rates = [rng.random() for _ in range(rng.randint(1, 5))]
+        for k in range(0, 7):
+            # plain reference: sum over every outcome (accepted n of k) of its probability times its n + 1 tokens
+            expected = 0.0
+            for n in range(k + 1):
+                p = math.prod(rates[min(i, len(rates) - 1)] for i in range(n))
+                if n < k:
+                    p *= 1 - rates[min(n, len(rates) - 1)]
+                expected += p * (n + 1)
+            assert expected_tokens_per_round(rates, k) == pytest.approx(expected)
+        assert expected_tokens_per_round([rates[0]], 4) == pytest.approx(expected_tokens_per_round(rates[0], 4))
+
+
+def test_position_acceptance_is_each_positions_rate_shrunk_to_the_one_before():
+    assert position_acceptance([], [], 0.5, 4.0) == []
+    a = position_acceptance([50.0, 45.0, 0.0], [100.0, 50.0, 0.0], 0.5, 4.0)
+    assert a[0] == pytest.approx(52 / 104)
+    assert a[1] == pytest.approx((45 + 4 * a[0]) / 54)
+    assert a[2] == pytest.approx(a[1])  # never tested: its neighbour's rate
 
 
 def test_ideal_speedup():

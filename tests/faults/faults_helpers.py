@@ -23,14 +23,27 @@ def stream_overrides(stream_cfg) -> list[str]:
             f"stream.dlq_topic={stream_cfg.dlq_topic}", f"stream.control_topic={stream_cfg.control_topic}"]
 
 
+# the serving engines a scenario runs on: vLLM (the default, eager here: compiling takes minutes on 2 cores, and
+# tests/dvi/cli/test_up.py runs the compiled default end to end) and dvi's own
+ENGINES = ("vllm", "dvi")
+
+
+def engine_overrides(engine: str) -> list[str]:
+    if engine == "vllm":
+        return ["serve.engine=vllm", "serve.vllm.enforce_eager=true", "serve.vllm.cpu_kv_cache_gb=1"]
+    return [f"serve.engine={engine}"]
+
+
 class Serve:
-    """A `dvi serve` process on a free port, waited on until /health answers."""
+    """A `dvi serve` process on a free port, on `engine` (see ENGINES), waited on until /health answers."""
 
     def __init__(self, log_dir: Path, *overrides: str, name: str = "serve", no_draft: bool = False, ready_s: float = 240,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, engine: str = "vllm"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "dvi.cli", "serve", *(["--no-draft"] if no_draft else []), f"serve.port={self.port}", *overrides]
+        self.engine = engine
+        cmd = [sys.executable, "-m", "dvi.cli", "serve", *(["--no-draft"] if no_draft else []), f"serve.port={self.port}",
+               *engine_overrides(engine), *overrides]
         self.child: Child = spawn(name, cmd, log_path=log_dir / f"{name}.log", env=clean_env(**(env or {})))
         wait_ready(self.child, lambda: http_ok(self.url + "/health"), ready_s, f"dvi serve ({name})", interval_s=0.25)
 

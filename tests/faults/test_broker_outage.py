@@ -20,7 +20,7 @@ import pytest
 import requests
 from broker_fixtures import stream_config
 from child_env import clean_env
-from faults_helpers import Serve, stream_overrides, wait_until
+from faults_helpers import ENGINES, Serve, stream_overrides, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model]
 
@@ -28,7 +28,8 @@ WINDOW_S = 20.0
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time,", "import numpy as np\n"]
 
 
-def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_records(demo_target_dir, tiny_dirs, tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_records(demo_target_dir, tiny_dirs, tmp_path, engine):
     from dvi.procs import free_port, spawn
     from streams.broker import EmbeddedBroker
     from streams.consumer import DecisionConsumer
@@ -38,7 +39,7 @@ def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_record
     scfg = stream_config(broker.bootstrap)
     ensure_topics(scfg)
     common = [*stream_overrides(scfg), "tracking.enabled=false", f"trainer.store={tmp_path / 'store'}"]
-    serve = Serve(tmp_path, *common, "serve.spec.adaptive=false", "serve.spec.k=3", "serve.max_batch=2")
+    serve = Serve(tmp_path, *common, "serve.spec.adaptive=false", "serve.spec.k=3", "serve.max_batch=2", engine=engine)
     train = spawn("train", [sys.executable, "-m", "dvi.cli", "-v", "train", *common, f"model.target={tiny_dirs[0]}",
                             f"model.drafter={tiny_dirs[1]}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.batch_tokens=32",
                             "trainer.log_every=1", "trainer.checkpoint_every=5", "trainer.gate_every=100000",

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from broker_fixtures import stream_config
-from faults_helpers import Serve, stream_overrides
+from faults_helpers import ENGINES, Serve, stream_overrides
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model]
 
@@ -21,8 +21,8 @@ KEY = "abuse-test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def server(broker, demo_target_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=ENGINES)
+def server(broker, demo_target_dir, tmp_path_factory, request):
     from streams.topics import ensure_topics
 
     stream_cfg = stream_config(broker.bootstrap)
@@ -30,7 +30,7 @@ def server(broker, demo_target_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("abuse")
     s = Serve(tmp, *stream_overrides(stream_cfg), "serve.max_connections=24", "serve.max_queue=4", "serve.max_batch=2",
               "serve.max_max_tokens=256", "tracking.enabled=false", f"serve.swap.store={tmp / 'store'}",
-              env={"DVI_API_KEY": KEY})  # a secret: from the environment, never the command line
+              env={"DVI_API_KEY": KEY}, engine=request.param)  # a secret: from the environment, never the command line
     yield s
     assert s.stop() == 0  # it never crashed: a clean stop at the end
 

@@ -64,15 +64,16 @@ def test_soak_mixed_traffic_with_swaps_keeps_memory_flat_and_greedy_exact(broker
     scfg = stream_config(broker.bootstrap)
     ensure_topics(scfg)
     store = tmp_path / "store"
-    common = [*stream_overrides(scfg), "tracking.enabled=false", f"trainer.store={store}", "model.threads=1"]
+    common = [*stream_overrides(scfg), "tracking.enabled=false", f"trainer.store={store}", "model.threads=1", "model.dtype=float32"]
 
-    plain = Serve(tmp_path, *common, name="plain", no_draft=True)  # the reference: target-only, greedy
+    # dvi's engine: the exact fp32 reference, whose greedy answers equal target-only's bit for bit at any batch
+    plain = Serve(tmp_path, *common, name="plain", no_draft=True, engine="dvi")  # the reference: target-only, greedy
     try:
         expected = {p.text: answer(plain, p) for p in PROBES}
     finally:
         plain.stop()
 
-    serve = Serve(tmp_path, *common, "serve.max_batch=2", "serve.swap.window_tokens=96", "serve.swap.baseline_tokens=48")
+    serve = Serve(tmp_path, *common, "serve.max_batch=2", "serve.swap.window_tokens=96", "serve.swap.baseline_tokens=48", engine="dvi")
     train = spawn("train", [sys.executable, "-m", "dvi.cli", "-v", "train", *common, f"trainer.run_dir={tmp_path / 'run'}",
                             "trainer.batch_tokens=128", "trainer.replay_when_idle=true", "trainer.log_every=1",
                             "trainer.holdout_share=0.2", "trainer.gate_min_records=2", "trainer.gate_every=8",

@@ -574,6 +574,23 @@ def test_distill_offline_from_a_tail_file(stream_cfg, tiny_dirs, tiny_records, t
     assert sorted(rid for rid, _ in state["ledger"]) == sorted(r.record_id for r in tiny_records)
 
 
+def test_distill_replays_records_no_drafter_drafted_for(stream_cfg, tiny_dirs, tmp_path):
+    """Records of a replica whose drafting was off (no round drafted, no drafter version) carry the target's choices
+    alone: they are replayed like the newest records, so an offline run over them reaches its steps (it used to find
+    nothing to replay and wait for ever)."""
+    records = engine_records(tiny_dirs[0], None, n=8)
+    assert all(r.drafter_version is None for r in records)
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, min_gain=-1.0, gate_min_records=1, holdout_first=1)
+    distill = subprocess.run([sys.executable, "-m", "dvi.cli", "drafter", "distill", "--file", str(path), "--steps", "12",
+                              *train_overrides(cfg, stream_cfg, **{"trainer.min_gain": -1.0, "trainer.gate_min_records": 1,
+                                                                   "trainer.holdout_first": 1})],
+                             capture_output=True, text=True, timeout=300, env=clean_env())
+    assert distill.returncode == 0, distill.stdout[-2000:] + distill.stderr[-3000:]
+    assert distill.stdout.strip().splitlines()[-2].startswith("step 12:")  # 8 records of 24 positions, 64 a step: replayed
+
+
 def test_servers_verdicts_are_recorded_in_the_store_for_restarting_replicas(stream_cfg, tiny_dirs, tmp_path):
     """DrafterPromoted / DrafterRejected from the replicas become lines of <store>/VERDICTS (the trainer is the
     store's writer; replicas may mount it read-only); a version that is not in this store is ignored."""

@@ -23,7 +23,8 @@ def dvi(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_generate_json_greedy_matches_target_only():
-    spec = dvi("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "24", "serve.spec.k=3")
+    # fp32 whatever the CPU (model.dtype auto is bf16 where the CPU has it): the two must agree exactly
+    spec = dvi("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "24", "serve.spec.k=3", "model.dtype=float32")
     assert spec.returncode == 0, spec.stderr
     out = json.loads(spec.stdout)
     for key in ("text", "token_ids", "drafter_version", "stats"):
@@ -35,7 +36,7 @@ def test_generate_json_greedy_matches_target_only():
     assert out["stats"]["mean_accepted_length"] >= 1.0
     assert out["text"].strip()
 
-    plain = dvi("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "24", "--no-draft")
+    plain = dvi("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "24", "--no-draft", "model.dtype=float32")
     assert plain.returncode == 0, plain.stderr
     ref = json.loads(plain.stdout)
     assert ref["drafter_version"] is None and ref["stats"]["drafted"] == 0
@@ -188,6 +189,12 @@ def test_version_and_the_resolved_config_with_secrets_masked(tmp_path: Path):
     assert printed["stream"]["security"] == {"sasl_plain_username": "alice", "security_protocol": "SASL_SSL"}
     assert printed["tracking"]["uri"] == "http://***@mlflow:5000" and "hunter2" not in show.stdout
     assert printed["serve"]["spec"]["k"] == cfg.serve.spec.k and printed["model"]["drafter_layers"] == cfg.model.drafter_layers
+    # the auto settings as given, and what they settle to on this machine, with the reason
+    from dvi.hardware import pick_dtype, pick_engine
+
+    assert printed["serve"]["engine"] == "auto" and printed["model"]["dtype"] == "auto"
+    assert f"# on this machine: serve.engine -> {pick_engine('auto')}" in show.stdout
+    assert f"# on this machine: model.dtype -> {pick_dtype('auto', 'cpu')} on cpu" in show.stdout
     refused = dvi("config", "show", "serve.api_key=s3cret-key-1")
     one_line_error(refused, "serve.api_key")
 

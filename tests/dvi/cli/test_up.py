@@ -155,6 +155,7 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
         # a gate every 15 s that any gain passes: the defaults (60 s, a gain of 0.02) publish within minutes
         # (benchmarks/first_publish.py measures them); this test is about the publish, the swap and what says so
         "trainer.gate_every_s=15", "trainer.min_gain=0",
+        "serve.vllm.enforce_eager=true",  # the default engine, uncompiled: the test above starts it compiled
     ]  # fmt: skip
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):  # the stack makes its own MLflow login
         monkeypatch.delenv(name, raising=False)

@@ -3,7 +3,8 @@ and model store. Greedy answers equal the target's own; the records on the topic
 statistics and train like the native engine's; a published drafter is swapped in between engine steps and
 acceptance follows it; a worse one is rolled back; an unreachable broker never holds a request up.
 
-Each test starts its own vLLM engine (about 15 s on 2 cores).
+Each test starts its own vLLM engine, eager (about 15 s on 2 cores) but for the compiled one, which runs as `dvi serve`
+does by default (minutes on 2 cores the first time, then torch inductor's cache under <cache>/compile).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import psutil
 
 import pytest
-from replica_fixtures import Running, publish_noisy, service_config
+from replica_fixtures import Running, publish_noisy, scrape, service_config
 
 from dvi.config import SpecConfig, SwapConfig, VllmConfig
 from dvi.control import DrafterPublished
@@ -40,8 +41,8 @@ N_TOKENS = 40
 LONG = [[(7 * j + 13 * i) % 40000 + 100 for j in range(1500)] for i in range(2)]
 
 
-def vllm_config(stream_cfg, target: Path, drafter: Path, store_root: Path, **serve):
-    serve = {"engine": "vllm", "spec": SpecConfig(k=4, adaptive=False), "vllm": VllmConfig(cpu_kv_cache_gb=1), **serve}
+def vllm_config(stream_cfg, target: Path, drafter: Path, store_root: Path, eager: bool = True, **serve):
+    serve = {"engine": "vllm", "spec": SpecConfig(k=4, adaptive=False), "vllm": VllmConfig(cpu_kv_cache_gb=1, enforce_eager=eager), **serve}
     return service_config(stream_cfg, (target, drafter), store_root, **serve)
 
 
@@ -124,14 +125,16 @@ def wait_until(cond, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_published_drafter_is_swapped_in_between_steps_and_a_worse_one_rolled_back(stream_cfg, demo_target_dir, tmp_path):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_a_published_drafter_is_swapped_in_between_steps_and_a_worse_one_rolled_back(stream_cfg, demo_target_dir, tmp_path, eager):
     """Drafters are noisy copies of the target: the one serving at start (noise 0.3), a better one (0.02), an
-    unrelated one (noise 10). Acceptance follows each swap; the unrelated one is judged on live traffic and rolled back."""
+    unrelated one (noise 10). Acceptance follows each swap; the unrelated one is judged on live traffic and rolled back.
+    Compiled (the default), the new weights must reach the compiled draft model as they reach the eager one."""
     store_root = tmp_path / "store"
     start = publish_noisy(tmp_path / "configured", demo_target_dir, "d0000", noise=0.3, seed=0)
     good = publish_noisy(store_root, demo_target_dir, "d0001", noise=0.02, seed=1)
     bad = publish_noisy(store_root, demo_target_dir, "d0002", noise=10.0, seed=2)
-    cfg = vllm_config(stream_cfg, demo_target_dir, start.path, store_root, max_batch=4,
+    cfg = vllm_config(stream_cfg, demo_target_dir, start.path, store_root, eager=eager, max_batch=4,
                       swap=SwapConfig(store=str(store_root), initial="none", window_tokens=96, baseline_tokens=48, rollback_margin=0.05))
     service = vllm_replica(cfg, control=ControlChannel(cfg.stream, client_id="test-vllm-replica")).start()
     try:
@@ -198,7 +201,7 @@ def test_an_unreachable_broker_never_holds_a_request_up(stream_config, demo_targ
     producer.submit = timed
     gc.collect()
     rss_before = psutil.Process().memory_info().rss
-    service = vllm_replica(replace(cfg, serve=replace(cfg.serve, vllm=VllmConfig(cpu_kv_cache_gb=2))), producer=producer).start()
+    service = vllm_replica(replace(cfg, serve=replace(cfg.serve, vllm=VllmConfig(cpu_kv_cache_gb=2, enforce_eager=True))), producer=producer).start()
     try:
         results = [j.future.result(300) for j in [service.submit(Request(p, max_new_tokens=N_TOKENS)) for p in PROMPTS]]
     finally:
@@ -211,3 +214,48 @@ def test_an_unreachable_broker_never_holds_a_request_up(stream_config, demo_targ
     assert all(len(r.token_ids) == N_TOKENS or r.finish_reason == "stop" for r in results)
     assert len(submit_s) >= len(PROMPTS) and max(submit_s) < 0.05, max(submit_s)  # submit never waits on the broker
     assert producer.stats.sent == 0 and producer.stats.dropped > 0
+
+
+def test_drafting_goes_off_where_it_cannot_pay_and_the_records_keep_coming(stream_cfg, demo_target_dir, tmp_path, caplog):
+    """An unrelated drafter (noise 10: its drafts are never accepted) under the default planning (serve.spec.adaptive):
+    vLLM soon drafts nothing at any batch size, says so (a decision line, the routing counter, /metrics), probes now
+    and then, puts the drafter's pass to sleep (the draft model's cache is not kept up while nothing is drafted), and
+    every request still leaves records carrying the target's choices and top-k, which the trainer takes. The answers
+    stay the target's."""
+    bad = publish_noisy(tmp_path / "configured", demo_target_dir, "d0000", noise=10.0, seed=2)
+    cfg = vllm_config(stream_cfg, demo_target_dir, bad.path, tmp_path / "store", spec=SpecConfig(k=4, probe_every=8))
+    producer = DecisionProducer(cfg.stream)
+    running = Running(vllm_replica(cfg, producer=producer))
+    caplog.set_level("INFO", logger="dvi.decision.serve")
+    try:
+        service = running.service
+        results = []
+        for _ in range(2):
+            results += [j.future.result(300) for j in [service.submit(Request(p, max_new_tokens=N_TOKENS)) for p in PROMPTS]]
+        metrics = scrape(running.url)
+        assert producer.flush(15)
+    finally:
+        running.close()
+
+    assert [r.token_ids for r in results] == target_greedy(demo_target_dir, PROMPTS, N_TOKENS) * 2
+    rounds = [x for r in results for x in r.rounds]
+    plain, drafting = [x for x in rounds if x.k == 0], [x for x in rounds if x.k]
+    assert len(plain) > 4 * len(drafting) > 0  # off, but for its first step and the probes
+    assert service.metrics.routing["off"] >= 1 and service.metrics.routing["probe"] >= 1
+    assert service.metrics.routing["sleep"] >= 1  # off everywhere: the drafter's pass at K = 0 is skipped too
+    assert service.metrics.schedule == [0] * 5  # max_batch 4: K = 0 at every batch size
+    assert metrics[("dvi_spec_routing_total", ("decision", "off"), ("model_name", service.model_name))] >= 1
+    assert metrics[("dvi_spec_k", ("batch_size", "1"), ("model_name", service.model_name))] == 0
+    assert any(r.message.startswith("drafting off at batch size 1") and "predicted speedup" in r.message for r in caplog.records)
+
+    by_id = {r.request_id: r for r in results}
+    with DecisionConsumer(cfg.stream, group_id=None, vocab_size=service.engine.vocab_size) as consumer:
+        got = consumer.poll_until(len(results), timeout_s=20)
+    records = [d.record for d in got if d.record.request_id in by_id]
+    assert {rec.request_id for rec in records} == set(by_id) and consumer.stats.invalid == 0
+    logged = [x for rec in records for x in rec.rounds]
+    assert sum(x.k == 0 for x in logged) > 4 * sum(x.k > 0 for x in logged)  # rounds that drafted nothing are logged too
+    for rec in records:  # and the trainer learns from every position: the target's token and top-k at each
+        ex = example_from_record(rec, max_seq_len=512)
+        assert ex.positions == len(rec.generated_ids) and ex.topk_ids is not None
+        assert ex.drafted_total == sum(x.k for x in rec.rounds) < ex.positions

@@ -1,0 +1,214 @@
+"""Speculation only where it pays: the engine-wide K schedule (`dvi.engine.StepPlanner`), the step costs it plans with
+(`CostTable.observe_step`), the per-request routing of dvi's engine, and what `auto` settles to (`dvi.hardware`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dvi import hardware
+from dvi.config import SpecConfig
+from dvi.engine import CostTable, StepPlanner, _KController
+from dvi.speculative import expected_tokens_per_round, ideal_speedup
+
+SPEC = SpecConfig(k=4, k_min=1, k_max=6, probe_every=8, min_speedup=1.0)
+
+
+def measured_costs(step_s: float = 0.1, draft_s: float = 0.02, slope: float = 0.05, batches=(1, 8)) -> CostTable:
+    """A cost table as vLLM's steps fill it: K = 0 steps (with a proposer pass of 5 ms), then steps at every K."""
+    costs = CostTable(SPEC)
+    for b in batches:
+        for _ in range(3):
+            costs.observe_step(b, 0, 0, step_s + 0.005, 0.005)
+        for k in range(1, SPEC.k_max + 1):
+            costs.observe_step(b, k, k, step_s * (1 + slope * k) + 0.005 + k * draft_s, 0.005 + k * draft_s)
+    return costs
+
+
+def test_a_step_splits_into_verify_and_draft_costs_around_the_proposer_pass_every_step_pays():
+    costs = CostTable(SPEC)
+    costs.observe_step(1, 0, 0, step_s=0.105, propose_s=0.005)  # drafting nothing: the proposer's pass is part of a step
+    assert costs.propose0[1] == pytest.approx(0.005) and costs.verify[(1, 0)] == pytest.approx(0.105)
+    costs.observe_step(1, 3, 3, step_s=0.2, propose_s=0.065)  # verified 3, proposed 3 drafts for 60 ms beyond the pass
+    assert costs.verify[(1, 3)] == pytest.approx(0.2 - 0.065 + 0.005)
+    assert costs.draft[1] == pytest.approx(0.02)
+    c, v = costs.plan(1)
+    assert c == pytest.approx(0.02 / 0.105) and v[3] == pytest.approx(0.14 / 0.105) and v[0] == 1.0
+
+
+def test_a_fresh_drafter_drafts_k_until_its_rounds_are_seen():
+    planner = StepPlanner(SPEC, 8, CostTable(SPEC))
+    lookup, changes = planner.schedule(1)
+    assert lookup == [0] + [SPEC.k] * 8 and changes == []
+
+
+def test_drafting_goes_off_where_it_cannot_pay_measures_again_then_puts_the_drafters_pass_to_sleep():
+    planner = StepPlanner(SPEC, 8, measured_costs())
+    for _ in range(300):  # a drafter the target never agrees with
+        planner.observe(4, 0)
+    lookup, changes = planner.schedule(1)
+    assert lookup == [0] * 9
+    # off at every batch size, and measured well enough: the drafter's pass is put to sleep at once
+    assert [(c.decision, c.batch, c.k) for c in changes] == [("off", b, 0) for b in range(1, 9)] + [("sleep", 1, 0)]
+    assert "<= 1.00" in changes[0].why and "measured" in changes[0].why
+    assert not planner.awake and planner.sleep_left == StepPlanner.SLEEP_STEPS
+    asleep = [planner.schedule(1) for _ in range(StepPlanner.SLEEP_STEPS - 1)]
+    assert all(lookup == [0] * 9 and not changes for lookup, changes in asleep) and not planner.awake
+    lookup, changes = planner.schedule(1)
+    assert planner.awake and changes[0].decision == "wake" and planner.measured_awake == 0
+    # awake again, off everywhere: probes at K = serve.spec.k, FAST_PROBES times as often (here every step), until
+    # WAKE_TOKENS are measured
+    probes = [lookup] if lookup[1] else []
+    planner.observe(lookup[1], 0)
+    while planner.awake:
+        lookup, changes = planner.schedule(1)
+        if lookup[1]:
+            assert lookup == [0] + [SPEC.k] * 8 and changes[-1].decision == "probe"
+            probes.append(lookup)
+            planner.observe(SPEC.k, 0)  # the probe's round, on a request with a whole drafter cache
+    assert len(probes) * SPEC.k >= StepPlanner.WAKE_TOKENS > (len(probes) - 1) * SPEC.k
+    assert changes[-1].decision == "sleep"
+    spec = SpecConfig(k=4, k_min=1, k_max=6, probe_every=32)
+    planner = StepPlanner(spec, 8, measured_costs())
+    for _ in range(5):
+        planner.observe(4, 0)
+    assert planner.schedule(1)[0] == [0] * 9 and planner.awake  # 20 tokens measured: awake, measuring
+    assert not any(planner.schedule(1, whole=0)[0][1] for _ in range(16))  # no request with a whole cache: no probe
+    assert any(planner.schedule(1)[0][1] for _ in range(spec.probe_every // StepPlanner.FAST_PROBES))
+
+
+def test_where_drafting_pays_at_other_batch_sizes_a_probe_drafts_the_cheapest_k_now_and_then():
+    costs = CostTable(SPEC)
+    for _ in range(3):
+        costs.observe_step(1, 0, 0, 0.1, 0.0)
+        costs.observe_step(8, 0, 0, 0.1, 0.0)
+    for k in range(1, SPEC.k_max + 1):
+        costs.observe_step(1, k, k, 0.1 + k * 0.002, k * 0.002)  # drafting is nearly free at batch 1 ...
+        costs.observe_step(8, k, k, 0.1 + k * 0.1, k * 0.08)  # ... and dear at batch 8
+    planner = StepPlanner(SPEC, 8, costs)
+    for _ in range(300):
+        planner.observe(4, 1)
+    lookup, _ = planner.schedule(8)
+    assert lookup[1] > 0 and lookup[8] == 0
+    seen = [planner.schedule(8) for _ in range(2 * SPEC.probe_every)]
+    probes = [(lookup, changes) for lookup, changes in seen if lookup[8]]
+    assert len(probes) == 2 and planner.awake  # drafting pays somewhere: the pass stays awake
+    c, v = costs.plan(8)
+    cheapest = min(range(1, SPEC.k_max + 1), key=lambda k: k * c + v[k])
+    assert probes[0][0] == [0] + [cheapest] * 8 and probes[0][1][-1].decision == "probe"
+    assert planner.planned[8] == 0  # what is planned, the probe aside
+
+
+def test_a_drafter_the_target_agrees_with_drafts_the_k_with_the_best_predicted_speedup():
+    costs = measured_costs()
+    planner = StepPlanner(SPEC, 8, costs)
+    for _ in range(300):
+        planner.observe(4, 4)
+    lookup, changes = planner.schedule(8)
+    a = planner.acceptance_by_position()
+    for b in (1, 8):
+        c, v = costs.plan(b)
+        best = max(range(1, SPEC.k_max + 1), key=lambda k: ideal_speedup(a, k, c, v[k]))
+        assert lookup[b] == best > 1
+    assert changes == []  # it was on already
+
+
+def test_a_bursty_drafter_is_planned_from_its_acceptance_at_each_position():
+    # half the rounds accept all 4 drafts, half none: one rate over all positions (4 of 5 tests pass) predicts 3.36
+    # tokens a round at K = 4 where the rounds give 3, and 1.8 at K = 1 where they would give 1.5; by position (0.5,
+    # then 1, 1, 1) the plan predicts what the rounds give
+    costs = CostTable(SpecConfig(cost_ratio=0.1, verify_slope=0.1, k_min=1, k_max=6, k=4))
+    planner = StepPlanner(SPEC, 1, costs)
+    for _ in range(200):
+        planner.observe(4, 4)
+        planner.observe(4, 0)
+    by_position = planner.acceptance_by_position()
+    assert by_position[0] == pytest.approx(0.5, abs=0.03) and all(a > 0.95 for a in by_position[1:4])
+    assert planner.acceptance() == pytest.approx(0.8, abs=0.01)
+    assert expected_tokens_per_round(by_position, 4) == pytest.approx(3.0, abs=0.1)  # decayed: the last round weighs most
+    assert expected_tokens_per_round(by_position, 1) == pytest.approx(1.5, abs=0.03)
+    assert expected_tokens_per_round(planner.acceptance(), 4) > 3.3 and expected_tokens_per_round(planner.acceptance(), 1) > 1.75
+    lookup, _ = planner.schedule(1)
+    assert lookup[1] == SPEC.k_max  # untested positions 5 and 6 take position 4's rate
+
+
+def test_drafting_that_went_off_comes_back_only_with_a_margin():
+    costs = CostTable(SpecConfig(cost_ratio=0.2, verify_slope=0.1, k_min=1, k_max=6, k=4))  # fixed costs: c 0.2, v 1 + 0.1 k
+    planner = StepPlanner(SPEC, 1, costs)
+    for _ in range(300):
+        planner.observe(1, 0)
+    assert planner.schedule(1)[0][1] == 0
+    # at a = 0.33, K = 1 predicts (1 + a) / (0.2 + 1.1) = 1.02: past 1.0 but not the 5% margin
+    planner.by_position = ([33.0] + [0.0] * 5, [100.0] + [0.0] * 5)
+    assert 1.0 < ideal_speedup(planner.acceptance_by_position(), 1, 0.2, 1.1) < 1.05
+    lookup, changes = planner.schedule(1)
+    assert lookup[1] in (0, SPEC.k) and not [c for c in changes if c.decision == "on"]  # off (or a probe at K)
+    assert planner.planned[1] == 0
+    planner.by_position = ([60.0] + [0.0] * 5, [100.0] + [0.0] * 5)
+    lookup, changes = planner.schedule(1)
+    assert lookup[1] > 0 and "on" in [c.decision for c in changes]
+
+
+def test_a_drafter_on_trial_is_probed_at_k_often_until_its_window_is_drafted():
+    spec = SpecConfig(k=4, k_min=1, k_max=6, probe_every=32)
+    planner = StepPlanner(spec, 8, measured_costs(), trial_tokens=200)
+    for _ in range(300):
+        planner.observe(4, 0)
+    planner.reset()  # a new drafter: on trial
+    assert planner.trials == 0 and planner.trial_left == 200
+    for _ in range(25):
+        planner.drafted(4)  # its first rounds: every one counts for the judge's window ...
+        planner.observe(4, 0)  # ... those with a whole cache for its acceptance too
+    assert planner.trial_left == 100 and planner.schedule(1)[0][1] == 0
+    every = spec.probe_every // StepPlanner.FAST_PROBES
+    probes = [lookup for lookup, changes in (planner.schedule(1, whole=0) for _ in range(4 * every)) if lookup[1]]
+    assert len(probes) == 4 and all(p[1] == spec.k for p in probes)  # on trial, probed with or without a whole cache
+    for _ in range(25):
+        planner.drafted(4)  # its window drafted: the trial is over
+    assert planner.trial_left == 0 and planner.awake
+
+
+def test_a_request_of_dvis_engine_routes_itself_and_says_so():
+    ctrl = _KController(SPEC)
+    costs = measured_costs()
+    c, v = costs.plan(1)
+    assert ctrl.next_k(0, c, v, True) == SPEC.k and ctrl.routed is None  # no round seen yet
+    for _ in range(40):
+        ctrl.observe(4, 0)
+    assert ctrl.next_k(10, c, v, True) == 0 and ctrl.routed.decision == "off"
+    assert ctrl.next_k(11, c, v, True) == 0 and ctrl.routed is None
+    assert ctrl.next_k(10 + SPEC.probe_every, c, v, True) > 0 and ctrl.routed.decision == "probe"
+    for _ in range(40):
+        ctrl.observe(4, 4)
+    assert ctrl.next_k(60, c, v, True) > 0 and ctrl.routed.decision == "on"
+
+
+def test_auto_dtype_is_bf16_only_where_the_hardware_has_it(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_bf16_flags", lambda: ())
+    assert hardware.pick_dtype("auto", "cpu").value == "float32"
+    assert "no native bf16" in hardware.pick_dtype("auto", "cpu").why
+    assert hardware.pick_dtype("auto", "cuda").value == "bfloat16"
+    assert hardware.pick_dtype("float16", "cpu") == hardware.Pick("float16", "model.dtype")
+    monkeypatch.setattr(hardware, "cpu_bf16_flags", lambda: ("amx_bf16",))
+    assert hardware.pick_dtype("auto", "cpu") == hardware.Pick("bfloat16", "auto: this CPU has native bf16 (amx_bf16)")
+
+
+def test_the_cpu_flags_are_read_from_the_first_flags_line(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    real = hardware.Path
+    monkeypatch.setattr(hardware, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real(p))
+    hardware.cpu_bf16_flags.cache_clear()
+    try:
+        assert hardware.cpu_bf16_flags() == ("avx512_bf16",)
+    finally:
+        hardware.cpu_bf16_flags.cache_clear()
+
+
+def test_auto_engine_is_vllm_only_at_the_release_dvi_reads(monkeypatch):
+    monkeypatch.setattr(hardware, "vllm_version", lambda: None)
+    assert hardware.pick_engine("auto").value == "dvi" and "not installed" in hardware.pick_engine("auto").why
+    monkeypatch.setattr(hardware, "vllm_version", lambda: "0.33.1")
+    assert hardware.pick_engine("auto").value == "dvi" and "0.33.1" in hardware.pick_engine("auto").why
+    monkeypatch.setattr(hardware, "vllm_version", lambda: hardware.VLLM_RELEASE + ".0")
+    assert hardware.pick_engine("auto").value == "vllm"
+    assert hardware.pick_engine("dvi") == hardware.Pick("dvi", "serve.engine")
