@@ -1,25 +1,32 @@
-"""Serving engines side by side: vLLM (plain, and under dvi's loop) against dvi's own engine, on the demo pair.
+"""`dvi serve` as a user starts it against plain vLLM's own OpenAI server at its best settings, through one client.
 
-One process, one run, the same chat prompts (bench_engine's), greedy, at batch 1 and batch 8 (the prompts repeated
-to fill it), every path run back to back in a rotating order within each block:
+Every server is a real process answering HTTP, measured with `benchmarks.load_client` (streamed completions, greedy,
+`ignore_eos`, a fixed output length) on the same chat prompts (the `qa` domain of `benchmarks.workloads`, through the
+target's chat template), at batch 1 (one client) and batch 8 (eight at once). One server runs at a time (two torch
+processes on a small machine slow each other several-fold), in a rotating order, `--rounds` times; each round's
+throughputs are divided by the peer's of the same round and the medians of those ratios are reported.
 
-- `dvi target-only`, `dvi + drafter`: dvi's engine (`dvi.engine.SpeculativeEngine.generate`), fixed K;
-- `vLLM target-only`, `vLLM + drafter`: vLLM's engine as vLLM users run it (an `LLMEngine` stepped until done, no
-  dvi code in it), the same drafter and K;
-- `vLLM + drafter + dvi loop`: a `dvi.serving.replica.Replica` with serve.engine=vllm: the same engine with dvi's
-  worker hooks reading every verification, requests through the replica's queue and decode thread, every
-  DecisionRecord built and sent to a real broker (the embedded one). Its cost against `vLLM + drafter` is what
-  the loop costs a vLLM user (the target: at most 3% of tokens/s).
+The servers:
 
-Per path and batch size: tokens/s (generated tokens / wall seconds of one block, median over blocks), the ratio to
-`vLLM + drafter` (median of per-block ratios), acceptance. Then the hot swap: a drafter is published into a store and
-announced on the control topic while the replica serves short requests; the seconds from the announcement to the
-end of the first request that a round of the new version drafted for (an upper bound on publish -> first token
-drafted by it), and whether any request failed meanwhile.
+- `vLLM` (the peer): `python -m vllm.entrypoints.openai.api_server`, target only, at its best settings on this machine:
+  compiled, the dtype `model.dtype: auto` picks (bf16 only where the CPU has native bf16), every core for the engine
+  (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`: the CPU build's default keeps one back for the API server, 0.7x here);
+- `vLLM, bfloat16` (or float32, where auto picks bf16): the other dtype. On a CPU without native bf16, bf16 is
+  emulated: it halves the bytes a step reads, which wins at batch 1, and costs compute, which loses at batch 8; the
+  table's `x best` column divides by the faster of the two at each batch size;
+- `vLLM + drafter K=k`, `vLLM + trained K=k`: the same with the demo drafter (untrained, then trained) drafting a
+  fixed K, as a vLLM user deploys a `draft_model` speculator;
+- `dvi serve`: `dvi serve` on its defaults (engine auto = vLLM, compiled, the dtype auto picks, K planned per step:
+  drafting only where it pays) with the untrained demo drafter, its DecisionRecords going to a real broker (the
+  embedded one) and its swap thread following the control topic; MLflow tracking off;
+- `dvi serve --no-draft`: the same, target only;
+- `dvi serve K=k`: fixed K (`serve.spec.adaptive=false`): against `vLLM + drafter K=k`, what dvi's loop costs;
+- `dvi serve, trained`: the defaults with the trained drafter;
+- `dvi serve, bfloat16` (or float32): the defaults in the other dtype.
 
-What it does not know: sampled decoding, prompts longer than a chat turn, the trainer (the drafter is the demo's,
-untrained: acceptance is its starting point, not what the loop reaches). vLLM's CPU build warns that speculative
-decoding without Intel OpenMP preloaded (LD_PRELOAD) is slow; this script runs as the suite does, without it.
+The trained drafter is the demo drafter distilled offline (`dvi drafter distill --steps`) on records of the target's
+own answers to the benchmark's prompts (its prompts: the acceptance it reaches there is what a loop trained on a
+steady workload reaches), built once into the output folder (`--trained DIR` reuses one).
 
 Run (from the checkout root): .venv/bin/python -m benchmarks.bench_vllm [--quick] [--json PATH]; see benchmarks/README.md.
 """
@@ -30,208 +37,252 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
+import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 
-import torch
-import transformers
+import requests
 
-from benchmarks.bench_engine import PROMPTS, chat_prompts
-from dvi import store
-from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, StreamConfig, SwapConfig, TrackingConfig, VllmConfig
-from dvi.control import DrafterPublished
+from benchmarks import load_client, workloads
 from dvi.engine import Request, SpeculativeEngine
-from dvi.models import default_cache_dir, end_ids, fetch_demo_target, load_causal_lm, load_drafter, load_tokenizer, resolve_pair
-from dvi.procs import free_port
-from dvi.serving.replica import Replica
-from dvi.serving.vllm_engine import import_vllm, set_vllm_env
+from dvi.hardware import pick_dtype, vllm_version
+from dvi.models import default_cache_dir, encode_chat, end_ids, load_causal_lm, load_tokenizer, pair_dirs
+from dvi.config import ModelConfig, SpecConfig
+from dvi.procs import Child, free_port, http_ok, spawn, wait_ready
+from dvi.records import records_from_result
+from dvi.serving.vllm_engine import compile_cache_dir
 from streams.broker import EmbeddedBroker
-from streams.control import ControlChannel
-from streams.control import send as control_send
-from streams.producer import DecisionProducer
-from streams.topics import ensure_topics
 
-K = 4
-BASELINE = "vLLM + drafter"
+ROOT = Path(__file__).resolve().parent.parent
+PEER = "vLLM"
+PLAIN = {PEER, "vLLM, bfloat16", "vLLM, float32"}  # plain vLLM, target only, at the settings measured in a run
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def plain_vllm(target_dir: Path, drafter_dir: Path | None, max_batch: int, max_len: int, kv_gb: float):
-    """vLLM's engine as its users run it: no dvi code in it."""
-    set_vllm_env(VllmConfig(cpu_kv_cache_gb=int(kv_gb)))
-    vllm = import_vllm()
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    spec = {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": K} if drafter_dir else None
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(target_dir), dtype="float32", enforce_eager=True, max_model_len=max_len,
-                                                   max_num_seqs=max_batch, enable_prefix_caching=False, speculative_config=spec,
-                                                   async_scheduling=False, disable_log_stats=True))
-
-    def run(prompts: list[list[int]], n: int, stop: list[int]) -> tuple[int, float | None]:
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=stop, detokenize=False)
-        for p in prompts:
-            engine.add_request(uuid.uuid4().hex, {"prompt_token_ids": p}, params)
-        tokens = 0
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    tokens += len(o.outputs[0].token_ids)
-        return tokens, None
-
-    return run
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The first `n` qa prompts of the live split, through the chat template, as token ids."""
+    return [encode_chat(tokenizer, [{"role": "user", "content": p.text}]) for p in workloads.prompts("qa", "live")[:n]]
 
 
-def dvi_native(engine: SpeculativeEngine):
-    def run(prompts: list[list[int]], n: int, stop: list[int]) -> tuple[int, float | None]:
-        results = engine.generate([Request(p, max_new_tokens=n) for p in prompts])
-        drafted = sum(r.stats.drafted for r in results)
-        return sum(len(r.token_ids) for r in results), (sum(r.stats.accepted for r in results) / drafted if drafted else None)
+def train_drafter(out: Path, target: Path, drafter: Path, prompts: list[list[int]], tokens: int, steps: int) -> Path:
+    """The demo drafter distilled offline on records of the target's greedy answers to `prompts`: the last version the
+    trainer published. The first record is held out for the trainer's gate (which publishes every candidate here,
+    min_gain -1), the rest are trained on."""
+    out.mkdir(parents=True, exist_ok=True)
+    records = out / "records.jsonl"
+    if not records.exists():
+        log(f"recording the target's answers to {len(prompts)} prompts ...")
+        model = load_causal_lm(target, "target")
+        engine = SpeculativeEngine(model, None, SpecConfig(), stop_ids=end_ids(model, load_tokenizer(target)), max_batch=8)
+        results = engine.generate([Request(p, max_new_tokens=tokens, ignore_eos=True) for p in prompts])
+        with open(records, "w") as f:
+            for r in results:
+                for rec in records_from_result(r, replica_id="bench", target_name=target.name, vocab_size=engine.vocab_size,
+                                               sampling=Request(r.prompt_ids), domain="qa", chunk_rounds=64, topk=8):
+                    f.write(json.dumps(rec.to_dict()) + "\n")
+    log(f"distilling the drafter for {steps} steps (minutes) ...")
+    cmd = [sys.executable, "-m", "dvi.cli", "drafter", "distill", "--file", str(records), "--steps", str(steps), "--json",
+           f"model.target={target}", f"model.drafter={drafter}", "tracking.enabled=false", f"trainer.store={out / 'store'}",
+           f"trainer.run_dir={out / 'run'}", "trainer.min_gain=-1", "trainer.gate_every=20", "trainer.gate_every_s=null",
+           "trainer.holdout_first=1", "trainer.holdout_share=0.001", "trainer.gate_min_records=1"]  # one record held out for the gate
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"distill failed: {done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not result["published_versions"]:
+        raise SystemExit(f"distill published nothing: {result}")
+    return Path(result["serving_dir"])
 
-    return run
+
+class Server:
+    """One server process under test: its command, environment and how to read its acceptance."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], model: str | None, kind: str):
+        self.name, self.cmd, self.env, self.model, self.kind = name, cmd, env, model, kind
+
+    def start(self, port: int, log_dir: Path) -> tuple[Child, str]:
+        url = f"http://127.0.0.1:{port}"
+        child = spawn(self.name, [*self.cmd, *(["--port", str(port)] if self.kind == "vllm" else [f"serve.port={port}"])],
+                      log_path=log_dir / f"{self.name.replace(' ', '_').replace('/', '_')}.log", env=self.env, cwd=ROOT)
+        wait_ready(child, lambda: http_ok(url + "/health"), 900, self.name, interval_s=1.0)
+        return child, url
+
+    def acceptance(self, url: str) -> dict:
+        """Accepted / drafted since the server started, and for dvi its routing decisions and schedule."""
+        if self.kind == "dvi":
+            h = requests.get(url + "/health", timeout=10).json()
+            drafted = sum(v["drafted"] for v in h["by_version"].values())
+            accepted = sum(v["accepted"] for v in h["by_version"].values())
+            return {"drafted": drafted, "accepted": accepted, "routing": h.get("routing"), "schedule": h.get("schedule"),
+                    "records": h.get("records")}
+        text = requests.get(url + "/metrics", timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            for key in ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"):
+                if line.startswith(key):
+                    values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        return {"drafted": int(values.get("vllm:spec_decode_num_draft_tokens_total", 0)),
+                "accepted": int(values.get("vllm:spec_decode_num_accepted_tokens_total", 0))}
 
 
-def dvi_loop(replica: Replica):
-    def run(prompts: list[list[int]], n: int, stop: list[int]) -> tuple[int, float | None]:
-        results = [j.future.result(600) for j in [replica.submit(Request(p, max_new_tokens=n)) for p in prompts]]
-        drafted = sum(r.stats.drafted for r in results)
-        return sum(len(r.token_ids) for r in results), (sum(r.stats.accepted for r in results) / drafted if drafted else None)
+def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, broker: str, name: str, store: Path,
+            only: set[str] | None) -> list[Server]:
+    cache = compile_cache_dir()
+    base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "VLLM_USE_AOT_COMPILE": "0"}
+    vllm_env = {**base, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    plain = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--dtype", dtype,
+             "--max-model-len", "2048", "--max-num-seqs", "8", "--disable-uvicorn-access-log"]
 
-    return run
+    def spec(path: Path) -> list[str]:
+        return ["--speculative-config", json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": k})]
+
+    dvi = [sys.executable, "-m", "dvi.cli", "serve", f"model.target={target}", "tracking.enabled=false",
+           f"stream.bootstrap_servers={broker}", f"stream.topic={name}.decisions", f"stream.dlq_topic={name}.dlq",
+           f"stream.control_topic={name}.control", f"serve.swap.store={store}", "serve.swap.initial=none", "serve.vllm.cpu_kv_cache_gb=2"]
+    other = "bfloat16" if dtype == "float32" else "float32"
+    plain_other = [*plain[:6], other, *plain[7:]]
+    out = [
+        Server(PEER, plain, vllm_env, str(target), "vllm"),
+        Server(f"vLLM, {other}", plain_other, vllm_env, str(target), "vllm"),
+        Server(f"vLLM + drafter K={k}", plain + spec(drafter), vllm_env, str(target), "vllm"),
+        Server(f"vLLM + trained K={k}", plain + spec(trained), vllm_env, str(target), "vllm"),
+        Server("dvi serve", dvi + [f"model.drafter={drafter}"], base, None, "dvi"),
+        Server("dvi serve --no-draft", dvi[:4] + ["--no-draft"] + dvi[4:], base, None, "dvi"),
+        Server(f"dvi serve K={k}", dvi + [f"model.drafter={drafter}", "serve.spec.adaptive=false", f"serve.spec.k={k}"], base, None, "dvi"),
+        Server("dvi serve, trained", dvi + [f"model.drafter={trained}"], base, None, "dvi"),
+        Server(f"dvi serve, {other}", dvi + [f"model.drafter={drafter}", f"model.dtype={other}"], base, None, "dvi"),
+    ]
+    return [s for s in out if only is None or s.name in only]
 
 
-def swap_latency(replica: Replica, cfg: DviConfig, drafter_dir: Path, prompts: list[list[int]]) -> dict:
-    """Publish a copy of the drafter as a new version, announce it, and serve until a round of it is seen. Seconds
-    from the start of the announcement: it acknowledged by the broker, the drafter checked, loaded and swapped in
-    (the engine's pointer), and the end of the first request one of its rounds drafted for."""
-    model = load_causal_lm(drafter_dir, "drafter")
-    version = f"d{int(time.time()) % 10**6:06d}"
-    published = store.publish(Path(cfg.serve.swap.store), version, model.state_dict(), drafter_dir, {"parent": "bench"})
-    marks: dict[str, float] = {}
+def peer_settings(target: Path, dtype: str) -> list[Server]:
+    """Plain vLLM (target only) at the settings a user could pick on a CPU, the peer's first: how the peer was chosen."""
+    cache = compile_cache_dir()
+    base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "VLLM_USE_AOT_COMPILE": "0"}
 
-    def watch() -> None:
-        while "swapped_in" not in marks and time.perf_counter() - t0 < 60:
-            d = replica.engine.drafter
-            if d is not None and d.version == version:
-                marks["swapped_in"] = time.perf_counter() - t0
-            time.sleep(0.005)
+    def plain(d: str, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--dtype", d,
+                "--max-model-len", "2048", "--max-num-seqs", "8", "--disable-uvicorn-access-log", *extra]
 
-    failed = i = 0
-    t0 = time.perf_counter()
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    control_send(cfg.stream, DrafterPublished(version, str(published.path), published.sha256, parent="bench"))
-    marks["announced"] = time.perf_counter() - t0
-    while time.perf_counter() - t0 < 60:
-        try:
-            result = replica.submit(Request(prompts[i % len(prompts)], max_new_tokens=8)).future.result(60)
-        except Exception:
-            failed += 1
-            continue
-        i += 1
-        if any(r.drafter_version == version for r in result.rounds):
-            marks["first_drafted"] = time.perf_counter() - t0
-            break
-    watcher.join(1)
-    return {"version": version, **{k: round(v, 3) for k, v in marks.items()}, "requests": i, "failed": failed}
+    other = "bfloat16" if dtype == "float32" else "float32"
+    all_cores = {**base, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return [Server(PEER, plain(dtype), all_cores, str(target), "vllm"),
+            Server(f"vLLM, {dtype}, a core reserved (the CPU build's default)", plain(dtype), base, str(target), "vllm"),
+            Server(f"vLLM, {dtype}, eager", plain(dtype, "--enforce-eager"), all_cores, str(target), "vllm"),
+            Server(f"vLLM, {other}", plain(other), all_cores, str(target), "vllm")]
+
+
+def measure(server: Server, url: str, prompts: list[list[int]], output_len: int, per_batch: dict[int, int]) -> dict:
+    load_client.run(url, requests_n=2, concurrency=1, input_len=0, output_len=8, model=server.model, prompt_ids=prompts)  # warm-up
+    out = {}
+    for batch, n in per_batch.items():
+        before = server.acceptance(url)
+        r = load_client.run(url, requests_n=n, concurrency=batch, input_len=0, output_len=output_len, model=server.model,
+                            prompt_ids=prompts)
+        after = server.acceptance(url)
+        if r["problems"]:
+            raise SystemExit(f"{server.name} at batch {batch}: {r['problems'][:3]}")
+        drafted = after["drafted"] - before["drafted"]
+        out[batch] = {"tokens_per_s": r["output_token_throughput"], "e2e_median_s": r["e2e_s"]["median"],
+                      "acceptance": round((after["accepted"] - before["accepted"]) / drafted, 4) if drafted else None,
+                      "drafted": drafted, **{k: after[k] for k in ("routing", "schedule", "records") if k in after}}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="tokens per prompt (default 48; --quick 16)")
-    ap.add_argument("--repeats", type=int, default=None, help="blocks per path and batch size (default 3; --quick 1)")
-    ap.add_argument("--prompts", type=int, default=None, help=f"batch-1 blocks per repeat, one prompt each, 1..{len(PROMPTS)} (default 3; --quick 1)")
-    ap.add_argument("--batches", type=int, default=None, help="batch-8 blocks per repeat (default 2; --quick 1)")
-    ap.add_argument("--quick", action="store_true", help="a short run to check that every path works")
+    ap.add_argument("--rounds", type=int, default=None, help="times every server is started and measured (default 2; --quick 1)")
+    ap.add_argument("--prompts", type=int, default=16, help="chat prompts (the qa domain's live split)")
+    ap.add_argument("--output-len", type=int, default=None, help="tokens per request (default 64; --quick 16)")
+    ap.add_argument("--k", type=int, default=4, help="K of the fixed-K servers")
+    ap.add_argument("--trained", type=Path, help="a trained drafter to use (default: distil one into --out once)")
+    ap.add_argument("--train-steps", type=int, default=200, help="distillation steps of the trained drafter")
+    ap.add_argument("--only", help="server names to run, separated by a comma with no space after it (the peer is always run)")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_vllm", help="logs and the trained drafter")
+    ap.add_argument("--quick", action="store_true", help="a short run that checks every server works")
+    ap.add_argument("--sweep-peer", action="store_true", help="measure plain vLLM at the settings a user could pick instead "
+                    "(how the peer's settings were chosen)")
     ap.add_argument("--json", type=Path, default=None, help="write every number here")
     args = ap.parse_args(argv)
-    n = args.max_new_tokens or (16 if args.quick else 48)
-    repeats = args.repeats or (1 if args.quick else 3)
-    n_prompts = args.prompts or (1 if args.quick else 3)
-    n_batches = args.batches or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 2)
+    output_len = args.output_len or (16 if args.quick else 64)
+    per_batch = {1: 2, 8: 8} if args.quick else {1: 8, 8: 24}
 
-    target_dir = fetch_demo_target()
-    drafter_dir = default_cache_dir() / "models" / "drafter-L2-full"
-    tokenizer = load_tokenizer(target_dir, "target")
-    prompts = chat_prompts(tokenizer, len(PROMPTS))
-    batches = {1: [[p] for p in prompts[:n_prompts]], 8: [[prompts[(b + i) % len(prompts)] for i in range(8)] for b in range(n_batches)]}
-    target = load_causal_lm(target_dir, "target")
-    stop = sorted(end_ids(target, tokenizer))
-    max_len = 1024
-
+    target, drafter = pair_dirs(ModelConfig())
+    tokenizer = load_tokenizer(target, "target")
+    prompts = chat_prompts(tokenizer, args.prompts)
+    dtype = pick_dtype("auto", "cpu")
+    args.out.mkdir(parents=True, exist_ok=True)
+    trained = args.trained or args.sweep_peer or train_drafter(args.out / f"trained-{args.prompts}p-{output_len}t-{args.train_steps}s", target, drafter,
+                                            prompts, output_len, args.train_steps)
     broker = EmbeddedBroker(free_port()).start()
     name = f"bench{uuid.uuid4().hex[:8]}"
-    stream = StreamConfig(bootstrap_servers=broker.bootstrap, topic=f"{name}.decisions", dlq_topic=f"{name}.decisions.dlq",
-                          control_topic=f"{name}.control", partitions=3)
-    ensure_topics(stream)
-    store_root = Path(os.environ.get("TMPDIR", "/tmp")) / f"dvi-bench-vllm-{name}"
-    cfg = DviConfig(model=ModelConfig(target=str(target_dir), drafter=str(drafter_dir)), stream=stream,
-                    serve=ServeConfig(engine="vllm", spec=SpecConfig(k=K, adaptive=False), max_batch=8,
-                                      vllm=VllmConfig(max_model_len=max_len, cpu_kv_cache_gb=1),
-                                      swap=SwapConfig(store=str(store_root), initial="none"), metrics_every_s=3600, plot_every_s=3600),
-                    tracking=TrackingConfig(enabled=False))
-    log("starting the engines (three vLLM engines and dvi's)...")
-    replica = Replica(cfg, resolve_pair(cfg.model, target_weights=False), producer=DecisionProducer(stream),
-                      control=ControlChannel(stream, client_id="bench-vllm")).start()
-    paths = {
-        "dvi target-only": dvi_native(SpeculativeEngine(target, None, SpecConfig(k=K, adaptive=False), stop_ids=set(stop), max_batch=8)),
-        "dvi + drafter": dvi_native(SpeculativeEngine(target, load_drafter(drafter_dir, int(target.config.vocab_size)),
-                                                      SpecConfig(k=K, adaptive=False), stop_ids=set(stop), max_batch=8)),
-        "vLLM target-only": plain_vllm(target_dir, None, 8, max_len, 1.0),
-        BASELINE: plain_vllm(target_dir, drafter_dir, 8, max_len, 1.0),
-        "vLLM + drafter + dvi loop": dvi_loop(replica),
-    }
-    names = list(paths)
-    for name_, run in paths.items():  # one untimed pass each: first-call costs out of the timings
-        run(batches[1][0], 4, stop)
-    seen: dict[tuple[str, int], list[tuple[float, float | None]]] = {(p, b): [] for p in names for b in batches}
-    ratios: dict[tuple[str, int], list[float]] = {(p, b): [] for p in names for b in batches}
-    block = 0
-    for rep in range(repeats):
-        for b, groups in batches.items():
-            for group in groups:
-                order = names[block % len(names):] + names[: block % len(names)]
-                block += 1
-                tps = {}
-                for p in order:
-                    t0 = time.perf_counter()
-                    tokens, acceptance = paths[p](group, n, stop)
-                    tps[p] = tokens / (time.perf_counter() - t0)
-                    seen[(p, b)].append((tps[p], acceptance))
-                for p in names:
-                    ratios[(p, b)].append(tps[p] / tps[BASELINE])
-            log(f"repeat {rep + 1}/{repeats}, batch {b}: done")
-    swap = swap_latency(replica, cfg, drafter_dir, prompts)
-    producer_stats = replica.producer.stats.to_dict()
-    replica.close()
-    broker.stop()
+    only = None if not args.only else {PEER, *re.split(r",(?! )", args.only)}  # names hold ", "; a bare "," separates
+    if args.sweep_peer:
+        todo = peer_settings(target, dtype.value)
+    else:
+        todo = servers(target, drafter, trained, dtype.value, args.k, broker.bootstrap, name, args.out / "store", only)
+    log(f"{len(todo)} servers x {rounds} rounds; dtype {dtype}; logs in {args.out}")
+    seen: dict[str, list[dict]] = {s.name: [] for s in todo}
+    ratios: dict[tuple[str, int], list[float]] = {}
+    best_ratios: dict[tuple[str, int], list[float]] = {}
+    try:
+        for rnd in range(rounds):
+            order = todo[rnd % len(todo):] + todo[: rnd % len(todo)]
+            this: dict[str, dict] = {}
+            for server in order:
+                t0 = time.perf_counter()
+                child, url = server.start(free_port(), args.out)
+                started = time.perf_counter() - t0
+                try:
+                    this[server.name] = {"start_s": round(started, 1), **measure(server, url, prompts, output_len, per_batch)}
+                finally:
+                    child.stop(grace_s=30)
+                m = this[server.name]
+                log(f"round {rnd + 1}: {server.name}: started in {started:.0f} s; " + ", ".join(
+                    f"batch {b}: {m[b]['tokens_per_s']:.1f} tok/s (acceptance {m[b]['acceptance']})" for b in per_batch))
+            for s, m in this.items():
+                seen[s].append(m)
+                for b in per_batch:
+                    ratios.setdefault((s, b), []).append(m[b]["tokens_per_s"] / this[PEER][b]["tokens_per_s"])
+                    # against plain vLLM at whichever of its settings measured here was fastest at this batch size
+                    best = max(v[b]["tokens_per_s"] for name, v in this.items() if name in PLAIN)
+                    best_ratios.setdefault((s, b), []).append(m[b]["tokens_per_s"] / best)
+    finally:
+        broker.stop()
 
     rows = []
-    for p in names:
-        for b in batches:
-            xs = seen[(p, b)]
-            acc = [a for _, a in xs if a is not None]
-            rows.append({"path": p, "batch": b, "tokens_per_s": round(statistics.median(t for t, _ in xs), 2),
-                         "vs_vllm_drafter": round(statistics.median(ratios[(p, b)]), 3),
-                         "acceptance": round(statistics.median(acc), 4) if acc else None, "blocks": len(xs)})
-    print(f"{'path':<28} {'batch':>5} {'tok/s':>8} {'x vLLM+drafter':>15} {'acceptance':>11}")
+    for s in seen:
+        for b in per_batch:
+            ms = [m[b] for m in seen[s]]
+            acc = [m["acceptance"] for m in ms if m["acceptance"] is not None]
+            rows.append({"server": s, "batch": b, "tokens_per_s": round(statistics.median(m["tokens_per_s"] for m in ms), 2),
+                         "vs_vllm": round(statistics.median(ratios[(s, b)]), 3), "ratios": [round(x, 3) for x in ratios[(s, b)]],
+                         "vs_best_vllm": round(statistics.median(best_ratios[(s, b)]), 3),
+                         "acceptance": round(statistics.median(acc), 3) if acc else None,
+                         "start_s": [m["start_s"] for m in seen[s]], "last": {k: ms[-1][k] for k in ("routing", "schedule", "records") if k in ms[-1]}})
+    print(f"{'server':<26} {'batch':>5} {'tok/s':>8} {'x vLLM':>7} {'x best':>7} {'acceptance':>11}  x vLLM by round")
     for r in rows:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
-        print(f"{r['path']:<28} {r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['vs_vllm_drafter']:>15.3f} {acc:>11}")
-    print(f"hot swap: {swap}")
-    print(f"records: {producer_stats}")
+        print(f"{r['server']:<26} {r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['vs_vllm']:>7.3f} {r['vs_best_vllm']:>7.3f} {acc:>11}  {r['ratios']}")
     if args.json:
-        vllm = import_vllm()
-        out = {"rows": rows, "swap": swap, "records": producer_stats, "max_new_tokens": n, "repeats": repeats, "k": K,
-               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "vllm": vllm.__version__, "threads": torch.get_num_threads()}}
+        import torch
+        import transformers
+
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
+        out = {"rows": rows, "rounds": rounds, "output_len": output_len, "requests": per_batch, "prompts": args.prompts, "k": args.k,
+               "dtype": str(dtype), "trained": str(trained),
+               "machine": {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
+                           "transformers": transformers.__version__, "vllm": vllm_version()}}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
         log(f"wrote {args.json}")
