@@ -12,6 +12,7 @@ Fixtures that load it are only used by tests marked `real_model`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,24 @@ def noisy_copy(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCaus
 def make_tiny_llama():
     """The tiny model factory, for tests that need another shape (a small context window, another vocabulary)."""
     return tiny_llama
+
+
+_SET_NUM_THREADS = torch.set_num_threads
+
+
+@pytest.fixture(autouse=True)
+def process_cpu_state():
+    """What an in-process vLLM engine changes for the whole process is put back after every test: vLLM's CPU worker
+    replaces `torch.set_num_threads` with a no-op once it binds its threads, and may narrow the CPU affinity that
+    every process a later test spawns would inherit."""
+    affinity = os.sched_getaffinity(0)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads = _SET_NUM_THREADS
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if os.sched_getaffinity(0) != affinity:
+        os.sched_setaffinity(0, affinity)
 
 
 @pytest.fixture
