@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import requests
@@ -132,14 +133,25 @@ class Server:
                 "accepted": int(values.get("vllm:spec_decode_num_accepted_tokens_total", 0))}
 
 
+def server_env() -> dict[str, str]:
+    """Every server's environment: a 2 GiB KV cache, no usage reports, and the compile caches `dvi serve` uses (so
+    that a compiled start of any server reuses what an earlier one compiled)."""
+    cache = compile_cache_dir()
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "VLLM_USE_AOT_COMPILE": "0"}
+
+
+def plain_vllm(target: Path, dtype: str, *extra: str) -> list[str]:
+    """vLLM's own OpenAI server on the target, as a vLLM user starts it."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--dtype", dtype,
+            "--max-model-len", "2048", "--max-num-seqs", "8", "--disable-uvicorn-access-log", *extra]
+
+
 def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, broker: str, name: str, store: Path,
             only: set[str] | None) -> list[Server]:
-    cache = compile_cache_dir()
-    base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "VLLM_USE_AOT_COMPILE": "0"}
+    base = server_env()
     vllm_env = {**base, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    plain = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--dtype", dtype,
-             "--max-model-len", "2048", "--max-num-seqs", "8", "--disable-uvicorn-access-log"]
+    plain = plain_vllm(target, dtype)
 
     def spec(path: Path) -> list[str]:
         return ["--speculative-config", json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": k})]
@@ -148,7 +160,7 @@ def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, brok
            f"stream.bootstrap_servers={broker}", f"stream.topic={name}.decisions", f"stream.dlq_topic={name}.dlq",
            f"stream.control_topic={name}.control", f"serve.swap.store={store}", "serve.swap.initial=none", "serve.vllm.cpu_kv_cache_gb=2"]
     other = "bfloat16" if dtype == "float32" else "float32"
-    plain_other = [*plain[:6], other, *plain[7:]]
+    plain_other = plain_vllm(target, other)
     out = [
         Server(PEER, plain, vllm_env, str(target), "vllm"),
         Server(f"vLLM, {other}", plain_other, vllm_env, str(target), "vllm"),
@@ -165,14 +177,8 @@ def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, brok
 
 def peer_settings(target: Path, dtype: str) -> list[Server]:
     """Plain vLLM (target only) at the settings a user could pick on a CPU, the peer's first: how the peer was chosen."""
-    cache = compile_cache_dir()
-    base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "VLLM_USE_AOT_COMPILE": "0"}
-
-    def plain(d: str, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--dtype", d,
-                "--max-model-len", "2048", "--max-num-seqs", "8", "--disable-uvicorn-access-log", *extra]
-
+    base = server_env()
+    plain = partial(plain_vllm, target)
     other = "bfloat16" if dtype == "float32" else "float32"
     all_cores = {**base, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     return [Server(PEER, plain(dtype), all_cores, str(target), "vllm"),
