@@ -286,19 +286,20 @@ class ServerProcess:
         self.stop()
 
 
-def run_foreground(command: str, what: str, server: ServerProcess, on_ready: Callable[[ServerProcess], str]) -> int:
-    """`dvi <command>`: start `server`, print the line `on_ready` returns, keep it up until Ctrl-C or SIGTERM.
+def run_foreground(command: str, what: str, server: ServerProcess, on_ready: Callable[[ServerProcess], str],
+                   say: Callable[..., None] = print) -> int:
+    """`dvi <command>`: start `server`, `say` the line `on_ready` returns, keep it up until Ctrl-C or SIGTERM.
 
     Exit status 0 when stopped that way; DviError (naming `what`, with its log's end) when it exits on its own.
     """
     with sigterm_interrupts():
         try:
             with server:
-                print(f"dvi {command}: {on_ready(server)}; Ctrl-C stops it", flush=True)
+                say(f"dvi {command}: {on_ready(server)}; Ctrl-C stops it", flush=True)
                 while server.running:
                     time.sleep(0.5)
                 raise DviError(f"{what} exited unexpectedly: {server.log_tail()}")
         except KeyboardInterrupt:
             pass
-    print(f"dvi {command}: stopped", flush=True)
+    say(f"dvi {command}: stopped", flush=True)
     return 0

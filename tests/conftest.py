@@ -71,21 +71,30 @@ def make_tiny_llama():
 
 
 _SET_NUM_THREADS = torch.set_num_threads
+# what vLLM's CPU platform and worker (vllm/platforms/cpu.py, v1/worker/cpu_worker.py) and dvi's vLLM engine
+# (dvi.serving.vllm_engine.set_vllm_env) write into the process environment, which every process a later test
+# spawns would inherit: LD_PRELOAD of tcmalloc and libgomp, OpenMP and inductor thread settings, vLLM's own
+VLLM_ENV_PREFIXES = ("VLLM_", "TORCHINDUCTOR_", "KMP_", "OMP_", "LD_PRELOAD", "LD_LIBRARY_PATH", "LOCAL_WORLD_SIZE",
+                     "NUMEXPR_MAX_THREADS", "TRITON_", "TILELANG_", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
 @pytest.fixture(autouse=True)
 def process_cpu_state():
     """What an in-process vLLM engine changes for the whole process is put back after every test: vLLM's CPU worker
     replaces `torch.set_num_threads` with a no-op once it binds its threads, and may narrow the CPU affinity that
-    every process a later test spawns would inherit."""
+    every process a later test spawns would inherit; vLLM's platform writes its settings into the environment."""
     affinity = os.sched_getaffinity(0)
     threads = torch.get_num_threads()
+    env = {k: v for k, v in os.environ.items() if k.startswith(VLLM_ENV_PREFIXES)}
     yield
     torch.set_num_threads = _SET_NUM_THREADS
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     if os.sched_getaffinity(0) != affinity:
         os.sched_setaffinity(0, affinity)
+    for k in [k for k in os.environ if k.startswith(VLLM_ENV_PREFIXES) and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)
 
 
 @pytest.fixture

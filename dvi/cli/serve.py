@@ -14,22 +14,14 @@ import sys
 import time
 from dataclasses import replace
 
-import uvicorn
-
+from dvi.cli.output import out
 from dvi.config import check_sampling, flat_params, load_config, overrides_of
-from dvi.engine import Request, SpeculativeEngine
 from dvi.errors import DviError
 from dvi.hardware import pick_dtype, pick_engine
-from dvi.models import encode_prompt, end_ids, resolve_device, resolve_pair
 from dvi.procs import default_replica_id
-from dvi.records import records_from_result
-from dvi.serving.api import create_app, draining_server
-from dvi.serving.replica import Replica
-from dvi.tracking import Tracker
-from dvi.waiting import waiting_for
-from streams.client import quiet_kafka_logs
-from streams.control import ControlChannel
-from streams.producer import DecisionProducer
+
+# torch, transformers, Kafka's client and the HTTP server are imported once the command line and config have been
+# checked: a mistake there is answered in a second, not after seconds of imports
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -42,6 +34,11 @@ def generate(args: argparse.Namespace) -> int:
     check_sampling(temperature, top_p, max_new)
     if not args.prompt.strip():
         raise DviError("empty prompt: give some text to continue")
+    from dvi.engine import Request, SpeculativeEngine
+    from dvi.models import encode_prompt, end_ids, resolve_pair
+    from streams.client import quiet_kafka_logs
+    from streams.producer import DecisionProducer
+
     producer = None
     if args.log:  # connects while the models load
         quiet_kafka_logs(args.verbose)
@@ -62,7 +59,7 @@ def generate(args: argparse.Namespace) -> int:
     stream = _log_result(cfg, producer, result, req, pair.target_dir.name, engine.vocab_size) if producer else None
     if args.json:
         drafter_version = pair.drafter.version if pair.drafter is not None else None
-        print(
+        out(
             json.dumps(
                 {
                     "request_id": result.request_id,
@@ -83,7 +80,7 @@ def generate(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(text)
+        out(text)
         st = result.stats
         print(
             f"[{len(result.token_ids)} tokens in {seconds:.2f} s, {len(result.token_ids) / seconds:.1f} tok/s; "
@@ -96,8 +93,11 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _log_result(cfg, producer: DecisionProducer, result, req: Request, target_name: str, vocab_size: int) -> dict:
-    """Send the request's DecisionRecords and wait (bounded) until they are acknowledged or dropped."""
+def _log_result(cfg, producer, result, req, target_name: str, vocab_size: int) -> dict:
+    """Send the request's DecisionRecords (to `producer`, a DecisionProducer) and wait (bounded) until they are
+    acknowledged or dropped."""
+    from dvi.records import records_from_result
+
     s = cfg.stream
     records = records_from_result(
         result, replica_id=s.replica_id or default_replica_id(), target_name=target_name, vocab_size=vocab_size,
@@ -113,6 +113,17 @@ def serve(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     replica_id = cfg.stream.replica_id or default_replica_id(cfg.serve.port)
     cfg = replace(cfg, stream=replace(cfg.stream, replica_id=replica_id))  # one name for records, control and MLflow
+    import uvicorn
+
+    from dvi.models import resolve_device, resolve_pair
+    from dvi.serving.api import create_app, draining_server
+    from dvi.serving.replica import Replica
+    from dvi.tracking import Tracker
+    from dvi.waiting import waiting_for
+    from streams.client import quiet_kafka_logs
+    from streams.control import ControlChannel
+    from streams.producer import DecisionProducer
+
     quiet_kafka_logs(args.verbose)
     producer = DecisionProducer(cfg.stream) if cfg.serve.log_decisions else None
     control = ControlChannel(cfg.stream, client_id=f"dvi-serve-{replica_id}") if cfg.serve.swap.enabled else None
@@ -124,7 +135,7 @@ def serve(args: argparse.Namespace) -> int:
     # serve.engine=vllm: vLLM loads the target's weights; dvi keeps its skeleton (config, shapes) for its checks
     engine = pick_engine(cfg.serve.engine)
     dtype = pick_dtype(cfg.model.dtype, resolve_device(cfg.model.device).type)
-    print(f"dvi serve: engine {engine}, dtype {dtype}", flush=True)
+    out(f"dvi serve: engine {engine}, dtype {dtype}", flush=True)
     with waiting_for(f"the model pair to load (target {cfg.model.target}, engine {engine.value})"):
         replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft, target_weights=engine.value != "vllm"),
                           producer=producer, control=control, tracker=tracker)
@@ -132,7 +143,7 @@ def serve(args: argparse.Namespace) -> int:
     server = draining_server(uvicorn.Config(create_app(replica), host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
                                             timeout_graceful_shutdown=5, access_log=False,
                                             limit_concurrency=cfg.serve.max_connections), replica, cfg.serve.drain_s)
-    print(f"dvi serve: http://{cfg.serve.host}:{cfg.serve.port}/v1 (model {replica.model_name}, drafter "
+    out(f"dvi serve: http://{cfg.serve.host}:{cfg.serve.port}/v1 (model {replica.model_name}, drafter "
           f"{replica.metrics.version}, replica {replica.replica_id}{', API key required' if replica.api_key else ''}); "
           "Ctrl-C stops it", flush=True)
     # uvicorn handles SIGINT / SIGTERM (it returns once in-flight requests finish), then raises the signal again
@@ -144,5 +155,5 @@ def serve(args: argparse.Namespace) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         replica.close()
-    print("dvi serve: stopped", flush=True)
+    out("dvi serve: stopped", flush=True)
     return 0 if server.started else 1

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dvi.cli.output import out
 from dvi.config import load_config, overrides_of, shown
 from dvi.hardware import pick_dtype, pick_engine
 from dvi.procs import local_get
@@ -129,7 +130,7 @@ def status(args: argparse.Namespace) -> int:
     urls = args.replica or [f"http://{cfg.serve.host}:{cfg.serve.port}"]
     view = {"replicas": [replica(u) for u in urls], "mlflow": loop_view(cfg.tracking) if cfg.tracking.enabled else None}
     if args.json:
-        print(json.dumps(view, default=str))
+        out(json.dumps(view, default=str))
         return 0
     lines = [line for r in view["replicas"] for line in replica_lines(r)]
     m = view["mlflow"]
@@ -139,7 +140,7 @@ def status(args: argparse.Namespace) -> int:
         lines.append(f"mlflow {m['uri']}: {m['error']}")
     else:
         lines += trainer_lines(m) + publish_lines(m) + [f"mlflow: {m['link']}"]
-    print("\n".join(lines))
+    out("\n".join(lines))
     return 0
 
 
@@ -147,11 +148,11 @@ def config_show(args: argparse.Namespace) -> int:
     """The configuration every dvi command would run with, given these overrides, as YAML."""
     cfg = load_config(overrides_of(args))
     text = OmegaConf.to_yaml(OmegaConf.create(shown(cfg)))
-    print(redact(text), end="")
+    out(redact(text), end="")
     # what the auto settings settle to here (a comment: the YAML above stays the config as given)
     device = "cuda" if cfg.model.device.startswith("cuda") else "cpu" if cfg.model.device == "cpu" else _auto_device()
-    print(f"# on this machine: serve.engine -> {pick_engine(cfg.serve.engine)}")
-    print(f"# on this machine: model.dtype -> {pick_dtype(cfg.model.dtype, device)} on {device}")
+    out(f"# on this machine: serve.engine -> {pick_engine(cfg.serve.engine)}")
+    out(f"# on this machine: model.dtype -> {pick_dtype(cfg.model.dtype, device)} on {device}")
     return 0
 
 

@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+from dvi.cli import output
+from dvi.cli.output import out
 from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
 from dvi.procs import run_foreground
@@ -40,7 +42,7 @@ def broker(args: argparse.Namespace) -> int:
         storage = (f"{cfg.data_dir} (durable)" if cfg.data_dir else cfg.storage_engine) or "memory (lost on stop)"
         return f"Tansu on {server.bootstrap}, storage {storage}, topics {topics}"
 
-    return run_foreground("broker", "the broker", EmbeddedBroker(cfg.port, cfg.storage_engine, data_dir=cfg.data_dir), ready)
+    return run_foreground("broker", "the broker", EmbeddedBroker(cfg.port, cfg.storage_engine, data_dir=cfg.data_dir), ready, say=out)
 
 
 def summary(d: Delivered) -> str:
@@ -58,7 +60,7 @@ def summary(d: Delivered) -> str:
 
 
 def schema(args: argparse.Namespace) -> int:
-    print(proto_text(), end="")
+    out(proto_text(), end="")
     return 0
 
 
@@ -82,15 +84,15 @@ def tail(args: argparse.Namespace) -> int:
                     last = time.monotonic()
                 for d in got:
                     if args.json:
-                        print(json.dumps({**d.record.to_dict(), "kafka": {"topic": d.topic, "partition": d.partition, "offset": d.offset}}))
+                        out(json.dumps({**d.record.to_dict(), "kafka": {"topic": d.topic, "partition": d.partition, "offset": d.offset}}))
                     else:
-                        print(summary(d))
+                        out(summary(d))
                     shown += 1
-                sys.stdout.flush()
+                output.stream().flush()
         except KeyboardInterrupt:
             pass
         except BrokenPipeError:  # the reader went away (`| head`): stop quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            os.dup2(os.open(os.devnull, os.O_WRONLY), output.stream().fileno())
         invalid = c.stats.invalid
     if invalid:
         print(f"dvi stream tail: {invalid} invalid record(s) skipped", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from dvi.cli.output import out
 from dvi.config import load_config, mlflow_root, overrides_of
 from dvi.errors import DviError
 from dvi.mlflow_server import LocalMlflow
@@ -20,4 +21,5 @@ def mlflow(args: argparse.Namespace) -> int:
     server = LocalMlflow(mlflow_root(cfg), cfg.port, auth=cfg.auth)
     login = local_login(cfg)
     where = f", login in {login}" if login else ""
-    return run_foreground("mlflow", "the MLflow server", server, lambda s: f"MLflow on {s.uri}, data in {s.root}{where}")
+    return run_foreground("mlflow", "the MLflow server", server, lambda s: f"MLflow on {s.uri}, data in {s.root}{where}",
+                          say=out)

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
+from dvi.cli.output import out
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.control import RetrainRequested
 from dvi.models import cache_dir
@@ -84,9 +85,9 @@ def _run(trainer: Trainer, parts) -> dict:
 def train(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     trainer, parts = _stream_trainer(cfg, group_id=cfg.trainer.group_id, offline=False, verbose=args.verbose)
-    print(f"dvi train: distilling from {cfg.stream.topic} at {cfg.stream.bootstrap} (group {cfg.trainer.group_id}, trigger "
+    out(f"dvi train: distilling from {cfg.stream.topic} at {cfg.stream.bootstrap} (group {cfg.trainer.group_id}, trigger "
           f"{cfg.trigger.kind}), drafter {trainer.state.lineage[-1]}; Ctrl-C stops it", flush=True)
-    print(_summary(_run(trainer, parts)))
+    out(_summary(_run(trainer, parts)))
     return 0
 
 
@@ -105,10 +106,10 @@ def distill(args: argparse.Namespace) -> int:
     with _progress(trainer, args.steps):
         result = _run(trainer, parts)
     if args.json:
-        print(json.dumps(result))
+        out(json.dumps(result))
     else:
-        print(_summary(result))
-        print(result["serving_dir"])
+        out(_summary(result))
+        out(result["serving_dir"])
     return 0
 
 
@@ -140,7 +141,7 @@ def retrain(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     msg = RetrainRequested(reason=args.reason or "dvi retrain")
     control.send(cfg.stream, msg)
-    print(f"retrain requested on {cfg.stream.control_topic} at {cfg.stream.bootstrap} ({msg.reason})")
+    out(f"retrain requested on {cfg.stream.control_topic} at {cfg.stream.bootstrap} ({msg.reason})")
     return 0
 
 

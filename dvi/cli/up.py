@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from dvi.cli.output import out
 from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
 from dvi.models import cache_dir, pair_dirs, resolve_device, resolve_dtype
@@ -246,10 +247,10 @@ def detach(args: argparse.Namespace, cache: Path, timeout_s: float = 900) -> int
         lines = text.splitlines()
         for line in lines[shown:]:
             if line.startswith("dvi up:") or line.startswith("  "):
-                print(line, flush=True)
+                out(line, flush=True)
         shown = len(lines)
         if READY_LINE in text:
-            print(f"dvi up: detached (pid {proc.pid}); logs {cache / 'logs'}; `dvi down` stops it", flush=True)
+            out(f"dvi up: detached (pid {proc.pid}); logs {cache / 'logs'}; `dvi down` stops it", flush=True)
             return 0
         if proc.poll() is not None:
             raise DviError(f"dvi up exited at start (status {proc.returncode}); its log {log_path}: {lines[-3:]}")
@@ -265,7 +266,7 @@ def down(args: argparse.Namespace) -> int:
     cache = cache_dir(cfg.model)
     pid = running_pid(cache)
     if pid is None:
-        print(f"dvi down: no dvi up is running on {cache} (no live pid in {pid_file(cache)})")
+        out(f"dvi down: no dvi up is running on {cache} (no live pid in {pid_file(cache)})")
         return 0
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
@@ -273,7 +274,7 @@ def down(args: argparse.Namespace) -> int:
         time.sleep(0.25)
     if running_pid(cache) == pid:
         raise DviError(f"dvi up (pid {pid}) did not stop within {args.timeout:.0f} s; its log: {cache / 'logs' / 'up.log'}")
-    print(f"dvi down: stopped dvi up (pid {pid}); logs {cache / 'logs'}")
+    out(f"dvi down: stopped dvi up (pid {pid}); logs {cache / 'logs'}")
     return 0
 
 
@@ -288,10 +289,10 @@ def up(args: argparse.Namespace) -> int:
         return detach(args, cache)
     if any(p.name in ("serve", "train") for p in parts):
         resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))  # one clear line here, not a restart loop of parts
-        print("dvi up: preparing the model pair (a first run fetches and converts it: minutes)", flush=True)
+        out("dvi up: preparing the model pair (a first run fetches and converts it: minutes)", flush=True)
         target, drafter = pair_dirs(cfg.model)  # fetched and built once, before two parts race to do it
-        print(f"dvi up: target {target}, drafter {drafter}", flush=True)
-    supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: print(line, flush=True))
+        out(f"dvi up: target {target}, drafter {drafter}", flush=True)
+    supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: out(line, flush=True))
     pid_path = pid_file(cache)
     pid_path.parent.mkdir(parents=True, exist_ok=True)
     pid_path.write_text(f"{os.getpid()}\n")
@@ -310,7 +311,7 @@ def up(args: argparse.Namespace) -> int:
             if "broker" in names:
                 lines.append(f"  Kafka   {cfg.stream.bootstrap}  (topic {cfg.stream.topic}; `dvi stream tail`)")
             lines.append(f"  logs    {cache / 'logs'}")
-            print("\n".join(lines), flush=True)
+            out("\n".join(lines), flush=True)
             while True:
                 time.sleep(0.5)
                 supervisor.tick()
@@ -320,5 +321,5 @@ def up(args: argparse.Namespace) -> int:
             supervisor.stop()
             if running_pid(cache) == os.getpid():
                 pid_path.unlink(missing_ok=True)
-    print("dvi up: stopped", flush=True)
+    out("dvi up: stopped", flush=True)
     return 0

@@ -5,7 +5,7 @@ scenario is about bookkeeping), the embedded broker in memory, as `dvi up` runs 
 record and committed offset, `dvi broker` creates the topics again, and the clients have to notice.
 (The durable broker, where no acknowledged record may be lost, is test_broker_durable.py.)
 Decoding throughput with the broker down against the windows with it up (target: within 5%) is printed, not
-asserted: a speed figure, and 20-second windows on two cores vary by about 20% on their own; benchmarks/
+asserted: a speed figure, and 12-second windows on two cores vary by 20% or more on their own; benchmarks/
 bench_outage.py measures it side by side."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from faults_helpers import ENGINES, Serve, stream_overrides, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model]
 
-WINDOW_S = 20.0
+WINDOW_S = 12.0
+OUTAGES = 2  # each a kill, WINDOW_S down, a restart on the same port and WINDOW_S up
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time,", "import numpy as np\n"]
 
 
@@ -73,7 +74,7 @@ def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_record
         wait_until(lambda: steps(), 300, "the trainer steps on the server's records")
         time.sleep(WINDOW_S)  # warm-up, not measured
         windows = []  # (kind, start, end)
-        for _ in range(3):
+        for _ in range(OUTAGES):
             t0 = time.time()
             time.sleep(WINDOW_S)
             windows.append(("up", t0, time.time()))
@@ -120,7 +121,7 @@ def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_record
         assert late_ids & seen, (f"no record of the {len(late_ids)} requests made after the broker came back reached the "
                                  f"topic in 120 s; records {rec}; the producer said: {producer_log[-12:]}")
         assert train.running, "the trainer died in the outage"
-        print(f"\nbroker down 3 x {WINDOW_S:.0f} s under load: {len(results)} requests, all 200; tokens/s per window "
+        print(f"\nbroker down {OUTAGES} x {WINDOW_S:.0f} s under load: {len(results)} requests, all 200; tokens/s per window "
               f"up {[round(x, 2) for x in speed['up']]}, down {[round(x, 2) for x in speed['down']]}: ratio {ratio:.3f}; "
               f"records sent {health['records']['sent']}, dropped {health['records']['dropped']}, producer recreated "
               f"{health['records']['recreated']}x; trainer records {records_before} at the last restart, {records()} at the end; "

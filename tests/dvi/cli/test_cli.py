@@ -217,3 +217,34 @@ def test_train_started_alone_says_what_it_waits_for_before_a_broker_that_never_a
     assert waits, lines  # timestamped, while the wait lasted
     assert any(f"the Kafka broker at {address}: gave up after" in ln for ln in lines), lines
     assert lines[-1].startswith("dvi: error: cannot reach the Kafka broker at " + address), lines
+
+
+def test_stdout_carries_only_what_a_command_prints(monkeypatch, capsys):
+    """A library that logs or prints to stdout while a command runs (DeepSpeed's logger is a stdout handler, made when
+    transformers imports DeepSpeed to load a model: its first line broke `dvi generate --json` on a fresh cache) writes
+    to stderr instead; what the command prints is all of stdout."""
+    import logging
+
+    import dvi.cli.stream
+    from dvi.cli import main
+    from dvi.cli.output import out
+
+    def command(args) -> int:
+        library = logging.getLogger("a-library-that-logs-to-stdout")
+        handler = logging.StreamHandler(stream=sys.stdout)  # as DeepSpeed makes it, at its import
+        library.addHandler(handler)
+        library.propagate = False
+        try:
+            library.warning("Setting accelerator to CPU.")
+            print("a library's own print")
+        finally:
+            library.removeHandler(handler)
+        out(json.dumps({"text": "the answer"}))
+        return 0
+
+    monkeypatch.setattr(dvi.cli.stream, "schema", command)
+    assert main(["stream", "schema"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"text": "the answer"}
+    assert "Setting accelerator to CPU." in captured.err and "a library's own print" in captured.err
+    assert sys.stdout is not sys.stderr  # put back once the command returned

@@ -457,7 +457,8 @@ def test_a_request_submitted_while_a_long_one_decodes_finishes_first(tiny_dirs, 
     from dvi.config import StreamConfig
     from dvi.engine import Request
 
-    cfg = DviConfig(model=ModelConfig(target=str(tiny_dirs[0]), drafter=str(tiny_dirs[1])), stream=StreamConfig(),
+    # fp32: exact against the fp32 reference below (model.dtype auto is bf16 on a CPU with native bf16)
+    cfg = DviConfig(model=ModelConfig(target=str(tiny_dirs[0]), drafter=str(tiny_dirs[1]), dtype="float32"), stream=StreamConfig(),
                     serve=ServeConfig(engine="dvi", spec=SpecConfig(k=3, adaptive=False), swap=SwapConfig(enabled=False, initial="none"),
                                       max_batch=4, metrics_every_s=3600, plot_every_s=3600), tracking=TrackingConfig(enabled=False))
     service = Replica(cfg, resolve_pair(cfg.model)).start()
