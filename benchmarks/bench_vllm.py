@@ -22,7 +22,10 @@ The servers:
 - `dvi serve --no-draft`: the same, target only;
 - `dvi serve K=k`: fixed K (`serve.spec.adaptive=false`): against `vLLM + drafter K=k`, what dvi's loop costs;
 - `dvi serve, trained`: the defaults with the trained drafter;
-- `dvi serve, bfloat16` (or float32): the defaults in the other dtype.
+- `dvi serve, bfloat16` (or float32): the defaults in the other dtype;
+- `vllm-server`, `vllm-server K=k`, `vllm-server, trained`, `vllm-server --no-draft`: `dvi serve
+  serve.engine=vllm-server`, vLLM's own OpenAI server with dvi's loop as its plugin (`dvi.cli.vllm_plugin`): the
+  same records, swaps and planner, vLLM's processes and API.
 
 The trained drafter is the demo drafter distilled offline (`dvi drafter distill --steps`) on records of the target's
 own answers to the benchmark's prompts (its prompts: the acceptance it reaches there is what a loop trained on a
@@ -51,11 +54,11 @@ import requests
 from benchmarks import load_client, workloads
 from dvi.engine import Request, SpeculativeEngine
 from dvi.hardware import pick_dtype, vllm_version
-from dvi.models import default_cache_dir, encode_chat, end_ids, load_causal_lm, load_tokenizer, pair_dirs
-from dvi.config import ModelConfig, SpecConfig
+from dvi.models import encode_chat, end_ids, load_causal_lm, load_tokenizer, pair_dirs
+from dvi.config import ModelConfig, SpecConfig, VllmConfig
 from dvi.procs import Child, free_port, http_ok, spawn, wait_ready
 from dvi.records import records_from_result
-from dvi.serving.vllm_engine import compile_cache_dir
+from dvi.serving.vllm_engine import vllm_env
 from streams.broker import EmbeddedBroker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +121,7 @@ class Server:
     def acceptance(self, url: str) -> dict:
         """Accepted / drafted since the server started, and for dvi its routing decisions and schedule."""
         if self.kind == "dvi":
-            h = requests.get(url + "/health", timeout=10).json()
+            h = requests.get(url + ("/dvi/health" if self.model else "/health"), timeout=10).json()  # vllm-server: vLLM's API
             drafted = sum(v["drafted"] for v in h["by_version"].values())
             accepted = sum(v["accepted"] for v in h["by_version"].values())
             return {"drafted": drafted, "accepted": accepted, "routing": h.get("routing"), "schedule": h.get("schedule"),
@@ -134,11 +137,12 @@ class Server:
 
 
 def server_env() -> dict[str, str]:
-    """Every server's environment: a 2 GiB KV cache, no usage reports, and the compile caches `dvi serve` uses (so
-    that a compiled start of any server reuses what an earlier one compiled)."""
-    cache = compile_cache_dir()
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "VLLM_USE_AOT_COMPILE": "0"}
+    """Every server's environment: vLLM's settings as `dvi serve` gives them (`dvi.serving.vllm_engine.vllm_env`: a 2 GiB
+    KV cache, no usage reports, and the compile caches `dvi serve` uses, so that a compiled start of any server reuses
+    what an earlier one compiled), but for the core reserved for vLLM's API server, the CPU build's default."""
+    env = {**os.environ, **vllm_env(VllmConfig(cpu_kv_cache_gb=2))}
+    env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    return env
 
 
 def plain_vllm(target: Path, dtype: str, *extra: str) -> list[str]:
@@ -150,7 +154,7 @@ def plain_vllm(target: Path, dtype: str, *extra: str) -> list[str]:
 def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, broker: str, name: str, store: Path,
             only: set[str] | None) -> list[Server]:
     base = server_env()
-    vllm_env = {**base, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    all_cores = {**base, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     plain = plain_vllm(target, dtype)
 
     def spec(path: Path) -> list[str]:
@@ -162,15 +166,21 @@ def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, brok
     other = "bfloat16" if dtype == "float32" else "float32"
     plain_other = plain_vllm(target, other)
     out = [
-        Server(PEER, plain, vllm_env, str(target), "vllm"),
-        Server(f"vLLM, {other}", plain_other, vllm_env, str(target), "vllm"),
-        Server(f"vLLM + drafter K={k}", plain + spec(drafter), vllm_env, str(target), "vllm"),
-        Server(f"vLLM + trained K={k}", plain + spec(trained), vllm_env, str(target), "vllm"),
+        Server(PEER, plain, all_cores, str(target), "vllm"),
+        Server(f"vLLM, {other}", plain_other, all_cores, str(target), "vllm"),
+        Server(f"vLLM + drafter K={k}", plain + spec(drafter), all_cores, str(target), "vllm"),
+        Server(f"vLLM + trained K={k}", plain + spec(trained), all_cores, str(target), "vllm"),
         Server("dvi serve", dvi + [f"model.drafter={drafter}"], base, None, "dvi"),
         Server("dvi serve --no-draft", dvi[:4] + ["--no-draft"] + dvi[4:], base, None, "dvi"),
         Server(f"dvi serve K={k}", dvi + [f"model.drafter={drafter}", "serve.spec.adaptive=false", f"serve.spec.k={k}"], base, None, "dvi"),
         Server("dvi serve, trained", dvi + [f"model.drafter={trained}"], base, None, "dvi"),
         Server(f"dvi serve, {other}", dvi + [f"model.drafter={drafter}", f"model.dtype={other}"], base, None, "dvi"),
+        # vLLM's own server with dvi's loop as its plugin (serve.engine=vllm-server), as `dvi serve` starts it
+        Server("vllm-server", dvi + [f"model.drafter={drafter}", "serve.engine=vllm-server"], base, str(target), "dvi"),
+        Server(f"vllm-server K={k}", dvi + [f"model.drafter={drafter}", "serve.engine=vllm-server", "serve.spec.adaptive=false",
+                                           f"serve.spec.k={k}"], base, str(target), "dvi"),
+        Server("vllm-server, trained", dvi + [f"model.drafter={trained}", "serve.engine=vllm-server"], base, str(target), "dvi"),
+        Server("vllm-server --no-draft", dvi[:4] + ["--no-draft"] + dvi[4:] + ["serve.engine=vllm-server"], base, str(target), "dvi"),
     ]
     return [s for s in out if only is None or s.name in only]
 

@@ -156,7 +156,7 @@ class SwapConfig:
         _check(bool(self.initial), "serve.swap.initial", self.initial, "production, latest, none or a version name")
 
 
-ENGINES = ("auto", "dvi", "vllm")
+ENGINES = ("auto", "dvi", "vllm", "vllm-server")
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,8 @@ class ServeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     swap: SwapConfig = field(default_factory=SwapConfig)
     # auto: vLLM where it is installed, else dvi's (dvi.hardware.pick_engine); dvi: dvi's own engine (dvi.engine); vllm:
-    # vLLM's, with the same API, records and swaps
+    # vLLM's engine in dvi's server, with the same API, records and swaps; vllm-server: vLLM's own OpenAI server with
+    # dvi's loop as its plugin (vLLM's API; the same records, swaps and tracking)
     engine: str = "auto"
     vllm: VllmConfig = field(default_factory=VllmConfig)
     max_batch: int = 8  # requests decoded together

@@ -32,6 +32,7 @@ class Command:
     run: str  # "module:function" under dvi.cli; called with the parsed arguments, returns the exit status
     options: Callable[[argparse.ArgumentParser], None] = lambda p: None
     light: bool = False  # loads no model library: transformers is not even imported to quiet it (a quick answer)
+    check: str | None = None  # "module:function" under dvi.cli, light: checks the command line before `run`'s module loads
 
 
 # modules of the optional extras (pyproject.toml) -> the extra that installs them
@@ -108,8 +109,9 @@ def _distill(p: argparse.ArgumentParser) -> None:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command(("generate",), "decode one prompt with the configured pair", "serve:generate", _generate),
-    Command(("serve",), "the HTTP server: OpenAI-compatible completions, hot-swapped drafters", "serve:serve", _serve),
+    Command(("generate",), "decode one prompt with the configured pair", "serve:generate", _generate, check="args:generate"),
+    Command(("serve",), "the HTTP server: OpenAI-compatible completions, hot-swapped drafters", "serve:serve", _serve,
+            check="args:config"),
     Command(("status",), "serving drafter and live acceptance per replica, trainer lag, last publish", "status:status", _status, light=True),
     Command(("up",), "the whole local loop: broker, MLflow, serve and train as supervised processes", "up:up", _up),
     Command(("down",), "stop a `dvi up --detach` (or any dvi up on this cache) the way Ctrl-C does", "up:down", _down, light=True),
@@ -148,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = where.add_parser(cmd.words[-1], help=cmd.help)
         cmd.options(p)
         p.add_argument("overrides", nargs="*", help="Hydra config overrides, key=value")
-        p.set_defaults(run=cmd.run, light=cmd.light)
+        p.set_defaults(run=cmd.run, light=cmd.light, check=cmd.check)
     return parser
 
 
@@ -192,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     output.capture()  # stdout carries what the command prints, nothing a library writes (see dvi.cli.output)
     try:
+        if args.check:  # the command line, before the command's libraries load
+            module, function = args.check.split(":")
+            getattr(importlib.import_module(f"dvi.cli.{module}"), function)(args)
         if not args.light:
             _quiet_libraries()
         module, function = args.run.split(":")

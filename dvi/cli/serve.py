@@ -9,36 +9,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import replace
 
-from dvi.cli.output import out
-from dvi.config import check_sampling, flat_params, load_config, overrides_of
-from dvi.errors import DviError
-from dvi.hardware import pick_dtype, pick_engine
-from dvi.procs import default_replica_id
+import uvicorn
 
-# torch, transformers, Kafka's client and the HTTP server are imported once the command line and config have been
-# checked: a mistake there is answered in a second, not after seconds of imports
+from dvi.cli import args as checked
+from dvi.cli import vllm_server
+from dvi.cli.output import out
+from dvi.config import DviConfig, flat_params, load_config, overrides_of
+from dvi.engine import Request, SpeculativeEngine
+from dvi.hardware import pick_dtype, pick_engine
+from dvi.models import encode_prompt, end_ids, pair_dirs, resolve_device, resolve_pair
+from dvi.procs import default_replica_id, free_port, http_ok, sigterm_interrupts
+from dvi.records import records_from_result
+from dvi.serving.api import create_app, draining_server
+from dvi.serving.replica import Replica
+from dvi.tracking import Tracker
+from dvi.waiting import waiting_for
+from streams.client import quiet_kafka_logs
+from streams.control import ControlChannel
+from streams.producer import DecisionProducer
 
 
 def generate(args: argparse.Namespace) -> int:
-    cfg = load_config(overrides_of(args))
-    s = cfg.serve.sampling
-    temperature = 0.0 if args.greedy else (args.temperature if args.temperature is not None else s.temperature)
-    top_p = args.top_p if args.top_p is not None else s.top_p
-    max_new = args.max_new_tokens if args.max_new_tokens is not None else s.max_new_tokens
-    seed = args.seed if args.seed is not None else s.seed
-    check_sampling(temperature, top_p, max_new)
-    if not args.prompt.strip():
-        raise DviError("empty prompt: give some text to continue")
-    from dvi.engine import Request, SpeculativeEngine
-    from dvi.models import encode_prompt, end_ids, resolve_pair
-    from streams.client import quiet_kafka_logs
-    from streams.producer import DecisionProducer
-
+    g = checked.generate(args)
+    cfg, temperature, top_p, max_new, seed = g.cfg, g.temperature, g.top_p, g.max_new_tokens, g.seed
     producer = None
     if args.log:  # connects while the models load
         quiet_kafka_logs(args.verbose)
@@ -93,11 +93,8 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _log_result(cfg, producer, result, req, target_name: str, vocab_size: int) -> dict:
-    """Send the request's DecisionRecords (to `producer`, a DecisionProducer) and wait (bounded) until they are
-    acknowledged or dropped."""
-    from dvi.records import records_from_result
-
+def _log_result(cfg, producer: DecisionProducer, result, req: Request, target_name: str, vocab_size: int) -> dict:
+    """Send the request's DecisionRecords and wait (bounded) until they are acknowledged or dropped."""
     s = cfg.stream
     records = records_from_result(
         result, replica_id=s.replica_id or default_replica_id(), target_name=target_name, vocab_size=vocab_size,
@@ -113,17 +110,8 @@ def serve(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     replica_id = cfg.stream.replica_id or default_replica_id(cfg.serve.port)
     cfg = replace(cfg, stream=replace(cfg.stream, replica_id=replica_id))  # one name for records, control and MLflow
-    import uvicorn
-
-    from dvi.models import resolve_device, resolve_pair
-    from dvi.serving.api import create_app, draining_server
-    from dvi.serving.replica import Replica
-    from dvi.tracking import Tracker
-    from dvi.waiting import waiting_for
-    from streams.client import quiet_kafka_logs
-    from streams.control import ControlChannel
-    from streams.producer import DecisionProducer
-
+    if pick_engine(cfg.serve.engine).value == "vllm-server":
+        return serve_vllm_server(cfg, args)
     quiet_kafka_logs(args.verbose)
     producer = DecisionProducer(cfg.stream) if cfg.serve.log_decisions else None
     control = ControlChannel(cfg.stream, client_id=f"dvi-serve-{replica_id}") if cfg.serve.swap.enabled else None
@@ -157,3 +145,37 @@ def serve(args: argparse.Namespace) -> int:
         replica.close()
     out("dvi serve: stopped", flush=True)
     return 0 if server.started else 1
+
+
+def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
+    """serve.engine=vllm-server: vLLM's own OpenAI server on the configured pair, dvi's loop in it as its plugin
+    (`dvi.cli.vllm_server`, `dvi.cli.vllm_plugin`), in the foreground until SIGINT or SIGTERM, which it passes on;
+    the exit status is the server's."""
+    target_dir, drafter_dir = pair_dirs(cfg.model, with_drafter=not args.no_draft)
+    dtype = pick_dtype(cfg.model.dtype, resolve_device(cfg.model.device).type)
+    out(f"dvi serve: engine vllm-server (vLLM's own OpenAI server, dvi's loop as its plugin), dtype {dtype}", flush=True)
+    loop_port = free_port()
+    overrides = [*overrides_of(args), f"stream.replica_id={cfg.stream.replica_id}"]
+    env = vllm_server.environment(cfg, os.environ.copy(), overrides=overrides, loop_port=loop_port)
+    child = subprocess.Popen(vllm_server.command(cfg, target_dir, drafter_dir, dtype.value), env=env)
+    url = f"http://{cfg.serve.host}:{cfg.serve.port}"
+    with sigterm_interrupts():
+        try:
+            with waiting_for(f"vLLM's server at {url} (target {target_dir}, drafter {drafter_dir})"):
+                while child.poll() is None and http_ok(url + "/health") is not None:
+                    time.sleep(0.5)
+            if child.poll() is None:
+                out(f"dvi serve: {url}/v1 (vLLM's server: model {cfg.serve.served_model_name or target_dir}, drafter "
+                    f"{drafter_dir.name if drafter_dir else None}, replica {cfg.stream.replica_id}; dvi's view at {url}/dvi/health); "
+                    "Ctrl-C stops it", flush=True)
+            code = child.wait()
+        except KeyboardInterrupt:
+            child.send_signal(signal.SIGTERM)
+            try:
+                code = child.wait(cfg.serve.drain_s + 30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                code = child.wait()
+            code = 0 if code in (0, -signal.SIGTERM) else code
+    out("dvi serve: stopped", flush=True)
+    return code

@@ -16,6 +16,10 @@
 - **tracking**: every `serve.metrics_every_s` the interval's metrics go to the tracker, and every
   `serve.plot_every_s` a drift plot (acceptance and tokens/s over time, swap markers) as an artifact.
 
+Handed an engine that another loop steps (`VllmEngine.attach` inside vLLM's own server, `dvi.cli.vllm_plugin`),
+the replica has no decode thread and no queue: the engine hands it each request vLLM starts (`adopt`) and each
+Result (`finish`), which are measured and logged exactly as the decode thread's; swaps and tracking are the same.
+
 The replica is handed its channels, each optional: `producer` (takes DecisionRecords without blocking, e.g.
 `streams.producer.DecisionProducer`), `control` (`poll(timeout_s)` of `dvi.control` messages and `send(msg)`,
 e.g. `streams.control.ControlChannel`) and `tracker` (`dvi.tracking.Tracker`). A channel that is down never
@@ -90,7 +94,7 @@ class Rollout:
 class Replica:
     """One serving replica (see the module docstring). `start()`, then `submit` from any thread; `close()`."""
 
-    def __init__(self, cfg: DviConfig, pair: Pair, *, producer=None, control=None, tracker=None):
+    def __init__(self, cfg: DviConfig, pair: Pair, *, producer=None, control=None, tracker=None, engine: VllmEngine | None = None):
         self.cfg = cfg  # no reference to `pair` is kept: its drafter is freed once newer ones have replaced it
         self.tokenizer = pair.tokenizer
         self.defaults = cfg.serve.sampling
@@ -104,9 +108,12 @@ class Replica:
         # the config every published version must match: the configured drafter's family, or the target's
         self.family = pair.drafter.model.config if pair.drafter is not None else pair.target.config
         self.engine_kind = pick_engine(cfg.serve.engine)  # auto: vLLM where installed
-        if self.engine_kind.value == "vllm":
-            self.engine = VllmEngine(pair.target_dir, pair.target, pair.drafter, pair.drafter_dir, cfg.serve.spec, cfg.serve.vllm,
-                                     stop_ids=stop_ids, max_batch=cfg.serve.max_batch, trial_tokens=cfg.serve.swap.window_tokens)
+        if engine is not None:  # vLLM's own server steps it (dvi.cli.vllm_plugin): this replica follows its requests
+            self.engine = engine
+            engine.adopt, engine.on_finish = self.adopt, self.finish
+        elif self.engine_kind.value == "vllm":
+            self.engine = VllmEngine.start(pair.target_dir, pair.target, pair.drafter, pair.drafter_dir, cfg.serve.spec, cfg.serve.vllm,
+                                           stop_ids=stop_ids, max_batch=cfg.serve.max_batch, trial_tokens=cfg.serve.swap.window_tokens)
         else:
             self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
         self.rejected: OrderedDict[str, None] = OrderedDict()  # versions never to serve again, oldest first
@@ -122,16 +129,18 @@ class Replica:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> Replica:
+    def start(self, decode: bool = True) -> Replica:
         """Measure the engine's cost table (`serve.spec.warmup_reps`; before the HTTP server answers, so no request
-        waits behind it), then start the threads."""
+        waits behind it), then start the threads; `decode=False`: another loop steps the engine (vLLM's own server),
+        and this replica follows its requests, swaps and tracks."""
         spec = self.cfg.serve.spec
         if spec.warmup_reps and spec.adaptive and spec.cost_ratio is None and self.engine_kind.value == "dvi":  # vLLM: from live steps
             try:
                 log.info("cost table measured at start-up: %s", self.engine.warm_up(spec.warmup_reps))
             except Exception:  # adaptive K then learns the costs from live rounds only
                 log.exception("measuring the cost table failed")
-        loops = [("dvi-decode", self._decode_loop), ("dvi-tracking", self._tracking_loop)]
+        loops = [("dvi-decode", self._decode_loop)] if decode else []
+        loops.append(("dvi-tracking", self._tracking_loop))
         if self.control is not None and self.cfg.serve.swap.enabled:
             loops.append(("dvi-swap", self._swap_loop))
         for name, target in loops:
@@ -227,6 +236,7 @@ class Replica:
         return {"status": "ok", "model": self.model_name, "replica_id": self.replica_id, "pid": os.getpid(), "engine": self.engine_kind.value,
                 "queue_depth": self._queue.qsize(),
                 "rollout": self.rollout.drafter.version if self.rollout else None, "rejected": sorted(self.rejected),
+                "control_refused": getattr(self.control, "invalid", None),  # control messages refused (unsigned, forged, ...)
                 "records": self.producer.stats.to_dict() if self.producer is not None else None, **self.metrics.snapshot()}
 
     def prometheus(self) -> str:
@@ -294,7 +304,10 @@ class Replica:
             else:
                 decisions.info("drafting %s at batch size %s%s: %s", kind, sizes, f" (K={first.k})" if first.k else "", first.why)
 
-    def _join(self, batch, job: Job) -> None:
+    @staticmethod
+    def _emitter(job: Job) -> TokenHook:
+        """What the engine calls with a request's new tokens: its latencies are noted, its client's callback called."""
+
         def emit(ids: list[int], logprobs: list[LogProb] | None) -> None:
             now = time.perf_counter()
             if job.first is None:
@@ -308,6 +321,24 @@ class Replica:
                 except Exception:  # a client gone away must not stop the batch
                     log.debug("streaming callback failed", exc_info=True)
 
+        return emit
+
+    def adopt(self, request: Request, domain: str | None, arrived: float) -> tuple[Job, TokenHook]:
+        """A request that another loop (vLLM's own server) started decoding: followed as a job of this replica's
+        (`arrived`: when it arrived, time.perf_counter). Returns the job and the hook for its tokens."""
+        job = Job(request, domain, arrived=arrived)
+        job.joined = time.perf_counter()
+        self._decoding = self._decoding + [job]
+        return job, self._emitter(job)
+
+    def finish(self, job: Job, result: Result) -> None:
+        """An adopted request finished: measured, logged, its decisions recorded (as for a request decoded here)."""
+        self._decoding = [j for j in self._decoding if j is not job]
+        self._finish(job, result)
+        self._log_routing()
+
+    def _join(self, batch, job: Job) -> None:
+        emit = self._emitter(job)
         if job.future.done():  # failed by a drain while it waited
             return
         if job.cancelled:  # its client went away while it waited: nothing was decoded, nothing to log

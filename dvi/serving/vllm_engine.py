@@ -1,12 +1,19 @@
-"""vLLM as the serving engine (serve.engine=vllm): dvi's engine interface over vLLM's in-process engine.
+"""vLLM as the serving engine: dvi's engine interface over vLLM's engine core, in this process or in vLLM's own server.
 
 `VllmEngine` offers what the replica asks of `dvi.engine.SpeculativeEngine` (`decoding()`, `check_request`,
 `check_drafter`, `swap_drafter`, `take_load_failures`, `drafter`, `abort`, `target`, `device`, `vocab_size`), so that the
-replica's API, decision records, hot swaps, live judge and metrics are the same for both engines. Underneath:
+replica's API, decision records, hot swaps, live judge and metrics are the same for both engines. It follows one of
+vLLM's V1 `EngineCore`s, the target as its model and the drafter as its `draft_model` speculator, in either of two ways:
 
-- vLLM's V1 `LLMEngine` runs in this process (no engine process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`), the target
-  as its model and the drafter as its `draft_model` speculator. The replica's decode thread steps it:
-  `VllmDecoding.step()` is one `LLMEngine.step()`, one scheduled batch;
+- **in process** (serve.engine=vllm, `VllmEngine.start`): vLLM's `LLMEngine` runs in this process (no engine process:
+  `VLLM_ENABLE_V1_MULTIPROCESSING=0`) and the replica's decode thread steps it: `VllmDecoding.step()` is one
+  `LLMEngine.step()`, one scheduled batch;
+- **attached** (`VllmEngine.attach`, from `dvi.cli.vllm_plugin` inside an unmodified `vllm serve`): vLLM's own
+  engine-core process steps its core from its busy loop, and every request vLLM schedules is adopted (its prompt and
+  sampling parameters from vLLM's scheduler, its domain from `vllm_xargs`' `dvi_domain`).
+
+Either way dvi's work wraps each of the core's steps (the `step_fn` its loop calls):
+
 - speculation only where it pays (`serve.spec.adaptive`): vLLM drafts one K for a whole step, read from its
   batch-size schedule (`num_speculative_tokens_per_batch_size`, a dense lookup in its scheduler). Before every step
   `dvi.engine.StepPlanner` rewrites that lookup from the live acceptance of the serving drafter and the costs measured
@@ -19,15 +26,16 @@ replica's API, decision records, hot swaps, live judge and metrics are the same 
 - every verification is read inside vLLM's worker by `dvi.serving.vllm_worker` and becomes the same `Round`s the
   native engine returns (drafted ids, accepted count, the target's token, its top-k log-probs at each drafted and
   bonus position), so the records on the topic do not say which engine wrote them;
-- a swap loads the new weights into vLLM's draft model between two steps, on the decode thread, so no step mixes
-  two drafters. vLLM proposes the drafts a step verifies at the end of the step before, so the first step after a
-  swap still verifies the previous drafter's drafts: rounds are labelled with the version that drafted them.
-  Requests in flight at a swap keep their draft KV cache, computed by the previous weights, until they finish;
+- a swap loads the new weights into vLLM's draft model between two steps, so no step mixes two drafters. vLLM
+  proposes the drafts a step verifies at the end of the step before, so the first step after a swap still verifies
+  the previous drafter's drafts: rounds are labelled with the version that drafted them. Requests in flight at a swap
+  keep their draft KV cache, computed by the previous weights, until they finish;
 - what vLLM cannot do here is refused with the reason: a drafter with a reduced vocabulary head, or with another
   shape than the draft model vLLM was started with (vLLM sizes the draft model once).
 
-vLLM is imported when an engine is built, never by importing this module. This module knows vLLM's public engine
-API; its worker extension knows the private part. It does not know HTTP, Kafka or MLflow.
+A failure of dvi's own work around a step is logged and the step's outputs still reach vLLM's clients. vLLM is
+imported when an engine is built, never by importing this module. This module knows vLLM's engine core and public
+engine API; its worker extension knows the private part. It does not know HTTP, Kafka or MLflow.
 """
 
 from __future__ import annotations
@@ -48,11 +56,13 @@ from dvi.engine import MAX_LOGPROBS, CostTable, Request, Result, Round, Routing,
 from dvi.errors import DviError
 from dvi.hardware import VLLM_RELEASE
 from dvi.models import Drafter
+from dvi.records import DOMAIN
 
 log = logging.getLogger("dvi.serving.vllm")
 
 VLLM_VERSION = VLLM_RELEASE  # the vLLM release whose worker internals dvi.serving.vllm_worker reads
 EXTENSION = "dvi.serving.vllm_worker.DviWorkerExtension"
+DOMAIN_ARG = "dvi_domain"  # the key of a request's vllm_xargs (SamplingParams.extra_args) that names its domain
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
 
 
@@ -61,23 +71,33 @@ def compile_cache_dir() -> Path:
     return default_cache_dir() / "compile"
 
 
-def set_vllm_env(cfg: VllmConfig) -> None:
-    """vLLM's settings that are environment variables, read when its engine starts; but for the KV cache's size (the
-    config's), a value the user set wins."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: steps from our thread
+def vllm_env(cfg: VllmConfig) -> dict[str, str]:
+    """vLLM's settings that are environment variables, read when its engine starts, for an engine dvi starts in this
+    process (`set_vllm_env`) or a vLLM server it starts (`dvi.serving.vllm_server`): the compile caches under dvi's
+    cache, the KV cache's size, every core for the engine, no usage reports."""
     cache = compile_cache_dir()
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    env = {"VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+           "VLLM_CPU_KVCACHE_SPACE": str(int(cfg.cpu_kv_cache_gb)),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # the CPU build keeps a core back unless told
+           "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
     # vLLM 0.32's CPU build saves an ahead-of-time compiled artifact it then fails to load ("'function' object has no
     # attribute 'finalize_loading'") and compiles again at every start; without it, torch inductor's own cache makes a
     # second start take seconds of compiling instead of minutes
     if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.cpu_kv_cache_gb))  # per engine: the config's, not the first one's
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the CPU build keeps a core back unless told
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env["VLLM_USE_AOT_COMPILE"] = "0"
+    return env
+
+
+def set_vllm_env(cfg: VllmConfig) -> None:
+    """`vllm_env` in this process's environment for an engine in this process (no engine process, its start-up report at
+    WARNING); a value the user set wins, but for the KV cache's size (the config's, per engine)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: steps from our thread
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up report is dozens of INFO lines
-    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+    for key, value in vllm_env(cfg).items():
+        if key == "VLLM_CPU_KVCACHE_SPACE":
+            os.environ[key] = value
+        else:
+            os.environ.setdefault(key, value)
 
 
 def import_vllm():
@@ -95,29 +115,31 @@ def import_vllm():
 class VllmEngine:
     """The target and drafter in vLLM's engine, behind dvi's engine interface (see the module docstring).
 
+    `start(...)` starts vLLM's engine in this process (serve.engine=vllm: the replica's decode thread steps it through
+    `decoding()`); `attach(core, ...)` follows an engine core that vLLM's own server runs and steps
+    (`dvi.cli.vllm_plugin`), adopting every request vLLM schedules. Either way dvi's work sits around each of the
+    core's steps (`_step`): the drafter swapped in since the last step is loaded, K is planned, and after the step the
+    captured verifications become the requests' rounds; a finished request's Result goes to `on_finish`.
+
     `target`: the target's skeleton (`dvi.models.target_skeleton`: config and shapes, no weights; vLLM holds the
-    weights); `drafter`: the configured drafter (loaded on the CPU, where dvi checks drafters) and `drafter_dir` its
-    checkpoint, which vLLM loads; None: no speculation."""
+    weights); `drafter`: the drafter vLLM was started with (loaded on the CPU, where dvi checks drafters); None: no
+    speculation."""
 
-    def __init__(self, target_dir: Path, target: PreTrainedModel, drafter: Drafter | None, drafter_dir: Path | None,
-                 spec: SpecConfig, vcfg: VllmConfig, *, stop_ids=frozenset(), max_batch: int = 8, seed: int = 0,
-                 trial_tokens: int = 0):
-        set_vllm_env(vcfg)
-        vllm = import_vllm()
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
+    def __init__(self, core, target: PreTrainedModel, drafter: Drafter | None, spec: SpecConfig, *, stop_ids=frozenset(),
+                 max_batch: int = 8, window: int = 1 << 30, trial_tokens: int = 0, llm=None):
+        self.core = core  # vLLM's EngineCore: its scheduler, its workers (collective_rpc) and the step_fn its loop calls
+        self.llm = llm  # the in-process LLMEngine (start), None when following vLLM's own server (attach)
         self.target = target
         self.device = torch.device("cpu")  # where drafters are checked and kept; vLLM copies their weights in
         self.spec = spec
         self.stop_ids = frozenset(stop_ids)
         self.max_batch = max_batch
         self.vocab_size = int(target.config.vocab_size)
-        self.window = min(vcfg.max_model_len, int(getattr(target.config, "max_position_embeddings", 1 << 30)))
+        self.window = min(window, int(getattr(target.config, "max_position_embeddings", 1 << 30)))
         self.topk = spec.topk_logprobs
         self._lock = threading.Lock()
         self._abort = threading.Event()
-        self._batch: VllmDecoding | None = None  # the running batch (decoding())
+        self._batch: VllmDecoding | None = None  # the running batch (decoding(), in process)
         self._drafter = drafter  # the drafter swapped in last (what `drafter` reports)
         self._loaded = drafter  # the drafter whose weights vLLM's draft model holds
         self._failures: list[tuple[str, str]] = []  # drafters vLLM failed to load (take_load_failures)
@@ -126,16 +148,39 @@ class VllmEngine:
         self.costs = CostTable(spec)  # seconds of this machine's steps, by batch size and K (where drafting pays)
         self.planner = StepPlanner(spec, max_batch, self.costs, trial_tokens) if drafter is not None and spec.adaptive else None
         self._routing: list[tuple[Routing, list[int]]] = []  # decisions for the replica (take_routing)
+        self.rows: dict[str, _Row] = {}  # the requests in vLLM's batch, by vLLM's request id
+        self._finished: list[tuple[_Row, Result]] = []  # finished in the last step, for decoding() (in process)
+        # attach: a request vLLM scheduled is adopted (`adopt(request, domain, arrived)` -> (key, on_tokens)) and its
+        # Result handed over once it finishes (`on_finish(key, result)`); the replica sets both
+        self.adopt = None
+        self.on_finish = None
+        core.collective_rpc("dvi_capture", args=(max(self.topk, MAX_LOGPROBS),))
+        self._lookup = self._schedule_lookup() if self.planner is not None else None
+        self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.awake)
+        step = core.step_fn
+        core.step_fn = lambda: self._step(step)  # what vLLM's engine loop (or LLMEngine.step) calls for each step
+
+    @classmethod
+    def start(cls, target_dir: Path, target: PreTrainedModel, drafter: Drafter | None, drafter_dir: Path | None,
+              spec: SpecConfig, vcfg: VllmConfig, *, stop_ids=frozenset(), max_batch: int = 8, seed: int = 0,
+              trial_tokens: int = 0) -> VllmEngine:
+        """vLLM's engine in this process, the target as its model and `drafter_dir` as its draft model."""
+        set_vllm_env(vcfg)
+        vllm = import_vllm()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
         if drafter is not None:
-            self.check_drafter(drafter)
+            check_vllm_drafter(drafter, int(target.config.vocab_size))
         speculative = None
         if drafter is not None:
             speculative = {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": spec.k}
-            if self.planner is not None:  # a batch-size schedule, rewritten before every step (StepPlanner)
+            if spec.adaptive:  # a batch-size schedule, rewritten before every step (StepPlanner)
                 speculative.update(num_speculative_tokens=spec.k_max, num_speculative_tokens_per_batch_size=[(1, max_batch, spec.k)])
+        window = min(vcfg.max_model_len, int(getattr(target.config, "max_position_embeddings", 1 << 30)))
         args = EngineArgs(
             model=str(target_dir), tokenizer=str(target_dir), dtype=str(target.dtype).removeprefix("torch."), seed=seed,
-            max_model_len=self.window, max_num_seqs=max_batch, enforce_eager=vcfg.enforce_eager,
+            max_model_len=window, max_num_seqs=max_batch, enforce_eager=vcfg.enforce_eager,
             gpu_memory_utilization=vcfg.gpu_memory_utilization, enable_prefix_caching=vcfg.prefix_caching,
             speculative_config=speculative, worker_extension_cls=EXTENSION, async_scheduling=False,
             disable_log_stats=True, max_logprobs=MAX_LOGPROBS,
@@ -144,18 +189,28 @@ class VllmEngine:
         if not vcfg.enforce_eager:
             log.warning("vLLM compiles the target%s (the first start on this machine takes minutes; the compiled code is "
                         "kept in %s for the next starts)", " and the drafter" if drafter is not None else "", compile_cache_dir())
-        self.llm = LLMEngine.from_engine_args(args)
-        self.llm.collective_rpc("dvi_capture", args=(max(self.topk, MAX_LOGPROBS),))
-        self._lookup = self._schedule_lookup() if self.planner is not None else None
-        self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.awake)
+        llm = LLMEngine.from_engine_args(args)
+        engine = cls(llm.engine_core.engine_core, target, drafter, spec, stop_ids=stop_ids, max_batch=max_batch, window=window,
+                     trial_tokens=trial_tokens, llm=llm)
         log.warning("vLLM %s engine up in %.1f s (%s, %s; target %s, drafter %s, %s)", vllm.__version__, time.perf_counter() - t0,
                     args.dtype, "eager" if vcfg.enforce_eager else "compiled", target_dir, drafter_dir,
-                    "K planned per step" if self.planner is not None else f"K={spec.k}")
-        self.params = vllm.SamplingParams  # how requests are described to vLLM
+                    "K planned per step" if engine.planner is not None else f"K={spec.k}")
+        engine.params = vllm.SamplingParams  # how requests are described to vLLM
+        return engine
+
+    @classmethod
+    def attach(cls, core, target: PreTrainedModel, drafter: Drafter | None, spec: SpecConfig, *, trial_tokens: int = 0) -> VllmEngine:
+        """Follow `core`, an engine core that vLLM's own server runs (dvi.cli.vllm_plugin): its limits (batch,
+        context window) are vLLM's; `spec.k_max` is the K vLLM was started with."""
+        config = core.vllm_config
+        if drafter is not None:
+            check_vllm_drafter(drafter, int(target.config.vocab_size))
+        return cls(core, target, drafter, spec, max_batch=config.scheduler_config.max_num_seqs, window=config.model_config.max_model_len,
+                   trial_tokens=trial_tokens)
 
     def _schedule_lookup(self) -> list[int]:
         """vLLM's batch size -> K lookup (its scheduler reads it at every step; dvi rewrites it in place)."""
-        lookup = getattr(getattr(getattr(self.llm.engine_core, "engine_core", None), "scheduler", None), "dynamic_sd_lookup", None)
+        lookup = getattr(getattr(self.core, "scheduler", None), "dynamic_sd_lookup", None)
         if not isinstance(lookup, list) or len(lookup) != self.max_batch + 1:
             raise DviError(f"vLLM {VLLM_VERSION}'s scheduler has no batch-size schedule where dvi reads it; "
                            "set serve.spec.adaptive=false to draft a fixed K")
@@ -167,16 +222,50 @@ class VllmEngine:
             out, self._routing = self._routing, []
         return out
 
-    def _plan_step(self, rows: list[_Row]) -> None:
-        """Before a step of these requests: vLLM's schedule from the planner (see the module docstring); asleep, the
-        worker skips the drafter's pass at K = 0, and the requests of the step lose their whole drafter cache."""
-        lookup, changes = self.planner.schedule(len(rows), sum(r.whole for r in rows))
+    # -- around each of vLLM's steps ---------------------------------------------------------
+
+    def _step(self, step):
+        """One step of vLLM's engine core (`step`, its own step function) with dvi's work around it: the drafter swapped
+        in since the last step is loaded, K planned; then the step's verifications are read and the finished requests
+        handed over. dvi's own failures here are logged and the step's outputs still go to vLLM's clients: serving never
+        waits on, or fails with, the loop."""
+        drafted_by = self._drafted_by
+        try:
+            self._load_pending()
+            drafted_by = self._drafted_by
+            if self.planner is not None:
+                self._plan_step()
+        except Exception:
+            log.exception("dvi's work before a vLLM step failed")
+        t0 = time.perf_counter()
+        outputs, executed = step()
+        try:
+            steps = self.core.collective_rpc("dvi_take")[0] if executed else []
+            step_s = time.perf_counter() - t0  # the capture's log-probs count: they grow with K too
+            for captured in steps:
+                self._rounds(captured, drafted_by)
+            if self.planner is not None and len(steps) == 1:
+                self._observe_step(steps[0], step_s)
+            self._drafted_by = self._loaded.version if self._loaded is not None else None  # the drafts of the next step
+            self._outputs(outputs)
+        except Exception:
+            log.exception("reading a vLLM step's verifications failed")
+        return outputs, executed
+
+    def _plan_step(self) -> None:
+        """Before a step: vLLM's schedule from the planner (see the module docstring) for the batch about to step (the
+        requests running and those it may admit); asleep, the worker skips the drafter's pass at K = 0, and the requests
+        of the step lose their whole drafter cache."""
+        sched = self.core.scheduler
+        batch = min(len(sched.running) + len(sched.waiting), self.max_batch)
+        whole = max(0, batch - sum(not r.whole for r in self.rows.values()))
+        lookup, changes = self.planner.schedule(batch, whole)
         self._lookup[:] = lookup
         if self.planner.awake == self._asleep:
             self._asleep = not self.planner.awake
-            self.llm.collective_rpc("dvi_sleep", args=(self._asleep,))
+            self.core.collective_rpc("dvi_sleep", args=(self._asleep,))
         if self._asleep:
-            for r in rows:
+            for r in self.rows.values():
                 r.whole = False
         if changes:
             with self._lock:
@@ -188,6 +277,95 @@ class VllmEngine:
         if not meta or meta["tokens"] != meta["requests"] + meta["verify_tokens"]:
             return
         self.costs.observe_step(meta["requests"], max(s["num_draft"], default=0), meta["proposed_k"], step_s, meta["propose_s"])
+
+    def _row(self, internal: str) -> _Row | None:
+        """The request `internal` as dvi follows it; following vLLM's own server, a request seen for the first time is
+        adopted from vLLM's scheduler (its prompt, sampling parameters and the `dvi_domain` of its `vllm_xargs`)."""
+        row = self.rows.get(internal)
+        if row is not None or self.adopt is None:
+            return row
+        request = self.core.scheduler.requests.get(internal)
+        if request is None or request.sampling_params is None or request.prompt_token_ids is None:
+            return None
+        sp = request.sampling_params
+        domain = (sp.extra_args or {}).get(DOMAIN_ARG)
+        if domain is not None and not (isinstance(domain, str) and DOMAIN.fullmatch(domain)):
+            log.warning("request %s: %s=%r is not a domain tag (1 to 64 letters, digits, '.', '_' or '-'): counted as none",
+                        internal, DOMAIN_ARG, str(domain)[:80])
+            domain = None
+        req = Request(list(request.prompt_token_ids), max_new_tokens=int(sp.max_tokens or 0), temperature=float(sp.temperature),
+                      top_p=float(sp.top_p), seed=sp.seed, request_id=internal, ignore_eos=bool(sp.ignore_eos),
+                      min_tokens=int(sp.min_tokens or 0))
+        arrived = time.perf_counter() - max(0.0, time.time() - request.arrival_time)
+        key, on_tokens = self.adopt(req, domain, arrived)
+        row = self.rows[internal] = _Row(key, req, on_tokens, internal, start=arrived, whole=not self._asleep)
+        return row
+
+    def _outputs(self, outputs: dict) -> None:
+        """The tokens vLLM emitted in the step (its EngineCoreOutputs), and the requests it finished; a request that
+        left vLLM's scheduler without a finishing output (aborted by its client) ends as `abort`."""
+        for eco in outputs.values():
+            for o in eco.outputs:
+                row = self._row(o.request_id)
+                if row is None:
+                    continue
+                new = list(o.new_token_ids)
+                before = len(row.out)
+                row.out.extend(new)
+                if row.on_tokens is not None and new:
+                    row.on_tokens(new, row.logprobs[before : len(row.out)] if row.req.logprobs is not None else None)
+                if o.finish_reason is not None:
+                    self._finish(row, str(o.finish_reason))  # stop, length, abort; error
+        gone = [r for r in self.rows.values() if r.internal_id not in self.core.scheduler.requests]
+        for row in gone:
+            self._finish(row, row.cancelled or "abort")
+
+    def _finish(self, row: _Row, reason: str) -> None:
+        self.rows.pop(row.internal_id, None)
+        result = row.result(reason)
+        if self.on_finish is not None:
+            try:
+                self.on_finish(row.key, result)
+            except Exception:
+                log.exception("handing over the result of request %s failed", row.internal_id)
+        else:
+            self._finished.append((row, result))
+
+    def _rounds(self, s: dict, drafted_by: str | None) -> None:
+        """The Rounds of one captured step (see dvi.serving.vllm_worker), appended to their requests."""
+        first_row = 0
+        topk = self.topk
+        d0 = 0
+        for i, internal in enumerate(s["req_ids"]):
+            k = s["num_draft"][i]
+            rows = slice(first_row, first_row + k + 1)
+            first_row += k + 1
+            drafted = s["drafted"][d0 : d0 + k]
+            d0 += k
+            row = self._row(internal)
+            tokens = [t for t in s["sampled"][i] if t >= 0]
+            if row is None or not tokens:  # not ours any more, or a prefill chunk that emitted nothing
+                continue
+            version = drafted_by if k else None
+            if version and (not row.versions or row.versions[-1] != version):
+                row.versions.append(version)
+            n = len(tokens) - 1
+            if self.planner is not None and k and self._loaded is not None and version == self._loaded.version:
+                self.planner.drafted(k)
+                if row.whole:
+                    self.planner.observe(k, n)
+            top_ids = s["top_ids"][rows] if s["top_ids"] is not None else None
+            top_lps = s["top_logprobs"][rows] if s["top_logprobs"] is not None else None
+            logprobs = None
+            if row.req.logprobs is not None:
+                chosen = s["chosen"][i, : len(tokens)].tolist()
+                n_top = row.req.logprobs
+                logprobs = [(c, list(zip(top_ids[j, :n_top].tolist(), top_lps[j, :n_top].tolist()))) for j, c in enumerate(chosen)]
+            row.rounds.append(Round(position=row.emitted, k=k, drafted=drafted, accepted=n, token=tokens[-1], drafter_version=version,
+                                    topk_ids=top_ids[:, :topk].clone() if topk else None,
+                                    topk_logprobs=top_lps[:, :topk].clone() if topk else None, logprobs=logprobs))
+            row.logprobs.extend(logprobs or [])
+            row.emitted += len(tokens)
 
     # -- drafter pointer ----------------------------------------------------------------------
 
@@ -201,11 +379,7 @@ class VllmEngine:
         draft model vLLM was started with."""
         if self._shape is None:
             raise DviError("this vLLM engine was started without a drafter (--no-draft): it cannot take one while serving")
-        if drafter.vocab_map is not None:
-            raise DviError(f"drafter {drafter.version!r} has a reduced vocabulary head ({drafter.vocab_size} rows); "
-                           "vLLM's draft model drafts over the target's whole vocabulary")
-        if int(drafter.model.config.vocab_size) != self.vocab_size:
-            raise DviError(f"drafter {drafter.version!r} has vocabulary size {drafter.model.config.vocab_size}, the target has {self.vocab_size}")
+        check_vllm_drafter(drafter, self.vocab_size)
         if _shape(drafter) != self._shape:
             raise DviError(f"drafter {drafter.version!r} has {drafter.model.config.num_hidden_layers} layers and other shapes than the "
                            f"draft model vLLM was started with; vLLM sizes its draft model once (restart the server to change it)")
@@ -219,8 +393,8 @@ class VllmEngine:
             self._drafter = drafter
 
     def _load_pending(self) -> None:
-        """On the decode thread, between steps: load the drafter swapped in since the last step. If vLLM fails to
-        load it, the previous weights go back in, the previous drafter serves on, and `take_load_failures` says so."""
+        """Before a step: load the drafter swapped in since the last step. If vLLM fails to load it, the previous
+        weights go back in, the previous drafter serves on, and `take_load_failures` says so."""
         with self._lock:
             want = self._drafter
         if want is self._loaded:
@@ -238,14 +412,13 @@ class VllmEngine:
         self._loaded = want
         if self.planner is not None:
             self.planner.reset()
-        if self._batch is not None:  # the requests in flight hold the previous weights' draft KV cache
-            for r in self._batch.rows.values():
-                r.whole = False
+        for r in self.rows.values():  # the requests in flight hold the previous weights' draft KV cache
+            r.whole = False
         log.info("drafter %s loaded into vLLM's draft model in %.2f s", want.version, seconds)
 
     def _load(self, drafter: Drafter) -> float:
         weights = {k: v.detach().float() for k, v in drafter.model.state_dict().items()}
-        return self.llm.collective_rpc("dvi_load_drafter", args=(weights,))[0]
+        return self.core.collective_rpc("dvi_load_drafter", args=(weights,))[0]
 
     def take_load_failures(self) -> list[tuple[str, str]]:
         """(version, reason) of each swapped-in drafter vLLM failed to load since the last call."""
@@ -258,8 +431,9 @@ class VllmEngine:
         self._abort.set()
 
     def close(self) -> None:
-        """Release vLLM's engine (its weights and KV cache): vLLM freezes the garbage collector's view of everything
-        allocated while it starts, so without its shutdown nothing it holds is ever freed in this process."""
+        """Release vLLM's engine (its weights and KV cache), when it runs in this process: vLLM freezes the garbage
+        collector's view of everything allocated while it starts, so without its shutdown nothing it holds is ever freed
+        in this process. Following vLLM's own server, its engine is vLLM's to stop."""
         self._abort.set()
         llm, self.llm = self.llm, None
         if llm is None:
@@ -272,7 +446,7 @@ class VllmEngine:
         del llm
         gc.collect()
 
-    # -- requests -----------------------------------------------------------------------------
+    # -- requests (in process) ----------------------------------------------------------------
 
     def check_request(self, r: Request) -> None:
         check_request(r, self.window, self.vocab_size, "the context window (serve.vllm.max_model_len)")
@@ -293,9 +467,19 @@ class VllmEngine:
         """The running batch (vLLM's scheduler holds it): `add` requests, `step` the engine. A new one replaces the
         last (after a failed step, the replica starts afresh): requests the last one left in vLLM are aborted."""
         last, self._batch = self._batch, VllmDecoding(self)
-        if last is not None and last.rows:
-            self.llm.abort_request([r.internal_id for r in last.rows.values()], internal=True)
+        if last is not None and self.rows:
+            self.llm.abort_request(list(self.rows), internal=True)
+            self.rows.clear()
         return self._batch
+
+
+def check_vllm_drafter(drafter: Drafter, vocab_size: int) -> None:
+    """DviError unless vLLM's draft model can take `drafter`: the target's whole vocabulary."""
+    if drafter.vocab_map is not None:
+        raise DviError(f"drafter {drafter.version!r} has a reduced vocabulary head ({drafter.vocab_size} rows); "
+                       "vLLM's draft model drafts over the target's whole vocabulary")
+    if int(drafter.model.config.vocab_size) != vocab_size:
+        raise DviError(f"drafter {drafter.version!r} has vocabulary size {drafter.model.config.vocab_size}, the target has {vocab_size}")
 
 
 def _shape(drafter: Drafter) -> dict[str, tuple[int, ...]]:
@@ -329,12 +513,15 @@ class _Row:
 
 
 class VllmDecoding:
-    """vLLM's running batch as the replica drives a `dvi.engine.Decoding`: `add` between steps, `step()` runs one
-    engine step and returns the requests that finished in it; `cancel` from any thread."""
+    """vLLM's running batch (in process) as the replica drives a `dvi.engine.Decoding`: `add` between steps, `step()` runs
+    one engine step and returns the requests that finished in it; `cancel` from any thread."""
 
     def __init__(self, engine: VllmEngine):
         self.engine = engine
-        self.rows: dict[str, _Row] = {}  # by vLLM's internal request id
+
+    @property
+    def rows(self) -> dict[str, _Row]:
+        return self.engine.rows
 
     @property
     def size(self) -> int:
@@ -351,9 +538,6 @@ class VllmDecoding:
             raise DviError(f"vLLM refused request {req.request_id}: {type(err).__name__}: {str(err)[:300]}") from None
         self.rows[internal] = _Row(key, req, on_tokens, internal)
 
-    def _leave(self, row: _Row) -> None:
-        del self.rows[row.internal_id]
-
     def cancel(self, key: object, reason: str = "abort") -> bool:
         for r in list(self.rows.values()):
             if r.key is key or r.key == key:
@@ -366,85 +550,19 @@ class VllmDecoding:
         if gone:
             self.engine.llm.abort_request([r.internal_id for r in gone], internal=True)
         for r in gone:
-            self._leave(r)
+            del self.rows[r.internal_id]
         return [(r.key, r.result(r.cancelled)) for r in gone]
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, Result]]:
-        """One engine step. Returns (key, result) of the requests that finished (cancelled ones first)."""
+        """One engine step (`VllmEngine._step` around it). Returns (key, result) of the requests that finished
+        (cancelled ones first)."""
         cancelled = self._take_cancelled()
         e = self.engine
         if not self.rows:
             return cancelled
         if e._abort.is_set():
             raise DviError("decoding was aborted: the server is shutting down")
-        e._load_pending()
-        drafted_by = e._drafted_by
-        if e.planner is not None:
-            e._plan_step(list(self.rows.values()))
-        t0 = time.perf_counter()
-        outputs = e.llm.step()
-        steps = e.llm.collective_rpc("dvi_take")[0]
-        step_s = time.perf_counter() - t0  # the capture's log-probs count: they grow with K too
-        for captured in steps:
-            self._rounds(captured, drafted_by)
-        if e.planner is not None and len(steps) == 1:
-            e._observe_step(steps[0], step_s)
-        e._drafted_by = e._loaded.version if e._loaded is not None else None  # the drafts of the next step
-        by_request = {r.req.request_id: r for r in self.rows.values()}
-        finished = []
-        for o in outputs:
-            row = by_request.get(o.request_id)
-            if row is None or not o.outputs:
-                continue
-            new = list(o.outputs[0].token_ids)
-            before = len(row.out)
-            row.out.extend(new)
-            if row.on_tokens is not None and new:
-                row.on_tokens(new, self._logprobs(row, before) if row.req.logprobs is not None else None)
-            if o.finished:
-                self._leave(row)
-                finished.append((row.key, row.result(str(o.outputs[0].finish_reason))))  # stop, length, abort; error
-        return cancelled + finished
-
-    def _rounds(self, s: dict, drafted_by: str | None) -> None:
-        """The Rounds of one captured step (see dvi.serving.vllm_worker), appended to their requests."""
-        first_row = 0
-        topk = self.engine.topk
-        d0 = 0
-        for i, internal in enumerate(s["req_ids"]):
-            k = s["num_draft"][i]
-            rows = slice(first_row, first_row + k + 1)
-            first_row += k + 1
-            drafted = s["drafted"][d0 : d0 + k]
-            d0 += k
-            row = self.rows.get(internal)
-            tokens = [t for t in s["sampled"][i] if t >= 0]
-            if row is None or not tokens:  # not ours any more, or a prefill chunk that emitted nothing
-                continue
-            version = drafted_by if k else None
-            if version and (not row.versions or row.versions[-1] != version):
-                row.versions.append(version)
-            n = len(tokens) - 1
-            planner = self.engine.planner
-            if planner is not None and k and self.engine._loaded is not None and version == self.engine._loaded.version:
-                planner.drafted(k)
-                if row.whole:
-                    planner.observe(k, n)
-            top_ids = s["top_ids"][rows] if s["top_ids"] is not None else None
-            top_lps = s["top_logprobs"][rows] if s["top_logprobs"] is not None else None
-            logprobs = None
-            if row.req.logprobs is not None:
-                chosen = s["chosen"][i, : len(tokens)].tolist()
-                n_top = row.req.logprobs
-                logprobs = [(c, list(zip(top_ids[j, :n_top].tolist(), top_lps[j, :n_top].tolist()))) for j, c in enumerate(chosen)]
-            row.rounds.append(Round(position=row.emitted, k=k, drafted=drafted, accepted=n, token=tokens[-1], drafter_version=version,
-                                    topk_ids=top_ids[:, :topk].clone() if topk else None,
-                                    topk_logprobs=top_lps[:, :topk].clone() if topk else None, logprobs=logprobs))
-            row.logprobs.extend(logprobs or [])
-            row.emitted += len(tokens)
-
-    @staticmethod
-    def _logprobs(row: _Row, before: int):
-        """The LogProbs of row.out[before:], from its rounds."""
-        return row.logprobs[before : len(row.out)]
+        e.llm.step()
+        finished, e._finished = e._finished, []
+        return cancelled + [(row.key, result) for row, result in finished]

@@ -8,8 +8,9 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
 - `dvi_capture(topk)` wraps `_sample`: for every step it keeps the batch's request ids, each request's drafted ids,
   the tokens the rejection sampler emitted (vLLM pads a row with -1 after a rejection; the row of a prefill chunk
   that is not the last, whose token vLLM discards, is all -1 here), and, from the logits the
-  sampler verifies with (the target's, before any temperature or top-p), the `topk` most likely ids with their
-  log-probs at every drafted and bonus position, and the log-prob of each emitted token;
+  sampler verifies with (the target's, before any temperature or top-p; with a structured-output request's grammar
+  applied, its forbidden tokens at `FORBIDDEN`), the `topk` most likely ids with their log-probs at every drafted and
+  bonus position, and the log-prob of each emitted token;
 - it also times each step's parts for the cost table that decides where drafting pays (`dvi.engine.StepPlanner`):
   wrapping the runner's `execute_model` (what the step scheduled: requests, tokens, drafts to verify, the K to
   propose, `SchedulerOutput.num_spec_tokens_to_schedule`) and `propose_draft_token_ids` (the seconds the drafter took);
@@ -33,6 +34,8 @@ import concurrent.futures
 import time
 
 import torch
+
+FORBIDDEN = -1e4  # the log-prob recorded for a token the request's constraints forbid (see _step)
 
 
 class DviWorkerExtension:
@@ -136,7 +139,9 @@ def _step(verified: torch.Tensor, sampled: torch.Tensor, req_ids: list[str], dra
           meta: dict) -> dict:
     """One captured step: the top-k log-probs at every verified row and the log-prob of each emitted token; `meta`,
     what the step scheduled and the proposer's seconds (filled in after the sampler, read once the step is over)."""
-    log_p = torch.log_softmax(verified, -1)
+    # a token the request's constraints forbid (structured outputs mask its logit to -inf) has log-prob -inf: records
+    # carry finite log-probs, so it gets FORBIDDEN, far below any the target gives a token it may emit
+    log_p = torch.log_softmax(verified, -1).clamp_(min=FORBIDDEN)
     top = log_p.topk(topk, -1) if topk else None
     width = torch.tensor([k + 1 for k in drafts])
     first = (width.cumsum(0) - width).to(log_p.device)  # each request's first logits row

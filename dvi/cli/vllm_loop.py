@@ -1,0 +1,231 @@
+"""dvi's loop in vLLM's processes, once `dvi.cli.vllm_plugin` found it enabled (see that module): the hooks on vLLM's
+executor, engine-core busy loop and shutdown, the replica that follows the engine core, the loop's HTTP view, and
+what vLLM's API-server process adds (dvi's counters in its `/metrics`, the `/dvi/*` relay). It knows how vLLM 0.32
+starts its engine core; the policies (what to log, what to serve) are the replica's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import logging
+import os
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
+from dvi.cli import setup_logging
+from dvi.cli.vllm_plugin import NAME, OVERRIDES, PORT
+from dvi.config import flat_params, load_config
+from dvi.errors import DviError
+from dvi.models import resolve_pair
+from dvi.procs import default_replica_id
+from dvi.serving.replica import Replica
+from dvi.serving.vllm_engine import EXTENSION, VllmEngine, import_vllm
+from dvi.tracking import Tracker
+from streams.client import quiet_kafka_logs
+from streams.control import ControlChannel
+from streams.producer import DecisionProducer
+
+log = logging.getLogger("dvi.cli.vllm_plugin")
+
+
+def install() -> None:
+    """In every vLLM process: the engine core's executor, busy loop and shutdown get dvi's hooks (they act only in the
+    process that runs the engine core), and the API server's metrics registry dvi's collector."""
+    import_vllm()  # another release is one clear error here, before vLLM loads a model
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+    from vllm.v1.executor.abstract import Executor
+
+    executor_init = Executor.__init__
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        prepare(vllm_config)
+        executor_init(self, vllm_config, *args, **kwargs)
+
+    Executor.__init__ = __init__
+    busy_loop = EngineCoreProc.run_busy_loop
+
+    def run_busy_loop(self):
+        follow(self)
+        return busy_loop(self)
+
+    EngineCoreProc.run_busy_loop = run_busy_loop
+    shutdown = EngineCore.shutdown
+
+    def engine_shutdown(self):
+        loop = getattr(self, "_dvi_loop", None)
+        if loop is not None:
+            loop.close()
+        return shutdown(self)
+
+    EngineCore.shutdown = engine_shutdown
+    if PORT in os.environ:
+        try:
+            from prometheus_client import REGISTRY
+
+            REGISTRY.register(DviCollector(int(os.environ[PORT])))
+        except Exception:  # vLLM's metrics go on without dvi's
+            log.exception("dvi's metrics could not join vLLM's /metrics")
+
+
+def prepare(vllm_config) -> None:
+    """Before vLLM builds its workers: dvi's worker extension, and with adaptive K a batch-size schedule (K up to the
+    `num_speculative_tokens` vLLM was given) for the planner to rewrite."""
+    parallel = vllm_config.parallel_config
+    if parallel.worker_extension_cls and parallel.worker_extension_cls != EXTENSION:
+        raise DviError(f"dvi's vLLM plugin needs --worker-extension-cls {EXTENSION}; this server names "
+                       f"{parallel.worker_extension_cls} (vLLM takes one)")
+    parallel.worker_extension_cls = EXTENSION
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.num_speculative_tokens_per_batch_size is None and _config().serve.spec.adaptive:
+        spec.num_speculative_tokens_per_batch_size = [(1, vllm_config.scheduler_config.max_num_seqs, spec.num_speculative_tokens)]
+
+
+def _config(core_config=None):
+    """dvi's config from `DVI_LOOP_OVERRIDES`; given vLLM's config, its target, drafter and batch size replace dvi's."""
+    raw = os.environ.get(OVERRIDES, "[]")
+    try:
+        overrides = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DviError(f"{OVERRIDES} must be a JSON list of overrides, e.g. '[\"stream.bootstrap_servers=host:9092\"]' ({e})") from None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise DviError(f"{OVERRIDES} must be a JSON list of strings, got {raw[:200]!r}")
+    cfg = load_config(overrides)
+    if core_config is None:
+        return cfg
+    spec = core_config.speculative_config
+    drafter = getattr(getattr(spec, "draft_model_config", None), "model", None) if spec is not None else None
+    model = replace(cfg.model, target=str(core_config.model_config.model), drafter=str(drafter) if drafter else cfg.model.drafter,
+                    dtype=str(core_config.model_config.dtype).removeprefix("torch."))
+    k = spec.num_speculative_tokens if spec is not None else cfg.serve.spec.k
+    named = core_config.model_config.served_model_name  # vLLM's --served-model-name (the first), else its --model
+    named = named[0] if isinstance(named, (list, tuple)) else named
+    serve = replace(cfg.serve, engine="vllm", max_batch=core_config.scheduler_config.max_num_seqs,
+                    served_model_name=named if named and named != core_config.model_config.model else cfg.serve.served_model_name,
+                    spec=replace(cfg.serve.spec, k=min(cfg.serve.spec.k, k), k_max=k, k_min=min(cfg.serve.spec.k_min, k)))
+    return replace(cfg, model=model, serve=serve)
+
+
+def follow(core) -> None:
+    """Before the engine core's busy loop: dvi's loop around it (see the module docstring). A configuration dvi cannot
+    serve with is one clear error, and vLLM does not start."""
+    setup_logging(verbose=False)  # dvi's decisions and waits at INFO, timestamped, on the engine core's stderr
+    cfg = _config(core.vllm_config)
+    replica_id = cfg.stream.replica_id or default_replica_id()  # dvi serve names it <host>-<port>
+    cfg = replace(cfg, stream=replace(cfg.stream, replica_id=replica_id))
+    quiet_kafka_logs(False)
+    drafting = core.vllm_config.speculative_config is not None
+    pair = resolve_pair(replace(cfg.model, device="cpu"), with_drafter=drafting, target_weights=False)
+    engine = VllmEngine.attach(core, pair.target, pair.drafter, cfg.serve.spec, trial_tokens=cfg.serve.swap.window_tokens)
+    producer = DecisionProducer(cfg.stream) if cfg.serve.log_decisions else None
+    control = ControlChannel(cfg.stream, client_id=f"dvi-serve-{replica_id}") if cfg.serve.swap.enabled and drafting else None
+    tracker = None
+    if cfg.tracking.enabled:
+        tracker = Tracker(cfg.tracking, run_name=f"serve-{replica_id}", params=flat_params(cfg),
+                          tags={"dvi.role": "serve", "dvi.replica": replica_id, "dvi.engine": "vllm-server"})
+    replica = Replica(cfg, pair, producer=producer, control=control, tracker=tracker, engine=engine).start(decode=False)
+    loop = _Loop(replica)
+    core._dvi_loop = loop
+    log.warning("dvi's loop follows this vLLM server: replica %s, drafter %s, records to %s at %s%s", replica_id,
+                replica.metrics.version, cfg.stream.topic, cfg.stream.bootstrap,
+                f", its view on 127.0.0.1:{loop.port}" if loop.port else "")
+
+
+class _Loop:
+    """The replica that follows the engine core, and the HTTP view of it on 127.0.0.1:$DVI_LOOP_PORT."""
+
+    def __init__(self, replica):
+        self.replica = replica
+        self.server = None
+        self.port = int(os.environ.get(PORT, 0)) or None
+        if self.port:
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), _handler(replica))
+            self.server.daemon_threads = True
+            threading.Thread(target=self.server.serve_forever, name="dvi-view", daemon=True).start()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        self.replica.close()
+
+
+def _handler(replica):
+    class View(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path == "/health":
+                body, kind = json.dumps(replica.health(), default=str).encode(), "application/json"
+            elif self.path == "/metrics":
+                body, kind = replica.prometheus().encode(), "text/plain; version=0.0.4"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # no access log
+            pass
+
+    return View
+
+
+def view(port: int, path: str, timeout_s: float = 2.0) -> bytes:
+    """The engine-core process's answer at `path` (the API server's relay)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout_s) as r:
+        return r.read()
+
+
+class DviCollector:
+    """A prometheus_client collector for vLLM's API-server process: dvi's counters, read from the engine-core process
+    at each scrape of vLLM's `/metrics` (nothing when the loop does not answer)."""
+
+    def __init__(self, port: int):
+        self.port = port
+
+    def collect(self):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            text = view(self.port, "/metrics").decode()
+        except (OSError, urllib.error.URLError):
+            return
+        # vLLM's own process metrics are already in its registry; dvi's copies of them would clash
+        yield from (f for f in text_string_to_metric_families(text) if not f.name.startswith(("process_", "python_")))
+
+
+class DviEndpoints:
+    """vLLM's `vllm.endpoint_plugins` entry point: `/dvi/health` and `/dvi/metrics` on vLLM's own port, relayed from
+    the engine-core process (enabled when `VLLM_PLUGINS` names `dvi` and DVI_LOOP_PORT is set)."""
+
+    name = NAME
+    required_tasks = ("generate",)
+
+    def attach_router(self, app) -> None:
+        from fastapi import Response
+
+        port = int(os.environ.get(PORT, 0))
+
+        def relay(path: str, kind: str):
+            async def route() -> Response:
+                if not port:
+                    return Response(json.dumps({"error": f"{PORT} is not set: dvi's loop has no view here"}), 503,
+                                    media_type="application/json")
+                try:
+                    body = await asyncio.get_running_loop().run_in_executor(None, view, port, path)
+                except OSError as e:
+                    return Response(json.dumps({"error": f"dvi's loop does not answer: {e}"}), 503, media_type="application/json")
+                return Response(body, 200, media_type=kind)
+
+            return route
+
+        app.add_api_route("/dvi/health", relay("/health", "application/json"), methods=["GET"])
+        app.add_api_route("/dvi/metrics", relay("/metrics", "text/plain; version=0.0.4"), methods=["GET"])
+
+    async def init_state(self, engine_client, state, args) -> None:
+        return None

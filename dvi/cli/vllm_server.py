@@ -1,0 +1,60 @@
+"""vLLM's own OpenAI server as dvi starts it (serve.engine=vllm-server): its command line and environment.
+
+`dvi serve` on this engine runs `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs) on the
+configured pair, with dvi's loop enabled in it as a vLLM plugin (`dvi.cli.vllm_plugin`): vLLM's API, processes and
+`/metrics` unchanged, and the records, hot swaps, live judge and tracking of `dvi serve`. The same command without the
+plugin's variables is plain vLLM (`plain=True`), what benchmarks compare against. This module builds argument lists
+and environments; it starts nothing and does not know the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dvi.cli.vllm_plugin import ENABLE, NAME, OVERRIDES, PORT
+from dvi.config import DviConfig
+from dvi.engine import MAX_LOGPROBS
+from dvi.serving.vllm_engine import vllm_env
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, port: int | None = None,
+            host: str | None = None, k: int | None = None) -> list[str]:
+    """The server's command line: the target in `dtype`, the drafter (None: none) as its `draft_model` speculator
+    drafting up to `k` tokens (default: serve.spec.k_max with adaptive K, which dvi's planner lowers where drafting
+    does not pay, else serve.spec.k), serve.max_batch requests at once."""
+    s, v = cfg.serve, cfg.serve.vllm
+    cmd = [sys.executable, "-m", SERVER_MODULE, "--model", str(target), "--dtype", dtype, "--max-model-len", str(v.max_model_len),
+           "--max-num-seqs", str(s.max_batch), "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0", "--disable-uvicorn-access-log",
+           "--host", host or s.host, "--port", str(port or s.port)]
+    if s.served_model_name:
+        cmd += ["--served-model-name", s.served_model_name]
+    if v.enforce_eager:
+        cmd.append("--enforce-eager")
+    if not v.prefix_caching:
+        cmd.append("--no-enable-prefix-caching")
+    if drafter is not None:
+        k = k or (s.spec.k_max if s.spec.adaptive else s.spec.k)
+        cmd += ["--speculative-config", json.dumps({"method": "draft_model", "model": str(drafter), "num_speculative_tokens": k})]
+    return cmd
+
+
+def environment(cfg: DviConfig, base: dict[str, str], *, overrides: list[str] | None = None, loop_port: int | None = None,
+                plain: bool = False) -> dict[str, str]:
+    """The server's environment: `base` with vLLM's settings (`dvi.serving.vllm_engine.vllm_env`) and, unless `plain`,
+    dvi's loop enabled with these Hydra `overrides` and its view on 127.0.0.1:`loop_port` (relayed at /dvi/health and
+    /dvi/metrics). An API key in $DVI_API_KEY becomes vLLM's ($VLLM_API_KEY)."""
+    env = {**base, **vllm_env(cfg.serve.vllm)}
+    for key in (ENABLE, OVERRIDES, PORT):
+        env.pop(key, None)
+    if plain:
+        return env
+    env.update({ENABLE: "1", OVERRIDES: json.dumps(list(overrides or [])), "VLLM_PLUGINS": NAME})
+    if loop_port:
+        env[PORT] = str(loop_port)
+    if base.get("DVI_API_KEY") and not base.get("VLLM_API_KEY"):
+        env["VLLM_API_KEY"] = base["DVI_API_KEY"]
+    return env
