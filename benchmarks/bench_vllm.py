@@ -14,6 +14,8 @@ The servers:
 - `vLLM, bfloat16` (or float32, where auto picks bf16): the other dtype. On a CPU without native bf16, bf16 is
   emulated: it halves the bytes a step reads, which wins at batch 1, and costs compute, which loses at batch 8; the
   table's `x best` column divides by the faster of the two at each batch size;
+- `vLLM, no prefix caching`: the peer without vLLM's prefix cache (`--no-enable-prefix-caching`, as `dvi serve` runs
+  vLLM: a hot swap would leave the previous drafter's keys and values in it);
 - `vLLM + drafter K=k`, `vLLM + trained K=k`: the same with the demo drafter (untrained, then trained) drafting a
   fixed K, as a vLLM user deploys a `draft_model` speculator;
 - `dvi serve`: `dvi serve` on its defaults (engine auto = vLLM, compiled, the dtype auto picks, K planned per step:
@@ -63,7 +65,8 @@ from streams.broker import EmbeddedBroker
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = "vLLM"
-PLAIN = {PEER, "vLLM, bfloat16", "vLLM, float32"}  # plain vLLM, target only, at the settings measured in a run
+NO_PREFIX = "vLLM, no prefix caching"
+PLAIN = {PEER, "vLLM, bfloat16", "vLLM, float32", NO_PREFIX}  # plain vLLM, target only, at the settings measured in a run
 
 
 def log(msg: str) -> None:
@@ -168,6 +171,7 @@ def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, brok
     out = [
         Server(PEER, plain, all_cores, str(target), "vllm"),
         Server(f"vLLM, {other}", plain_other, all_cores, str(target), "vllm"),
+        Server(NO_PREFIX, plain + ["--no-enable-prefix-caching"], all_cores, str(target), "vllm"),
         Server(f"vLLM + drafter K={k}", plain + spec(drafter), all_cores, str(target), "vllm"),
         Server(f"vLLM + trained K={k}", plain + spec(trained), all_cores, str(target), "vllm"),
         Server("dvi serve", dvi + [f"model.drafter={drafter}"], base, None, "dvi"),
@@ -176,11 +180,11 @@ def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, brok
         Server("dvi serve, trained", dvi + [f"model.drafter={trained}"], base, None, "dvi"),
         Server(f"dvi serve, {other}", dvi + [f"model.drafter={drafter}", f"model.dtype={other}"], base, None, "dvi"),
         # vLLM's own server with dvi's loop as its plugin (serve.engine=vllm-server), as `dvi serve` starts it
-        Server("vllm-server", dvi + [f"model.drafter={drafter}", "serve.engine=vllm-server"], base, str(target), "dvi"),
+        Server("vllm-server", dvi + [f"model.drafter={drafter}", "serve.engine=vllm-server"], base, target.name, "dvi"),
         Server(f"vllm-server K={k}", dvi + [f"model.drafter={drafter}", "serve.engine=vllm-server", "serve.spec.adaptive=false",
-                                           f"serve.spec.k={k}"], base, str(target), "dvi"),
-        Server("vllm-server, trained", dvi + [f"model.drafter={trained}", "serve.engine=vllm-server"], base, str(target), "dvi"),
-        Server("vllm-server --no-draft", dvi[:4] + ["--no-draft"] + dvi[4:] + ["serve.engine=vllm-server"], base, str(target), "dvi"),
+                                           f"serve.spec.k={k}"], base, target.name, "dvi"),
+        Server("vllm-server, trained", dvi + [f"model.drafter={trained}", "serve.engine=vllm-server"], base, target.name, "dvi"),
+        Server("vllm-server --no-draft", dvi[:4] + ["--no-draft"] + dvi[4:] + ["serve.engine=vllm-server"], base, target.name, "dvi"),
     ]
     return [s for s in out if only is None or s.name in only]
 

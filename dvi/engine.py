@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -305,22 +306,55 @@ class CostTable:
     and verify costs follow the linear model (a fixed, repeatable cost model).
     """
 
-    WEIGHT = 0.2  # of a new observation in the moving averages
+    WEIGHT = 0.2  # of a new observation in the moving averages (the mean of the first 1 / WEIGHT, so that no one
+    # sample, such as a server's first and slowest step, weighs more than the others)
 
     def __init__(self, spec: SpecConfig):
         self.spec = spec
         self.verify: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds
         self.draft: dict[int, float] = {}  # bucket -> seconds of one drafter step
         self.propose0: dict[int, float] = {}  # bucket -> seconds a step spends in a proposer drafting nothing (observe_step)
+        self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> tokens per second (observe_rate)
+        self.samples: Counter[tuple[str, object]] = Counter()  # (table, key) -> observations so far
+
+    def _average(self, table: str, key, seconds: float) -> None:
+        """A new observation into `table` (verify, draft or propose0) at `key`."""
+        values = getattr(self, table)
+        self.samples[(table, key)] += 1
+        values[key] = moving_average(values.get(key), seconds, max(self.WEIGHT, 1.0 / self.samples[(table, key)]))
 
     def observe_verify(self, batch: int, k: int, seconds: float) -> None:
-        key = (batch_bucket(batch), k)
-        self.verify[key] = moving_average(self.verify.get(key), seconds, self.WEIGHT)
+        self._average("verify", (batch_bucket(batch), k), seconds)
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
         if steps:
-            b = batch_bucket(batch)
-            self.draft[b] = moving_average(self.draft.get(b), seconds / steps, self.WEIGHT)
+            self._average("draft", batch_bucket(batch), seconds / steps)
+
+    RATE_WEIGHT = 0.05  # of a new step in the tokens-per-second averages (about the last 20 steps; a step's yield varies)
+    RATE_SAMPLES = 16  # drafting steps at a bucket before its realized speedup is trusted (their yield varies) ...
+    PLAIN_RATE_SAMPLES = 3  # ... and plain ones (steady: StepPlanner's calibration steps give them)
+
+    def observe_rate(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
+        """A step of decoding (no prefill) emitted `tokens` in `seconds`, verifying drafts or not: tokens per second,
+        by bucket and kind, whatever the cost model says (`realized_speedup`)."""
+        if seconds > 0:
+            key = (batch_bucket(batch), drafting)
+            self.samples[("rate", key)] += 1
+            self.rate[key] = moving_average(self.rate.get(key), tokens / seconds, max(self.RATE_WEIGHT, 1.0 / self.samples[("rate", key)]))
+
+    def realized_speedup(self, batch: int) -> float | None:
+        """Tokens per second of steps that verified drafts over those that did not, at this batch size's bucket, once
+        there are RATE_SAMPLES and PLAIN_RATE_SAMPLES of them; None before."""
+        b = batch_bucket(batch)
+        if self.samples[("rate", (b, True))] < self.RATE_SAMPLES or self.samples[("rate", (b, False))] < self.PLAIN_RATE_SAMPLES:
+            return None
+        return self.rate[(b, True)] / self.rate[(b, False)]
+
+    def forget_drafting_rates(self) -> None:
+        """A new drafter: what drafting yielded says nothing of it."""
+        for key in [k for k in self.rate if k[1]]:
+            del self.rate[key]
+            self.samples.pop(("rate", key), None)
 
     def observe_step(self, batch: int, verified_k: int, proposed_k: int, step_s: float, propose_s: float) -> None:
         """One step of an engine that verifies and drafts in the same call (vLLM): it verified `verified_k` drafts per
@@ -329,7 +363,7 @@ class CostTable:
         every step; what proposing K drafts costs beyond it is K drafter steps."""
         b = batch_bucket(batch)
         if proposed_k == 0:
-            self.propose0[b] = moving_average(self.propose0.get(b), propose_s, self.WEIGHT)
+            self._average("propose0", b, propose_s)
         base = self.propose0.get(b, 0.0)
         self.observe_verify(batch, verified_k, max(step_s - propose_s, 0.0) + base)
         if proposed_k:
@@ -383,7 +417,7 @@ class CostTable:
 class Routing:
     """A decision about where drafting runs: `on` or `off` at a batch size, or a `probe` step while it is off."""
 
-    decision: str  # on | off | probe; sleep | wake: the drafter's pass at K = 0 skipped or run again (StepPlanner)
+    decision: str  # on | off | probe; sleep | wake: the drafter's pass at K = 0 skipped or run again; calibrate (StepPlanner)
     batch: int
     k: int  # the K drafted from then on (on), for the probe (probe), 0 (off)
     why: str
@@ -448,7 +482,10 @@ class StepPlanner:
     counterpart of `_KController`: from the live acceptance of the serving drafter and the cost table, the K with the
     best predicted speedup at each batch size, 0 (drafting off) where none beats `serve.spec.min_speedup`. Drafting off
     at a batch size comes back on only when the best K is predicted to beat plain decoding by `HYSTERESIS` more, so
-    that an estimate hovering at the line does not flip it every step.
+    that an estimate hovering at the line does not flip it every step. The model is checked against what the steps
+    yield: once a bucket has `CostTable.RATE_SAMPLES` steps that drafted and a few that did not, drafting stays on
+    there only while its tokens per second beat plain decoding's (`CostTable.realized_speedup`; at batch 8 on a CPU
+    the model, fed with noisy per-K costs, predicted 1.08x where the steps gave 0.85x).
 
     Acceptance is measured on the rounds of requests whose drafter cache is whole (`observe`; the engine says which),
     position by position (`position_acceptance`: a drafter that is right tends to stay right, which one rate over all
@@ -463,17 +500,32 @@ class StepPlanner:
     While awake with drafting off everywhere, and for the first `trial_tokens` drafted tokens of a new drafter (the
     live judge's window after a swap), probes come `FAST_PROBES` times as often and draft `serve.spec.k`.
 
+    No decision is taken on assumed costs. Every prediction is in units of a step of plain decoding at the batch's size
+    (a verify of K tokens costs far more, relative to it, at batch 8 than at batch 1 on a CPU), which only a step that
+    verifies no drafts measures (the step after one that proposed none). So the first steps at each batch-size bucket
+    draft nothing (`calibrate`) until `CALIBRATE_SAMPLES` plain steps there are timed (more than one: a server's first
+    decode step is its slowest; at most twice as many tries, where steps that prefill are not plain decoding), and so
+    does one step in `RECALIBRATE_EVERY` while drafting is on (off, plain steps come anyway), which keeps the measure
+    current for a share of the speedup under 1%.
+
+    A sleep lasts `SLEEP_STEPS` steps, twice as long each time the drafter wakes to find drafting still off everywhere
+    (up to `SLEEP_MAX`), and `SLEEP_STEPS` again once drafting is on or a new drafter serves: a drafter that cannot pay
+    costs a shrinking share of probes, one that can is found again soon.
+
     `schedule(batch)` returns the dense K lookup for the next step (index = batch size, as vLLM's scheduler reads it)
     and the routing decisions it took. A fresh drafter (`reset`) drafts `serve.spec.k` until its first rounds are seen.
     """
 
     HYSTERESIS = 0.05
+    CALIBRATE_SAMPLES = 3
+    RECALIBRATE_EVERY = 128
     FAST_PROBES = 8
     # every request's rounds feed one estimate, and probes are few: it keeps about the last 100 drafting rounds
     # (serve.spec.decay is a request's own, over its last ten or so; with as few trials the prior would dominate)
     DECAY = 0.99
     WAKE_TOKENS = 32
-    SLEEP_STEPS = 512
+    SLEEP_STEPS = 128
+    SLEEP_MAX = 2048
 
     def __init__(self, spec: SpecConfig, max_batch: int, costs: CostTable, trial_tokens: int = 0):
         self.spec, self.max_batch, self.costs, self.trial_tokens = spec, max_batch, costs, trial_tokens
@@ -487,6 +539,9 @@ class StepPlanner:
         self.awake = True  # False: the engine skips the drafter's pass at K = 0
         self.measured_awake = 0  # drafted tokens measured since the planner last woke
         self.sleep_left = 0  # steps until it wakes
+        self.sleep_steps = self.SLEEP_STEPS  # how long the next sleep lasts
+        self.calibrations: Counter[int] = Counter()  # steps that drafted nothing to measure plain decoding, by bucket
+        self.since_calibrated = 0  # steps since the last one that drafted nothing
 
     def reset(self) -> None:
         """A new drafter serves: what was measured of the last one says nothing about it; it is on trial."""
@@ -495,6 +550,8 @@ class StepPlanner:
         self.steps_off = 0
         self.trial_left = self.trial_tokens
         self.measured_awake = 0
+        self.sleep_steps = self.SLEEP_STEPS
+        self.costs.forget_drafting_rates()
 
     def drafted(self, k: int) -> None:
         """A round of the serving drafter drafted `k` tokens, its cache whole or not (the judge counts them all)."""
@@ -544,6 +601,19 @@ class StepPlanner:
         s = self.spec
         lookup = [0] * (self.max_batch + 1)
         changes = []
+        if self.costs.spec.cost_ratio is None and self.awake:  # measured costs: plain decoding is the unit (class docstring)
+            at = batch_bucket(min(max(batch, 1), self.max_batch))
+            self.since_calibrated += 1
+            timed = self.costs.samples[("verify", (at, 0))]
+            unmeasured = timed < self.CALIBRATE_SAMPLES and self.calibrations[at] < 2 * self.CALIBRATE_SAMPLES
+            if unmeasured or self.since_calibrated >= self.RECALIBRATE_EVERY:
+                if not self.calibrations[at]:
+                    changes.append(Routing("calibrate", min(max(batch, 1), self.max_batch), 0,
+                                           f"plain decoding at batch size {batch} is measured first: steps draft nothing "
+                                           f"until {self.CALIBRATE_SAMPLES} are timed"))
+                self.calibrations[at] += 1
+                self.since_calibrated = 0
+                return lookup, changes
         by_bucket: dict[int, tuple[float, list[float]]] = {}
         for b in range(1, self.max_batch + 1):
             bucket = batch_bucket(b)
@@ -555,13 +625,22 @@ class StepPlanner:
                 need = s.min_speedup * (1.0 + (0.0 if self.on[b] else self.HYSTERESIS))
                 on = speedup > need
                 why = f"predicted speedup {speedup:.2f} {'>' if on else '<='} {need:.2f} at K={k}: {why}"
+                realized = self.costs.realized_speedup(b)
+                if on and realized is not None and realized <= s.min_speedup:  # what the steps yield overrules the model
+                    on = False
+                    why = (f"realized speedup {realized:.2f} <= {s.min_speedup:.2f} (tokens per second of the last steps that "
+                           f"drafted over those that did not), though {why}")
             if on != self.on[b]:
                 self.on[b] = on
                 changes.append(Routing("on" if on else "off", b, k if on else 0, why))
             lookup[b] = k if on else 0
         self.planned = lookup
         b = min(max(batch, 1), self.max_batch)
+        if not lookup[b]:
+            self.since_calibrated = 0  # this step drafts nothing: the next one measures plain decoding anyway
         everywhere_off = not any(lookup) and self.trials and not self.trial_left
+        if any(lookup):
+            self.sleep_steps = self.SLEEP_STEPS
         if not everywhere_off:
             if not self.awake:
                 self._wake(changes, b, "drafting is on again" if any(lookup) else "a new drafter")
@@ -569,11 +648,12 @@ class StepPlanner:
             self.sleep_left -= 1
             if self.sleep_left > 0:
                 return lookup, changes
-            self._wake(changes, b, f"drafting has been off for {self.SLEEP_STEPS} steps: measuring the drafter again")
+            self._wake(changes, b, f"drafting has been off for {self.sleep_steps} steps: measuring the drafter again")
+            self.sleep_steps = min(2 * self.sleep_steps, self.SLEEP_MAX)  # if it is still off, the next sleep is longer
         elif self.measured_awake >= self.WAKE_TOKENS:
-            self.awake, self.sleep_left = False, self.SLEEP_STEPS
+            self.awake, self.sleep_left = False, self.sleep_steps
             changes.append(Routing("sleep", b, 0, f"drafting off at every batch size after {self.measured_awake} drafted "
-                                                   f"tokens measured: the drafter's pass skipped for {self.SLEEP_STEPS} steps"))
+                                                   f"tokens measured: the drafter's pass skipped for {self.sleep_steps} steps"))
             return lookup, changes
         if lookup[b]:
             self.steps_off = 0

@@ -65,7 +65,7 @@ class ServingMetrics:
         self.decode_seconds = 0.0  # summed over requests (a batch's requests overlap)
         self.errors: Counter[str] = Counter()  # HTTP status -> count
         self.events: Counter[str] = Counter()  # swap, rollback, promote, refused:<reason>
-        self.routing: Counter[str] = Counter()  # speculation routing decisions: on, off, probe (dvi.engine.Routing)
+        self.routing: Counter[str] = Counter()  # speculation routing decisions: on, off, probe, ... (dvi.engine.Routing)
         self.schedule: list[int] = []  # the K drafted at each batch size (index 0 unused), where the engine plans one
         self.total = SpecStats()
         self.by_version: dict[str, SpecStats] = {}
@@ -143,7 +143,7 @@ class ServingMetrics:
                 self.markers.append((time.time(), kind, version or NO_DRAFTER))
 
     def route(self, decision: str, schedule: list[int] | None = None) -> None:
-        """Count a speculation routing decision (on, off, probe); `schedule`: the K per batch size it left."""
+        """Count a speculation routing decision (on, off, probe, ...: dvi.engine.Routing); `schedule`: the K per batch size it left."""
         with self._lock:
             self.routing[decision] += 1
             if schedule is not None:

@@ -165,7 +165,7 @@ def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
                 while child.poll() is None and http_ok(url + "/health") is not None:
                     time.sleep(0.5)
             if child.poll() is None:
-                out(f"dvi serve: {url}/v1 (vLLM's server: model {cfg.serve.served_model_name or target_dir}, drafter "
+                out(f"dvi serve: {url}/v1 (vLLM's server: model {cfg.serve.served_model_name or target_dir.name}, drafter "
                     f"{drafter_dir.name if drafter_dir else None}, replica {cfg.stream.replica_id}; dvi's view at {url}/dvi/health); "
                     "Ctrl-C stops it", flush=True)
             code = child.wait()

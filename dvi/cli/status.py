@@ -26,8 +26,13 @@ from dvi.tracking import loop_view, redact
 
 
 def replica(url: str, timeout_s: float = 1.5) -> dict:
+    """A replica's view: dvi serve's `/health`, or where that is vLLM's own (serve.engine=vllm-server, or dvi's plugin in
+    any vLLM server), the loop's `/dvi/health`."""
     try:
-        return {"url": url, **json.loads(local_get(url.rstrip("/") + "/health", timeout_s))}
+        view = json.loads(local_get(url.rstrip("/") + "/health", timeout_s) or "null")
+        if not isinstance(view, dict):
+            view = json.loads(local_get(url.rstrip("/") + "/dvi/health", timeout_s))
+        return {"url": url, **view}
     except (OSError, ValueError) as e:
         return {"url": url, "status": f"unreachable ({type(e).__name__}: {e})"}
 

@@ -23,15 +23,16 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, port: int | None = None,
             host: str | None = None, k: int | None = None) -> list[str]:
-    """The server's command line: the target in `dtype`, the drafter (None: none) as its `draft_model` speculator
-    drafting up to `k` tokens (default: serve.spec.k_max with adaptive K, which dvi's planner lowers where drafting
-    does not pay, else serve.spec.k), serve.max_batch requests at once."""
+    """The server's command line: the target in `dtype` under dvi's model name (serve.served_model_name, else the
+    target's directory name), the drafter (None: none) as its `draft_model` speculator drafting up to `k` tokens
+    (default: serve.spec.k_max with adaptive K, which dvi's planner lowers where drafting does not pay, else
+    serve.spec.k), serve.max_batch requests at once, browser calls from serve.allowed_origins only."""
     s, v = cfg.serve, cfg.serve.vllm
     cmd = [sys.executable, "-m", SERVER_MODULE, "--model", str(target), "--dtype", dtype, "--max-model-len", str(v.max_model_len),
            "--max-num-seqs", str(s.max_batch), "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0", "--disable-uvicorn-access-log",
-           "--host", host or s.host, "--port", str(port or s.port)]
-    if s.served_model_name:
-        cmd += ["--served-model-name", s.served_model_name]
+           "--host", host or s.host, "--port", str(port or s.port),
+           "--served-model-name", s.served_model_name or target.name,  # the name dvi serve answers to
+           "--allowed-origins", json.dumps(list(s.allowed_origins))]  # no web page of another site may call it (CORS)
     if v.enforce_eager:
         cmd.append("--enforce-eager")
     if not v.prefix_caching:

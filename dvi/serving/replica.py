@@ -301,6 +301,8 @@ class Replica:
                 decisions.debug("probe step at batch size %s: K=%d (%s)", sizes, first.k, first.why)
             elif kind in ("sleep", "wake"):
                 decisions.debug("drafter pass %s: %s", "skipped" if kind == "sleep" else "running again", first.why)
+            elif kind == "calibrate":
+                decisions.info("measuring plain decoding first: %s", first.why)
             else:
                 decisions.info("drafting %s at batch size %s%s: %s", kind, sizes, f" (K={first.k})" if first.k else "", first.why)
 

@@ -272,11 +272,13 @@ class VllmEngine:
                 self._routing.extend((c, list(self.planner.planned)) for c in changes)
 
     def _observe_step(self, s: dict, step_s: float) -> None:
-        """A captured step's costs into the cost table (not a step that prefilled: it is no steady step's cost)."""
+        """A captured step's costs and yield into the cost table (not a step that prefilled: it is no steady step's)."""
         meta = s["meta"]
         if not meta or meta["tokens"] != meta["requests"] + meta["verify_tokens"]:
             return
-        self.costs.observe_step(meta["requests"], max(s["num_draft"], default=0), meta["proposed_k"], step_s, meta["propose_s"])
+        verified = max(s["num_draft"], default=0)
+        self.costs.observe_step(meta["requests"], verified, meta["proposed_k"], step_s, meta["propose_s"])
+        self.costs.observe_rate(meta["requests"], verified > 0, sum(t >= 0 for row in s["sampled"] for t in row), step_s)
 
     def _row(self, internal: str) -> _Row | None:
         """The request `internal` as dvi follows it; following vLLM's own server, a request seen for the first time is

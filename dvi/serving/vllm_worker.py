@@ -18,8 +18,9 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
   runs it at K = 0 to keep the draft model's KV cache whole; it costs several percent of a step); the requests then
   in flight draft from a cache with holes when drafting comes back, which costs acceptance, never correctness;
 - `dvi_take()` hands over the steps kept since the last call (CPU tensors and lists). The log-probs are computed on
-  a thread of the extension's own from a copy of the logits, beside vLLM's next work (the drafts of the next step),
-  so that a step waits only for the copy;
+  vLLM's own thread, before its sampler: on a thread of their own, their torch ops started a second OpenMP team beside
+  the one vLLM binds to the cores, and on a 2-core CPU the two spin-waited against each other (vLLM's server with the
+  loop and no drafter ran 0.87x plain vLLM);
 - `dvi_load_drafter(weights)` loads a state dict (Hugging Face names) into the draft model, through vLLM's
   layer-wise reload (a plain `load_weights` fails where the CPU build has repacked linear weights).
 
@@ -30,12 +31,11 @@ vLLM's worker; it does not know dvi's records, requests or drafter versions.
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 
 import torch
 
-FORBIDDEN = -1e4  # the log-prob recorded for a token the request's constraints forbid (see _step)
+FORBIDDEN = -1e4  # the log-prob recorded for a token the request's constraints forbid (see _log_probs)
 
 
 class DviWorkerExtension:
@@ -47,16 +47,15 @@ class DviWorkerExtension:
             return False
         original = runner._sample
         execute, propose = runner.execute_model, runner.propose_draft_token_ids
-        self._dvi_steps: list[concurrent.futures.Future] = []
+        self._dvi_steps: list[dict] = []
         self._dvi_meta: dict = {}
-        # the log-probs are computed beside vLLM's next work (proposing the next drafts), not in its way: a copy of the
-        # logits is taken before the sampler (which may scale them in place), the rest runs on this thread
-        self._dvi_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dvi-capture")
 
         def _sample(logits, spec_decode_metadata):
             if logits is None:
                 return original(logits, spec_decode_metadata)
-            verified = logits.detach().float().clone()  # [rows, vocabulary]
+            # on this thread, before the sampler (which may scale the logits in place): a second thread's torch ops
+            # would start a second OpenMP team beside the one vLLM binds to the cores, and both would spin-wait
+            log_p = _log_probs(logits.detach())  # [rows, vocabulary]
             out = original(logits, spec_decode_metadata)
             req_ids = list(runner.input_batch.req_ids)
             n = len(req_ids)
@@ -68,7 +67,7 @@ class DviWorkerExtension:
             # a chunk of a prefill that is not finished samples a token that vLLM then throws away: none emitted
             discard = torch.from_numpy(runner.discard_request_mask.np[:n].copy()).to(sampled.device)
             sampled[discard] = -1
-            self._dvi_steps.append(self._dvi_pool.submit(_step, verified, sampled, req_ids, drafts, drafted, topk, self._dvi_meta))
+            self._dvi_steps.append(_step(log_p, sampled, req_ids, drafts, drafted, topk, self._dvi_meta))
             return out
 
         def execute_model(scheduler_output, *args, **kwargs):
@@ -111,15 +110,13 @@ class DviWorkerExtension:
         self._dvi_asleep = bool(asleep)
 
     def dvi_take(self) -> list[dict]:
-        """The steps kept since the last call, oldest first (waiting for the last one's log-probs)."""
+        """The steps kept since the last call, oldest first."""
         steps, self._dvi_steps = self._dvi_steps, []
-        return [f.result() for f in steps]
+        return steps
 
     def dvi_close(self) -> None:
-        """Stop the capture thread (the engine is shutting down)."""
-        pool = getattr(self, "_dvi_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        """The engine is shutting down: nothing kept is taken any more."""
+        self._dvi_steps = []
 
     def dvi_load_drafter(self, weights: dict[str, torch.Tensor]) -> float:
         """Load `weights` into the draft model; returns the seconds it took."""
@@ -135,13 +132,17 @@ class DviWorkerExtension:
         return time.perf_counter() - t0
 
 
-def _step(verified: torch.Tensor, sampled: torch.Tensor, req_ids: list[str], drafts: list[int], drafted: list[int], topk: int,
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """The target's log-probs at every verified row (float32). A token the request's constraints forbid (structured
+    outputs mask its logit to -inf) has log-prob -inf: records carry finite log-probs, so it gets FORBIDDEN, far below
+    any the target gives a token it may emit."""
+    return torch.log_softmax(logits.float(), -1).clamp_(min=FORBIDDEN)
+
+
+def _step(log_p: torch.Tensor, sampled: torch.Tensor, req_ids: list[str], drafts: list[int], drafted: list[int], topk: int,
           meta: dict) -> dict:
     """One captured step: the top-k log-probs at every verified row and the log-prob of each emitted token; `meta`,
     what the step scheduled and the proposer's seconds (filled in after the sampler, read once the step is over)."""
-    # a token the request's constraints forbid (structured outputs mask its logit to -inf) has log-prob -inf: records
-    # carry finite log-probs, so it gets FORBIDDEN, far below any the target gives a token it may emit
-    log_p = torch.log_softmax(verified, -1).clamp_(min=FORBIDDEN)
     top = log_p.topk(topk, -1) if topk else None
     width = torch.tensor([k + 1 for k in drafts])
     first = (width.cumsum(0) - width).to(log_p.device)  # each request's first logits row

@@ -24,6 +24,14 @@ def measured_costs(step_s: float = 0.1, draft_s: float = 0.02, slope: float = 0.
     return costs
 
 
+def planner_of(spec: SpecConfig, max_batch: int, costs: CostTable, **kw) -> StepPlanner:
+    """A planner past its first steps, which draft nothing to measure plain decoding (the calibration test's subject)."""
+    planner = StepPlanner(spec, max_batch, costs, **kw)
+    if costs.spec.cost_ratio is None:  # measured_costs() timed three plain steps at batch sizes 1 and 8
+        assert all(costs.samples[("verify", (b, 0))] >= StepPlanner.CALIBRATE_SAMPLES for b, _ in costs.verify)
+    return planner
+
+
 def test_a_step_splits_into_verify_and_draft_costs_around_the_proposer_pass_every_step_pays():
     costs = CostTable(SPEC)
     costs.observe_step(1, 0, 0, step_s=0.105, propose_s=0.005)  # drafting nothing: the proposer's pass is part of a step
@@ -36,13 +44,52 @@ def test_a_step_splits_into_verify_and_draft_costs_around_the_proposer_pass_ever
 
 
 def test_a_fresh_drafter_drafts_k_until_its_rounds_are_seen():
-    planner = StepPlanner(SPEC, 8, CostTable(SPEC))
+    planner = planner_of(SPEC, 8, measured_costs())
     lookup, changes = planner.schedule(1)
     assert lookup == [0] + [SPEC.k] * 8 and changes == []
 
 
+def test_plain_decoding_is_measured_at_each_batch_size_before_anything_is_planned_there():
+    """Every prediction is in units of a step of plain decoding at the batch's size: at a bucket with fewer than
+    CALIBRATE_SAMPLES plain steps timed, steps draft nothing (one calibrate decision per bucket; at most twice as many
+    tries, where steps that prefill are not timed); then a fresh drafter drafts serve.spec.k; and while drafting is on,
+    one step in RECALIBRATE_EVERY drafts nothing again."""
+    costs = CostTable(SPEC)
+    planner = StepPlanner(SPEC, 8, costs)
+    lookup, changes = planner.schedule(1)
+    assert lookup == [0] * 9 and [c.decision for c in changes] == ["calibrate"]
+    for _ in range(StepPlanner.CALIBRATE_SAMPLES - 1):
+        assert planner.schedule(1) == ([0] * 9, [])  # said once
+        costs.observe_step(1, 0, 0, step_s=0.1, propose_s=0.004)  # the step after it verified nothing: timed
+    assert planner.schedule(1) == ([0] * 9, [])
+    costs.observe_step(1, 0, 0, step_s=0.1, propose_s=0.004)
+    lookups = [planner.schedule(1)[0] for _ in range(3 * StepPlanner.RECALIBRATE_EVERY)]
+    plain = [i for i, lookup in enumerate(lookups) if lookup == [0] * 9]
+    assert all(lookup == [0] + [SPEC.k] * 8 for i, lookup in enumerate(lookups) if i not in plain)
+    assert len(plain) == 3 and plain[1] - plain[0] == plain[2] - plain[1] == StepPlanner.RECALIBRATE_EVERY
+    # batch 8, another bucket: measured on its own, and where no plain step can be timed, drafting resumes after 6 tries
+    lookup, changes = planner.schedule(8)
+    assert lookup == [0] * 9 and [(c.decision, c.batch) for c in changes] == [("calibrate", 8)]
+    assert [planner.schedule(8)[0][8] for _ in range(2 * StepPlanner.CALIBRATE_SAMPLES)] == [0] * 5 + [SPEC.k]
+
+def test_a_drafter_that_stays_off_sleeps_twice_as_long_each_time_and_a_new_one_starts_over():
+    planner = planner_of(SPEC, 8, measured_costs())
+    sleeps = []
+    for _ in range(5):
+        while planner.awake:  # measuring: the probes' rounds are all rejected
+            lookup, changes = planner.schedule(1)
+            if lookup[1]:
+                planner.observe(lookup[1], 0)
+        sleeps.append(planner.sleep_left)
+        while not planner.awake:
+            planner.schedule(1)
+    assert sleeps == [128, 256, 512, 1024, 2048] == [min(StepPlanner.SLEEP_STEPS << i, StepPlanner.SLEEP_MAX) for i in range(5)]
+    planner.reset()  # a new drafter: found again soon if it pays
+    assert planner.sleep_steps == StepPlanner.SLEEP_STEPS
+
+
 def test_drafting_goes_off_where_it_cannot_pay_measures_again_then_puts_the_drafters_pass_to_sleep():
-    planner = StepPlanner(SPEC, 8, measured_costs())
+    planner = planner_of(SPEC, 8, measured_costs())
     for _ in range(300):  # a drafter the target never agrees with
         planner.observe(4, 0)
     lookup, changes = planner.schedule(1)
@@ -68,7 +115,7 @@ def test_drafting_goes_off_where_it_cannot_pay_measures_again_then_puts_the_draf
     assert len(probes) * SPEC.k >= StepPlanner.WAKE_TOKENS > (len(probes) - 1) * SPEC.k
     assert changes[-1].decision == "sleep"
     spec = SpecConfig(k=4, k_min=1, k_max=6, probe_every=32)
-    planner = StepPlanner(spec, 8, measured_costs())
+    planner = planner_of(spec, 8, measured_costs())
     for _ in range(5):
         planner.observe(4, 0)
     assert planner.schedule(1)[0] == [0] * 9 and planner.awake  # 20 tokens measured: awake, measuring
@@ -84,7 +131,7 @@ def test_where_drafting_pays_at_other_batch_sizes_a_probe_drafts_the_cheapest_k_
     for k in range(1, SPEC.k_max + 1):
         costs.observe_step(1, k, k, 0.1 + k * 0.002, k * 0.002)  # drafting is nearly free at batch 1 ...
         costs.observe_step(8, k, k, 0.1 + k * 0.1, k * 0.08)  # ... and dear at batch 8
-    planner = StepPlanner(SPEC, 8, costs)
+    planner = planner_of(SPEC, 8, costs)
     for _ in range(300):
         planner.observe(4, 1)
     lookup, _ = planner.schedule(8)
@@ -100,7 +147,7 @@ def test_where_drafting_pays_at_other_batch_sizes_a_probe_drafts_the_cheapest_k_
 
 def test_a_drafter_the_target_agrees_with_drafts_the_k_with_the_best_predicted_speedup():
     costs = measured_costs()
-    planner = StepPlanner(SPEC, 8, costs)
+    planner = planner_of(SPEC, 8, costs)
     for _ in range(300):
         planner.observe(4, 4)
     lookup, changes = planner.schedule(8)
@@ -117,7 +164,7 @@ def test_a_bursty_drafter_is_planned_from_its_acceptance_at_each_position():
     # tokens a round at K = 4 where the rounds give 3, and 1.8 at K = 1 where they would give 1.5; by position (0.5,
     # then 1, 1, 1) the plan predicts what the rounds give
     costs = CostTable(SpecConfig(cost_ratio=0.1, verify_slope=0.1, k_min=1, k_max=6, k=4))
-    planner = StepPlanner(SPEC, 1, costs)
+    planner = planner_of(SPEC, 1, costs)
     for _ in range(200):
         planner.observe(4, 4)
         planner.observe(4, 0)
@@ -133,7 +180,7 @@ def test_a_bursty_drafter_is_planned_from_its_acceptance_at_each_position():
 
 def test_drafting_that_went_off_comes_back_only_with_a_margin():
     costs = CostTable(SpecConfig(cost_ratio=0.2, verify_slope=0.1, k_min=1, k_max=6, k=4))  # fixed costs: c 0.2, v 1 + 0.1 k
-    planner = StepPlanner(SPEC, 1, costs)
+    planner = planner_of(SPEC, 1, costs)
     for _ in range(300):
         planner.observe(1, 0)
     assert planner.schedule(1)[0][1] == 0
@@ -150,7 +197,7 @@ def test_drafting_that_went_off_comes_back_only_with_a_margin():
 
 def test_a_drafter_on_trial_is_probed_at_k_often_until_its_window_is_drafted():
     spec = SpecConfig(k=4, k_min=1, k_max=6, probe_every=32)
-    planner = StepPlanner(spec, 8, measured_costs(), trial_tokens=200)
+    planner = planner_of(spec, 8, measured_costs(), trial_tokens=200)
     for _ in range(300):
         planner.observe(4, 0)
     planner.reset()  # a new drafter: on trial
@@ -212,3 +259,24 @@ def test_auto_engine_is_vllm_only_at_the_release_dvi_reads(monkeypatch):
     monkeypatch.setattr(hardware, "vllm_version", lambda: hardware.VLLM_RELEASE + ".0")
     assert hardware.pick_engine("auto").value == "vllm"
     assert hardware.pick_engine("dvi") == hardware.Pick("dvi", "serve.engine")
+
+
+def test_drafting_stays_on_only_while_the_steps_that_draft_yield_more_tokens_per_second():
+    """The cost model can be wrong (noisy per-K costs at a large batch): once a bucket has RATE_SAMPLES drafting steps
+    and PLAIN_RATE_SAMPLES plain ones, drafting there goes off when the drafting steps' tokens per second do not beat plain decoding's, whatever
+    the model predicts; a new drafter starts over."""
+    costs = measured_costs()
+    planner = planner_of(SPEC, 8, costs)
+    for _ in range(300):  # a drafter the model says pays: every draft accepted
+        planner.observe(4, 4)
+    assert planner.schedule(8)[0][8] > 0
+    for _ in range(CostTable.RATE_SAMPLES):
+        costs.observe_rate(8, False, tokens=8, seconds=0.10)  # plain steps: 80 tokens/s
+        costs.observe_rate(8, True, tokens=20, seconds=0.30)  # drafting steps: 66.7 tokens/s
+    assert costs.realized_speedup(8) == pytest.approx(20 / 0.30 / 80) and costs.realized_speedup(1) is None
+    lookup, changes = planner.schedule(8)
+    assert lookup[8] == 0 and lookup[1] > 0  # off where it was measured not to pay, on where it was not measured
+    off = [c for c in changes if c.decision == "off"]
+    assert {c.batch for c in off} == {5, 6, 7, 8} and "realized speedup 0.83" in off[0].why
+    planner.reset()  # a new drafter: its yield is its own
+    assert costs.realized_speedup(8) is None
