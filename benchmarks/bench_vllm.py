@@ -18,16 +18,16 @@ The servers:
   vLLM: a hot swap would leave the previous drafter's keys and values in it);
 - `vLLM + drafter K=k`, `vLLM + trained K=k`: the same with the demo drafter (untrained, then trained) drafting a
   fixed K, as a vLLM user deploys a `draft_model` speculator;
-- `dvi serve`: `dvi serve` on its defaults (engine auto = vLLM, compiled, the dtype auto picks, K planned per step:
-  drafting only where it pays) with the untrained demo drafter, its DecisionRecords going to a real broker (the
-  embedded one) and its swap thread following the control topic; MLflow tracking off;
+- `dvi serve`: `dvi serve` on its defaults (engine auto = vLLM's own OpenAI server with dvi's loop as its plugin,
+  compiled, the dtype auto picks, K planned per step: drafting only where it pays) with the untrained demo drafter, its
+  DecisionRecords going to a real broker (the embedded one) and its swap thread following the control topic; MLflow
+  tracking off;
 - `dvi serve --no-draft`: the same, target only;
 - `dvi serve K=k`: fixed K (`serve.spec.adaptive=false`): against `vLLM + drafter K=k`, what dvi's loop costs;
 - `dvi serve, trained`: the defaults with the trained drafter;
 - `dvi serve, bfloat16` (or float32): the defaults in the other dtype;
-- `vllm-server`, `vllm-server K=k`, `vllm-server, trained`, `vllm-server --no-draft`: `dvi serve
-  serve.engine=vllm-server`, vLLM's own OpenAI server with dvi's loop as its plugin (`dvi.cli.vllm_plugin`): the
-  same records, swaps and planner, vLLM's processes and API.
+- `dvi serve, in process`, `dvi serve, in process, trained`: `serve.engine=vllm`, dvi's own API over vLLM's engine
+  stepped in dvi's process.
 
 The trained drafter is the demo drafter distilled offline (`dvi drafter distill --steps`) on records of the target's
 own answers to the benchmark's prompts (its prompts: the acceptance it reaches there is what a loop trained on a
@@ -57,6 +57,7 @@ from benchmarks import load_client, workloads
 from dvi.engine import Request, SpeculativeEngine
 from dvi.hardware import pick_dtype, vllm_version
 from dvi.models import encode_chat, end_ids, load_causal_lm, load_tokenizer, pair_dirs
+from dvi.cli.status import replica as replica_view
 from dvi.config import ModelConfig, SpecConfig, VllmConfig
 from dvi.procs import Child, free_port, http_ok, spawn, wait_ready
 from dvi.records import records_from_result
@@ -124,7 +125,7 @@ class Server:
     def acceptance(self, url: str) -> dict:
         """Accepted / drafted since the server started, and for dvi its routing decisions and schedule."""
         if self.kind == "dvi":
-            h = requests.get(url + ("/dvi/health" if self.model else "/health"), timeout=10).json()  # vllm-server: vLLM's API
+            h = replica_view(url, timeout_s=10)  # dvi serve's /health, or the loop's /dvi/health on vLLM's own server
             drafted = sum(v["drafted"] for v in h["by_version"].values())
             accepted = sum(v["accepted"] for v in h["by_version"].values())
             return {"drafted": drafted, "accepted": accepted, "routing": h.get("routing"), "schedule": h.get("schedule"),
@@ -174,17 +175,15 @@ def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, brok
         Server(NO_PREFIX, plain + ["--no-enable-prefix-caching"], all_cores, str(target), "vllm"),
         Server(f"vLLM + drafter K={k}", plain + spec(drafter), all_cores, str(target), "vllm"),
         Server(f"vLLM + trained K={k}", plain + spec(trained), all_cores, str(target), "vllm"),
+        # dvi serve as a user starts it: on vLLM's own server with dvi's loop as its plugin (serve.engine auto)
         Server("dvi serve", dvi + [f"model.drafter={drafter}"], base, None, "dvi"),
         Server("dvi serve --no-draft", dvi[:4] + ["--no-draft"] + dvi[4:], base, None, "dvi"),
         Server(f"dvi serve K={k}", dvi + [f"model.drafter={drafter}", "serve.spec.adaptive=false", f"serve.spec.k={k}"], base, None, "dvi"),
         Server("dvi serve, trained", dvi + [f"model.drafter={trained}"], base, None, "dvi"),
         Server(f"dvi serve, {other}", dvi + [f"model.drafter={drafter}", f"model.dtype={other}"], base, None, "dvi"),
-        # vLLM's own server with dvi's loop as its plugin (serve.engine=vllm-server), as `dvi serve` starts it
-        Server("vllm-server", dvi + [f"model.drafter={drafter}", "serve.engine=vllm-server"], base, target.name, "dvi"),
-        Server(f"vllm-server K={k}", dvi + [f"model.drafter={drafter}", "serve.engine=vllm-server", "serve.spec.adaptive=false",
-                                           f"serve.spec.k={k}"], base, target.name, "dvi"),
-        Server("vllm-server, trained", dvi + [f"model.drafter={trained}", "serve.engine=vllm-server"], base, target.name, "dvi"),
-        Server("vllm-server --no-draft", dvi[:4] + ["--no-draft"] + dvi[4:] + ["serve.engine=vllm-server"], base, target.name, "dvi"),
+        # dvi's own API over vLLM's engine in its process (serve.engine=vllm)
+        Server("dvi serve, in process", dvi + [f"model.drafter={drafter}", "serve.engine=vllm"], base, None, "dvi"),
+        Server("dvi serve, in process, trained", dvi + [f"model.drafter={trained}", "serve.engine=vllm"], base, None, "dvi"),
     ]
     return [s for s in out if only is None or s.name in only]
 

@@ -25,7 +25,9 @@ import threading
 import time
 
 from benchmarks import mlflow_screenshots
+from dvi.cli.status import replica as replica_view
 from dvi.config import load_config
+from dvi.hardware import pick_engine
 from dvi.models import pair_dirs
 from dvi.procs import free_port, local_post, sigterm_interrupts
 
@@ -46,9 +48,25 @@ def requests_of(n: int) -> list[tuple[str, str]]:
     return [("code", CODE[(i // 2) % len(CODE)]) if i % 2 == 0 else ("prose", PROSE[(i // 2) % len(PROSE)]) for i in range(n)]
 
 
-def ask(api: str, domain: str, prompt: str, max_tokens: int) -> dict:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "dvi": {"domain": domain}}
-    return json.loads(local_post(f"{api}/v1/chat/completions", json.dumps(body).encode(), timeout_s=600))
+def drafted_by_version(api: str) -> dict[str, tuple[int, int]]:
+    """The replica's (drafted, accepted) by drafter version since it started (its /health, or /dvi/health on vLLM's own
+    server)."""
+    view = replica_view(api, timeout_s=10)
+    return {v: (x["drafted"], x["accepted"]) for v, x in view.get("by_version", {}).items() if v != "none"}
+
+
+def ask(api: str, domain: str, prompt: str, max_tokens: int, vllm_server: bool) -> dict:
+    """One chat request; its drafter versions and (drafted, accepted): dvi's API says them in the answer (`dvi`), on
+    vLLM's own server they are the replica's counts before and after it (requests are sent one at a time)."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    body.update({"vllm_xargs": {"dvi_domain": domain}} if vllm_server else {"dvi": {"domain": domain}})
+    before = drafted_by_version(api) if vllm_server else {}
+    r = json.loads(local_post(f"{api}/v1/chat/completions", json.dumps(body).encode(), timeout_s=600))
+    if not vllm_server:
+        return {"versions": r["dvi"]["drafter_versions"], "drafted": r["dvi"]["stats"]["drafted"], "accepted": r["dvi"]["stats"]["accepted"]}
+    after = drafted_by_version(api)
+    grew = {v: (d - before.get(v, (0, 0))[0], a - before.get(v, (0, 0))[1]) for v, (d, a) in after.items() if d > before.get(v, (0, 0))[0]}
+    return {"versions": list(grew), "drafted": sum(d for d, _ in grew.values()), "accepted": sum(a for _, a in grew.values())}
 
 
 class Output:
@@ -77,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(benchmarks.mlflow_screenshots; needs chromium)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    target, drafter = pair_dirs(load_config(args.overrides).model)
+    cfg = load_config(args.overrides)
+    target, drafter = pair_dirs(cfg.model)
+    vllm_server = pick_engine(cfg.serve.engine).value == "vllm-server"
     api_port, mlflow_port = free_port(), free_port()
     cache = tempfile.mkdtemp(prefix="dvi-first-publish-")
     overrides = [f"model.target={target}", f"model.drafter={drafter}", f"model.cache_dir={cache}", f"stream.port={free_port()}",
@@ -95,12 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             ready = out.seen("Ctrl-C stops everything")
             for i, (domain, prompt) in enumerate(requests_of(args.requests)):
                 t0 = time.time()
-                r = ask(api, domain, prompt, args.max_tokens)
-                st = r["dvi"]["stats"]
-                served.append({"i": i + 1, "t": t0 - ready, "s": time.time() - t0, "domain": domain,
-                               "versions": r["dvi"]["drafter_versions"], "drafted": st["drafted"], "accepted": st["accepted"]})
+                r = ask(api, domain, prompt, args.max_tokens, vllm_server)
+                served.append({"i": i + 1, "t": t0 - ready, "s": time.time() - t0, "domain": domain, **r})
                 print(f"request {i + 1} ({domain}) at {t0 - ready:.0f} s: {time.time() - t0:.1f} s, drafter "
-                      f"{r['dvi']['drafter_versions']}, acceptance {st['accepted']}/{st['drafted']}", flush=True)
+                      f"{r['versions']}, acceptance {r['accepted']}/{r['drafted']}", flush=True)
                 newer = [x for x in served if x["versions"] and x["versions"][0] != served[0]["versions"][0] and len(x["versions"]) == 1]
                 if len(newer) >= args.after:
                     break

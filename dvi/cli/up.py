@@ -236,8 +236,8 @@ def detach(args: argparse.Namespace, cache: Path, timeout_s: float = 900) -> int
     log_path = cache / "logs" / "up.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = log_path.stat().st_size if log_path.exists() else 0
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", *argv], stdin=subprocess.DEVNULL, stdout=out,
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", *argv], stdin=subprocess.DEVNULL, stdout=log_file,
                                 stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline, shown = time.monotonic() + timeout_s, 0
     while True:

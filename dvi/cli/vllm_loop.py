@@ -156,8 +156,8 @@ class _Loop:
 def _handler(replica):
     class View(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
-            if self.path == "/health":
-                body, kind = json.dumps(replica.health(), default=str).encode(), "application/json"
+            if self.path == "/health":  # the replica's view, and the pid of vLLM's API server (which started this process)
+                body, kind = json.dumps({**replica.health(), "server_pid": os.getppid()}, default=str).encode(), "application/json"
             elif self.path == "/metrics":
                 body, kind = replica.prometheus().encode(), "text/plain; version=0.0.4"
             else:

@@ -107,7 +107,7 @@ class Replica:
         stop_ids = end_ids(pair.target, pair.tokenizer)
         # the config every published version must match: the configured drafter's family, or the target's
         self.family = pair.drafter.model.config if pair.drafter is not None else pair.target.config
-        self.engine_kind = pick_engine(cfg.serve.engine)  # auto: vLLM where installed
+        self.engine_kind = pick_engine(cfg.serve.engine, in_process=True)  # auto: vLLM's engine here, where installed
         if engine is not None:  # vLLM's own server steps it (dvi.cli.vllm_plugin): this replica follows its requests
             self.engine = engine
             engine.adopt, engine.on_finish = self.adopt, self.finish

@@ -149,6 +149,8 @@ class VllmEngine:
         self.planner = StepPlanner(spec, max_batch, self.costs, trial_tokens) if drafter is not None and spec.adaptive else None
         self._routing: list[tuple[Routing, list[int]]] = []  # decisions for the replica (take_routing)
         self.rows: dict[str, _Row] = {}  # the requests in vLLM's batch, by vLLM's request id
+        self._last: tuple | None = None  # (batch, drafted, tokens, seconds) of the last steady step (_observe_rate)
+        self._started: float | None = None  # when the last step started
         self._finished: list[tuple[_Row, Result]] = []  # finished in the last step, for decoding() (in process)
         # attach: a request vLLM scheduled is adopted (`adopt(request, domain, arrived)` -> (key, on_tokens)) and its
         # Result handed over once it finishes (`on_finish(key, result)`); the replica sets both
@@ -230,14 +232,15 @@ class VllmEngine:
         handed over. dvi's own failures here are logged and the step's outputs still go to vLLM's clients: serving never
         waits on, or fails with, the loop."""
         drafted_by = self._drafted_by
+        t0 = time.perf_counter()
         try:
+            self._observe_rate(t0)
             self._load_pending()
             drafted_by = self._drafted_by
             if self.planner is not None:
                 self._plan_step()
         except Exception:
             log.exception("dvi's work before a vLLM step failed")
-        t0 = time.perf_counter()
         outputs, executed = step()
         try:
             steps = self.core.collective_rpc("dvi_take")[0] if executed else []
@@ -272,13 +275,25 @@ class VllmEngine:
                 self._routing.extend((c, list(self.planner.planned)) for c in changes)
 
     def _observe_step(self, s: dict, step_s: float) -> None:
-        """A captured step's costs and yield into the cost table (not a step that prefilled: it is no steady step's)."""
+        """A captured step's costs into the cost table, its yield kept until the next step starts (`_observe_rate`); not
+        a step that prefilled: it is no steady step's."""
         meta = s["meta"]
         if not meta or meta["tokens"] != meta["requests"] + meta["verify_tokens"]:
             return
         verified = max(s["num_draft"], default=0)
         self.costs.observe_step(meta["requests"], verified, meta["proposed_k"], step_s, meta["propose_s"])
-        self.costs.observe_rate(meta["requests"], verified > 0, sum(t >= 0 for row in s["sampled"] for t in row), step_s)
+        self._last = (meta["requests"], verified > 0, sum(t >= 0 for row in s["sampled"] for t in row), step_s)
+
+    def _observe_rate(self, now: float) -> None:
+        """The last step's yield per second of wall time, from its start to this one's: everything a step costs,
+        vLLM's bookkeeping and dvi's records included, which its own timing leaves out (CostTable.realized_speedup).
+        Not across a pause (nothing to step, or a swap): then the gap is no step's cost."""
+        last, self._last = self._last, None
+        started, self._started = self._started, now
+        if last is not None and started is not None:
+            batch, drafting, tokens, step_s = last
+            if now - started < 3 * step_s:
+                self.costs.observe_rate(batch, drafting, tokens, now - started)
 
     def _row(self, internal: str) -> _Row | None:
         """The request `internal` as dvi follows it; following vLLM's own server, a request seen for the first time is

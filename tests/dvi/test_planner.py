@@ -8,6 +8,7 @@ import pytest
 from dvi import hardware
 from dvi.config import SpecConfig
 from dvi.engine import CostTable, StepPlanner, _KController
+from dvi.errors import DviError
 from dvi.speculative import expected_tokens_per_round, ideal_speedup
 
 SPEC = SpecConfig(k=4, k_min=1, k_max=6, probe_every=8, min_speedup=1.0)
@@ -257,8 +258,11 @@ def test_auto_engine_is_vllm_only_at_the_release_dvi_reads(monkeypatch):
     monkeypatch.setattr(hardware, "vllm_version", lambda: "0.33.1")
     assert hardware.pick_engine("auto").value == "dvi" and "0.33.1" in hardware.pick_engine("auto").why
     monkeypatch.setattr(hardware, "vllm_version", lambda: hardware.VLLM_RELEASE + ".0")
-    assert hardware.pick_engine("auto").value == "vllm"
+    assert hardware.pick_engine("auto").value == "vllm-server"  # vLLM's own server, dvi's loop as its plugin
+    assert hardware.pick_engine("auto", in_process=True).value == "vllm"  # a replica in this process: vLLM's engine here
     assert hardware.pick_engine("dvi") == hardware.Pick("dvi", "serve.engine")
+    with pytest.raises(DviError, match="vllm-server is vLLM's own server"):
+        hardware.pick_engine("vllm-server", in_process=True)
 
 
 def test_drafting_stays_on_only_while_the_steps_that_draft_yield_more_tokens_per_second():

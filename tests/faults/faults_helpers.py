@@ -23,14 +23,16 @@ def stream_overrides(stream_cfg) -> list[str]:
             f"stream.dlq_topic={stream_cfg.dlq_topic}", f"stream.control_topic={stream_cfg.control_topic}"]
 
 
-# the serving engines a scenario runs on: vLLM (the default, eager here: compiling takes minutes on 2 cores, and
-# tests/dvi/cli/test_up.py runs the compiled default end to end) and dvi's own
+# the serving engines a scenario runs on, vLLM's eager here (compiling takes minutes on 2 cores; tests/dvi/cli/test_up.py
+# runs the compiled default end to end): the loop's scenarios on the default, vLLM's own server with dvi's loop as its
+# plugin, and on dvi's own engine; scenarios about dvi's HTTP server on vLLM's engine under it, and on dvi's engine
+LOOP_ENGINES = ("vllm-server", "dvi")
 ENGINES = ("vllm", "dvi")
 
 
 def engine_overrides(engine: str) -> list[str]:
-    if engine == "vllm":
-        return ["serve.engine=vllm", "serve.vllm.enforce_eager=true", "serve.vllm.cpu_kv_cache_gb=1"]
+    if engine in ("vllm", "vllm-server"):
+        return [f"serve.engine={engine}", "serve.vllm.enforce_eager=true", "serve.vllm.cpu_kv_cache_gb=1"]
     return [f"serve.engine={engine}"]
 
 
@@ -48,7 +50,8 @@ class Serve:
         wait_ready(self.child, lambda: http_ok(self.url + "/health"), ready_s, f"dvi serve ({name})", interval_s=0.25)
 
     def health(self) -> dict:
-        return requests.get(self.url + "/health", timeout=10).json()
+        """The replica's view: dvi serve's /health, the loop's /dvi/health on vLLM's own server."""
+        return requests.get(self.url + ("/dvi/health" if self.engine == "vllm-server" else "/health"), timeout=10).json()
 
     def stop(self) -> int | None:
         return self.child.stop(grace_s=30)

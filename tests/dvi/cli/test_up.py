@@ -22,6 +22,7 @@ from dvi import mlflow_view
 from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, next_backoff, plan
 from dvi.config import load_config
 from dvi.errors import DviError
+from dvi.hardware import pick_engine
 from dvi.procs import free_port
 from dvi.tracking import local_login, rest
 
@@ -107,21 +108,26 @@ def test_dvi_up_answers_restarts_a_killed_part_and_stops_everything(demo_target_
             assert (tmp_path / "cache" / "logs" / f"{part}.log").exists()
 
         def ask() -> dict:
-            r = requests.post(f"http://127.0.0.1:{api}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
-                                                                              "temperature": 0}, timeout=120)
+            r = requests.post(f"http://127.0.0.1:{api}/v1/completions", json={"model": demo_target_dir.name, "prompt": "The capital "
+                                                                              "of France is", "max_tokens": 8, "temperature": 0}, timeout=120)
             assert r.status_code == 200, r.text
             return r.json()
 
+        # the default engine: vLLM's own server with dvi's loop as its plugin where vLLM is installed (its view at
+        # /dvi/health), else dvi's server
+        loop_view = f"http://127.0.0.1:{api}" + ("/dvi/health" if pick_engine("auto").value == "vllm-server" else "/health")
         first = ask()
-        assert first["usage"]["completion_tokens"] == 8 and first["dvi"]["drafter_versions"]
+        assert first["usage"]["completion_tokens"] == 8
+        serving = requests.get(loop_view, timeout=10).json()
+        assert serving["drafter_version"] == "init-L2-full" and serving["requests"] >= 1
         status = subprocess.run([sys.executable, "-m", "dvi.cli", "status", "--json", *overrides], capture_output=True, text=True,
                                 timeout=120)
         assert status.returncode == 0, status.stderr
         view = json.loads(status.stdout)
-        assert view["replicas"][0]["status"] == "ok" and view["replicas"][0]["drafter_version"] == first["dvi"]["drafter_version"]
+        assert view["replicas"][0]["status"] == "ok" and view["replicas"][0]["drafter_version"] == serving["drafter_version"]
         assert view["mlflow"]["uri"] == f"http://127.0.0.1:{mlflow_port}" and "error" not in view["mlflow"], view
 
-        serve_pid = requests.get(f"http://127.0.0.1:{api}/health", timeout=10).json()["pid"]
+        serve_pid = serving.get("server_pid", serving["pid"])  # the process dvi up started (vLLM's API server)
         os.kill(serve_pid, signal.SIGKILL)  # a crash: the supervisor reports it and starts serve again
         i = out.wait_for("serve exited (status -9)", 30)
         out.wait_for("serve ready again", 300, after=i)
@@ -172,7 +178,8 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
         deadline = time.monotonic() + 900
         for i in range(60):
             r = requests.post(f"http://127.0.0.1:{api}/v1/chat/completions", timeout=300, json={
-                "messages": [{"role": "user", "content": prompts[i % 2]}], "max_tokens": 32, "dvi": {"domain": ("code", "prose")[i % 2]}})
+                "model": demo_target_dir.name, "messages": [{"role": "user", "content": prompts[i % 2]}], "max_tokens": 32,
+                "vllm_xargs": {"dvi_domain": ("code", "prose")[i % 2]}})  # vLLM's server: the domain tag in vllm_xargs
             assert r.status_code == 200, r.text
             if " swapped in (was " in up_log.read_text() or time.monotonic() > deadline:
                 break

@@ -11,8 +11,6 @@ request. The drafters are noisy copies of the target (vLLM's draft model takes d
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 
