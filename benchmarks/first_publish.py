@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                 served.append({"i": i + 1, "t": t0 - ready, "s": time.time() - t0, "domain": domain, **r})
                 print(f"request {i + 1} ({domain}) at {t0 - ready:.0f} s: {time.time() - t0:.1f} s, drafter "
                       f"{r['versions']}, acceptance {r['accepted']}/{r['drafted']}", flush=True)
-                newer = [x for x in served if x["versions"] and x["versions"][0] != served[0]["versions"][0] and len(x["versions"]) == 1]
+                first = next((x["versions"][0] for x in served if x["versions"]), None)  # the drafter it started with
+                newer = [x for x in served if x["versions"] and x["versions"][0] != first and len(x["versions"]) == 1]
                 if len(newer) >= args.after:
                     break
         except KeyboardInterrupt:
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         d = sum(x["drafted"] for x in rows)
         return round(sum(x["accepted"] for x in rows) / d, 3) if d else None
 
-    initial = served[0]["versions"][0] if served and served[0]["versions"] else None
+    initial = next((x["versions"][0] for x in served if x["versions"]), None)
     before = [x for x in served if x["versions"] == [initial]]
     after = [x for x in served if x["versions"] and initial not in x["versions"]]
     result = {"ready_s": round(ready - t_start, 1), "requests": len(served), "first_publish": at(" published (parent "),

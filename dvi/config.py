@@ -477,6 +477,25 @@ class DviConfig:
 SECRET_KEYS = frozenset(["security", "api_key"])  # never logged as params, never accepted on a command line
 
 
+def api_key(serve: ServeConfig, env: dict[str, str] | None = None) -> str | None:
+    """The key clients must send: serve.api_key, else $DVI_API_KEY (in `env`, default this process's), else the key in
+    serve.api_key_file (stripped), else None (no authentication); DviError when that file cannot be read or holds
+    fewer than 8 characters. Both engines' servers read it here (dvi's API, and vLLM's own as $VLLM_API_KEY)."""
+    env = os.environ if env is None else env
+    if serve.api_key or env.get("DVI_API_KEY"):
+        return serve.api_key or env["DVI_API_KEY"]
+    path = serve.api_key_file
+    if not path:
+        return None
+    try:
+        key = Path(path).expanduser().read_text().strip()
+    except OSError as e:
+        raise DviError(f"serve.api_key_file={path}: cannot read it ({e.strerror})") from None
+    if len(key) < 8:
+        raise DviError(f"serve.api_key_file={path}: the key in it has {len(key)} characters, fewer than 8")
+    return key
+
+
 def flat_params(cfg: Any, prefix: str = "") -> dict[str, Any]:
     """A config as flat `group.key` -> value params (for MLflow), without credentials."""
     out: dict[str, Any] = {}

@@ -12,7 +12,7 @@ visible version.
 
 `<store>/VERDICTS` keeps what live traffic decided about versions, one JSON line each (`record_verdict`):
 `production` (a replica kept it) or `rejected` (a replica rolled it back). The trainer, the store's one writer,
-records them from the control topic; a replica that starts reads them (`serving_version`), so a restart serves
+records them from the control topic; a replica that starts reads them (`serving_candidates`), so a restart serves
 the current production drafter, never one that was rolled back. This module knows files and safetensors, not
 training, Kafka or MLflow.
 """
@@ -220,6 +220,12 @@ def versions(store: Path) -> list[str]:
     return [name for _, name in sorted(found)]
 
 
+def older(store: Path, version: str, than: str) -> bool:
+    """Whether `version` was published before `than` (both complete versions of the store; `versions` order)."""
+    names = versions(store)
+    return version in names and than in names and names.index(version) < names.index(than)
+
+
 def record_verdict(store: Path, version: str, verdict: str, **info) -> None:
     """Append live traffic's verdict on `version` (PRODUCTION or REJECTED) to the store's VERDICTS, fsynced. Each
     value of `info` (who decided, why) is kept to its first MAX_INFO_CHARS characters: a line stays short."""
@@ -253,13 +259,18 @@ def verdicts(store: Path) -> dict[str, str]:
     return found
 
 
-def serving_version(store: Path, prefer_production: bool = True) -> str | None:
-    """The version a replica starts with: the newest one kept in production (unless `prefer_production` is off),
-    else the newest never rejected; None when there is none."""
+def serving_candidates(store: Path, prefer_production: bool = True) -> list[str]:
+    """The versions a replica may start with, best first: those kept in production, newest first (unless
+    `prefer_production` is off), then the others never rejected, newest first. A replica serves the first that passes
+    its checks (a newest version that fails them does not send it back to its configured drafter)."""
     names, said = versions(store), verdicts(store)
-    kept = [n for n in names if said.get(n) == PRODUCTION] if prefer_production else []
-    fine = [n for n in names if said.get(n) != REJECTED]
-    return (kept or fine or [None])[-1]
+    kept = [n for n in reversed(names) if said.get(n) == PRODUCTION] if prefer_production else []
+    return kept + [n for n in reversed(names) if said.get(n) != REJECTED and n not in kept]
+
+
+def serving_version(store: Path, prefer_production: bool = True) -> str | None:
+    """The version a replica starts with, its checks passing: the first of `serving_candidates`; None when there is none."""
+    return next(iter(serving_candidates(store, prefer_production)), None)
 
 
 def next_version(store: Path, prefix: str = "d") -> str:

@@ -12,7 +12,8 @@ that were hashed. In order, it refuses (raising `Refused` with a reason code and
   hold more bytes than the target's weights (`max_drafter_bytes`);
 - `checksum`: SHA256SUMS does not match the announced sha256, or a file does not match SHA256SUMS;
 - `config`: config.json differs from the configured drafter's (or, with none, the target's) in more than the
-  drafter's own fields (its layers), has more layers than the target, or names code to run (`auto_map`);
+  drafter's own fields (its layers), has more layers than the target, names code to run (`auto_map`), or sets a
+  private key (`_attn_implementation` and the like pick kernels, possibly from the hub; only `_PRIVATE_METADATA`);
 - `shapes`: a weight in model.safetensors has another shape than the drafter's config implies, or one is missing;
 - `load`: the weights or the reduced head do not load as a drafter of this target (vocabulary, repeated ids);
 - `nonfinite`: a weight holds NaN or inf;
@@ -51,6 +52,7 @@ log = logging.getLogger("dvi.swap")
 SMOKE_PROMPT = [1, 2, 3, 4]  # token ids of the smoke decode: any ids in the vocabulary do
 DRAFTER_OWN_FIELDS = frozenset({"num_hidden_layers", "layer_types", "max_window_layers"})  # how many layers it keeps
 _METADATA_FIELDS = frozenset({"transformers_version", "torch_dtype", "dtype"})  # how it was saved, not what it is
+_PRIVATE_METADATA = frozenset({"_name_or_path", "_model_name_or_path", "_commit_hash"})  # the private keys a version may set
 TOKENIZER_ROOM = 64 << 20  # bytes of config and tokenizer files a version may hold beside its weights
 
 
@@ -118,7 +120,8 @@ def max_drafter_bytes(target: torch.nn.Module) -> int:
 
 def _config_of(files: dict[str, bytes], family, target_config, version: str):
     """The version's config, which must equal `family` but for the drafter's own fields (DRAFTER_OWN_FIELDS, with
-    no more layers than the target) and name no code to run (`auto_map`); else Refused("config")."""
+    no more layers than the target), name no code to run (`auto_map`) and set no private key but metadata; else
+    Refused("config"). (The private keys of the two loaded configs are not compared: transformers sets its own.)"""
     try:
         raw = json.loads(files["config.json"])
         if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
@@ -127,6 +130,10 @@ def _config_of(files: dict[str, bytes], family, target_config, version: str):
         raise Refused("config", f"drafter {version}: no readable config.json ({e})") from None
     if "auto_map" in raw:
         raise Refused("config", f"drafter {version}: its config names code to run (auto_map); drafters are plain models")
+    private = sorted(k for k in raw if k.startswith("_") and k not in _PRIVATE_METADATA)
+    if private:  # they steer how transformers builds the model (attention kernels, hub code), not what the model is
+        raise Refused("config", f"drafter {version}: its config sets private keys {private[:5]}; a version may set only "
+                                f"{sorted(_PRIVATE_METADATA)} of them")
     try:
         config = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
     except Exception as e:

@@ -31,6 +31,7 @@ from typing import Callable
 from dvi.cli.output import out
 from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
+from dvi.hardware import pick_engine
 from dvi.models import cache_dir, pair_dirs, resolve_device, resolve_dtype
 from dvi.procs import Child, http_ok, port_in_use, sigterm_interrupts, spawn, wait_ready
 from dvi.tracking import find_experiment_link, local_login
@@ -302,7 +303,9 @@ def up(args: argparse.Namespace) -> int:
             names = {p.name for p in parts}
             lines = ["dvi up: running " + ", ".join(p.name for p in parts) + f"; {READY_LINE}"]
             if "serve" in names:
-                lines.append(f"  API     http://{cfg.serve.host}:{cfg.serve.port}/v1  (health, metrics: /health, /metrics)")
+                views = ("vLLM's server; the loop's health, metrics: /dvi/health, /dvi/metrics"
+                         if pick_engine(cfg.serve.engine).value == "vllm-server" else "health, metrics: /health, /metrics")
+                lines.append(f"  API     http://{cfg.serve.host}:{cfg.serve.port}/v1  ({views})")
             if cfg.tracking.enabled:
                 lines.append(f"  MLflow  {find_experiment_link(cfg.tracking)}  (experiment "
                              f"'{cfg.tracking.experiment}': runs trainer, serve-<host>-<port>; model '{cfg.tracking.registry_model}')")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from dvi.cli.vllm_plugin import ENABLE, NAME, OVERRIDES, PORT
-from dvi.config import DviConfig
+from dvi.config import DviConfig, api_key
 from dvi.engine import MAX_LOGPROBS
 from dvi.serving.vllm_engine import vllm_env
 
@@ -30,6 +30,7 @@ def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, p
     s, v = cfg.serve, cfg.serve.vllm
     cmd = [sys.executable, "-m", SERVER_MODULE, "--model", str(target), "--dtype", dtype, "--max-model-len", str(v.max_model_len),
            "--max-num-seqs", str(s.max_batch), "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0", "--disable-uvicorn-access-log",
+           "--gpu-memory-utilization", str(v.gpu_memory_utilization),  # as the in-process engine (a CPU ignores it)
            "--host", host or s.host, "--port", str(port or s.port),
            "--served-model-name", s.served_model_name or target.name,  # the name dvi serve answers to
            "--allowed-origins", json.dumps(list(s.allowed_origins))]  # no web page of another site may call it (CORS)
@@ -47,7 +48,8 @@ def environment(cfg: DviConfig, base: dict[str, str], *, overrides: list[str] | 
                 plain: bool = False) -> dict[str, str]:
     """The server's environment: `base` with vLLM's settings (`dvi.serving.vllm_engine.vllm_env`) and, unless `plain`,
     dvi's loop enabled with these Hydra `overrides` and its view on 127.0.0.1:`loop_port` (relayed at /dvi/health and
-    /dvi/metrics). An API key in $DVI_API_KEY becomes vLLM's ($VLLM_API_KEY)."""
+    /dvi/metrics). dvi's API key (`dvi.config.api_key`: serve.api_key, $DVI_API_KEY or serve.api_key_file) becomes
+    vLLM's ($VLLM_API_KEY), unless that is set already."""
     env = {**base, **vllm_env(cfg.serve.vllm)}
     for key in (ENABLE, OVERRIDES, PORT):
         env.pop(key, None)
@@ -56,6 +58,7 @@ def environment(cfg: DviConfig, base: dict[str, str], *, overrides: list[str] | 
     env.update({ENABLE: "1", OVERRIDES: json.dumps(list(overrides or [])), "VLLM_PLUGINS": NAME})
     if loop_port:
         env[PORT] = str(loop_port)
-    if base.get("DVI_API_KEY") and not base.get("VLLM_API_KEY"):
-        env["VLLM_API_KEY"] = base["DVI_API_KEY"]
+    key = api_key(cfg.serve, base)
+    if key and not base.get("VLLM_API_KEY"):
+        env["VLLM_API_KEY"] = key
     return env

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dvi import store
-from dvi.config import DviConfig
+from dvi.config import DviConfig, api_key
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, Message
 from dvi.engine import LogProb, Request, Result, SpeculativeEngine, TokenHook
 from dvi.errors import DviError
@@ -100,7 +100,7 @@ class Replica:
         self.defaults = cfg.serve.sampling
         self.model_name = cfg.serve.served_model_name or pair.target_dir.name
         self.replica_id = cfg.stream.replica_id or default_replica_id()
-        self.api_key = cfg.serve.api_key or os.environ.get("DVI_API_KEY") or _key_file(cfg.serve.api_key_file)
+        self.api_key = api_key(cfg.serve)
         self.store_root = store.serving_root(cfg)
         self.metrics = ServingMetrics(max_domains=cfg.serve.max_domains, model_name=self.model_name)
         self.producer, self.tracker, self.control = producer, tracker, control
@@ -117,6 +117,7 @@ class Replica:
         else:
             self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
         self.rejected: OrderedDict[str, None] = OrderedDict()  # versions never to serve again, oldest first
+        self.newest: str | None = None  # the newest store version this replica has served: an older one is a replay
         self.rollout: Rollout | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=cfg.serve.max_queue)
         self._stop = threading.Event()
@@ -385,31 +386,36 @@ class Replica:
 
     def _initial_drafter(self, configured: bool) -> None:
         """serve.swap.initial: the store's production version (production: the newest kept by live traffic, else the
-        newest never rejected), the newest never rejected (latest), a named one, or the configured drafter (none)."""
+        newest never rejected), the newest never rejected (latest), a named one, or the configured drafter (none).
+        Automatic, a version that fails its checks is skipped, said and counted, for the next one
+        (`store.serving_candidates`), and the configured drafter serves only when none passes, which the log says."""
         choice = self.cfg.serve.swap.initial
         if choice == "none" or not configured:
-            return
-        automatic = choice in ("production", "latest")
-        version = store.serving_version(self.store_root, prefer_production=choice == "production") if automatic else choice
-        if version is None:
             return
         for v, verdict in store.verdicts(self.store_root).items():
             if verdict == store.REJECTED:
                 self._reject(v)
-        path = self.store_root / version
-        if not (path / store.SUMS).is_file():
-            raise DviError(f"serve.swap.initial={choice}: no published drafter {version} in the store {self.store_root}")
-        ann = DrafterPublished(version, str(path), sha256_file(path / store.SUMS))
-        try:
-            drafter = self._load(ann)
-        except Refused as e:
-            if not automatic:
-                raise
-            decisions.warning("not serving the store's drafter %s: %s; serving %s", version, e, self._version())
-            self.metrics.event(f"refused:{e.reason}", version)
+        automatic = choice in ("production", "latest")
+        candidates = store.serving_candidates(self.store_root, prefer_production=choice == "production") if automatic else [choice]
+        for version in candidates:
+            path = self.store_root / version
+            if not (path / store.SUMS).is_file():
+                raise DviError(f"serve.swap.initial={choice}: no published drafter {version} in the store {self.store_root}")
+            try:
+                drafter = self._load(DrafterPublished(version, str(path), sha256_file(path / store.SUMS)))
+            except Refused as e:
+                if not automatic:
+                    raise
+                decisions.warning("skipping the store's drafter %s: %s", version, e)
+                self.metrics.event(f"refused:{e.reason}", version)
+                continue
+            self.engine.swap_drafter(drafter)
+            self.newest = version
+            decisions.info("serving drafter %s from the store %s", version, self.store_root)
             return
-        self.engine.swap_drafter(drafter)
-        decisions.info("serving drafter %s from the store %s", version, self.store_root)
+        if candidates:
+            decisions.warning("no drafter in the store %s passes its checks (%s tried): serving %s", self.store_root,
+                              ", ".join(candidates), self._version())
 
     def _load(self, ann: DrafterPublished) -> Drafter:
         """The announced drafter, checked and loaded where this engine takes drafters from (or Refused)."""
@@ -429,6 +435,12 @@ class Replica:
             except Refused as e:
                 self.metrics.event(f"refused:{e.reason}", msg.version)
                 decisions.warning("%s refused (%s): %s; still serving %s", msg.version, e.reason, e, self._version())
+            except Exception as e:  # whatever else checking or loading it raised: refused too, for good, and said once
+                self._reject(msg.version)
+                self.metrics.event("refused:error", msg.version)
+                log.warning("installing %s failed", msg.version, exc_info=True)
+                decisions.warning("%s refused (error): %s: %s; still serving %s", msg.version, type(e).__name__,
+                                  str(e)[:300], self._version())
         elif isinstance(msg, DrafterRejected):
             self._reject(msg.version)
             if msg.replica_id != self.replica_id and self._version() == msg.version:
@@ -447,6 +459,9 @@ class Replica:
         if ann.version in self.rejected or ann.version == self._version():
             log.info("ignoring drafter %s: %s", ann.version, "rejected before" if ann.version in self.rejected else "already serving")
             return False
+        if self.newest is not None and store.older(self.store_root, ann.version, self.newest):  # a signed old message again
+            raise Refused("stale", f"drafter {ann.version} was published before {self.newest}, which this replica has served: "
+                                   "a replayed or late announcement (a rollback is the replica's own, never an announcement)")
         t0 = time.perf_counter()
         drafter = self._load(ann)
         with self._swap_lock:
@@ -457,6 +472,7 @@ class Replica:
             prev_counts = self.metrics.recent_acceptance_of(previous.version, window) if previous is not None else None
             self.engine.swap_drafter(drafter)  # takes effect at the next round boundary
             self.rollout = Rollout(drafter, previous, prev_counts, self.metrics.acceptance_of(drafter.version))
+            self.newest = drafter.version
         self.metrics.serving(drafter.version)
         self.metrics.event("swap", drafter.version)
         decisions.info("%s swapped in (was %s), checked and loaded in %.2f s; on trial for %d drafted tokens", drafter.version,
@@ -583,16 +599,3 @@ def _ranges(sizes: list[int]) -> str:
             out.append(str(start) if start == b else f"{start}-{b}")
             start = None
     return ", ".join(out)
-
-
-def _key_file(path: str | None) -> str | None:
-    """The API key in `path` (stripped), or None without a path; DviError when it cannot be read or is too short."""
-    if not path:
-        return None
-    try:
-        key = Path(path).expanduser().read_text().strip()
-    except OSError as e:
-        raise DviError(f"serve.api_key_file={path}: cannot read it ({e.strerror})") from None
-    if len(key) < 8:
-        raise DviError(f"serve.api_key_file={path}: the key in it has {len(key)} characters, fewer than 8")
-    return key

@@ -52,7 +52,19 @@ import torch
 from transformers import PreTrainedModel
 
 from dvi.config import SpecConfig, VllmConfig, default_cache_dir
-from dvi.engine import MAX_LOGPROBS, CostTable, Request, Result, Round, Routing, SpecStats, StepPlanner, TokenHook, check_request
+from dvi.engine import (
+    MAX_LOGPROBS,
+    CostTable,
+    Request,
+    Result,
+    Round,
+    Routing,
+    SpecStats,
+    StepPlanner,
+    TokenHook,
+    batch_bucket,
+    check_request,
+)
 from dvi.errors import DviError
 from dvi.hardware import VLLM_RELEASE
 from dvi.models import Drafter
@@ -149,7 +161,7 @@ class VllmEngine:
         self.planner = StepPlanner(spec, max_batch, self.costs, trial_tokens) if drafter is not None and spec.adaptive else None
         self._routing: list[tuple[Routing, list[int]]] = []  # decisions for the replica (take_routing)
         self.rows: dict[str, _Row] = {}  # the requests in vLLM's batch, by vLLM's request id
-        self._last: tuple | None = None  # (batch, drafted, tokens, seconds) of the last steady step (_observe_rate)
+        self._last: tuple | None = None  # (batch, drafted, tokens, seconds, drafting seconds) of the last steady step
         self._started: float | None = None  # when the last step started
         self._finished: list[tuple[_Row, Result]] = []  # finished in the last step, for decoding() (in process)
         # attach: a request vLLM scheduled is adopted (`adopt(request, domain, arrived)` -> (key, on_tokens)) and its
@@ -158,7 +170,7 @@ class VllmEngine:
         self.on_finish = None
         core.collective_rpc("dvi_capture", args=(max(self.topk, MAX_LOGPROBS),))
         self._lookup = self._schedule_lookup() if self.planner is not None else None
-        self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.awake)
+        self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.skips_pass)
         step = core.step_fn
         core.step_fn = lambda: self._step(step)  # what vLLM's engine loop (or LLMEngine.step) calls for each step
 
@@ -257,16 +269,18 @@ class VllmEngine:
 
     def _plan_step(self) -> None:
         """Before a step: vLLM's schedule from the planner (see the module docstring) for the batch about to step (the
-        requests running and those it may admit); asleep, the worker skips the drafter's pass at K = 0, and the requests
-        of the step lose their whole drafter cache."""
+        requests running and those it may admit); where the planner skips the drafter's pass (`StepPlanner.skips_pass`:
+        asleep, or drafting off at this batch size on what its steps yielded), the worker skips it at K = 0, and the
+        requests of the step lose their whole drafter cache."""
         sched = self.core.scheduler
         batch = min(len(sched.running) + len(sched.waiting), self.max_batch)
         whole = max(0, batch - sum(not r.whole for r in self.rows.values()))
         lookup, changes = self.planner.schedule(batch, whole)
         self._lookup[:] = lookup
-        if self.planner.awake == self._asleep:
-            self._asleep = not self.planner.awake
-            self.core.collective_rpc("dvi_sleep", args=(self._asleep,))
+        skip = self.planner.skips_pass(batch, lookup)
+        if skip != self._asleep:
+            self._asleep = skip
+            self.core.collective_rpc("dvi_sleep", args=(skip,))
         if self._asleep:
             for r in self.rows.values():
                 r.whole = False
@@ -282,7 +296,12 @@ class VllmEngine:
             return
         verified = max(s["num_draft"], default=0)
         self.costs.observe_step(meta["requests"], verified, meta["proposed_k"], step_s, meta["propose_s"])
-        self._last = (meta["requests"], verified > 0, sum(t >= 0 for row in s["sampled"] for t in row), step_s)
+        # a plain step that drafts for the next one (the step after a calibration) is plain decoding plus drafting: its
+        # yield is the plain one only without what proposing cost beyond the drafter's pass at K = 0
+        extra = 0.0
+        if not verified and meta["proposed_k"]:
+            extra = max(0.0, meta["propose_s"] - self.costs.propose0.get(batch_bucket(meta["requests"]), 0.0))
+        self._last = (meta["requests"], verified > 0, sum(t >= 0 for row in s["sampled"] for t in row), step_s, extra)
 
     def _observe_rate(self, now: float) -> None:
         """The last step's yield per second of wall time, from its start to this one's: everything a step costs,
@@ -291,9 +310,9 @@ class VllmEngine:
         last, self._last = self._last, None
         started, self._started = self._started, now
         if last is not None and started is not None:
-            batch, drafting, tokens, step_s = last
+            batch, drafting, tokens, step_s, extra = last
             if now - started < 3 * step_s:
-                self.costs.observe_rate(batch, drafting, tokens, now - started)
+                self.costs.observe_rate(batch, drafting, tokens, now - started - extra)
 
     def _row(self, internal: str) -> _Row | None:
         """The request `internal` as dvi follows it; following vLLM's own server, a request seen for the first time is

@@ -520,7 +520,7 @@ def test_dvi_images_install_the_project_and_its_config(dockerfile):
     pip = " ".join(rest for op, rest in instructions if op == "RUN" and "pip " in rest)
     if dockerfile == "Dockerfile.serve-vllm":  # vLLM's image: every package it holds stays (vLLM, its torch), dvi adds the rest
         assert "pip freeze" in pip and "--constraint /tmp/image.txt" in pip
-        assert exec_form(instructions, "ENTRYPOINT") == ["dvi", "serve"] and "serve.engine=vllm" in exec_form(instructions, "CMD")
+        assert exec_form(instructions, "ENTRYPOINT") == ["dvi", "serve"] and "serve.engine=vllm-server" in exec_form(instructions, "CMD")
         image = next(rest for op, rest in instructions if op == "FROM")
         vllm_pin = re.search(r'"vllm==([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
         assert image.startswith("vllm/vllm-openai:") and arg_defaults(instructions)["VLLM_TAG"] == f"v{vllm_pin}"

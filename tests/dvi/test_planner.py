@@ -268,7 +268,7 @@ def test_auto_engine_is_vllm_only_at_the_release_dvi_reads(monkeypatch):
 def test_drafting_stays_on_only_while_the_steps_that_draft_yield_more_tokens_per_second():
     """The cost model can be wrong (noisy per-K costs at a large batch): once a bucket has RATE_SAMPLES drafting steps
     and PLAIN_RATE_SAMPLES plain ones, drafting there goes off when the drafting steps' tokens per second do not beat plain decoding's, whatever
-    the model predicts; a new drafter starts over."""
+    the model predicts, and the drafter's pass is skipped there; a new drafter starts over."""
     costs = measured_costs()
     planner = planner_of(SPEC, 8, costs)
     for _ in range(300):  # a drafter the model says pays: every draft accepted
@@ -282,5 +282,8 @@ def test_drafting_stays_on_only_while_the_steps_that_draft_yield_more_tokens_per
     assert lookup[8] == 0 and lookup[1] > 0  # off where it was measured not to pay, on where it was not measured
     off = [c for c in changes if c.decision == "off"]
     assert {c.batch for c in off} == {5, 6, 7, 8} and "realized speedup 0.83" in off[0].why
+    # only a new drafter turns it back on there: the drafter's pass at K = 0 is skipped at those batch sizes alone
+    assert planner.awake and planner.skips_pass(8, lookup) and not planner.skips_pass(1, lookup)
+    assert not planner.skips_pass(8, [0] + [SPEC.k] * 8)  # a step that drafts (a probe) runs it
     planner.reset()  # a new drafter: its yield is its own
-    assert costs.realized_speedup(8) is None
+    assert costs.realized_speedup(8) is None and not planner.skips_pass(8, lookup)

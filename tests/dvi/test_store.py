@@ -92,7 +92,7 @@ def test_bad_names_existing_versions_and_crashed_publishes(tmp_path, parent_dirs
 
 
 def test_verdicts_decide_what_a_restarting_replica_serves(tmp_path, parent_dirs):
-    from dvi.store import PRODUCTION, REJECTED, VERDICTS, record_verdict, serving_version, verdicts
+    from dvi.store import PRODUCTION, REJECTED, VERDICTS, record_verdict, serving_candidates, serving_version, verdicts
 
     weights = load_drafter(parent_dirs[0], VOCAB).model.state_dict()
     assert serving_version(tmp_path) is None
@@ -106,6 +106,8 @@ def test_verdicts_decide_what_a_restarting_replica_serves(tmp_path, parent_dirs)
     assert verdicts(tmp_path) == {"d0001": PRODUCTION, "d0003": REJECTED}
     assert serving_version(tmp_path) == "d0001"  # the version live traffic kept, not the unjudged d0002
     assert serving_version(tmp_path, prefer_production=False) == "d0002"  # latest: newest never rejected
+    # what a replica tries in turn when one fails its checks: kept ones newest first, then the never rejected
+    assert serving_candidates(tmp_path) == ["d0001", "d0002"] and serving_candidates(tmp_path, False) == ["d0002", "d0001"]
     record_verdict(tmp_path, "d0001", REJECTED)  # the latest verdict counts
     assert serving_version(tmp_path) == "d0002"
     assert versions(tmp_path) == ["d0001", "d0002", "d0003"] and next_version(tmp_path) == "d0004"

@@ -186,7 +186,10 @@ def test_what_is_loaded_is_what_was_checked_files_links_folders_and_sizes(tiny_d
 def test_a_config_other_than_the_targets_is_refused(tiny_dirs, target, tmp_path):
     for version, change, words in (("d0001", {"auto_map": {"AutoModelForCausalLM": "evil.Model"}}, "auto_map"),
                                    ("d0002", {"rms_norm_eps": 0.5}, "rms_norm_eps"),
-                                   ("d0003", {"num_hidden_layers": 5}, "more than the target")):
+                                   ("d0003", {"num_hidden_layers": 5}, "more than the target"),
+                                   # private keys pick how transformers builds it (kernels, from the hub too): refused
+                                   ("d0005", {"_attn_implementation": "kernels-community/flash-attn"}, "private keys"),
+                                   ("d0006", {"_experts_implementation": "eager"}, "_experts_implementation")):
         path = publish_version(tmp_path, tiny_dirs[1], version).path
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, **change}))

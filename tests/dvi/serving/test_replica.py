@@ -8,6 +8,7 @@ a control topic of the test's own. The last test runs `dvi serve` itself on the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -131,6 +132,23 @@ def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_
         service.on_control(msg)
         assert service.metrics.events[f"refused:{reason}"] == 1, (reason, service.metrics.events)
         assert service.engine.drafter.version == "d0001"
+    # a signed announcement of a version published before one this replica has served: a replay, refused
+    newer = publish_noisy(store_root, tiny_dirs[0], "d0008", noise=0.05, seed=8)
+    service.on_control(DrafterPublished(newer.version, str(newer.path), newer.sha256))
+    service.on_control(DrafterPublished(good.version, str(good.path), good.sha256))
+    assert service.metrics.events["refused:stale"] == 1 and service.engine.drafter.version == "d0008"
+    service._roll_back("back to d0001 for the checks below", announce=False)
+    assert service.engine.drafter.version == "d0001"
+    # whatever else fails while a version is checked or loaded (here: an injected error) refuses it once, for good
+    later = publish_noisy(store_root, tiny_dirs[0], "d0007", noise=0.05, seed=7)
+    load, service._load = service._load, lambda ann: (_ for _ in ()).throw(RuntimeError("injected"))
+    try:
+        for _ in range(2):
+            service.on_control(DrafterPublished(later.version, str(later.path), later.sha256))
+    finally:
+        service._load = load
+    assert service.metrics.events["refused:error"] == 1 and "d0007" in service.rejected
+    assert service.engine.drafter.version == "d0001"
     r = running.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})
     assert r.status_code == 200 and r.json()["dvi"]["drafter_versions"] == ["d0001"]
     assert scrape(running.url)[("dvi_drafter_events_total", ("event", "refused:nonfinite"), ("model_name", "target"))] == 1
@@ -212,6 +230,29 @@ def test_the_api_key_comes_from_the_environment_or_a_file(tiny_dirs, tmp_path, m
     (tmp_path / "key").write_text("short")
     with pytest.raises(DviError, match="fewer than 8"):
         Replica(cfg, pair)
+
+
+@pytest.mark.faults
+def test_a_restarted_replica_skips_a_store_version_that_fails_its_checks_for_the_next_good_one(tiny_dirs, tmp_path, caplog):
+    """serve.swap.initial=latest with the newest version corrupt (its weights changed after publishing): the replica
+    says so, counts it, and serves the version before it, not its configured drafter; none passing, it says that."""
+    store_root = tmp_path / "store"
+    good = publish_noisy(store_root, tiny_dirs[0], "d0001", noise=0.05, seed=1)
+    bad = publish_noisy(store_root, tiny_dirs[0], "d0002", noise=0.05, seed=2)
+    (bad.path / store.WEIGHTS).write_bytes(b"not the published weights")
+    cfg = DviConfig(model=ModelConfig(target=str(tiny_dirs[0]), drafter=str(tiny_dirs[1])),
+                    serve=ServeConfig(engine="dvi", swap=SwapConfig(store=str(store_root), initial="latest")),
+                    tracking=TrackingConfig(enabled=False))
+    with caplog.at_level(logging.WARNING, logger="dvi.decision.serve"):
+        service = Replica(cfg, resolve_pair(cfg.model))
+    assert service.engine.drafter.version == good.version and service.metrics.events["refused:checksum"] == 1
+    assert any("skipping the store's drafter d0002" in r.getMessage() for r in caplog.records)
+    (good.path / store.WEIGHTS).write_bytes(b"nor these")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dvi.decision.serve"):
+        service = Replica(cfg, resolve_pair(cfg.model))
+    assert service.engine.drafter.version == "init-L1-full"
+    assert any("passes its checks (d0002, d0001 tried): serving init-L1-full" in r.getMessage() for r in caplog.records)
 
 
 def test_rejections_from_the_control_topic_are_bounded(tiny_dirs, tmp_path):
@@ -407,15 +448,19 @@ def test_hostile_http_requests_get_a_clear_4xx_and_cost_nothing(stream_cfg, tiny
 @pytest.mark.real_model
 def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_target_dir, demo_drafter_dir, tmp_path):
     """`dvi serve` on its defaults and the real demo pair (where vLLM is installed, as in CI: vLLM's own server, compiled,
-    dvi's loop as its plugin; the first compile takes minutes): a chat completion over HTTP, its DecisionRecord on the
-    topic with the domain the request named, SIGTERM."""
+    dvi's loop as its plugin; the first compile takes minutes): the API key in serve.api_key_file guards the API, a chat
+    completion over HTTP, its DecisionRecord on the topic with the domain the request named, SIGTERM."""
     from dvi.hardware import pick_engine
 
     from streams.consumer import DecisionConsumer
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "dvi.cli", "serve", f"serve.port={port}", "tracking.enabled=false",
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+                                                          "DVI_API_KEY", "VLLM_API_KEY")}
+    key_file = tmp_path / "api-key"
+    key_file.write_text("a-key-only-this-test-knows\n")
+    key_file.chmod(0o600)
+    cmd = [sys.executable, "-m", "dvi.cli", "serve", f"serve.port={port}", "tracking.enabled=false", f"serve.api_key_file={key_file}",
            f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.topic={stream_cfg.topic}",
            f"stream.dlq_topic={stream_cfg.dlq_topic}", f"stream.control_topic={stream_cfg.control_topic}",
            f"serve.swap.store={tmp_path / 'store'}", "stream.replica_id=replica-a"]
@@ -437,7 +482,9 @@ def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_
         body.update({"vllm_xargs": {"dvi_domain": "math"}} if vllm_server else {"dvi": {"domain": "math"}})
         view = requests.get(url + ("/dvi/health" if vllm_server else "/health"), timeout=10).json()
         assert view["engine"] == pick_engine("auto", in_process=True).value and view["drafter_version"] == "init-L2-full"
-        r = requests.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert requests.post(url + "/v1/chat/completions", json=body, timeout=120).status_code == 401  # no key
+        r = requests.post(url + "/v1/chat/completions", json=body, timeout=120,
+                          headers={"Authorization": "Bearer a-key-only-this-test-knows"})
         assert r.status_code == 200, r.text
         answer = r.json()
         assert answer["choices"][0]["message"]["content"].strip()
