@@ -18,7 +18,8 @@ Either way dvi's work wraps each of the core's steps (the `step_fn` its loop cal
   batch-size schedule (`num_speculative_tokens_per_batch_size`, a dense lookup in its scheduler). Before every step
   `dvi.engine.StepPlanner` rewrites that lookup from the live acceptance of the serving drafter and the costs measured
   on this machine (`dvi.engine.CostTable`, fed by every step's timings): K = 0 where drafting would slow decoding,
-  with probe steps that keep acceptance measured. A step with K = 0 still verifies and logs: its requests' rounds
+  with probe steps that keep acceptance measured; where it is off everywhere, or at this batch size on what its steps
+  yielded, the drafter's own pass at K = 0 is skipped too (`StepPlanner.skips_pass`). A step with K = 0 still verifies and logs: its requests' rounds
   carry the target's token and top-k like any other, so the trainer keeps learning. Each routing decision is
   queued for the replica (`take_routing`). With `serve.spec.adaptive=false` vLLM drafts `serve.spec.k` every step;
 - compiled by default (`serve.vllm.enforce_eager=false`): vLLM's and torch inductor's caches live under
