@@ -317,11 +317,12 @@ class CostTable:
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> tokens per second (observe_rate)
         self.samples: Counter[tuple[str, object]] = Counter()  # (table, key) -> observations so far
 
-    def _average(self, table: str, key, seconds: float) -> None:
-        """A new observation into `table` (verify, draft or propose0) at `key`."""
+    def _average(self, table: str, key, value: float, weight: float | None = None) -> None:
+        """A new observation into `table` (verify, draft, propose0 or rate) at `key`: the mean of the first 1 / `weight`
+        (default WEIGHT), a moving average after them."""
         values = getattr(self, table)
         self.samples[(table, key)] += 1
-        values[key] = moving_average(values.get(key), seconds, max(self.WEIGHT, 1.0 / self.samples[(table, key)]))
+        values[key] = moving_average(values.get(key), value, max(weight or self.WEIGHT, 1.0 / self.samples[(table, key)]))
 
     def observe_verify(self, batch: int, k: int, seconds: float) -> None:
         self._average("verify", (batch_bucket(batch), k), seconds)
@@ -339,9 +340,7 @@ class CostTable:
         all it cost), verifying drafts or not: tokens per second, by bucket and kind, whatever the cost model says
         (`realized_speedup`)."""
         if seconds > 0:
-            key = (batch_bucket(batch), drafting)
-            self.samples[("rate", key)] += 1
-            self.rate[key] = moving_average(self.rate.get(key), tokens / seconds, max(self.RATE_WEIGHT, 1.0 / self.samples[("rate", key)]))
+            self._average("rate", (batch_bucket(batch), drafting), tokens / seconds, self.RATE_WEIGHT)
 
     def realized_speedup(self, batch: int) -> float | None:
         """Tokens per second of steps that verified drafts over those that did not, at this batch size's bucket, once
@@ -357,18 +356,20 @@ class CostTable:
             del self.rate[key]
             self.samples.pop(("rate", key), None)
 
-    def observe_step(self, batch: int, verified_k: int, proposed_k: int, step_s: float, propose_s: float) -> None:
+    def observe_step(self, batch: int, verified_k: int, proposed_k: int, step_s: float, propose_s: float) -> float:
         """One step of an engine that verifies and drafts in the same call (vLLM): it verified `verified_k` drafts per
         request in `step_s` seconds, `propose_s` of which went to proposing `proposed_k` drafts for the next step. The
         proposer's time at K = 0 (the drafter's pass over the step's new tokens, paid whatever K is) counts as part of
-        every step; what proposing K drafts costs beyond it is K drafter steps."""
+        every step; what proposing K drafts costs beyond it is K drafter steps. Returns those drafting seconds."""
         b = batch_bucket(batch)
         if proposed_k == 0:
             self._average("propose0", b, propose_s)
         base = self.propose0.get(b, 0.0)
         self.observe_verify(batch, verified_k, max(step_s - propose_s, 0.0) + base)
+        drafting_s = max(propose_s - base, 0.0) if proposed_k else 0.0
         if proposed_k:
-            self.observe_draft(batch, proposed_k, max(propose_s - base, 0.0))
+            self.observe_draft(batch, proposed_k, drafting_s)
+        return drafting_s
 
     @property
     def measured(self) -> bool:
@@ -607,14 +608,15 @@ class StepPlanner:
         s = self.spec
         lookup = [0] * (self.max_batch + 1)
         changes = []
+        size = self._size(batch)
         if self.costs.spec.cost_ratio is None and self.awake:  # measured costs: plain decoding is the unit (class docstring)
-            at = batch_bucket(min(max(batch, 1), self.max_batch))
+            at = batch_bucket(size)
             self.since_calibrated += 1
             timed = self.costs.samples[("verify", (at, 0))]
             unmeasured = timed < self.CALIBRATE_SAMPLES and self.calibrations[at] < 2 * self.CALIBRATE_SAMPLES
             if unmeasured or self.since_calibrated >= self.RECALIBRATE_EVERY:
                 if not self.calibrations[at]:
-                    changes.append(Routing("calibrate", min(max(batch, 1), self.max_batch), 0,
+                    changes.append(Routing("calibrate", size, 0,
                                            f"plain decoding at batch size {batch} is measured first: steps draft nothing "
                                            f"until {self.CALIBRATE_SAMPLES} are timed"))
                 self.calibrations[at] += 1
@@ -631,8 +633,8 @@ class StepPlanner:
                 need = s.min_speedup * (1.0 + (0.0 if self.on[b] else self.HYSTERESIS))
                 on = speedup > need
                 why = f"predicted speedup {speedup:.2f} {'>' if on else '<='} {need:.2f} at K={k}: {why}"
-                realized = self.costs.realized_speedup(b)
-                if on and realized is not None and realized <= s.min_speedup:  # what the steps yield overrules the model
+                realized = self._unpaid(b)
+                if on and realized is not None:  # what the steps yield overrules the model
                     on = False
                     why = (f"realized speedup {realized:.2f} <= {s.min_speedup:.2f} (tokens per second of the last steps that "
                            f"drafted over those that did not), though {why}")
@@ -641,7 +643,7 @@ class StepPlanner:
                 changes.append(Routing("on" if on else "off", b, k if on else 0, why))
             lookup[b] = k if on else 0
         self.planned = lookup
-        b = min(max(batch, 1), self.max_batch)
+        b = size
         if not lookup[b]:
             self.since_calibrated = 0  # this step drafts nothing: the next one measures plain decoding anyway
         everywhere_off = not any(lookup) and self.trials and not self.trial_left
@@ -687,13 +689,20 @@ class StepPlanner:
         """Whether the step about to run at `batch` (drafting `lookup[batch]`, as `schedule` returned it) skips the
         drafter's pass over its new tokens: asleep, or drafting off at this batch size on what its steps yielded (see
         the class docstring)."""
-        b = min(max(batch, 1), self.max_batch)
+        b = self._size(batch)
         if lookup[b]:
             return False
-        if not self.awake:
-            return True
-        realized = self.costs.realized_speedup(b)
-        return not self.on[b] and realized is not None and realized <= self.spec.min_speedup
+        return not self.awake or (not self.on[b] and self._unpaid(b) is not None)
+
+    def _size(self, batch: int) -> int:
+        """A batch size as the lookup indexes it: 1 to max_batch."""
+        return min(max(batch, 1), self.max_batch)
+
+    def _unpaid(self, batch: int) -> float | None:
+        """The realized speedup at this batch size where it says drafting does not pay (at most
+        serve.spec.min_speedup), else None (it pays, or too few steps are measured to say)."""
+        realized = self.costs.realized_speedup(batch)
+        return realized if realized is not None and realized <= self.spec.min_speedup else None
 
     def _wake(self, changes: list[Routing], batch: int, why: str) -> None:
         self.awake, self.measured_awake, self.sleep_left = True, 0, 0

@@ -269,7 +269,7 @@ def serving_candidates(store: Path, prefer_production: bool = True) -> list[str]
 
 
 def serving_version(store: Path, prefer_production: bool = True) -> str | None:
-    """The version a replica starts with, its checks passing: the first of `serving_candidates`; None when there is none."""
+    """The first of `serving_candidates` (what a replica starts with when it passes its checks); None when there is none."""
     return next(iter(serving_candidates(store, prefer_production)), None)
 
 

@@ -438,9 +438,8 @@ class Replica:
             except Exception as e:  # whatever else checking or loading it raised: refused too, for good, and said once
                 self._reject(msg.version)
                 self.metrics.event("refused:error", msg.version)
-                log.warning("installing %s failed", msg.version, exc_info=True)
                 decisions.warning("%s refused (error): %s: %s; still serving %s", msg.version, type(e).__name__,
-                                  str(e)[:300], self._version())
+                                  str(e)[:300], self._version(), exc_info=True)
         elif isinstance(msg, DrafterRejected):
             self._reject(msg.version)
             if msg.replica_id != self.replica_id and self._version() == msg.version:

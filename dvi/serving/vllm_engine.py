@@ -53,19 +53,7 @@ import torch
 from transformers import PreTrainedModel
 
 from dvi.config import SpecConfig, VllmConfig, default_cache_dir
-from dvi.engine import (
-    MAX_LOGPROBS,
-    CostTable,
-    Request,
-    Result,
-    Round,
-    Routing,
-    SpecStats,
-    StepPlanner,
-    TokenHook,
-    batch_bucket,
-    check_request,
-)
+from dvi.engine import MAX_LOGPROBS, CostTable, Request, Result, Round, Routing, SpecStats, StepPlanner, TokenHook, check_request
 from dvi.errors import DviError
 from dvi.hardware import VLLM_RELEASE
 from dvi.models import Drafter
@@ -296,12 +284,10 @@ class VllmEngine:
         if not meta or meta["tokens"] != meta["requests"] + meta["verify_tokens"]:
             return
         verified = max(s["num_draft"], default=0)
-        self.costs.observe_step(meta["requests"], verified, meta["proposed_k"], step_s, meta["propose_s"])
+        drafting_s = self.costs.observe_step(meta["requests"], verified, meta["proposed_k"], step_s, meta["propose_s"])
         # a plain step that drafts for the next one (the step after a calibration) is plain decoding plus drafting: its
-        # yield is the plain one only without what proposing cost beyond the drafter's pass at K = 0
-        extra = 0.0
-        if not verified and meta["proposed_k"]:
-            extra = max(0.0, meta["propose_s"] - self.costs.propose0.get(batch_bucket(meta["requests"]), 0.0))
+        # yield is the plain one only without the drafting
+        extra = drafting_s if not verified else 0.0
         self._last = (meta["requests"], verified > 0, sum(t >= 0 for row in s["sampled"] for t in row), step_s, extra)
 
     def _observe_rate(self, now: float) -> None:

@@ -98,7 +98,10 @@ def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_record
         # (counted), and only records submitted after that can show the log resumed.
         with DecisionConsumer(scfg, group_id=None, from_beginning=True) as consumer:
             seen, deadline = set(), time.monotonic() + 120
-            late = lambda: {r[3] for r in results if r[0] > after_restart and r[3] and any(x.startswith(r[3]) for x in seen)}  # noqa: E731
+
+            def late() -> set[str]:  # requests made after the restart whose records (ids beginning with theirs) were seen
+                return {r[3] for r in results if r[0] > after_restart and r[3] and any(x.startswith(r[3]) for x in seen)}
+
             while not late() and time.monotonic() < deadline:
                 seen |= {d.record.request_id for d in consumer.poll(timeout_s=1.0)}
         late_ids = {r[3] for r in results if r[0] > after_restart}

@@ -100,7 +100,7 @@ def test_ten_swaps_under_load_keep_every_answer_exact_and_tagged(running, stream
 
 
 @pytest.mark.faults
-def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_path):
+def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_path, monkeypatch):
     service, store_root = running.service, tmp_path / "store"
     good = publish_noisy(store_root, tiny_dirs[0], "d0001", noise=0.05, seed=1)
     service.on_control(DrafterPublished(good.version, str(good.path), good.sha256))
@@ -141,12 +141,14 @@ def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_
     assert service.engine.drafter.version == "d0001"
     # whatever else fails while a version is checked or loaded (here: an injected error) refuses it once, for good
     later = publish_noisy(store_root, tiny_dirs[0], "d0007", noise=0.05, seed=7)
-    load, service._load = service._load, lambda ann: (_ for _ in ()).throw(RuntimeError("injected"))
-    try:
+
+    def failing_load(ann):
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as m:
+        m.setattr(service, "_load", failing_load)
         for _ in range(2):
             service.on_control(DrafterPublished(later.version, str(later.path), later.sha256))
-    finally:
-        service._load = load
     assert service.metrics.events["refused:error"] == 1 and "d0007" in service.rejected
     assert service.engine.drafter.version == "d0001"
     r = running.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})
