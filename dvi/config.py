@@ -199,7 +199,9 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for the engine; beyond it the server answers 503
     max_max_tokens: int = 2048  # the largest max_tokens a request may ask for
     max_connections: int = 256  # open HTTP connections and requests in flight; beyond it the server answers 503
-    max_inflight_per_client: int = 0  # requests one client (API key, else address) may have in flight; 0: no cap; beyond: 429
+    max_inflight_per_client: int = 16  # requests one client (API key, else address) may have in flight; 0: no cap; beyond: 429
+    max_prompt_tokens: int = 0  # the longest prompt taken (tokens); 0: the context window less one; beyond: 400, and a
+    # prompt too long in characters for this many tokens is refused before it is tokenized
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; a request from any other is a 403
     max_domains: int = 16  # domain tags tracked by name in metrics, MLflow and the plot; further ones count as "other"
     drain_s: float = 20.0  # on SIGTERM: how long requests in flight may take to finish; the rest end with an error
@@ -219,6 +221,7 @@ class ServeConfig:
         _check(self.max_max_tokens >= 1, "serve.max_max_tokens", self.max_max_tokens, "an integer >= 1")
         _check(self.max_connections >= 1, "serve.max_connections", self.max_connections, "an integer >= 1")
         _check(self.max_inflight_per_client >= 0, "serve.max_inflight_per_client", self.max_inflight_per_client, "an integer >= 0")
+        _check(self.max_prompt_tokens >= 0, "serve.max_prompt_tokens", self.max_prompt_tokens, "an integer >= 0 (0: the context window)")
         _check(all(isinstance(o, str) and o.startswith(("http://", "https://")) for o in self.allowed_origins),
                "serve.allowed_origins", list(self.allowed_origins), "a list of origins such as https://app.example.com")
         _check(self.max_domains >= 1, "serve.max_domains", self.max_domains, "an integer >= 1")

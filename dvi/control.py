@@ -26,11 +26,14 @@ import base64
 import dataclasses
 import json
 import math
+import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Union
 
+from dvi.errors import DviError
 from dvi.keys import Keys
 
 MAX_BYTES = 64 << 10  # a control message is a few hundred bytes; anything near this is not one of ours
@@ -121,11 +124,60 @@ def decode(data: bytes) -> Message:
 class Verifier:
     """Decodes signed messages: ControlError unless the message is signed by the role SIGNER names, with a key of
     `keys.trusted`, its time is within MAX_AGE_S of now (and not ahead of it by as much), and its signature was
-    not seen before (a replay). Remembers the signatures of the last MAX_AGE_S, at most `remember` of them."""
+    not seen before (a replay). Remembers the signatures of the last MAX_AGE_S, at most `remember` of them; with a
+    `seen_file`, across restarts too: each accepted signature is appended to it (one JSON line), and a verifier
+    started on the same file refuses them as replays while they are within MAX_AGE_S. One file per reader that acts
+    on messages (a replica, a trainer): another reader's is no record of what this one has acted on."""
 
-    def __init__(self, keys: Keys, max_age_s: float = MAX_AGE_S, remember: int = 100_000):
+    def __init__(self, keys: Keys, max_age_s: float = MAX_AGE_S, remember: int = 100_000, seen_file: Path | None = None):
         self.keys, self.max_age_s, self.remember = keys, max_age_s, remember
         self._seen: dict[bytes, float] = {}  # signature -> the message's time
+        self.seen_file = Path(seen_file) if seen_file is not None else None
+        if self.seen_file is not None:
+            self._load_seen(time.time())
+
+    def _load_seen(self, now: float) -> None:
+        """The signatures still within MAX_AGE_S from `seen_file` (lines that do not parse are skipped), written back
+        as the file's whole content (older ones dropped)."""
+        try:
+            lines = self.seen_file.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            lines = []
+        except OSError as e:
+            raise DviError(f"cannot read the control messages seen so far from {self.seen_file}: {e}") from None
+        self._seen = {}
+        for line in lines[-self.remember:]:
+            try:
+                entry = json.loads(line)
+                raw, t = base64.b64decode(entry["s"], validate=True), float(entry["t"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if abs(now - t) <= self.max_age_s:
+                self._seen[raw] = t
+        try:
+            self.seen_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.seen_file.with_name(self.seen_file.name + ".tmp")
+            tmp.write_text("".join(self._line(raw, t) for raw, t in self._seen.items()), encoding="utf-8")
+            os.replace(tmp, self.seen_file)
+        except OSError as e:
+            raise DviError(f"cannot write the control messages seen so far to {self.seen_file}: {e}") from None
+
+    @staticmethod
+    def _line(raw: bytes, t: float) -> str:
+        return json.dumps({"s": base64.b64encode(raw).decode(), "t": t}) + "\n"
+
+    def _remember(self, raw: bytes, t: float) -> None:
+        self._seen[raw] = t
+        if self.seen_file is None:
+            return
+        try:  # before the message is acted on: a crash after this line never lets it in again
+            with open(self.seen_file, "a", encoding="utf-8") as f:
+                f.write(self._line(raw, t))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # the message is refused: acting on what could be replayed after a restart is worse
+            self._seen.pop(raw, None)
+            raise ControlError(f"cannot record it in {self.seen_file} ({e}), so a restart could not tell a replay of it") from None
 
     def __call__(self, data: bytes, now: float | None = None) -> Message:
         obj = _object(data)
@@ -146,7 +198,7 @@ class Verifier:
             raise ControlError(f"sent {now - msg.time:.0f} s ago: older than {self.max_age_s:g} s (a replay, or a clock far off)")
         if raw in self._seen:
             raise ControlError("a replay of a message already received")
-        self._seen[raw] = msg.time
+        self._remember(raw, msg.time)
         if len(self._seen) > self.remember:
             self._seen = {k: t for k, t in self._seen.items() if now - t <= self.max_age_s}
             while len(self._seen) > self.remember:

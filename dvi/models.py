@@ -246,13 +246,23 @@ def _cache_kwarg(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool) -> list[int]:
-    """Token ids of a prompt: through the chat template unless `raw` (or the tokenizer has none)."""
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool, split_special_tokens: bool = False) -> list[int]:
+    """Token ids of a prompt: through the chat template unless `raw` (or the tokenizer has none). A raw prompt's
+    special-token text ("<|im_start|>") is that special token, as vLLM and transformers encode it, unless
+    `split_special_tokens`: then it is its characters, as chat contents always are."""
     if not prompt.strip():
         raise DviError("empty prompt: give some text to continue")
     if raw or not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(prompt, add_special_tokens=False, split_special_tokens=split_special_tokens)["input_ids"])
     return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters one token can stand for: the longest entry of the vocabulary (added tokens included). A
+    byte-level entry has one character per byte and a byte-fallback entry ("<0x0A>") more characters than the text it
+    stands for, so a text of C characters is at least C / this many tokens, whatever the tokenizer makes of it."""
+    return max(len(t) for t in tokenizer.get_vocab())
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:

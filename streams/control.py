@@ -13,13 +13,15 @@ broker that is down or a reader that broke costs a log line and a retry, never a
 from __future__ import annotations
 
 import logging
+import re
 import time
+from pathlib import Path
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 
 from dvi import keys as signing
-from dvi.config import StreamConfig, keys_dir
+from dvi.config import StreamConfig, default_cache_dir, keys_dir
 from dvi.control import SIGNER, ControlError, Message, Verifier, decode, encode
 from dvi.errors import DviError
 from dvi.keys import Keys
@@ -48,15 +50,25 @@ def send(cfg: StreamConfig, msg: Message, timeout_s: float = 10.0, keys: Keys | 
         producer.close(timeout=timeout_s)
 
 
+def seen_file(reader: str) -> Path:
+    """Where the reader named `reader` (a replica's client id, stable across its restarts; the trainer's) keeps the
+    signatures of the control messages it accepted: <cache>/control/<reader>.seen."""
+    return default_cache_dir() / "control" / (re.sub(r"[^A-Za-z0-9._-]", "_", reader)[:128] + ".seen")
+
+
 class ControlReader:
     """Read control messages (see the module docstring). A context manager; `poll()` never raises on bad data."""
 
     def __init__(self, cfg: StreamConfig, from_beginning: bool = False, client_id: str = "dvi-control-reader",
-                 keys: Keys | None = None):
+                 keys: Keys | None = None, verifier: Verifier | None = None, seen_file: Path | None = None):
         self.invalid = 0
         self._topic = cfg.control_topic
-        # signed messages only (stream.control_auth): verified with `keys`' public keys (default: stream.keys_dir)
-        self._decode = Verifier(keys or signing.load(keys_dir(cfg))) if cfg.control_auth else decode
+        # signed messages only (stream.control_auth): verified with `keys`' public keys (default: stream.keys_dir), by
+        # `verifier` where the caller keeps one across readers, remembering what it accepted in `seen_file` if given
+        if cfg.control_auth:
+            self._decode = verifier or Verifier(keys or signing.load(keys_dir(cfg)), seen_file=seen_file)
+        else:
+            self._decode = decode
         guard(1 << 20)  # control messages are small; the bound is the largest any consumer of the process asks for
         try:
             self._consumer = KafkaConsumer(**client_options(cfg, KafkaConsumer, client_id=client_id, enable_auto_commit=False,
@@ -104,6 +116,9 @@ class ControlChannel:
         self.cfg, self.client_id, self.retry_s = cfg, client_id, retry_s
         # a replica signs its verdicts and trusts the trainer's and the replicas' public keys
         self.keys = (keys or signing.load(keys_dir(cfg), sign_as=("replica",))) if cfg.control_auth else None
+        # one verifier for every reader this channel opens: a message seen before a reconnect, or before a restart of
+        # this replica (its seen file), is a replay after it too
+        self.verifier = Verifier(self.keys, seen_file=seen_file(client_id)) if self.keys is not None else None
         self._reader: ControlReader | None = None
         self._next_try = 0.0
         self._warned = False
@@ -129,7 +144,7 @@ class ControlChannel:
             # a reader assigned to a topic that does not exist yet starts at its end once it appears, after the
             # messages that created it: create the topics first, as the trainer does
             ensure_topics(self.cfg)
-            self._reader = ControlReader(self.cfg, client_id=self.client_id, keys=self.keys)
+            self._reader = ControlReader(self.cfg, client_id=self.client_id, keys=self.keys, verifier=self.verifier)
         except DviError as e:
             if not self._warned:
                 log.warning("hot swap waits for the control topic: %s (retrying every %g s)", e, self.retry_s)

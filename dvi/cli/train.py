@@ -48,7 +48,8 @@ def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bo
     limits = Limits(topk=cfg.stream.topk, max_rounds=cfg.stream.chunk_rounds, max_k=cfg.serve.spec.k_max)
     source = DecisionConsumer(cfg.stream, group_id=group_id, from_beginning=True, limits=limits, dead_letter=dead_letter,
                               client_id="dvi-trainer")
-    reader = control.ControlReader(cfg.stream)
+    # what this trainer (its consumer group) has acted on stays a replay across its restarts
+    reader = control.ControlReader(cfg.stream, seen_file=control.seen_file(f"dvi-trainer-{group_id}"))
     role = "distill" if offline else "trainer"
     tracker = Tracker(cfg.tracking, run_name=role, params=flat_params(cfg),  # stable names: the README's `trainer`, `distill`
                       tags={"dvi.role": role, "dvi.trigger": cfg.trigger.kind, "dvi.started": time.strftime("%Y-%m-%d %H:%M:%S")})

@@ -30,6 +30,7 @@ OpenAI request shapes; decoding, batching and swaps are the replica's.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hmac
 import json
@@ -55,14 +56,27 @@ from dvi.serving.replica import Replica, Unavailable
 log = logging.getLogger("dvi.serving.api")
 
 MAX_BODY_BYTES = 4 << 20
+LARGE_BODY_BYTES = 64 << 10  # a body past this is parsed and tokenized on the threads for large ones
 _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
           "n", "stop", "user", "dvi", "stream_options", "ignore_eos", "min_tokens", "skip_special_tokens", "logprobs",
-          "top_logprobs"}
+          "top_logprobs", "split_special_tokens"}
 ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat template decides what it renders
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 _warned: set[str] = set()  # ignored field names already logged (bounded)
+
+
+# a request's CPU work (parsing, templating, tokenizing, detokenizing) runs on these threads, never on the event loop;
+# bodies over LARGE_BODY_BYTES two at a time on their own, so small requests never queue behind them
+_POOLS = {"small": concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dvi-prepare"),
+          "large": concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dvi-prepare-large")}
+
+
+async def off_loop(size: int, fn, *args):
+    """`fn(*args)` on a worker thread (the large bodies' threads when `size` bytes exceed LARGE_BODY_BYTES)."""
+    pool = _POOLS["large" if size > LARGE_BODY_BYTES else "small"]
+    return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
 
 class ApiError(Exception):
@@ -93,6 +107,7 @@ class Completion:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
     n: int = 1  # choices: the prompt decoded n times (sampled: each with its own seed)
     logprobs: int | None = None  # the emitted tokens' log-probs with this many top alternatives (None: not asked)
+    split_special_tokens: bool = False  # completions: special-token text in the prompt is its characters (chat: always)
 
 
 def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tokens: int, max_max_tokens: int,
@@ -161,6 +176,7 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
     include_usage = _flag(options, "include_usage", False, "stream_options.include_usage")
     ignore_eos = _flag(body, "ignore_eos", False)
     skip_special = _flag(body, "skip_special_tokens", True)
+    split_special = _flag(body, "split_special_tokens", False)
     min_tokens = body.get("min_tokens", 0)
     if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or not 0 <= min_tokens <= max_tokens:
         raise ApiError(400, f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {min_tokens!r}", "min_tokens")
@@ -171,7 +187,7 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
     if domain is not None and (not isinstance(domain, str) or not DOMAIN.fullmatch(domain)):
         raise ApiError(400, "the domain tag must be 1 to 64 letters, digits, '.', '_' or '-'", "dvi.domain")
     return Completion(prompt, messages, max_tokens, temperature, top_p, seed, stream, domain, tuple(stop), ignore_eos,
-                      min_tokens, skip_special, include_usage, n, logprobs)
+                      min_tokens, skip_special, include_usage, n, logprobs, split_special)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -403,15 +419,20 @@ def create_app(replica: Replica) -> Any:
             release()
         return response
 
-    async def _complete(request: Request, chat: bool, release):
-        raw = await read_body(request, MAX_BODY_BYTES)
+    def prepare(raw: bytes, chat: bool, domain_header: str | None) -> tuple[Completion, Any]:
+        """The parsed request and its engine request: JSON parsing, chat templating and tokenization, CPU work that
+        runs on a worker thread, never on the event loop (`/health` and other clients answer meanwhile)."""
         c = parse_completion(raw, chat, model_name=replica.model_name, default_max_tokens=replica.defaults.max_new_tokens,
                              max_max_tokens=replica.cfg.serve.max_max_tokens, default_temperature=replica.defaults.temperature,
-                             default_top_p=replica.defaults.top_p, domain_header=request.headers.get("x-dvi-domain"))
+                             default_top_p=replica.defaults.top_p, domain_header=domain_header)
         try:
-            req = replica.request(c)
+            return c, replica.request(c)
         except DviError as e:  # the engine's checks: prompt too long, ids out of the vocabulary, ...
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
+
+    async def _complete(request: Request, chat: bool, release):
+        raw = await read_body(request, MAX_BODY_BYTES)
+        c, req = await off_loop(len(raw), prepare, raw, chat, request.headers.get("x-dvi-domain"))
         # n choices: n engine requests of the same prompt, each its own seed (the given one + i) and request id
         reqs = [req] + [dataclasses.replace(req, seed=None if c.seed is None else (c.seed + i) % 2**63, request_id=uuid.uuid4().hex)
                         for i in range(1, c.n)]
@@ -500,7 +521,8 @@ def create_app(replica: Replica) -> Any:
         if not c.stream and not c.stop:
             jobs = submit_all(watch=False)
             results = await asyncio.gather(*(until_done(request, job) for job in jobs))
-            texts = [replica.tokenizer.decode(r.token_ids, skip_special_tokens=c.skip_special_tokens) for r in results]
+            texts = await off_loop(0, lambda: [replica.tokenizer.decode(r.token_ids, skip_special_tokens=c.skip_special_tokens)
+                                               for r in results])
             return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
                     "choices": [choice(i, t, r.finish_reason, None, False, logprobs_of(r, None))
                                 for i, (t, r) in enumerate(zip(texts, results))],

@@ -48,7 +48,7 @@ from dvi.errors import DviError
 from dvi.files import sha256_file
 from dvi.hardware import pick_engine
 from dvi.metrics import ServingMetrics, drift_plot
-from dvi.models import Drafter, Pair, encode_chat, encode_prompt, end_ids
+from dvi.models import Drafter, Pair, encode_chat, encode_prompt, end_ids, longest_token_chars
 from dvi.procs import default_replica_id
 from dvi.records import records_from_result
 from dvi.serving.vllm_engine import VllmEngine
@@ -116,8 +116,14 @@ class Replica:
                                            stop_ids=stop_ids, max_batch=cfg.serve.max_batch, trial_tokens=cfg.serve.swap.window_tokens)
         else:
             self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
+        window = self.engine.window - 1  # the longest prompt the engine takes: one token of room to answer
+        self.max_prompt_tokens = min(cfg.serve.max_prompt_tokens or window, window)
+        # a text longer than this cannot be a prompt of max_prompt_tokens tokens: refused before it is tokenized (the
+        # bound vLLM's own server applies: tokens times the longest vocabulary entry)
+        self.max_prompt_chars = self.max_prompt_tokens * longest_token_chars(self.tokenizer)
         self.rejected: OrderedDict[str, None] = OrderedDict()  # versions never to serve again, oldest first
-        self.newest: str | None = None  # the newest store version this replica has served: an older one is a replay
+        # the newest store version this replica has served, or found current in the store at start: an older one is a replay
+        self.newest: str | None = None
         self.rollout: Rollout | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=cfg.serve.max_queue)
         self._stop = threading.Event()
@@ -193,7 +199,14 @@ class Replica:
     # -- requests --------------------------------------------------------------------------------
 
     def request(self, c) -> Request:
-        """An engine request from a parsed completion (`dvi.serving.api.Completion`); DviError when the engine refuses it."""
+        """An engine request from a parsed completion (`dvi.serving.api.Completion`); DviError when the engine refuses it,
+        or the prompt is longer than serve.max_prompt_tokens (a text too long to be that many tokens before tokenizing).
+        Tokenizes: CPU work, for a worker thread."""
+        chars = sum(len(m["content"]) for m in c.messages) if c.messages is not None else \
+            len(c.prompt) if isinstance(c.prompt, str) else 0
+        if chars > self.max_prompt_chars:
+            raise DviError(f"prompt of {chars} characters is longer than a prompt of at most {self.max_prompt_tokens} tokens "
+                           f"can be (serve.max_prompt_tokens; at most {self.max_prompt_chars} characters)")
         if c.messages is not None:
             try:
                 ids = encode_chat(self.tokenizer, c.messages)  # special tokens in contents are text
@@ -204,7 +217,9 @@ class Replica:
         elif isinstance(c.prompt, list):
             ids = list(c.prompt)
         else:
-            ids = encode_prompt(self.tokenizer, c.prompt, raw=True)
+            ids = encode_prompt(self.tokenizer, c.prompt, raw=True, split_special_tokens=c.split_special_tokens)
+        if len(ids) > self.max_prompt_tokens:
+            raise DviError(f"prompt of {len(ids)} tokens is longer than serve.max_prompt_tokens={self.max_prompt_tokens}")
         req = Request(ids, max_new_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, seed=c.seed,
                       ignore_eos=c.ignore_eos, min_tokens=min(c.min_tokens, c.max_tokens), logprobs=c.logprobs)
         self.engine.check_request(req)
@@ -390,11 +405,14 @@ class Replica:
         Automatic, a version that fails its checks is skipped, said and counted, for the next one
         (`store.serving_candidates`), and the configured drafter serves only when none passes, which the log says."""
         choice = self.cfg.serve.swap.initial
-        if choice == "none" or not configured:
-            return
         for v, verdict in store.verdicts(self.store_root).items():
             if verdict == store.REJECTED:
                 self._reject(v)
+        # whatever this replica starts with, the store says which version is current: an announcement of an older
+        # one, read first by a replica started later, is a replay, not news (`install` refuses it as stale)
+        self.newest = store.serving_version(self.store_root, prefer_production=False)  # the newest never rejected
+        if choice == "none" or not configured:
+            return
         automatic = choice in ("production", "latest")
         candidates = store.serving_candidates(self.store_root, prefer_production=choice == "production") if automatic else [choice]
         for version in candidates:
@@ -410,7 +428,8 @@ class Replica:
                 self.metrics.event(f"refused:{e.reason}", version)
                 continue
             self.engine.swap_drafter(drafter)
-            self.newest = version
+            if self.newest is None or store.older(self.store_root, self.newest, version):
+                self.newest = version
             decisions.info("serving drafter %s from the store %s", version, self.store_root)
             return
         if candidates:

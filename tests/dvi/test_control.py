@@ -52,3 +52,24 @@ def test_unknown_fields_are_ignored_so_a_newer_writer_can_add_one():
 def test_anything_else_is_refused_with_what_is_wrong(data, words):
     with pytest.raises(ControlError, match=words):
         decode(data)
+
+
+def test_a_verifier_with_a_seen_file_refuses_replays_across_restarts(tmp_path):
+    """What a verifier accepted stays a replay for the next verifier on the same file while it is within MAX_AGE_S;
+    one older than that is dropped from the file; another reader's file is no record of this one's."""
+    from dvi import keys
+    from dvi.control import MAX_AGE_S, Verifier
+
+    k = keys.load(tmp_path / "keys", sign_as=("trainer",))
+    seen = tmp_path / "replica.seen"
+    first, second = (encode(DrafterPublished(f"d000{i}", f"/s/d000{i}", "ab" * 32), k) for i in (1, 2))
+    assert Verifier(k, seen_file=seen)(first).version == "d0001"
+    restarted = Verifier(k, seen_file=seen)
+    with pytest.raises(ControlError, match="replay"):
+        restarted(first)
+    assert restarted(second).version == "d0002"
+    assert Verifier(k, seen_file=tmp_path / "another.seen")(first).version == "d0001"
+    assert len(seen.read_text().splitlines()) == 2
+    later = Verifier(k, seen_file=seen)
+    later._load_seen(now=json.loads(seen.read_text().splitlines()[0])["t"] + MAX_AGE_S + 1)  # both past their window
+    assert seen.read_text() == ""

@@ -30,7 +30,7 @@ from dvi.errors import DviError
 from dvi.models import load_causal_lm, resolve_pair
 from dvi.procs import free_port
 from dvi.serving.replica import REJECTED_KEPT, Replica
-from streams.control import ControlReader
+from streams.control import ControlChannel, ControlReader
 from streams.control import send as control_send
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -215,6 +215,65 @@ def test_only_the_trainer_decides_what_a_replica_serves(any_engine, stream_cfg, 
     assert serving() == d2.version
     raw.close()
     assert service.control.invalid == 3 and service.metrics.events["swap"] == 2
+
+
+@pytest.mark.faults
+def test_a_replayed_announcement_never_downgrades_a_restarted_or_a_new_replica(stream_cfg, tiny_dirs, tmp_path, monkeypatch):
+    """Genuine signed announcements of d0001 and then d0002, re-sent within their validity window: a replica restarted
+    under the same name refuses both as replays (what it accepted is kept in its seen file across the restart), and a
+    replica that never saw them, started with its configured drafter, refuses d0001 as stale (the store's newest good
+    version is d0002). Neither serves d0001."""
+    monkeypatch.setenv("DVI_CACHE", str(tmp_path / "cache"))  # the seen files of this test's replicas only
+    root = tmp_path / "store"
+    cfg = service_config(stream_cfg, tiny_dirs, root)
+    local = keys.load(keys_dir(stream_cfg), sign_as=("trainer",))
+    raw = KafkaProducer(bootstrap_servers=stream_cfg.bootstrap)
+    sent = []
+
+    def start(name: str) -> Replica:
+        return Replica(cfg, resolve_pair(cfg.model), control=ControlChannel(cfg.stream, client_id=name)).start()
+
+    def wait_for(condition, within_s: float = 60) -> None:
+        deadline = time.monotonic() + within_s
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.2)
+
+    def send(data: bytes) -> None:
+        raw.send(stream_cfg.control_topic, data).get(timeout=10)
+
+    first = start("dvi-serve-host-8000")
+    try:
+        wait_for(lambda: first.control.connected)
+        for i in (1, 2):
+            p = publish_noisy(root, tiny_dirs[0], f"d000{i}", noise=0.05, seed=i)
+            sent.append(encode_control(DrafterPublished(p.version, str(p.path), p.sha256), local))
+            send(sent[-1])
+            wait_for(lambda v=p.version: first.engine.drafter.version == v)
+    finally:
+        first.close()
+
+    restarted = start("dvi-serve-host-8000")
+    try:
+        configured = restarted.engine.drafter.version
+        wait_for(lambda: restarted.control.connected)
+        for data in sent:
+            send(data)
+        wait_for(lambda: restarted.control.invalid == 2)
+        assert restarted.engine.drafter.version == configured and restarted.metrics.events["swap"] == 0
+    finally:
+        restarted.close()
+
+    new = start("dvi-serve-host-8001")
+    try:
+        assert new.newest == "d0002"  # what the store says is current
+        wait_for(lambda: new.control.connected)
+        send(sent[0])
+        wait_for(lambda: new.metrics.events["refused:stale"] == 1)
+        assert new.engine.drafter.version == configured and new.control.invalid == 0
+    finally:
+        new.close()
+        raw.close()
 
 
 def test_the_api_key_comes_from_the_environment_or_a_file(tiny_dirs, tmp_path, monkeypatch):
@@ -445,6 +504,61 @@ def test_hostile_http_requests_get_a_clear_4xx_and_cost_nothing(stream_cfg, tiny
         assert status == 200  # the slot came back when the first one finished
     finally:
         r.close()
+
+
+@pytest.mark.faults
+def test_large_prompts_never_stall_the_server_for_other_clients(stream_cfg, tiny_dirs, tmp_path, monkeypatch):
+    """Four 3 MB prompts (under the 4 MiB body bound) at once: each is refused by its length in characters before it is
+    tokenized (a 400 naming serve.max_prompt_tokens), and while four large requests' CPU work runs, here made to take 2 s
+    each, /health and a small request answer at once: that work runs off the event loop, large bodies on threads of
+    their own."""
+    cfg = service_config(stream_cfg, tiny_dirs, tmp_path / "store", max_prompt_tokens=64)
+    r = Running(replica(cfg))
+    try:
+        service = r.service
+        assert service.max_prompt_tokens == 64 and service.max_prompt_chars < 64 * 100
+        huge = {"prompt": "The river bends past the old mill. " * 86_000, "max_tokens": 2}  # 3 MB
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: r.post("/v1/completions", huge), range(4)))
+        for a in answers:
+            assert a.status_code == 400 and "characters" in a.json()["error"]["message"], a.text[:300]
+            assert "serve.max_prompt_tokens" in a.json()["error"]["message"]
+        assert time.perf_counter() - t0 < 5, "refusing by length must not tokenize"
+        long_tokens = r.post("/v1/completions", {"prompt": list(range(100, 200)), "max_tokens": 2})
+        assert long_tokens.status_code == 400 and "serve.max_prompt_tokens=64" in long_tokens.json()["error"]["message"]
+
+        real_request = service.request
+
+        def slow_request(c):  # a large request whose CPU work takes 2 s (it sleeps, so it costs no CPU here)
+            if c.prompt == "slow":
+                time.sleep(2.0)
+            return real_request(c)
+
+        monkeypatch.setattr(service, "request", slow_request)
+        large = {"prompt": "slow", "max_tokens": 2, "user": "x" * 100_000}  # a body of 100 kB
+        with ThreadPoolExecutor(4) as pool:
+            slow = [pool.submit(r.post, "/v1/completions", large) for _ in range(4)]
+            time.sleep(0.3)
+            for probe in (lambda: requests.get(r.url + "/health", timeout=30),
+                          lambda: r.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2})):
+                t = time.perf_counter()
+                assert probe().status_code == 200
+                assert time.perf_counter() - t < 1.0, "a request's CPU work held up the event loop"
+            assert all(f.result().status_code == 200 for f in slow)
+    finally:
+        r.close()
+
+
+def test_raw_prompts_keep_special_tokens_unless_split_special_tokens(running):
+    """A raw completion prompt's special-token text is the special token (as vLLM's), unless split_special_tokens."""
+    text = "<|im_start|>user hi"
+    kept = running.post("/v1/completions", {"prompt": text, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    split = running.post("/v1/completions", {"prompt": text, "max_tokens": 1, "split_special_tokens": True}).json()
+    assert split["usage"]["prompt_tokens"] > kept
+    tokenizer = running.service.tokenizer
+    assert kept == len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert running.post("/v1/completions", {"prompt": text, "split_special_tokens": "yes"}).status_code == 400
 
 
 @pytest.mark.real_model
