@@ -11,7 +11,8 @@ Bodies are parsed by hand (`parse_completion`) so every mistake gets one clear 4
 out-of-range sampling values, max_tokens, `n` or `logprobs` (the target's unwarped log-probs, as vLLM's default;
 streamed, each chunk carries the tokens decoded since the previous one); a body that is not JSON is a 415.
 As vLLM does, fields this server does not know are ignored with a warning in its log, and it takes vLLM's
-extensions `ignore_eos`, `min_tokens` and `skip_special_tokens`; `stop` strings end generation and are cut from
+extensions `ignore_eos`, `min_tokens` and `skip_special_tokens` (and transformers' `split_special_tokens`: a raw prompt's
+special-token text as its characters; chat contents always are); `stop` strings end generation and are cut from
 the text (held back while streaming until they cannot start a stop string: the streamed text is exactly the
 unstreamed one); chat content may be a list of text parts; `stream_options.include_usage` adds vLLM's last chunk
 with the usage and no choices; `n` choices decode as n requests of the same prompt (seeds seed + i). A request whose client goes away is cancelled: its row leaves the batch at the
@@ -20,7 +21,9 @@ API key set (`serve.api_key` or $DVI_API_KEY), everything but /health needs `Aut
 /health says only that the replica is up to a caller without it. A request that carries an `Origin` (a web page in
 a browser) is refused with 403 unless `serve.allowed_origins` lists it, so no page a user opens can drive
 generations; `serve.max_inflight_per_client` caps the requests one client (its key, else its address) has in flight
-(429 beyond it).
+(429 beyond it). A request's CPU work (parsing, chat templating, tokenizing, detokenizing) runs on worker threads
+(`off_loop`), never on the event loop, and a prompt too long for `serve.max_prompt_tokens` is refused before it is
+tokenized (`Replica.request`): one client's huge prompt never holds up another's request or `/health`.
 
 `draining_server` runs the app under uvicorn so that a SIGINT or SIGTERM first drains the replica (requests in
 flight finish or end with an error, never cut off as if complete). This module knows HTTP, uvicorn and the
