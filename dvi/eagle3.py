@@ -7,7 +7,9 @@ An EAGLE-3 drafter drafts from the target's own features. For the token at posit
 concatenated with the fused features (its q/k/v take 2 x hidden) and a reduced head (`lm_head`, draft vocabulary
 only) predicts the token at t + 2. Its pre-norm output is the feature of its next step: step k > 0 feeds it back in
 place of the target's. The target's embedding is shared (not saved). `d2t` maps draft ids to target ids
-(target id = draft id + d2t[draft id]); `t2d` marks the target ids the draft vocabulary has.
+(target id = draft id + d2t[draft id]); `t2d` marks the target ids the draft vocabulary has. `ttt_loss` trains it
+as EAGLE-3 does (training-time test: several drafting steps unrolled, each after the first on the drafter's own
+output, attending as vLLM's drafting loop does).
 
 On-disk layout of an eagle3 drafter (`save_eagle3`, read by `load_eagle3` and by vLLM with method eagle3):
 
@@ -141,14 +143,33 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past=()) -> tuple[torch.Tensor, tuple]:
+        """(output, this step's (k, v)). `past`: the (k, v) of earlier drafting steps over the same T positions, the
+        first from the first pass (attended causally), the others from steps that drafted on from each position
+        (each position attends to its own only): vLLM's KV cache when each position is the last one drafted from."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        if not past:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        else:
+            out = _chained_attention(q, [(pk, pv) for pk, pv in past] + [(k, v)], self.heads // self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+
+def _chained_attention(q: torch.Tensor, kv: list, group: int) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over kv[0] causally and over each of kv[1:] at its own position only."""
+    scale = q.shape[-1] ** -0.5
+    keys = [k.repeat_interleave(group, 1) for k, _ in kv]
+    values = [v.repeat_interleave(group, 1) for _, v in kv]
+    t = q.shape[2]
+    causal = (q @ keys[0].transpose(-1, -2)) * scale
+    causal = causal.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    own = torch.stack([(q * k).sum(-1) * scale for k in keys[1:]], -1)  # [B, H, T, steps]
+    weights = torch.cat([causal, own], -1).softmax(-1)
+    return weights[..., :t] @ values[0] + sum(weights[..., t + j, None] * v for j, v in enumerate(values[1:]))
 
 
 class Eagle3Layer(nn.Module):
@@ -164,13 +185,14 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, embeds, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output, residual) as vLLM's layer returns them: their sum is the stream after the layer."""
+    def forward(self, embeds, hidden, cos, sin, past=()) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """(output, residual, this step's (k, v)) as vLLM's layer returns the first two: their sum is the stream after
+        the layer. `past`: see `Eagle3Attention.forward`."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
-        x = self.self_attn(torch.cat([self.input_layernorm(embeds), normed], dim=-1), cos, sin)
+        x, kv = self.self_attn(torch.cat([self.input_layernorm(embeds), normed], dim=-1), cos, sin, past)
         residual = x + residual
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        return self.mlp(self.post_attention_layernorm(residual)), residual, kv
 
 
 class Eagle3Drafter(nn.Module):
@@ -217,13 +239,19 @@ class Eagle3Drafter(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft logits [B, T, N], pre-norm output [B, T, hidden]) for features `hidden` [B, T, hidden] (fused target
         features, or the drafter's own pre-norm output one step back) and the next tokens `input_ids` [B, T]."""
+        logits, prenorm, _ = self.step(hidden, input_ids, positions)
+        return logits, prenorm
+
+    def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor | None = None, past=()):
+        """`forward` that also takes the (k, v) of earlier drafting steps (`Eagle3Attention.forward`) and returns its
+        own: (logits, pre-norm output, (k, v))."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         embeds = self.embed_tokens(input_ids)
         cos, sin = self.rotary(embeds, positions)
-        out, residual = self.midlayer(embeds, hidden, cos, sin)
+        out, residual, kv = self.midlayer(embeds, hidden, cos, sin, past)
         prenorm = out + residual
-        return self.lm_head(self.norm(prenorm)), prenorm
+        return self.lm_head(self.norm(prenorm)), prenorm, kv
 
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return to_target_logits(logits, self.d2t, self.config.vocab_size)
@@ -232,6 +260,64 @@ class Eagle3Drafter(nn.Module):
         """The tensors a checkpoint holds (vLLM's names): all but the shared embedding."""
         return {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()
                 if not k.startswith(("embed_tokens.", "rotary."))}
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: training-time test (TTT).
+
+
+def to_draft_ids(ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """Target ids as draft ids; -1 where the draft vocabulary lacks the id."""
+    draft = t2d.long().cumsum(0) - 1
+    return torch.where(t2d[ids], draft[ids], torch.full_like(ids, -1))
+
+
+def ttt_logits(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
+    """Draft logits [B, T - 1, N] of each of `steps` drafting steps, as EAGLE-3 trains them (training-time test).
+
+    `features`: the target's aux hidden states [B, T, n_aux x target hidden] (`target_features`) of `input_ids` [B, T].
+    Index i is a draft made after position i: step 0 reads the target's feature of position i and the token at i + 1
+    and predicts the token at i + 2; step k reads the drafter's own pre-norm output of step k - 1 and the token at
+    i + 1 + k (teacher-forced) at position i + k and predicts the token at i + 2 + k, attending to the first pass
+    causally and to its own earlier steps (vLLM's drafting, `Eagle3Attention.forward`). Entries whose token input
+    would lie past the end hold a padding token and are to be ignored (`ttt_loss` masks them)."""
+    b, t = input_ids.shape
+    hidden, past, out = drafter.fuse(features[:, : t - 1]), [], []
+    base = torch.arange(t - 1, device=input_ids.device).expand(b, -1)
+    for k in range(steps):
+        tokens = F.pad(input_ids[:, 1 + k :], (0, k), value=0)  # [B, T - 1]: the token at i + 1 + k
+        logits, hidden, kv = drafter.step(hidden, tokens, base + k, past)
+        past.append(kv)
+        out.append(logits)
+    return out
+
+
+def ttt_loss(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch.Tensor, teacher: torch.Tensor,
+             steps: int = 3) -> torch.Tensor:
+    """The drafter's loss over `steps` drafting steps (`ttt_logits`), averaged over steps and valid positions.
+
+    `teacher`: the target's logits [B, T, vocab] at each position (soft targets: cross-entropy against the target's
+    next-token distribution restricted to the draft vocabulary and renormalised there, a KL divergence up to a
+    constant) or its next tokens [B, T] as ids (hard targets, predicted at position i for the token at i + 1;
+    positions whose token is outside the draft vocabulary do not count)."""
+    b, t = input_ids.shape
+    ids = target_ids(drafter.d2t)
+    losses = []
+    for k, logits in enumerate(ttt_logits(drafter, features, input_ids, steps)):
+        n = t - 1 - k  # draft index i predicts the target's distribution at position i + 1 + k, for i < T - 1 - k
+        if n <= 0:
+            break
+        logp = logits[:, :n].log_softmax(-1)
+        if teacher.is_floating_point():
+            p = teacher[:, 1 + k : 1 + k + n, ids].float().softmax(-1)
+            losses.append(-(p * logp).sum(-1).mean())
+        else:
+            want = to_draft_ids(teacher[:, 1 + k : 1 + k + n], drafter.t2d)
+            if bool((want >= 0).any()):
+                losses.append(F.nll_loss(logp.reshape(-1, logp.shape[-1]), want.reshape(-1), ignore_index=-1))
+    if not losses:
+        raise DviError(f"no position to train on: {t} tokens for {steps} drafting steps")
+    return torch.stack(losses).mean()
 
 
 def weight_shapes(config: LlamaConfig, draft_vocab_size: int, n_aux: int, target_hidden_size: int | None = None

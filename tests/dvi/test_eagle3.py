@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from dvi.eagle3 import (Eagle3Drafter, check_vocab_maps, default_layer_ids, target_features, target_ids,
-                        to_target_logits, vocab_maps, weight_shapes)
+from dvi.eagle3 import (Eagle3Drafter, check_vocab_maps, default_layer_ids, target_features, target_ids, to_draft_ids,
+                        to_target_logits, ttt_logits, ttt_loss, vocab_maps, weight_shapes)
 from dvi.errors import DviError
 
 VOCAB = 97
@@ -130,3 +130,46 @@ def test_checkpoint_names_and_shapes_are_vllms():
         "midlayer.mlp.down_proj.weight": (32, 64),
     }
     assert set(random_drafter().weights()) == set(shapes)
+
+
+def test_to_draft_ids():
+    _, t2d = vocab_maps([2, 5, 9], VOCAB)
+    assert to_draft_ids(torch.tensor([[5, 2, 3, 9]]), t2d).tolist() == [[1, 0, -1, 2]]
+
+
+def test_training_steps_are_vllms_drafting_chain():
+    """Step k of `ttt_logits` at index i is what the drafter drafts k steps after position i when run as vLLM does:
+    one causal forward over the first pass up to i and its own outputs after it (tokens teacher-forced here)."""
+    d = random_drafter(seed=2)
+    feats, ids = torch.randn(1, 10, 3 * 32), torch.randint(0, VOCAB, (1, 10))
+    with torch.no_grad():
+        steps = ttt_logits(d, feats, ids, steps=3)
+        first, _ = d(d.fuse(feats[:, :9]), ids[:, 1:])
+        assert torch.allclose(steps[0], first, atol=1e-5)
+        for i in (0, 3, 6):
+            hidden, tokens = d.fuse(feats[:, : i + 1]), ids[:, 1 : i + 2]
+            for k in range(3):
+                logits, prenorm = d(hidden, tokens)
+                assert torch.allclose(steps[k][0, i], logits[0, -1], atol=1e-4), (i, k)
+                hidden = torch.cat([hidden, prenorm[:, -1:]], 1)
+                tokens = torch.cat([tokens, ids[:, i + 2 + k : i + 3 + k]], 1)
+
+
+@pytest.mark.parametrize("soft", [True, False])
+def test_a_few_optimizer_steps_lower_the_ttt_loss(soft):
+    d = random_drafter(seed=3)
+    torch.manual_seed(4)
+    feats, ids = torch.randn(4, 12, 3 * 32), torch.randint(0, VOCAB, (4, 12))
+    teacher_logits = torch.randn(4, 12, VOCAB) * 3
+    teacher_logits[..., target_ids(d.d2t)] += 2.0  # the target's mass mostly on the draft vocabulary
+    teacher = teacher_logits if soft else teacher_logits.argmax(-1)
+    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(25):
+        loss = ttt_loss(d, feats, ids, teacher, steps=3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert d.embed_tokens.weight.grad is None  # the target's embedding stays the target's
+    assert losses[-1] < 0.8 * losses[0] and min(losses[-5:]) < min(losses[:5]), losses
