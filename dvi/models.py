@@ -11,11 +11,12 @@ Owns the on-disk layout of a drafter checkpoint:
 
 A drafter with a reduced head predicts over N target tokens only; its probability is zero elsewhere,
 which keeps the acceptance rule exact (see `dvi.speculative`). This module knows nothing about
-decoding, streams or training.
+decoding, streams or training; EAGLE-3 drafters (a layer over the target's features) are `dvi.eagle3`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -30,6 +31,7 @@ import tempfile
 import time
 import zipfile
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -416,15 +418,16 @@ def corpus_texts(max_chars: int = 4_000_000) -> list[str]:
     return texts
 
 
-def frequent_token_ids(tokenizer: PreTrainedTokenizerBase, n: int, texts: list[str]) -> torch.Tensor:
-    """The n most frequent token ids over `texts`, special tokens always included, sorted ascending."""
+def frequent_token_ids(tokenizer: PreTrainedTokenizerBase, n: int, texts: list[str], include: Iterable[int] = ()) -> torch.Tensor:
+    """The n most frequent token ids over `texts`, special tokens and the ids of `include` (end-of-sequence ids)
+    always included, sorted ascending."""
     vocab = len(tokenizer)
     if not 0 < n <= vocab:
         raise DviError(f"reduced drafter vocabulary must be in 1..{vocab}, got {n}")
     counts: Counter[int] = Counter()
     for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         counts.update(ids)
-    chosen = [i for i in tokenizer.all_special_ids if 0 <= i < vocab]
+    chosen = list(dict.fromkeys(i for i in [*tokenizer.all_special_ids, *include] if 0 <= i < vocab))
     seen = set(chosen)
     for tok, _ in counts.most_common():
         if len(chosen) >= n:
@@ -439,6 +442,20 @@ def frequent_token_ids(tokenizer: PreTrainedTokenizerBase, n: int, texts: list[s
             chosen.append(tok)
             seen.add(tok)
     return torch.tensor(sorted(chosen[:n]), dtype=torch.long)
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path, prefix: str) -> Iterator[Path]:
+    """A fresh folder beside `out` to fill; on success it replaces `out` (a half-written drafter is never seen there)."""
+    staging = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=prefix))
+    try:
+        yield staging
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def build_drafter(
@@ -463,8 +480,7 @@ def build_drafter(
     if missing:
         raise DviError(f"could not build a drafter from {str(target_dir)!r}: missing weights {missing[:3]}")
     out = Path(out_dir).expanduser()
-    staging = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".drafter-"))
-    try:
+    with staged_dir(out, ".drafter-") as staging:
         drafter.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         meta = {
@@ -479,12 +495,6 @@ def build_drafter(
             weight = target.get_output_embeddings().weight.detach()[ids].contiguous()
             save_file({"token_ids": ids, "weight": weight}, str(staging / DRAFT_HEAD))
         (staging / DRAFTER_META).write_text(json.dumps(meta, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

@@ -3,7 +3,8 @@
 A version is `<store>/<version>/`, a drafter directory that `dvi.models.load_drafter` reads: the parent
 drafter's config and tokenizer files, `model.safetensors` (a reduced-vocabulary head goes to
 `draft_head.safetensors` with its token ids, as `build_drafter` writes it), `dvi_drafter.json` (version,
-parent, lineage and gate metadata) and `SHA256SUMS` (sha256 of every other file). The digest of SHA256SUMS pins
+parent, lineage and gate metadata; the parent's `kind`, "eagle3" for an EAGLE-3 drafter, whose config.json is the
+speculators format and whose model.safetensors holds its fc, midlayer, head and d2t/t2d, `dvi.eagle3`) and `SHA256SUMS` (sha256 of every other file). The digest of SHA256SUMS pins
 the whole version: it travels in the control message and the registry, and a server checks it before loading.
 Weights are safetensors only; `verify` refuses a directory holding any pickle-capable weight file.
 
@@ -36,7 +37,7 @@ from safetensors.torch import save_file
 from dvi import control
 from dvi.errors import DviError
 from dvi.files import fsync_path, sha256_file
-from dvi.models import DRAFT_HEAD, DRAFTER_META, cache_dir
+from dvi.models import DRAFT_HEAD, DRAFTER_META, cache_dir, read_drafter_meta
 
 SUMS = "SHA256SUMS"
 VERDICTS = "VERDICTS"
@@ -86,7 +87,8 @@ def publish(store: Path, version: str, state_dict: dict[str, torch.Tensor], sour
 
     state_dict: the drafter's weights with the base model's keys (for a reduced head, `lm_head.weight` is
     [N, hidden] and `vocab_map` [N] its target ids); source_dir: the parent drafter's directory (config and
-    tokenizer files are copied from it); meta: recorded in dvi_drafter.json next to version and time.
+    tokenizer files are copied from it); meta: recorded in dvi_drafter.json next to version and time (and the
+    parent's kind, unless meta names one).
     """
     check_version_name(version)
     store, source_dir = Path(store).expanduser(), Path(source_dir).expanduser()
@@ -110,7 +112,9 @@ def publish(store: Path, version: str, state_dict: dict[str, torch.Tensor], sour
         elif config.get("tie_word_embeddings") and "model.embed_tokens.weight" in weights:
             weights.pop("lm_head.weight", None)  # tied: the same tensor as the embeddings
         save_file(_unshared(weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / DRAFTER_META).write_text(json.dumps({**meta, "version": version, "created": time.time()}, indent=2, default=str))
+        kind = read_drafter_meta(source_dir).get("kind")
+        meta = {**({"kind": kind} if kind else {}), **meta, "version": version, "created": time.time()}
+        (tmp / DRAFTER_META).write_text(json.dumps(meta, indent=2, default=str))
         sums = "".join(f"{sha256_file(f)}  {f.name}\n" for f in sorted(tmp.iterdir()) if f.is_file())
         (tmp / SUMS).write_text(sums)
         for f in tmp.iterdir():

@@ -14,10 +14,17 @@ that were hashed. In order, it refuses (raising `Refused` with a reason code and
 - `config`: config.json differs from the configured drafter's (or, with none, the target's) in more than the
   drafter's own fields (its layers), has more layers than the target, names code to run (`auto_map`), or sets a
   private key (`_attn_implementation` and the like pick kernels, possibly from the hub; only `_PRIVATE_METADATA`);
+  an EAGLE-3 version's (speculators format, `dvi.eagle3`): its layer config is not the target's shapes in one layer,
+  its verifier's architecture or hidden size is not the target's, or its aux layers or draft vocabulary do not fit
+  the target (`auto_map` and private keys are refused in its layer config too);
 - `shapes`: a weight in model.safetensors has another shape than the drafter's config implies, or one is missing;
 - `load`: the weights or the reduced head do not load as a drafter of this target (vocabulary, repeated ids);
 - `nonfinite`: a weight holds NaN or inf;
 - `smoke`: a short greedy decode with the new drafter fails or produces non-finite logits.
+
+An EAGLE-3 version passes the same checks (`check_announced`); `load_announced_eagle3` loads it as a
+`dvi.eagle3.Eagle3Drafter` (d2t and t2d checked: `load`), which vLLM serves with method eagle3. dvi's engines serve
+layer drafters only: `load_announced` refuses an EAGLE-3 version (`load`).
 
 It runs on the caller's thread (the server's swap thread), never on the decoding thread; the engine's
 `swap_drafter` then switches the pointer between verification rounds.
@@ -36,13 +43,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dvi import store
+from dvi import eagle3, store
 from dvi.control import DrafterPublished
 from dvi.errors import DviError
 from dvi.models import DRAFT_HEAD, Drafter, attach_head
@@ -64,6 +72,18 @@ class Refused(DviError):
         self.reason = reason
 
 
+@dataclass
+class Checked:
+    """A version that passed `check_announced`: its directory, config (the layer config of an EAGLE-3 version), its
+    EAGLE-3 fields (`dvi.eagle3.eagle3_config`; None for a layer drafter) and its tensors."""
+
+    path: Path
+    config: object
+    eagle: dict | None
+    weights: dict[str, torch.Tensor]
+    head: dict[str, torch.Tensor] | None
+
+
 def resolve_in_store(uri: str, version: str, store_root: Path) -> Path:
     """The version's directory, which must be exactly <store_root>/<version> once resolved."""
     root = Path(store_root).expanduser().resolve()
@@ -73,12 +93,9 @@ def resolve_in_store(uri: str, version: str, store_root: Path) -> Path:
     return path
 
 
-def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Module, smoke_tokens: int = 8,
-                   dtype: torch.dtype = torch.float32, family=None, device: torch.device | None = None) -> Drafter:
-    """Check and load an announced drafter (see the module docstring). Returns it in `dtype` on `device` (None: the
-    target's), or raises Refused. `family`: the config every version must match but for the drafter's own fields:
-    the configured drafter's (the trainer publishes versions of it), or by default the target's (a drafter built
-    from the target). `target` may hold no weights (the meta device): only its config and parameter count are read."""
+def check_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Module, family=None) -> Checked:
+    """The checks of the module docstring up to `shapes`, for either kind of version: its files read once and
+    verified, its config and its weights, or Refused. `family`: see `load_announced` (layer drafters only)."""
     try:
         store.check_version_name(ann.version)
     except DviError as e:
@@ -90,27 +107,83 @@ def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Mod
         files = store.read_verified(path, ann.sha256, max_bytes=max_drafter_bytes(target))
     except store.VersionError as e:
         raise Refused(e.kind, f"drafter {ann.version}: {e}") from None
-    vocab = int(target.config.vocab_size)
-    config = _config_of(files, family if family is not None else target.config, target.config, ann.version)
+    config, eagle = _config_of(files, family if family is not None else target.config, target.config, ann.version)
     try:
         weights = safetensors.torch.load(files[store.WEIGHTS])
-        head = safetensors.torch.load(files[DRAFT_HEAD]) if DRAFT_HEAD in files else None
+        head = safetensors.torch.load(files[DRAFT_HEAD]) if DRAFT_HEAD in files and eagle is None else None
     except Exception as e:  # a missing or unreadable weights file
         raise Refused("load", f"drafter {ann.version}: its weights do not read: {type(e).__name__}: {str(e)[:300]}") from None
-    _check_shapes(config, weights, head is not None, ann.version)
+    if eagle is not None:
+        if DRAFT_HEAD in files:
+            raise Refused("files", f"drafter {ann.version}: an EAGLE-3 version holds its head in {store.WEIGHTS}, not {DRAFT_HEAD}")
+        expected = eagle3.weight_shapes(config, eagle["draft_vocab_size"], len(eagle["layer_ids"]), eagle["target_hidden_size"])
+        _check_shapes(expected, weights, set(), ann.version)
+    else:
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        _check_shapes(_hf_shapes(config), weights, {"lm_head.weight"} if tied or head is not None else set(), ann.version)
+    return Checked(path, config, eagle, weights, head)
+
+
+def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Module, smoke_tokens: int = 8,
+                   dtype: torch.dtype = torch.float32, family=None, device: torch.device | None = None) -> Drafter:
+    """Check and load an announced layer drafter (see the module docstring). Returns it in `dtype` on `device` (None:
+    the target's), or raises Refused. `family`: the config every version must match but for the drafter's own fields:
+    the configured drafter's (the trainer publishes versions of it), or by default the target's (a drafter built
+    from the target). `target` may hold no weights (the meta device): only its config and parameter count are read."""
+    checked = check_announced(ann, store_root, target, family)
+    if checked.eagle is not None:
+        raise Refused("load", f"drafter {ann.version} is an EAGLE-3 drafter: vLLM serves it (method eagle3), dvi's "
+                              "engines serve layer drafters only")
+    vocab = int(target.config.vocab_size)
     try:
-        drafter = _build(config, weights, head, vocab, ann.version, str(path / DRAFT_HEAD))
+        drafter = _build(checked.config, checked.weights, checked.head, vocab, ann.version, str(checked.path / DRAFT_HEAD))
     except Exception as e:  # DviError from the head's checks, or whatever transformers raises on a broken config
-        raise Refused("load", f"drafter {ann.version} at {path} does not load: {type(e).__name__}: {str(e)[:300]}") from None
+        raise Refused("load", f"drafter {ann.version} at {checked.path} does not load: {type(e).__name__}: {str(e)[:300]}") from None
     device = device if device is not None else next(target.parameters()).device  # the drafter serves beside the target
     drafter.model.to(device=device, dtype=dtype)
     if drafter.vocab_map is not None:
         drafter.vocab_map = drafter.vocab_map.to(device)
-    bad = [name for name, p in drafter.model.named_parameters() if not bool(torch.isfinite(p).all())]
-    if bad:
-        raise Refused("nonfinite", f"drafter {ann.version}: non-finite weights in {bad[:3]}{' ...' if len(bad) > 3 else ''}")
+    _check_finite(drafter.model, ann.version)
     _smoke(drafter, smoke_tokens, vocab)
     return drafter
+
+
+def load_announced_eagle3(ann: DrafterPublished, store_root: Path, target: torch.nn.Module,
+                          dtype: torch.dtype = torch.float32) -> eagle3.Eagle3Drafter:
+    """Check and load an announced EAGLE-3 drafter on the CPU, or raise Refused. Its shared embedding is the
+    target's when `target` holds weights (on the meta device it keeps its own, which vLLM never reads); a forward on
+    zero features must give finite logits (`smoke`)."""
+    checked = check_announced(ann, store_root, target)
+    if checked.eagle is None:
+        raise Refused("load", f"drafter {ann.version} is not an EAGLE-3 drafter (no speculators_model_type eagle3)")
+    e = checked.eagle
+    embed = target.get_input_embeddings().weight
+    try:
+        eagle3.check_vocab_maps(checked.weights["d2t"], checked.weights["t2d"])
+        drafter = eagle3.Eagle3Drafter(checked.config, e["draft_vocab_size"], e["layer_ids"],
+                                       None if embed.is_meta else embed.detach().cpu(), e["target_hidden_size"],
+                                       e["norm_before_residual"])
+        drafter.load_state_dict(checked.weights, strict=False)  # all but the shared embedding, as checked
+    except Exception as err:
+        raise Refused("load", f"drafter {ann.version} at {checked.path} does not load: {type(err).__name__}: {str(err)[:300]}") from None
+    drafter.version = ann.version
+    drafter.to(dtype).eval()
+    _check_finite(drafter, ann.version)
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor([SMOKE_PROMPT])
+            logits, _ = drafter(torch.zeros(1, len(SMOKE_PROMPT), checked.config.hidden_size, dtype=dtype), ids)
+    except Exception as err:
+        raise Refused("smoke", f"drafter {ann.version}: smoke forward failed: {type(err).__name__}: {str(err)[:300]}") from None
+    if not bool(torch.isfinite(logits).all()):
+        raise Refused("smoke", f"drafter {ann.version}: non-finite logits in a smoke forward")
+    return drafter
+
+
+def _check_finite(model: torch.nn.Module, version: str) -> None:
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise Refused("nonfinite", f"drafter {version}: non-finite weights in {bad[:3]}{' ...' if len(bad) > 3 else ''}")
 
 
 def max_drafter_bytes(target: torch.nn.Module) -> int:
@@ -119,47 +192,85 @@ def max_drafter_bytes(target: torch.nn.Module) -> int:
 
 
 def _config_of(files: dict[str, bytes], family, target_config, version: str):
-    """The version's config, which must equal `family` but for the drafter's own fields (DRAFTER_OWN_FIELDS, with
-    no more layers than the target), name no code to run (`auto_map`) and set no private key but metadata; else
+    """(config, None) of a layer drafter's version, which must equal `family` but for the drafter's own fields
+    (DRAFTER_OWN_FIELDS, with no more layers than the target); (layer config, EAGLE-3 fields) of an EAGLE-3 version
+    (`_eagle3_config_of`). Either must name no code to run (`auto_map`) and set no private key but metadata; else
     Refused("config"). (The private keys of the two loaded configs are not compared: transformers sets its own.)"""
     try:
         raw = json.loads(files["config.json"])
-        if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        if not isinstance(raw, dict) or not (isinstance(raw.get("model_type"), str) or eagle3.is_eagle3_config(raw)):
             raise ValueError("not a JSON object with a model_type")
     except (KeyError, ValueError) as e:
         raise Refused("config", f"drafter {version}: no readable config.json ({e})") from None
-    if "auto_map" in raw:
-        raise Refused("config", f"drafter {version}: its config names code to run (auto_map); drafters are plain models")
-    private = sorted(k for k in raw if k.startswith("_") and k not in _PRIVATE_METADATA)
-    if private:  # they steer how transformers builds the model (attention kernels, hub code), not what the model is
-        raise Refused("config", f"drafter {version}: its config sets private keys {private[:5]}; a version may set only "
-                                f"{sorted(_PRIVATE_METADATA)} of them")
+    nested = raw.get("transformer_layer_config")
+    for part in (raw, nested) if isinstance(nested, dict) else (raw,):
+        if "auto_map" in part:
+            raise Refused("config", f"drafter {version}: its config names code to run (auto_map); drafters are plain models")
+        private = sorted(k for k in part if k.startswith("_") and k not in _PRIVATE_METADATA)
+        if private:  # they steer how transformers builds the model (attention kernels, hub code), not what the model is
+            raise Refused("config", f"drafter {version}: its config sets private keys {private[:5]}; a version may set only "
+                                    f"{sorted(_PRIVATE_METADATA)} of them")
+    if eagle3.is_eagle3_config(raw):
+        return _eagle3_config_of(raw, target_config, version)
     try:
         config = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
     except Exception as e:
         raise Refused("config", f"drafter {version}: config.json does not load: {type(e).__name__}: {str(e)[:200]}") from None
-    mine, theirs = config.to_dict(), family.to_dict()
-    differ = sorted(k for k in set(mine) | set(theirs)
-                    if k not in DRAFTER_OWN_FIELDS and k not in _METADATA_FIELDS and not k.startswith("_") and mine.get(k) != theirs.get(k))
-    if differ:
-        what = "the target's" if family is target_config else "the configured drafter's"
-        raise Refused("config", f"drafter {version}: its config differs from {what} in {differ[:5]} "
-                                f"(a version may differ only in {sorted(DRAFTER_OWN_FIELDS)})")
-    layers, most = mine.get("num_hidden_layers", 0), target_config.to_dict().get("num_hidden_layers", 0)
+    what = "the target's" if family is target_config else "the configured drafter's"
+    _same_config(config, family, DRAFTER_OWN_FIELDS, what, version)
+    layers, most = config.to_dict().get("num_hidden_layers", 0), target_config.to_dict().get("num_hidden_layers", 0)
     if layers > most:
         raise Refused("config", f"drafter {version}: {layers} layers, more than the target's {most}")
-    return config
+    return config, None
 
 
-def _check_shapes(config, weights: dict[str, torch.Tensor], reduced_head: bool, version: str) -> None:
-    """Every parameter the config implies must come from the weights with its shape, checked before anything is
-    loaded (a missing weight would keep its random init, and torch's error on a wrong shape does not say which).
-    The expected shapes come from the config on the meta device: no memory, no init."""
+def _same_config(config, family, own: frozenset, what: str, version: str) -> None:
+    """Refused("config") unless `config` equals `family` but for the fields of `own`, metadata and private keys."""
+    mine, theirs = config.to_dict(), family.to_dict()
+    differ = sorted(k for k in set(mine) | set(theirs)
+                    if k not in own and k not in _METADATA_FIELDS and not k.startswith("_") and mine.get(k) != theirs.get(k))
+    if differ:
+        raise Refused("config", f"drafter {version}: its config differs from {what} in {differ[:5]} "
+                                f"(a version may differ only in {sorted(own)})")
+
+
+def _eagle3_config_of(raw: dict, target_config, version: str):
+    """(layer config, EAGLE-3 fields) of a speculators-format config that fits the target: its layer config is the
+    target's in one layer (`dvi.eagle3.layer_config`), its verifier has the target's architecture, its fc reads the
+    target's hidden size, its aux layers are the target's (0..layers) and its draft vocabulary is a reduced one."""
+    try:
+        config, fields = eagle3.eagle3_config(raw)
+    except DviError as e:
+        raise Refused("config", f"drafter {version}: {e}") from None
+    _same_config(config, eagle3.layer_config(target_config), frozenset(), "the target's in one layer", version)
+    verifier = raw["speculators_config"]["verifier"]
+    archs, want = verifier.get("architectures") if isinstance(verifier, dict) else None, target_config.architectures
+    hidden, layers, vocab = target_config.hidden_size, target_config.num_hidden_layers, target_config.vocab_size
+    problems = [f"its verifier is a {archs}, the target a {want}" if archs and want and list(archs) != list(want) else "",
+                f"target_hidden_size {fields['target_hidden_size']}, the target's is {hidden}"
+                if fields["target_hidden_size"] != hidden else "",
+                f"aux layers {fields['layer_ids']} outside the target's 0..{layers}"
+                if not all(0 <= i <= layers for i in fields["layer_ids"]) else "",
+                f"draft_vocab_size {fields['draft_vocab_size']} not in 1..{vocab - 1}"
+                if not 0 < fields["draft_vocab_size"] < vocab else ""]
+    if any(problems):
+        raise Refused("config", f"drafter {version}: an EAGLE-3 drafter that does not fit the target: "
+                                f"{'; '.join(p for p in problems if p)}")
+    return config, fields
+
+
+def _hf_shapes(config) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every parameter of the causal LM `config` describes, from the meta device (no memory, no init)."""
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        return {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+
+
+def _check_shapes(expected: dict[str, tuple[int, ...]], weights: dict[str, torch.Tensor], optional: set[str],
+                  version: str) -> None:
+    """Every tensor `expected` names (but the `optional` ones) must come from the weights with its shape, and no
+    other, checked before anything is loaded (a missing weight would keep its random init, and torch's error on a
+    wrong shape does not say which)."""
     found = {k: tuple(v.shape) for k, v in weights.items()}
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    optional = {"lm_head.weight"} if tied or reduced_head else set()
     missing = sorted(k for k in expected if k not in found and k not in optional)
     wrong = sorted(f"{k} {found[k]} != {expected[k]}" for k in expected if k in found and k not in optional and found[k] != expected[k])
     extra = sorted(k for k in found if k not in expected)

@@ -91,7 +91,10 @@ def _fetch(p: argparse.ArgumentParser) -> None:
 
 
 def _drafter_init(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, help="target layers to keep (default model.drafter_layers)")
+    p.add_argument("--kind", choices=("layers", "eagle3"), default="layers",
+                   help="layers: the target's first layers (default); eagle3: an EAGLE-3 drafter in the speculators "
+                        "format, for vLLM's method eagle3 (its head over --vocab tokens, default 8192)")
+    p.add_argument("--layers", type=int, help="target layers to keep (default model.drafter_layers; kind layers)")
     p.add_argument("--vocab", type=int, help="reduced head over the N most frequent tokens (0 = full vocabulary)")
     p.add_argument("--out", help="output directory (default: the demo drafter's place in the cache)")
 

@@ -1,6 +1,6 @@
 """`dvi models fetch`, `dvi drafter init` and `dvi keys init`: what a deployment prepares once (the demo target
-or an imported GGUF file, and drafters built from a target, in the model cache; the control channel's signing keys,
-`dvi.keys`)."""
+or an imported GGUF file, and drafters built from a target in the model cache: its first layers, or an EAGLE-3
+drafter for vLLM, `dvi.eagle3`; the control channel's signing keys, `dvi.keys`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ from pathlib import Path
 from dvi.cli.output import out
 from dvi import keys
 from dvi.config import load_config, overrides_of
+from dvi.eagle3 import build_eagle3
+from dvi.errors import DviError
 from dvi.models import build_drafter, cache_dir, demo_drafter_dir, import_gguf, target_dir_of
+
+EAGLE3_VOCAB = 8192  # `dvi drafter init --kind eagle3` without --vocab
 
 
 def fetch(args: argparse.Namespace) -> int:
@@ -26,6 +30,14 @@ def drafter_init(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args)).model
     cache = cache_dir(cfg)
     target_dir = target_dir_of(cfg)
+    if args.kind == "eagle3":
+        if args.layers is not None:
+            raise DviError("--layers is for --kind layers; an eagle3 drafter is one layer over the target's features")
+        if args.vocab == 0:
+            raise DviError("an eagle3 drafter's head covers a reduced vocabulary: give --vocab N (default 8192)")
+        vocab = args.vocab or EAGLE3_VOCAB
+        out(build_eagle3(target_dir, Path(args.out) if args.out else cache / "models" / f"eagle3-v{vocab}", vocab))
+        return 0
     layers = args.layers if args.layers is not None else cfg.drafter_layers
     vocab = args.vocab if args.vocab is not None else cfg.drafter_vocab
     if args.vocab == 0:

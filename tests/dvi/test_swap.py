@@ -1,7 +1,8 @@
 """Loading announced drafters: every refusal case on real store versions, and the live keep / roll-back rule.
 
 Versions are published into a temporary store with `dvi.store.publish` from the tiny pair (a random Llama with
-the demo tokenizer, tests/conftest.py), then damaged the way a broken or malicious publisher would.
+the demo tokenizer, tests/conftest.py), then damaged the way a broken or malicious publisher would; EAGLE-3 versions likewise from an EAGLE-3 drafter built
+from the tiny target.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dvi import store
 from dvi.control import ControlError, DrafterPublished, decode
 from dvi.files import sha256_file
 from dvi.models import load_causal_lm
-from dvi.swap import Refused, judge, load_announced, resolve_in_store
+from dvi.eagle3 import build_eagle3, load_eagle3
+from dvi.swap import Refused, judge, load_announced, load_announced_eagle3, resolve_in_store
 
 
 def publish_version(store_root: Path, source_dir: Path, version: str, mutate=None) -> store.Published:
@@ -212,3 +214,88 @@ def test_judge_waits_for_the_window_then_keeps_or_rolls_back():
     assert judge((1000, 600), (200, 190), **kw) == "keep"
     assert judge((49, 40), (100, 0), **kw) == "keep"  # the previous drafter barely drafted: nothing to compare
     assert judge(None, (100, 0), **kw) == "keep"  # there was no drafter before
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE-3 versions (speculators format, dvi.eagle3): the same checks, their own config and shapes.
+
+
+@pytest.fixture(scope="module")
+def eagle3_parent(tiny_dirs, tmp_path_factory) -> Path:
+    return build_eagle3(tiny_dirs[0], tmp_path_factory.mktemp("eagle3") / "e3", vocab_n=256, texts=["def f(x):\n    return x\n"],
+                        layer_ids=(0, 1))
+
+
+def publish_eagle3(store_root: Path, parent: Path, target_dir: Path, version: str, mutate=None) -> store.Published:
+    weights = load_eagle3(parent, target_dir).weights()
+    if mutate is not None:
+        mutate(weights)
+    return store.publish(store_root, version, weights, parent, {"parent": "test"})
+
+
+def test_an_eagle3_version_loads_and_is_not_served_as_a_layer_drafter(tiny_dirs, target, eagle3_parent, tmp_path):
+    p = publish_eagle3(tmp_path, eagle3_parent, tiny_dirs[0], "d0001")
+    assert json.loads((p.path / "dvi_drafter.json").read_text())["kind"] == "eagle3"  # the parent's kind
+    drafter = load_announced_eagle3(announcement(p), tmp_path, target)
+    assert drafter.version == "d0001"
+    ref = load_eagle3(eagle3_parent, tiny_dirs[0]).weights()
+    assert all(torch.equal(v, ref[k]) for k, v in drafter.weights().items())
+    assert torch.equal(drafter.embed_tokens.weight, target.get_input_embeddings().weight)
+    with pytest.raises(Refused) as e:
+        load_announced(announcement(p), tmp_path, target)
+    assert e.value.reason == "load" and "EAGLE-3" in str(e.value)
+    layer = publish_version(tmp_path, tiny_dirs[1], "d0002")
+    with pytest.raises(Refused, match="not an EAGLE-3 drafter"):
+        load_announced_eagle3(announcement(layer), tmp_path, target)
+
+
+@pytest.mark.faults
+def test_eagle3_versions_that_do_not_fit_the_target_are_refused(tiny_dirs, target, eagle3_parent, tmp_path):
+    def layer(**change):
+        return lambda c: {**c, "transformer_layer_config": {**c["transformer_layer_config"], **change}}
+
+    def verifier(c):
+        spec = c["speculators_config"]
+        return {**c, "speculators_config": {**spec, "verifier": {**spec["verifier"], "architectures": ["Qwen2ForCausalLM"]}}}
+
+    configs = (("auto_map", lambda c: {**c, "auto_map": {"AutoModel": "evil.Model"}}, "auto_map"),
+               ("nested auto_map", layer(auto_map={"AutoModel": "evil.Model"}), "auto_map"),
+               ("private key", layer(_attn_implementation="kernels-community/x"), "private keys"),
+               ("hidden size", layer(hidden_size=64), "hidden_size"),
+               ("two layers", layer(num_hidden_layers=2), "one Llama layer"),
+               ("verifier", verifier, "Qwen2ForCausalLM"),
+               ("fc input", lambda c: {**c, "target_hidden_size": 64}, "target_hidden_size 64"),
+               ("aux layers", lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [0, 7]}, "aux layers [0, 7]"),
+               ("unsorted aux layers", lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [1, 0]}, "strictly increasing"))
+    for i, (what, change, words) in enumerate(configs):
+        path = publish_eagle3(tmp_path, eagle3_parent, tiny_dirs[0], f"c{i:04d}").path
+        (path / "config.json").write_text(json.dumps(change(json.loads((path / "config.json").read_text()))))
+        with pytest.raises(Refused) as e:
+            load_announced_eagle3(resum(path), tmp_path, target)
+        assert e.value.reason == "config" and words in str(e.value), (what, e.value)
+
+    def shrink(w):
+        w["fc.weight"] = w["fc.weight"][:, :-1].clone()
+
+    def drop(w):
+        del w["d2t"]
+
+    def shuffle(w):
+        w["t2d"] = w["t2d"].roll(1).contiguous()  # no longer the ids d2t maps to
+
+    def poison(w):
+        w["midlayer.mlp.up_proj.weight"][0, 0] = float("inf")
+
+    for version, mutate, reason, words in (("s0001", shrink, "shapes", "wrong shapes ['fc.weight"), ("s0002", drop, "shapes", "missing ['d2t']"),
+                                           ("s0003", shuffle, "load", "d2t and t2d"), ("s0004", poison, "nonfinite", "up_proj")):
+        p = publish_eagle3(tmp_path, eagle3_parent, tiny_dirs[0], version, mutate)
+        with pytest.raises(Refused) as e:
+            load_announced_eagle3(announcement(p), tmp_path, target)
+        assert e.value.reason == reason and words in str(e.value), (version, e.value)
+    linked = publish_eagle3(tmp_path, eagle3_parent, tiny_dirs[0], "f0001").path  # the weights, a link
+    (tmp_path / "w.safetensors").write_bytes((linked / store.WEIGHTS).read_bytes())
+    (linked / store.WEIGHTS).unlink()
+    (linked / store.WEIGHTS).symlink_to(tmp_path / "w.safetensors")
+    with pytest.raises(Refused) as e:
+        load_announced_eagle3(resum(linked), tmp_path, target)
+    assert e.value.reason == "files" and "not a regular file" in str(e.value)
