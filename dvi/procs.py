@@ -2,7 +2,9 @@
 
 Owns the life of one child: spawned in a session (and process group) of its own with its output in a log file,
 stopped at exit if its owner forgets, waited on until a probe says it is ready (failing fast when it exits
-first), stopped with a signal to its whole group and SIGKILL after a grace period. Also the foreground loop of
+first), stopped with a signal to its whole group and SIGKILL after a grace period; under a supervisor, recorded in
+its registry of processes ($DVI_CHILDREN_DIR) until stopped, so that what a dead process left running can be found
+and stopped (`stop_leftovers`). Also the foreground loop of
 a command that keeps one server up until Ctrl-C or SIGTERM, the two probes the servers share (a TCP port,
 an HTTP 200), and a process's resident memory (with its children's). It knows nothing about what the children
 are, how they are configured, or what they serve.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -115,6 +118,7 @@ class Child:
                 log.warning("%s (pid %d) ignored %s for %.0f s: killing it", self.name, proc.pid, signal.Signals(sig).name, grace_s)
         _signal_group(proc.pid, signal.SIGKILL)
         self._returncode = proc.wait()
+        _unregister(proc.pid)
         self._proc = None
         atexit.unregister(self.stop)
         self._log.close()
@@ -127,10 +131,113 @@ class Child:
         return self.stop(signal.SIGKILL, grace_s=0)
 
 
+# ----------------------------------------------------------------------------------------------
+# The registry of a supervisor's processes: what is left when the supervisor (or a part) dies without stopping them
+
+REGISTRY_ENV = "DVI_CHILDREN_DIR"  # set by a supervisor (`dvi up`): every process dvi spawns below it is recorded there
+
+
+def start_time(pid: int) -> str | None:
+    """The kernel's start time of `pid` (clock ticks since boot, /proc/<pid>/stat), which tells a process from a later
+    one that got its pid; None when there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _register(name: str, pid: int) -> None:
+    """Record a child just spawned in $DVI_CHILDREN_DIR (when set): its pid (its process group's id), start time,
+    name and the pid of the process that spawned it. Removed when it is stopped (`_unregister`)."""
+    folder = os.environ.get(REGISTRY_ENV)
+    if not folder:
+        return
+    entry = {"pid": pid, "start": start_time(pid), "name": name, "parent": os.getpid()}
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{pid}.json").write_text(json.dumps(entry))
+    except OSError as e:
+        log.warning("cannot record %s (pid %d) in %s: %s", name, pid, folder, e)
+
+
+def _unregister(pid: int) -> None:
+    folder = os.environ.get(REGISTRY_ENV)
+    if folder:
+        with contextlib.suppress(OSError):
+            (Path(folder) / f"{pid}.json").unlink()
+
+
+def stop_leftovers(folder: Path, below: int | None = None, grace_s: float = 5.0) -> list[str]:
+    """Stop the recorded processes of `folder` that still run (each with its process group: SIGTERM, SIGKILL after
+    `grace_s`) and forget every record: all of them, or with `below` only those that pid spawned, and theirs in turn.
+    A record whose pid now belongs to another process (another start time) is forgotten, never signalled. Returns
+    "name (pid N)" for each process stopped."""
+    records = {}
+    for path in Path(folder).glob("*.json"):
+        try:
+            entry = json.loads(path.read_text())
+            records[int(entry["pid"])] = (path, entry)
+        except (OSError, ValueError, KeyError, TypeError):
+            with contextlib.suppress(OSError):
+                path.unlink()
+    chosen = set(records)
+    if below is not None:
+        chosen, frontier = set(), {below}
+        while frontier:
+            frontier = {pid for pid, (_, e) in records.items() if e.get("parent") in frontier} - chosen
+            chosen |= frontier
+    def left(pid: int) -> bool:  # its group still runs: led by it, or by no one (its leader died, its workers did not)
+        now = start_time(pid)
+        return (now == records[pid][1].get("start") and not _zombie(pid)) if now is not None else _group_alive(pid)
+
+    stopped, alive = [], []
+    for pid in chosen:
+        path, entry = records[pid]
+        if entry.get("start") is not None and left(pid):
+            _signal_group(pid, signal.SIGTERM)
+            alive.append(pid)
+            stopped.append(f"{entry.get('name', '?')} (pid {pid})")
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    deadline = time.monotonic() + grace_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in alive if left(pid)]
+    for pid in alive:
+        _signal_group(pid, signal.SIGKILL)
+    for pid in chosen:
+        with contextlib.suppress(OSError):
+            records[pid][0].unlink()
+    return stopped
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process group `pgid` has members. While it has, no new process gets `pgid` as its pid, so members
+    of a group whose leader is gone are that leader's workers."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def spawn(name: str, cmd: list[str], *, log_path: Path | None = None, env: dict | None = None, cwd: Path | None = None) -> Child:
     """Start `cmd` in a session of its own, stdout and stderr appended to `log_path` (None: a temporary log,
     deleted when the child is stopped). Its own session: a Ctrl-C in the terminal reaches dvi only, which then
-    stops the child itself, and a signal to its group reaches the workers it starts too."""
+    stops the child itself, and a signal to its group reaches the workers it starts too. Under a supervisor
+    ($DVI_CHILDREN_DIR) the child is recorded until it is stopped (`stop_leftovers`)."""
     if log_path is None:
         log_file = tempfile.NamedTemporaryFile(prefix=f"dvi-{name}-", suffix=".log", delete=False)
     else:
@@ -142,6 +249,7 @@ def spawn(name: str, cmd: list[str], *, log_path: Path | None = None, env: dict 
     except OSError as e:
         log_file.close()
         raise DviError(f"cannot start {name} ({' '.join(cmd)}): {e}") from e
+    _register(name, proc.pid)
     return Child(name, proc, log_file, temporary_log=log_path is None)
 
 

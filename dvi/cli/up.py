@@ -11,6 +11,10 @@ this terminal as they appear, and a part that takes long to start is said to be 
 `dvi up --detach` runs the same in the background (its output in <cache>/logs/up.log) and returns once the stack
 is ready; the running `dvi up` keeps its pid in <cache>/up.pid, which `dvi down` signals (SIGTERM, the same ordered
 shutdown as Ctrl-C) and which makes a second `dvi up` on that cache refuse, as does a port of the plan in use.
+Every process the stack spawns (the parts, and the broker, S3 store and MLflow server they start) is recorded in
+<cache>/up.children until it is stopped (`dvi.procs.stop_leftovers`): a part that dies has what it left running
+stopped before it restarts, and a `dvi up` killed outright (SIGKILL, out of memory) has everything it left stopped
+by the next `dvi up` on that cache, which then starts cleanly.
 The drift benchmark (benchmarks/drift.py) runs its replicas with the same `Supervisor`.
 
 It knows how to start, watch and stop the parts, not what they do.
@@ -33,7 +37,7 @@ from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
 from dvi.models import cache_dir, pair_dirs, resolve_device, resolve_dtype
-from dvi.procs import Child, http_ok, port_in_use, sigterm_interrupts, spawn, wait_ready
+from dvi.procs import REGISTRY_ENV, Child, http_ok, port_in_use, sigterm_interrupts, spawn, start_time, stop_leftovers, wait_ready
 from dvi.tracking import find_experiment_link, local_login
 
 PARTS = ("broker", "mlflow", "serve", "train")
@@ -166,13 +170,14 @@ class Supervisor:
             name = part.name
             child = self.children.get(name)
             if child is not None and not child.running:
-                uptime, status = child.uptime_s, child.stop()
+                pid, uptime, status = child.pid, child.uptime_s, child.stop()
+                left = self._stop_leftovers(below=pid)
                 delay = self._backoff[name] = next_backoff(self._backoff[name], uptime)
                 del self.children[name]
                 self._starting.pop(name, None)
                 self._due[name] = now + delay
                 self.say(f"dvi up: {name} exited (status {status}) after {uptime:.0f} s; restarting in {delay:.0f} s; "
-                         f"log {child.log_path}")
+                         f"log {child.log_path}" + (f"; stopped what it left running: {', '.join(left)}" if left else ""))
             elif child is None and name in self._due and now >= self._due[name]:
                 del self._due[name]
                 self.children[name] = self._spawn(part)
@@ -194,6 +199,14 @@ class Supervisor:
                 status = child.stop(grace_s=30)
                 self.say(f"dvi up: {part.name} stopped (status {status})")
         self._due.clear()
+        if left := self._stop_leftovers():
+            self.say(f"dvi up: stopped what the parts left running: {', '.join(left)}")
+
+    def _stop_leftovers(self, below: int | None = None) -> list[str]:
+        """Processes the parts spawned that outlived them (all, or those below the part `below`), stopped; under a
+        registry of processes ($DVI_CHILDREN_DIR, `dvi.procs`) only."""
+        folder = os.environ.get(REGISTRY_ENV)
+        return stop_leftovers(Path(folder), below=below) if folder else []
 
 
 def pid_file(cache: Path) -> Path:
@@ -201,14 +214,21 @@ def pid_file(cache: Path) -> Path:
     return cache / "up.pid"
 
 
+def children_dir(cache: Path) -> Path:
+    """Where the processes of a running `dvi up` (its parts, and what they spawn) are recorded until stopped."""
+    return cache / "up.children"
+
+
 def running_pid(cache: Path) -> int | None:
-    """The pid of the `dvi up` running on this cache, or None (a stale pid file is ignored)."""
+    """The pid of the `dvi up` running on this cache, or None (a stale pid file is ignored, and so is one whose pid now
+    belongs to another process: the file holds the start time too)."""
     try:
-        pid = int(pid_file(cache).read_text().split()[0])
+        pid, *start = pid_file(cache).read_text().split()
+        pid = int(pid)
         os.kill(pid, 0)
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError):
         return None
-    return pid
+    return pid if not start or start[0] == start_time(pid) else None
 
 
 def ports(cfg, parts: list[Part]) -> dict[str, int]:
@@ -285,6 +305,9 @@ def up(args: argparse.Namespace) -> int:
     only = set(args.only.split(",")) if args.only else None
     parts = plan(cfg, only, train=not args.no_train)
     cache = cache_dir(cfg.model)
+    if running_pid(cache) is None and (left := stop_leftovers(children_dir(cache))):
+        # a dvi up that died without stopping its parts (SIGKILL, out of memory): what it left holds ports and files
+        out(f"dvi up: stopped what an earlier dvi up left running: {', '.join(left)}", flush=True)
     check_not_running(cfg, parts, cache)
     if args.detach:
         return detach(args, cache)
@@ -293,10 +316,11 @@ def up(args: argparse.Namespace) -> int:
         out("dvi up: preparing the model pair (a first run fetches and converts it: minutes)", flush=True)
         target, drafter = pair_dirs(cfg.model)  # fetched and built once, before two parts race to do it
         out(f"dvi up: target {target}, drafter {drafter}", flush=True)
+    os.environ[REGISTRY_ENV] = str(children_dir(cache))  # every process the stack spawns, recorded until stopped
     supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: out(line, flush=True))
     pid_path = pid_file(cache)
     pid_path.parent.mkdir(parents=True, exist_ok=True)
-    pid_path.write_text(f"{os.getpid()}\n")
+    pid_path.write_text(f"{os.getpid()} {start_time(os.getpid())}\n")
     with sigterm_interrupts():
         try:
             supervisor.start()

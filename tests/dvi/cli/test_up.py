@@ -217,3 +217,53 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
     assert processes_with(marker) == [], "processes left behind after `dvi down`"
     stopped = [line for line in (cache / "logs" / "up.log").read_text().splitlines() if line.startswith("dvi up:") and " stopped (status" in line]
     assert [line.split()[2] for line in stopped] == ["train", "serve", "mlflow", "broker"], stopped
+
+
+@pytest.mark.faults
+@pytest.mark.broker
+def test_a_dvi_up_killed_outright_leaves_nothing_the_next_one_does_not_stop(tmp_path):
+    """`dvi up` (the broker part: `dvi broker`, which runs Tansu) killed with SIGKILL leaves its parts running, holding
+    the broker's port; the next `dvi up` on that cache stops every one of them and starts cleanly, and stopping it
+    leaves no process of either behind. A part killed outright has what it left running stopped before its restart."""
+    marker = f"DVI_UP_TEST={uuid.uuid4().hex}"
+    port = free_port()
+    overrides = [f"model.cache_dir={tmp_path / 'cache'}", f"stream.port={port}", "tracking.enabled=false"]
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"}
+
+    def start() -> tuple[subprocess.Popen, Lines]:
+        proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", "--only", "broker", *overrides], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        lines = Lines(proc)
+        lines.wait_for("Ctrl-C stops everything", 120)
+        return proc, lines
+
+    first, _ = start()
+    first.kill()  # the supervisor dies at once: no signal reaches its parts
+    first.wait(10)
+    left = processes_with(marker)
+    assert left and _listening(port), "its parts outlive a supervisor killed outright"
+    second, out = start()
+    try:
+        said = next(line for line in out.lines if "stopped what an earlier dvi up left running" in line)
+        assert "broker (pid" in said and "tansu (pid" in said, said
+        assert not set(left) & set(processes_with(marker)), "every process the first one left is gone"
+
+        # a part killed outright (dvi broker, SIGKILL): its Tansu is stopped before the restart, which then gets the port
+        registry = {json.loads(p.read_text())["name"]: json.loads(p.read_text())["pid"]
+                    for p in (tmp_path / "cache" / "up.children").glob("*.json")}
+        os.kill(registry["broker"], signal.SIGKILL)
+        i = out.wait_for("broker exited (status -9)", 30)
+        assert "stopped what it left running: tansu (pid" in out.lines[i], out.lines[i]
+        out.wait_for("broker ready again", 120, after=i)
+    finally:
+        os.killpg(second.pid, signal.SIGTERM)
+        code = second.wait(60)
+    assert code == 0, "\n".join(out.lines)
+    time.sleep(0.5)
+    assert processes_with(marker) == [], "processes left behind after `dvi up` stopped"
+    assert list((tmp_path / "cache" / "up.children").glob("*.json")) == []
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
