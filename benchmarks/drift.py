@@ -331,7 +331,7 @@ def parse_schedule(text: str) -> list[str]:
     schedule = [d.strip() for d in text.split(",") if d.strip()]
     bad = [d for d in schedule if d not in workloads.DOMAINS]
     if bad or len(schedule) < 2:
-        raise DviError(f"--schedule {text!r}: expected two or more of {', '.join(workloads.DOMAINS)}, comma-separated")
+        raise DviError(f"--domains {text!r}: expected two or more of {', '.join(workloads.DOMAINS)}, comma-separated")
     return schedule
 
 
@@ -550,7 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.drift",
                                 description="acceptance under domain drift: online loop vs frozen drafter vs target-only")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
-    p.add_argument("--schedule", help="domains in order, comma-separated (default code,prose,qa,code)")
+    p.add_argument("--domains", "--schedule", dest="schedule", help="the phases' domains in order, comma-separated, from "
+                   f"{', '.join(workloads.DOMAINS)} (default code,prose,qa,code)")
     p.add_argument("--rounds", type=int, help="online verification rounds per phase (default 2400)")
     p.add_argument("--first-rounds", type=int, dest="first_rounds", help="the first phase's budget (default --rounds)")
     p.add_argument("--boot-prompts", type=int, dest="boot_prompts", help="bootstrap prompts of the first domain (default 96)")

@@ -1,13 +1,17 @@
 """Workloads of the benchmarks: prompts from distinct domains, built offline from real text, deterministic from a
 seed. `benchmarks.drift` replays them; the soak test (tests/faults/test_soak.py) takes its probes from them.
 
-Three domains, all written from the Python standard library that every installation carries:
+Four domains, three written from the Python standard library that every installation carries and one from the
+READMEs the installed packages ship:
 
 - `code`: the signature and docstring of a real stdlib function, sent raw; the model continues with its body;
 - `prose`: the opening sentences of a paragraph from the documentation topics (`pydoc_data.topics`, the text
   behind `help('with')`), sent raw; the model continues the prose;
 - `qa`: a question or instruction written from those texts (what a module is for, what a statement does,
-  explain a passage), sent through the chat template; the model answers as an assistant.
+  explain a passage), sent through the chat template; the model answers as an assistant;
+- `markdown`: a section of an installed package's README (the Markdown long description in its METADATA): its
+  heading and the first sentence or two under it, sent raw; the model continues the README (install commands,
+  usage, code blocks), text of another register and format than the other three.
 
 A pool per domain is shuffled with the seed and cut into disjoint splits (`bootstrap`, `live`, `eval`), so an
 offline bootstrap never sees the prompts that live traffic replays. Every prompt carries its domain tag, which
@@ -20,6 +24,7 @@ request body an OpenAI-compatible server takes). Nothing in dvi imports it.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import random
 import re
 import sysconfig
@@ -29,7 +34,7 @@ from pathlib import Path
 
 from dvi.errors import DviError
 
-DOMAINS = ("code", "prose", "qa")
+DOMAINS = ("code", "prose", "qa", "markdown")
 SPLITS = {"bootstrap": 0.3, "live": 0.6, "eval": 0.1}  # shares of each shuffled pool, in this order
 
 MAX_PROMPT_CHARS = 600
@@ -135,6 +140,23 @@ def _module_summaries() -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=1)
+def _readme_sections() -> tuple[tuple[str, str], ...]:
+    """(distribution, "## heading" + the first sentences under it) from the Markdown READMEs of the installed
+    packages, in the order of their names."""
+    out = []
+    dists = sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower())
+    for dist in dists:
+        if "markdown" not in (dist.metadata.get("Description-Content-Type") or "").lower():
+            continue
+        body = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
+        for m in re.finditer(r"(?m)^(#{2,3} [^\n]{3,80})\n\n([A-Z][^\n]{60,})", body):
+            text = f"{m.group(1).strip()}\n\n{_sentences(m.group(2).strip(), 2)}"
+            if "<" not in text and "](" not in text:  # no HTML, no links: prose the model can continue
+                out.append((dist.metadata["Name"], text))
+    return tuple(out)
+
+
 # ----------------------------------------------------------------------------------------------
 # the pools
 
@@ -174,7 +196,11 @@ def _qa_pool() -> list[Prompt]:
     return out
 
 
-POOLS = {"code": _code_pool, "prose": _prose_pool, "qa": _qa_pool}
+def _markdown_pool() -> list[Prompt]:
+    return [Prompt("markdown", text, chat=False) for _, text in _readme_sections() if len(text) <= MAX_PROMPT_CHARS]
+
+
+POOLS = {"code": _code_pool, "prose": _prose_pool, "qa": _qa_pool, "markdown": _markdown_pool}
 
 
 def split_bounds(n: int, split: str) -> tuple[int, int]:

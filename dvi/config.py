@@ -358,6 +358,7 @@ class TrainerConfig:
     ledger_size: int = 1_000_000  # record ids remembered for deduplication
     # stopping (offline runs, tests); null: run until stopped
     max_steps: int | None = None
+    max_seconds: float | None = None  # stop after this long (wall time from the start of the run)
     idle_exit_s: float | None = None  # stop after this long without a fresh record
     seed: int = 0
     log_every: int = 10
@@ -399,6 +400,7 @@ class TrainerConfig:
         _check(self.ledger_size >= 1000, "trainer.ledger_size", self.ledger_size, "an integer >= 1000")
         _check(self.max_steps is None or self.max_steps >= 1, "trainer.max_steps", self.max_steps, "null or >= 1")
         _check(self.idle_exit_s is None or self.idle_exit_s > 0, "trainer.idle_exit_s", self.idle_exit_s, "null or > 0")
+        _check(self.max_seconds is None or self.max_seconds > 0, "trainer.max_seconds", self.max_seconds, "null or > 0")
         _check(self.log_every >= 1, "trainer.log_every", self.log_every, "an integer >= 1")
 
 

@@ -220,10 +220,11 @@ class Trainer:
         self.inflight: set[str] = set()  # ids read but not yet done (waiting in the fresh queue)
         self.trigger = Trigger(cfg.trigger, time.monotonic())
         self.stop_requested = False
-        self.last_record_at = time.monotonic()
+        self.started_at = self.last_record_at = time.monotonic()
         self.last_checkpoint_step = self.state.step
         self.checkpoint_ok = True  # the last checkpoint written (or resumed from) is complete
         self.last_gate: dict = {}  # the last gate check: step, time, outcome and figures (for the tracker and status)
+        self.first_gate: dict = {}  # the first gate check run in this process
         self.last_gate_step = self.state.step
         self.next_gate_at = time.monotonic() + (t.gate_every_s or math.inf)
         self.counters_logged_at = time.monotonic()
@@ -341,6 +342,9 @@ class Trainer:
     def _should_stop(self) -> bool:
         t = self.tcfg
         if self.stop_requested or (t.max_steps is not None and self.state.step >= t.max_steps):
+            return True
+        if t.max_seconds is not None and time.monotonic() - self.started_at >= t.max_seconds:
+            log.info("trained for %.0f s (trainer.max_seconds): stopping", time.monotonic() - self.started_at)
             return True
         idle = time.monotonic() - self.last_record_at
         if t.idle_exit_s is not None and idle > t.idle_exit_s and not self.buffer.pending:
@@ -623,6 +627,7 @@ class Trainer:
         if self.tracker is not None:
             self.tracker.log_metrics({**{f"gate/{k}": v for k, v in gate.items()}, "gate/passed": float(passed)}, step=self.state.step)
         self.last_gate = {"step": self.state.step, "time": time.time(), "outcome": "passed" if passed else "refused", **gate}
+        self.first_gate = self.first_gate or self.last_gate  # its serving figures: the drafter this run started from
         figures = (f"candidate {cand['acceptance']:.4f} vs serving {self.state.lineage[-1]} {base['acceptance']:.4f} "
                    f"(min gain {self.tcfg.min_gain:g}) on {len(holdout)} held-out records")
         if not cand["acceptance"] > base["acceptance"] + self.tcfg.min_gain:

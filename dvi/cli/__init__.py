@@ -108,6 +108,7 @@ def _distill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle", type=float, default=10.0, help="stop after this many seconds without a fresh record")
     p.add_argument("--file", help="a JSON-lines file of records (`dvi stream tail --json --from-beginning > FILE`) instead of the topic")
     p.add_argument("--steps", type=int, help="train exactly this many steps, replaying records once all were read")
+    p.add_argument("--minutes", type=float, help="train for this long (wall time), replaying records once all were read")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (the published versions among it)")
 
 

@@ -80,7 +80,8 @@ def _run(trainer: Trainer, parts) -> dict:
         if stats.dropped:
             log.warning("MLflow: %d metric points were lost while it was unreachable", stats.dropped)
     return {"step": trainer.state.step, **counters.to_dict(), "serving": trainer.state.lineage[-1],
-            "serving_dir": trainer.state.serving_dir, "published_versions": list(trainer.published)}
+            "serving_dir": trainer.state.serving_dir, "published_versions": list(trainer.published),
+            "first_gate": trainer.first_gate, "last_gate": trainer.last_gate}
 
 
 def train(args: argparse.Namespace) -> int:
@@ -96,8 +97,9 @@ def distill(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     run_dir = cfg.trainer.run_dir or str(cache_dir(cfg.model) / "distill" / uuid.uuid4().hex[:8])
     trainer_cfg = replace(cfg.trainer, run_dir=run_dir, idle_exit_s=cfg.trainer.idle_exit_s or args.idle)
-    if args.steps:  # epochs over what the topic holds: keep stepping on replayed records until `steps`
-        trainer_cfg = replace(trainer_cfg, max_steps=args.steps, replay_when_idle=True, idle_exit_s=None)
+    if args.steps or args.minutes:  # epochs over what the topic holds: keep stepping on replayed records until then
+        trainer_cfg = replace(trainer_cfg, max_steps=args.steps or None, max_seconds=args.minutes * 60 if args.minutes else None,
+                              replay_when_idle=True, idle_exit_s=None)
     cfg = replace(cfg, trainer=trainer_cfg, trigger=replace(cfg.trigger, kind="continuous"))
     if args.file:
         trainer, parts = _file_trainer(cfg, args.file)

@@ -1,4 +1,4 @@
-"""Workloads: three domains of real offline text, deterministic from a seed, disjoint splits, tagged bodies."""
+"""Workloads: four domains of real offline text, deterministic from a seed, disjoint splits, tagged bodies."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ def test_each_domain_is_deterministic_and_its_splits_are_disjoint(domain):
 
 
 def test_domains_differ_in_kind_and_bodies_carry_the_domain_tag():
-    code, prose, qa = (workloads.prompts(d)[0] for d in workloads.DOMAINS)
+    code, prose, qa, markdown = (workloads.prompts(d)[0] for d in workloads.DOMAINS)
     assert code.text.startswith(("def ", "@")) and '"""' in code.text or "'''" in code.text
-    assert not code.chat and not prose.chat and qa.chat
+    assert not code.chat and not prose.chat and qa.chat and not markdown.chat
+    assert all(p.text.startswith("#") and "\n\n" in p.text for p in workloads.prompts("markdown")[:50])  # a README section
     assert code.path == "/v1/completions" and qa.path == "/v1/chat/completions"
     assert code.body(32) == {"prompt": code.text, "max_tokens": 32, "temperature": 0, "dvi": {"domain": "code"}}
     assert qa.body(16)["messages"] == [{"role": "user", "content": qa.text}] and qa.body(16)["dvi"] == {"domain": "qa"}
