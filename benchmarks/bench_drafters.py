@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,11 +34,11 @@ import time
 from pathlib import Path
 
 from benchmarks import workloads
-from benchmarks.bench_vllm import PEER, ROOT, Server, log, measure, plain_vllm, server_env
+from benchmarks.bench_vllm import PEER, ROOT, Server, log, measure, plain_vllm, server_env, write_json
 from dvi import eagle3
 from dvi.config import SpecConfig
 from dvi.engine import Request, SpeculativeEngine
-from dvi.hardware import pick_dtype, vllm_version
+from dvi.hardware import pick_dtype
 from dvi.models import build_drafter, encode_chat, end_ids, fetch_demo_target, load_causal_lm, load_tokenizer
 from dvi.procs import free_port
 from dvi.records import records_from_result
@@ -200,19 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         print(f"{r['server']:<28} {r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['vs_vllm']:>7.3f} {acc:>11}  {r['ratios']}")
     if args.json:
-        import torch
-        import transformers
-
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "?")
-        result = {"trained": trained, "rows": rows, "minutes": minutes, "domains": domains, "train_prompts": n_train,
-                  "eval_prompts": args.eval_prompts, "held_out_records": held_out, "tokens": args.tokens, "vocab": args.vocab,
-                  "k": args.k, "output_len": output_len, "rounds": rounds, "requests": per_batch, "dtype": dtype,
-                  "machine": {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
-                              "transformers": transformers.__version__, "vllm": vllm_version()}}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        log(f"wrote {args.json}")
+        write_json(args.json, {"trained": trained, "rows": rows, "minutes": minutes, "domains": domains, "train_prompts": n_train,
+                               "eval_prompts": args.eval_prompts, "held_out_records": held_out, "tokens": args.tokens,
+                               "vocab": args.vocab, "k": args.k, "output_len": output_len, "rounds": rounds,
+                               "requests": per_batch, "dtype": dtype})
     return 0
 
 

@@ -294,18 +294,22 @@ def main(argv: list[str] | None = None) -> int:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         print(f"{r['server']:<26} {r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['vs_vllm']:>7.3f} {r['vs_best_vllm']:>7.3f} {acc:>11}  {r['ratios']}")
     if args.json:
-        import torch
-        import transformers
-
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
-        out = {"rows": rows, "rounds": rounds, "output_len": output_len, "requests": per_batch, "prompts": args.prompts, "k": args.k,
-               "dtype": str(dtype), "trained": str(trained),
-               "machine": {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "vllm": vllm_version()}}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
-        log(f"wrote {args.json}")
+        write_json(args.json, {"rows": rows, "rounds": rounds, "output_len": output_len, "requests": per_batch, "prompts": args.prompts,
+                               "k": args.k, "dtype": str(dtype), "trained": str(trained)})
     return 0
+
+
+def write_json(path: Path, result: dict) -> None:
+    """`result` with the machine it was measured on (CPU, versions) as JSON at `path`."""
+    import torch
+    import transformers
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
+    machine = {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
+               "transformers": transformers.__version__, "vllm": vllm_version()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**result, "machine": machine}, indent=2) + "\n")
+    log(f"wrote {path}")
 
 
 if __name__ == "__main__":
