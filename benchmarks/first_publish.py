@@ -4,10 +4,13 @@ Starts `dvi up` (free ports, a fresh cache for logs, store and trainer; the mode
 sends chat requests of `--max-tokens` tokens one after another, alternating a code and a prose prompt, each
 tagged with its domain, as the README's quick start does. It watches the decision lines `dvi up` relays and
 prints, from the moment the stack was ready: minutes and requests to the first publish, to its swap and to its
-promotion, and the live acceptance (accepted / drafted) of the requests served by the initial drafter against
-those served by the published one. Stops after `--after` requests on the new drafter or `--requests` in all.
+promotion, and per drafter version the live acceptance (accepted / drafted), the median request latency and tokens/s
+of the requests it served alone. Stops after `--after` requests on the new drafter or `--requests` in all. Then, in
+the same run, the stack stopped, a target-only replica (`dvi serve --no-draft`, the same engine and settings) answers
+the first `--target-only` of the same requests: every version's latency and tokens/s are also given as a ratio to it.
 
-    python -m benchmarks.first_publish [--requests 60] [--after 10] [--json] [--screenshots DIR] [key=value overrides]
+    python -m benchmarks.first_publish [--requests 60] [--after 10] [--target-only 10] [--json] [--screenshots DIR]
+                                       [key=value overrides]
 
 It measures; it asserts nothing (tests/dvi/cli/test_up.py asserts the publish and the swap).
 """
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +33,7 @@ from dvi.cli.status import replica as replica_view
 from dvi.config import load_config
 from dvi.hardware import pick_engine
 from dvi.models import pair_dirs
-from dvi.procs import free_port, local_post, sigterm_interrupts
+from dvi.procs import free_port, http_ok, local_post, sigterm_interrupts, spawn, wait_ready
 
 CODE = ["Write a Python function that reverses a string.", "Write a Python function that checks whether a number is prime.",
         "Write a Python function that returns the n-th Fibonacci number.", "Write a Python function that counts the words in a text.",
@@ -55,18 +59,49 @@ def drafted_by_version(api: str) -> dict[str, tuple[int, int]]:
     return {v: (x["drafted"], x["accepted"]) for v, x in view.get("by_version", {}).items() if v != "none"}
 
 
+def chat(api: str, domain: str, prompt: str, max_tokens: int, vllm_server: bool) -> tuple[dict, dict]:
+    """One chat request tagged with its domain: the answer, and its seconds `s` and completion `tokens`."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    body.update({"vllm_xargs": {"dvi_domain": domain}} if vllm_server else {"dvi": {"domain": domain}})
+    t0 = time.time()
+    r = json.loads(local_post(f"{api}/v1/chat/completions", json.dumps(body).encode(), timeout_s=600))
+    return r, {"s": time.time() - t0, "tokens": r["usage"]["completion_tokens"]}
+
+
 def ask(api: str, domain: str, prompt: str, max_tokens: int, vllm_server: bool) -> dict:
     """One chat request; its drafter versions and (drafted, accepted): dvi's API says them in the answer (`dvi`), on
     vLLM's own server they are the replica's counts before and after it (requests are sent one at a time)."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
-    body.update({"vllm_xargs": {"dvi_domain": domain}} if vllm_server else {"dvi": {"domain": domain}})
     before = drafted_by_version(api) if vllm_server else {}
-    r = json.loads(local_post(f"{api}/v1/chat/completions", json.dumps(body).encode(), timeout_s=600))
+    r, timing = chat(api, domain, prompt, max_tokens, vllm_server)
     if not vllm_server:
-        return {"versions": r["dvi"]["drafter_versions"], "drafted": r["dvi"]["stats"]["drafted"], "accepted": r["dvi"]["stats"]["accepted"]}
+        return {"versions": r["dvi"]["drafter_versions"], "drafted": r["dvi"]["stats"]["drafted"],
+                "accepted": r["dvi"]["stats"]["accepted"], **timing}
     after = drafted_by_version(api)
     grew = {v: (d - before.get(v, (0, 0))[0], a - before.get(v, (0, 0))[1]) for v, (d, a) in after.items() if d > before.get(v, (0, 0))[0]}
-    return {"versions": list(grew), "drafted": sum(d for d, _ in grew.values()), "accepted": sum(a for _, a in grew.values())}
+    return {"versions": list(grew), "drafted": sum(d for d, _ in grew.values()), "accepted": sum(a for _, a in grew.values()), **timing}
+
+
+def speed(rows: list[dict]) -> dict:
+    """Median request latency (s) and tokens/s of answered requests (each with its seconds `s` and `tokens`)."""
+    if not rows:
+        return {"requests": 0, "latency_s": None, "tokens_per_s": None}
+    return {"requests": len(rows), "latency_s": round(statistics.median(x["s"] for x in rows), 3),
+            "tokens_per_s": round(statistics.median(x["tokens"] / x["s"] for x in rows), 2)}
+
+
+def target_only(overrides: list[str], api_port: int, n: int, max_tokens: int, vllm_server: bool) -> list[dict]:
+    """The first `n` requests of the run answered by a target-only replica (`dvi serve --no-draft`, the same engine and
+    settings as the stack's, no tracking, no records), one after another: [{s, tokens}]."""
+    cmd = [sys.executable, "-m", "dvi.cli", "serve", "--no-draft", *overrides, "tracking.enabled=false", "serve.log_decisions=false",
+           "serve.swap.enabled=false"]
+    child = spawn("target-only", cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    api = f"http://127.0.0.1:{api_port}"
+    try:
+        wait_ready(child, lambda: http_ok(api + "/health"), 900, "the target-only replica", interval_s=1.0)
+        chat(api, "code", CODE[0], 8, vllm_server)  # warm-up
+        return [chat(api, domain, prompt, max_tokens, vllm_server)[1] for domain, prompt in requests_of(n)]
+    finally:
+        child.stop(grace_s=30)
 
 
 class Output:
@@ -90,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=60, help="stop after this many requests in all")
     p.add_argument("--after", type=int, default=10, help="stop after this many requests on the published drafter")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--target-only", type=int, default=10, help="requests a target-only replica answers after the stack stops (0: none)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--screenshots", metavar="DIR", help="before stopping the stack, screenshot its MLflow pages into DIR "
                    "(benchmarks.mlflow_screenshots; needs chromium)")
@@ -116,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, (domain, prompt) in enumerate(requests_of(args.requests)):
                 t0 = time.time()
                 r = ask(api, domain, prompt, args.max_tokens, vllm_server)
-                served.append({"i": i + 1, "t": t0 - ready, "s": time.time() - t0, "domain": domain, **r})
-                print(f"request {i + 1} ({domain}) at {t0 - ready:.0f} s: {time.time() - t0:.1f} s, drafter "
+                served.append({"i": i + 1, "t": t0 - ready, "domain": domain, **r})
+                print(f"request {i + 1} ({domain}) at {t0 - ready:.0f} s: {r['s']:.1f} s, drafter "
                       f"{r['versions']}, acceptance {r['accepted']}/{r['drafted']}", flush=True)
                 first = next((x["versions"][0] for x in served if x["versions"]), None)  # the drafter it started with
                 newer = [x for x in served if x["versions"] and x["versions"][0] != first and len(x["versions"]) == 1]
@@ -131,6 +167,17 @@ def main(argv: list[str] | None = None) -> int:
                 mlflow_screenshots.main(["--out", args.screenshots, *overrides])  # the stack's MLflow, with its login
             proc.send_signal(signal.SIGTERM)
             proc.wait(180)
+    plain = target_only(overrides, api_port, min(args.target_only, len(served)), args.max_tokens, vllm_server) \
+        if args.target_only and served else []
+    base = speed(plain)
+
+    def versus(rows: list[dict]) -> dict:
+        """`speed` of the rows, with its ratios to the target-only replica's (latency: below 1 is faster)."""
+        s = speed(rows)
+        if base["latency_s"] and s["latency_s"]:
+            s["latency_vs_target_only"] = round(s["latency_s"] / base["latency_s"], 3)
+            s["tokens_per_s_vs_target_only"] = round(s["tokens_per_s"] / base["tokens_per_s"], 3)
+        return s
 
     def at(text: str) -> dict | None:
         t = out.seen(text)
@@ -151,11 +198,12 @@ def main(argv: list[str] | None = None) -> int:
               "by_domain": {d: {"before": acceptance([x for x in before if x["domain"] == d]),
                                 "after": acceptance([x for x in after if x["domain"] == d])} for d in ("code", "prose")},
               # requests served by one drafter version alone, per version in the order they served
-              "by_version": {v: {"requests": len(rows), "acceptance": acceptance(rows)}
+              "by_version": {v: {**versus(rows), "acceptance": acceptance(rows)}
                              for v in dict.fromkeys(x["versions"][0] for x in served if len(x["versions"]) == 1)
                              for rows in [[x for x in served if x["versions"] == [v]]]},
-              "seconds_per_request_before": round(sum(x["s"] for x in before) / max(1, len(before)), 2),
-              "seconds_per_request_after": round(sum(x["s"] for x in after) / max(1, len(after)), 2) if after else None,
+              "target_only": base, "before": versus(before), "after": versus(after),
+              # the issue's measure: requests within the first 10 minutes of the first one, against target-only
+              "first_10_minutes": versus([x for x in served if x["t"] - served[0]["t"] <= 600]) if served else None,
               "decision_lines": [line for _, line in out.lines if " dvi.decision." in line]}
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0
