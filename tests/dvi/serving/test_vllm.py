@@ -133,7 +133,6 @@ def test_a_published_drafter_is_swapped_in_between_steps_and_a_worse_one_rolled_
     store_root = tmp_path / "store"
     start = publish_noisy(tmp_path / "configured", demo_target_dir, "d0000", noise=0.3, seed=0)
     good = publish_noisy(store_root, demo_target_dir, "d0001", noise=0.02, seed=1)
-    bad = publish_noisy(store_root, demo_target_dir, "d0002", noise=10.0, seed=2)
     cfg = vllm_config(stream_cfg, demo_target_dir, start.path, store_root, eager=eager, max_batch=4,
                       swap=SwapConfig(store=str(store_root), initial="none", window_tokens=96, baseline_tokens=48, rollback_margin=0.05))
     service = vllm_replica(cfg, control=ControlChannel(cfg.stream, client_id="test-vllm-replica")).start()
@@ -156,6 +155,9 @@ def test_a_published_drafter_is_swapped_in_between_steps_and_a_worse_one_rolled_
         assert service.metrics.version == "d0001" and "d0001" not in service.rejected
         assert after > before + 0.2, (before, after)
 
+        # published after d0001 was served, as a trainer publishes (an announcement of a version older than the store's
+        # newest when the replica started is a replay, refused)
+        bad = publish_noisy(store_root, demo_target_dir, "d0002", noise=10.0, seed=2)
         control_send(cfg.stream, DrafterPublished(bad.version, str(bad.path), bad.sha256, parent="d0001"))
         wait_until(lambda: service.engine.drafter.version == "d0002", 60, "d0002 to be swapped in")
         serve_until("d0002", drafted=96)
