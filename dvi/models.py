@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -333,6 +334,10 @@ def check_same_tokenizer(target: PreTrainedTokenizerBase, drafter: PreTrainedTok
             raise DviError(f"drafter and target tokenizers differ in {name}: target {a}, drafter {b}")
 
 
+LAYERS = "layers"  # the kind of a layer drafter (a plain causal LM: vLLM's method draft_model)
+EAGLE3 = "eagle3"  # the kind of an EAGLE-3 drafter (`dvi.eagle3`: vLLM's method eagle3)
+
+
 @dataclass
 class Drafter:
     """A loaded drafter: the model, its version, and the target ids of its output rows (None = all)."""
@@ -340,6 +345,7 @@ class Drafter:
     model: PreTrainedModel
     version: str
     vocab_map: torch.Tensor | None = None  # [N] int64 target token ids, or None for the full vocabulary
+    kind: ClassVar[str] = LAYERS  # `dvi.eagle3.Eagle3Drafter` has kind EAGLE3
 
     @property
     def vocab_size(self) -> int:
@@ -356,10 +362,25 @@ def read_drafter_meta(path: str | Path) -> dict:
         raise DviError(f"drafter metadata {str(meta)!r} is not valid JSON: {e}") from e
 
 
+def drafter_kind(path: str | Path) -> str:
+    """EAGLE3 for an EAGLE-3 drafter's directory (its config.json in the speculators format, `dvi.eagle3`), else
+    LAYERS (what `load_drafter` reads). Reads config.json only; a directory without a readable one is LAYERS (the
+    loader then says what is wrong)."""
+    try:
+        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return LAYERS
+    return EAGLE3 if isinstance(raw, dict) and raw.get("speculators_model_type") == EAGLE3 else LAYERS
+
+
 def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> Drafter:
-    """Load a drafter checkpoint onto `device`, attaching its reduced head if it has one."""
+    """Load a drafter checkpoint onto `device`, attaching its reduced head if it has one. An EAGLE-3 drafter's
+    directory is refused (it drafts from a target's features: `resolve_pair`, or `dvi.eagle3.load_eagle3`)."""
     p = Path(path).expanduser()
+    if drafter_kind(p) == EAGLE3:
+        raise DviError(f"drafter at {str(p)!r} is an EAGLE-3 drafter (speculators format): it loads with its target "
+                       "(dvi.eagle3.load_eagle3), not as a causal LM")
     model = load_causal_lm(p, "drafter", dtype)
     meta = read_drafter_meta(p)
     if model.config.vocab_size != target_vocab_size:
@@ -545,7 +566,9 @@ def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True) ->
     """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
     tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads).
     `target_weights=False`: the target is its skeleton (`target_skeleton`) and the drafter stays on the CPU, for an
-    engine that loads the target itself (serve.engine=vllm)."""
+    engine that loads the target itself (serve.engine=vllm). An EAGLE-3 drafter's directory (`drafter_kind`) gives a
+    `dvi.eagle3.Eagle3Drafter` (its version and kind as a Drafter's; the target's embedding read from `target_dir`),
+    which vLLM serves (method eagle3) and dvi's own engine refuses."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.threads:
@@ -559,5 +582,10 @@ def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True) ->
     drafter = None
     if drafter_dir is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
-        drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype, device)
+        if drafter_kind(drafter_dir) == EAGLE3:
+            from dvi.eagle3 import load_eagle3  # dvi.eagle3 builds on this module
+
+            drafter = load_eagle3(drafter_dir, target_dir, dtype).to(device)
+        else:
+            drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype, device)
     return Pair(target, tokenizer, drafter, target_dir, drafter_dir)

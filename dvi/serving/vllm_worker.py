@@ -21,8 +21,10 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
   vLLM's own thread, before its sampler: on a thread of their own, their torch ops started a second OpenMP team beside
   the one vLLM binds to the cores, and on a 2-core CPU the two spin-waited against each other (vLLM's server with the
   loop and no drafter ran 0.87x plain vLLM);
-- `dvi_load_drafter(weights)` loads a state dict (Hugging Face names) into the draft model, through vLLM's
-  layer-wise reload (a plain `load_weights` fails where the CPU build has repacked linear weights).
+- `dvi_load_drafter(weights)` loads a state dict into the draft model (a layer drafter's, Hugging Face names; an
+  EAGLE-3 drafter's checkpoint tensors, which vLLM's eagle3 model's `load_weights` maps: `fc`, `midlayer.*`, `norm`,
+  `lm_head`, `d2t`), through vLLM's layer-wise reload (a plain `load_weights` fails where the CPU build has repacked
+  linear weights).
 
 The logits of a step hold one row per drafted position and one bonus row per request, request after request
 (`SpecDecodeMetadata.cu_num_sampled_tokens`); a step without drafts has one row per request. This module knows
