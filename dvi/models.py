@@ -34,7 +34,6 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -345,7 +344,11 @@ class Drafter:
     model: PreTrainedModel
     version: str
     vocab_map: torch.Tensor | None = None  # [N] int64 target token ids, or None for the full vocabulary
-    kind: ClassVar[str] = LAYERS  # `dvi.eagle3.Eagle3Drafter` has kind EAGLE3
+
+    @property
+    def kind(self) -> str:
+        """LAYERS, or its model's kind (`dvi.eagle3.Eagle3Drafter.kind` is EAGLE3; served bare, it has its own)."""
+        return getattr(self.model, "kind", LAYERS)
 
     @property
     def vocab_size(self) -> int:
@@ -363,24 +366,22 @@ def read_drafter_meta(path: str | Path) -> dict:
 
 
 def drafter_kind(path: str | Path) -> str:
-    """EAGLE3 for an EAGLE-3 drafter's directory (its config.json in the speculators format, `dvi.eagle3`), else
-    LAYERS (what `load_drafter` reads). Reads config.json only; a directory without a readable one is LAYERS (the
-    loader then says what is wrong)."""
+    """"eagle3" for an EAGLE-3 drafter directory (its dvi_drafter.json says kind eagle3, or its config.json is the
+    speculators format's for eagle3, `dvi.eagle3`), else "layers" (a causal LM, `build_drafter`'s)."""
+    p = Path(path).expanduser()
+    if read_drafter_meta(p).get("kind") == "eagle3":
+        return "eagle3"
     try:
-        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+        config = json.loads((p / "config.json").read_text())
     except (OSError, ValueError):
-        return LAYERS
-    return EAGLE3 if isinstance(raw, dict) and raw.get("speculators_model_type") == EAGLE3 else LAYERS
+        return "layers"
+    return "eagle3" if isinstance(config, dict) and config.get("speculators_model_type") == "eagle3" else "layers"
 
 
 def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> Drafter:
-    """Load a drafter checkpoint onto `device`, attaching its reduced head if it has one. An EAGLE-3 drafter's
-    directory is refused (it drafts from a target's features: `resolve_pair`, or `dvi.eagle3.load_eagle3`)."""
+    """Load a drafter checkpoint onto `device`, attaching its reduced head if it has one."""
     p = Path(path).expanduser()
-    if drafter_kind(p) == EAGLE3:
-        raise DviError(f"drafter at {str(p)!r} is an EAGLE-3 drafter (speculators format): it loads with its target "
-                       "(dvi.eagle3.load_eagle3), not as a causal LM")
     model = load_causal_lm(p, "drafter", dtype)
     meta = read_drafter_meta(p)
     if model.config.vocab_size != target_vocab_size:

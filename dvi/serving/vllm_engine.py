@@ -420,7 +420,8 @@ class VllmEngine:
         check_vllm_drafter(drafter, self.vocab_size)
         if _shape(drafter) != self._shape:
             what = (f"{drafter.model.config.num_hidden_layers} layers and other shapes" if drafter.kind == LAYERS else
-                    f"aux layers {list(drafter.layer_ids)}, a draft vocabulary of {drafter.draft_vocab_size} or other shapes")
+                    f"aux layers {list(_eagle(drafter).layer_ids)}, a draft vocabulary of {_eagle(drafter).draft_vocab_size} "
+                    "or other shapes")
             raise DviError(f"drafter {drafter.version!r} has {what} than the draft model vLLM was started with; vLLM sizes its "
                            "draft model once (restart the server to change it)")
 
@@ -461,7 +462,7 @@ class VllmEngine:
         tensors (`Eagle3Drafter.weights`: vLLM's eagle3 `load_weights` names; d2t stays int64, the embedding is
         the target's)."""
         if drafter.kind == EAGLE3:
-            weights = {k: v.float() if v.is_floating_point() else v for k, v in drafter.weights().items()}
+            weights = {k: v.float() if v.is_floating_point() else v for k, v in _eagle(drafter).weights().items()}
         else:
             weights = {k: v.detach().float() for k, v in drafter.model.state_dict().items()}
         return self.core.collective_rpc("dvi_load_drafter", args=(weights,))[0]
@@ -524,6 +525,11 @@ def speculative_method(kind: str) -> str:
     return "eagle3" if kind == EAGLE3 else "draft_model"
 
 
+def _eagle(drafter: Drafter | Eagle3Drafter) -> Eagle3Drafter:
+    """The EAGLE-3 drafter itself, served bare or held by a `Drafter` (its model)."""
+    return drafter.model if isinstance(drafter, Drafter) else drafter
+
+
 def _kind_name(kind: str) -> str:
     return "an EAGLE-3 drafter" if kind == EAGLE3 else "a layer drafter"
 
@@ -532,8 +538,9 @@ def check_vllm_drafter(drafter: Drafter | Eagle3Drafter, vocab_size: int) -> Non
     """DviError unless vLLM's draft model can take `drafter`: a layer drafter over the target's whole vocabulary, or
     an EAGLE-3 drafter for this vocabulary (vLLM maps its reduced head with its d2t)."""
     if drafter.kind == EAGLE3:
-        if int(drafter.config.vocab_size) != vocab_size:
-            raise DviError(f"EAGLE-3 drafter {drafter.version!r} is for a vocabulary of {drafter.config.vocab_size}, the "
+        vocab = int(_eagle(drafter).config.vocab_size)
+        if vocab != vocab_size:
+            raise DviError(f"EAGLE-3 drafter {drafter.version!r} is for a vocabulary of {vocab}, the "
                            f"target has {vocab_size}")
         return
     if drafter.vocab_map is not None:
@@ -547,8 +554,9 @@ def _shape(drafter: Drafter | Eagle3Drafter) -> dict[str, object]:
     """What vLLM fixes when it builds its draft model: the drafter's kind and tensor shapes and, for an EAGLE-3
     drafter, which target layers feed it and where its norm sits."""
     if drafter.kind == EAGLE3:
-        return {"kind": EAGLE3, "layer_ids": tuple(drafter.layer_ids), "norm_before_residual": drafter.norm_before_residual,
-                **{k: tuple(v.shape) for k, v in drafter.weights().items()}}
+        e = _eagle(drafter)
+        return {"kind": EAGLE3, "layer_ids": tuple(e.layer_ids), "norm_before_residual": e.norm_before_residual,
+                **{k: tuple(v.shape) for k, v in e.weights().items()}}
     return {"kind": LAYERS, **{k: tuple(v.shape) for k, v in drafter.model.state_dict().items()}}
 
 

@@ -87,8 +87,7 @@ def test_the_configured_pair_gives_an_eagle3_drafter_and_vllm_is_told_method_eag
     assert torch.equal(pair.drafter.embed_tokens.weight, target.get_input_embeddings().weight)  # the target's, from its files
     layered = resolve_pair(config(tiny_dirs[0], tiny_dirs[1], tmp_path / "store").model, target_weights=False)
     assert isinstance(layered.drafter, Drafter) and layered.drafter.kind == LAYERS
-    with pytest.raises(DviError, match="is an EAGLE-3 drafter"):
-        load_drafter(eagle3_dir, int(target.config.vocab_size))
+    assert Drafter(model=pair.drafter, version="e0000").kind == EAGLE3  # a Drafter holding one is of its kind
 
     def speculative(drafter: Path) -> dict:
         cmd = vllm_server.command(cfg, tiny_dirs[0], drafter, "float32")
@@ -160,6 +159,7 @@ def test_a_vllm_engine_started_with_one_kind_takes_no_drafter_of_the_other(tiny_
     with pytest.raises(DviError, match=r"aux layers \[1, 2\]"):
         engine.swap_drafter(moved)
     engine.swap_drafter(load_eagle3(eagle3_dir, tiny_dirs[0]))
+    engine.swap_drafter(Drafter(model=load_eagle3(eagle3_dir, tiny_dirs[0]), version="held"))  # held by a Drafter too
     engine = VllmEngine.attach(Core("draft_model"), target, layered, SpecConfig(k=3, adaptive=False))
     with pytest.raises(DviError, match="is an EAGLE-3 drafter; this vLLM engine was started with a layer drafter"):
         engine.check_drafter(eagle)
