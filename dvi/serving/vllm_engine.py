@@ -463,8 +463,8 @@ class VllmEngine:
         the target's)."""
         if drafter.kind == EAGLE3:
             weights = {k: v.float() if v.is_floating_point() else v for k, v in _eagle(drafter).weights().items()}
-        else:
-            weights = {k: v.detach().float() for k, v in drafter.model.state_dict().items()}
+            return self.core.collective_rpc("dvi_load_drafter", args=(weights, True))[0]
+        weights = {k: v.detach().float() for k, v in drafter.model.state_dict().items()}
         return self.core.collective_rpc("dvi_load_drafter", args=(weights,))[0]
 
     def take_load_failures(self) -> list[tuple[str, str]]:

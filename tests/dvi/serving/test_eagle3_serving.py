@@ -11,6 +11,7 @@ The tiny target (tests/conftest.py) with an EAGLE-3 drafter built over its two l
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,7 @@ class Core:
 
     def collective_rpc(self, name, args=()):
         if name == "dvi_load_drafter":
+            assert args[1:] == (True,)  # an EAGLE-3 drafter's tensors
             self.loaded.append(dict(args[0]))
             return [0.0]
         return [[]] if name == "dvi_take" else [None]
@@ -165,3 +167,15 @@ def test_a_vllm_engine_started_with_one_kind_takes_no_drafter_of_the_other(tiny_
         engine.check_drafter(eagle)
     with pytest.raises(DviError, match="drafts with method draft_model"):  # vLLM's own server started otherwise
         VllmEngine.attach(Core("draft_model"), target, eagle, SpecConfig(k=3, adaptive=False))
+
+
+def test_the_workers_reload_warns_of_no_layer_an_eagle3_checkpoint_leaves_to_the_target():
+    from dvi.serving.vllm_worker import EAGLE3_NOT_LOADED, _NotLoaded
+
+    quiet = _NotLoaded(EAGLE3_NOT_LOADED)
+
+    def record(layer: str) -> logging.LogRecord:
+        return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, "%s: Failed to load weights", (layer,), None)
+
+    assert not quiet.filter(record("VocabParallelEmbedding")) and not quiet.filter(record("RotaryEmbedding"))
+    assert quiet.filter(record("QKVParallelLinear"))  # a layer the checkpoint should have loaded: still said
