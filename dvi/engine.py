@@ -780,7 +780,11 @@ class SpeculativeEngine:
         return out
 
     def check_drafter(self, drafter: Drafter) -> None:
-        """DviError unless this engine can draft with `drafter` (its vocabulary is the target's)."""
+        """DviError unless this engine can draft with `drafter`: a layer drafter whose vocabulary is the target's."""
+        if getattr(drafter, "kind", None) == "eagle3":
+            raise DviError(f"drafter {drafter.version!r} is an EAGLE-3 drafter: dvi's own engine (serve.engine=dvi, dvi "
+                           "generate) drafts with layer drafters only; serve it with serve.engine=vllm or "
+                           "serve.engine=vllm-server (vLLM's method eagle3)")
         if int(drafter.model.config.vocab_size) != self.vocab_size:
             raise DviError(
                 f"drafter {drafter.version!r} has vocabulary size {drafter.model.config.vocab_size}, "

@@ -333,6 +333,10 @@ def check_same_tokenizer(target: PreTrainedTokenizerBase, drafter: PreTrainedTok
             raise DviError(f"drafter and target tokenizers differ in {name}: target {a}, drafter {b}")
 
 
+LAYERS = "layers"  # the kind of a layer drafter (a plain causal LM: vLLM's method draft_model)
+EAGLE3 = "eagle3"  # the kind of an EAGLE-3 drafter (`dvi.eagle3`: vLLM's method eagle3)
+
+
 @dataclass
 class Drafter:
     """A loaded drafter: the model, its version, and the target ids of its output rows (None = all)."""
@@ -340,6 +344,11 @@ class Drafter:
     model: PreTrainedModel
     version: str
     vocab_map: torch.Tensor | None = None  # [N] int64 target token ids, or None for the full vocabulary
+
+    @property
+    def kind(self) -> str:
+        """LAYERS, or its model's kind (`dvi.eagle3.Eagle3Drafter.kind` is EAGLE3; served bare, it has its own)."""
+        return getattr(self.model, "kind", LAYERS)
 
     @property
     def vocab_size(self) -> int:
@@ -354,6 +363,19 @@ def read_drafter_meta(path: str | Path) -> dict:
         return json.loads(meta.read_text())
     except json.JSONDecodeError as e:
         raise DviError(f"drafter metadata {str(meta)!r} is not valid JSON: {e}") from e
+
+
+def drafter_kind(path: str | Path) -> str:
+    """"eagle3" for an EAGLE-3 drafter directory (its dvi_drafter.json says kind eagle3, or its config.json is the
+    speculators format's for eagle3, `dvi.eagle3`), else "layers" (a causal LM, `build_drafter`'s)."""
+    p = Path(path).expanduser()
+    if read_drafter_meta(p).get("kind") == "eagle3":
+        return "eagle3"
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        return "layers"
+    return "eagle3" if isinstance(config, dict) and config.get("speculators_model_type") == "eagle3" else "layers"
 
 
 def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
@@ -545,7 +567,9 @@ def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True) ->
     """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
     tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads).
     `target_weights=False`: the target is its skeleton (`target_skeleton`) and the drafter stays on the CPU, for an
-    engine that loads the target itself (serve.engine=vllm)."""
+    engine that loads the target itself (serve.engine=vllm). An EAGLE-3 drafter's directory (`drafter_kind`) gives a
+    `dvi.eagle3.Eagle3Drafter` (its version and kind as a Drafter's; the target's embedding read from `target_dir`),
+    which vLLM serves (method eagle3) and dvi's own engine refuses."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.threads:
@@ -559,5 +583,10 @@ def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True) ->
     drafter = None
     if drafter_dir is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
-        drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype, device)
+        if drafter_kind(drafter_dir) == EAGLE3:
+            from dvi.eagle3 import load_eagle3  # dvi.eagle3 builds on this module
+
+            drafter = load_eagle3(drafter_dir, target_dir, dtype).to(device)
+        else:
+            drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype, device)
     return Pair(target, tokenizer, drafter, target_dir, drafter_dir)

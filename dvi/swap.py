@@ -23,8 +23,9 @@ that were hashed. In order, it refuses (raising `Refused` with a reason code and
 - `smoke`: a short greedy decode with the new drafter fails or produces non-finite logits.
 
 An EAGLE-3 version passes the same checks (`check_announced`); `load_announced_eagle3` loads it as a
-`dvi.eagle3.Eagle3Drafter` (d2t and t2d checked: `load`), which vLLM serves with method eagle3. dvi's engines serve
-layer drafters only: `load_announced` refuses an EAGLE-3 version (`load`).
+`dvi.eagle3.Eagle3Drafter` (d2t and t2d checked: `load`), which vLLM serves with method eagle3 (a server started with
+an EAGLE-3 drafter, `dvi.serving.vllm_engine`). Each kind loads only where that kind serves: `load_announced` refuses
+an EAGLE-3 version and `load_announced_eagle3` a layer drafter (`load`).
 
 It runs on the caller's thread (the server's swap thread), never on the decoding thread; the engine's
 `swap_drafter` then switches the pointer between verification rounds.
@@ -132,8 +133,9 @@ def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Mod
     from the target). `target` may hold no weights (the meta device): only its config and parameter count are read."""
     checked = check_announced(ann, store_root, target, family)
     if checked.eagle is not None:
-        raise Refused("load", f"drafter {ann.version} is an EAGLE-3 drafter: vLLM serves it (method eagle3), dvi's "
-                              "engines serve layer drafters only")
+        raise Refused("load", f"drafter {ann.version} is an EAGLE-3 drafter: a server started with a layer drafter (dvi's "
+                              "engine, or vLLM's method draft_model) serves layer drafters only; vLLM started with an "
+                              "EAGLE-3 drafter (method eagle3) serves it")
     vocab = int(target.config.vocab_size)
     try:
         drafter = _build(checked.config, checked.weights, checked.head, vocab, ann.version, str(checked.path / DRAFT_HEAD))
@@ -155,7 +157,9 @@ def load_announced_eagle3(ann: DrafterPublished, store_root: Path, target: torch
     zero features must give finite logits (`smoke`)."""
     checked = check_announced(ann, store_root, target)
     if checked.eagle is None:
-        raise Refused("load", f"drafter {ann.version} is not an EAGLE-3 drafter (no speculators_model_type eagle3)")
+        raise Refused("load", f"drafter {ann.version} is a layer drafter, not an EAGLE-3 drafter (no speculators_model_type "
+                              "eagle3): a server started with an EAGLE-3 drafter (vLLM's method eagle3) serves EAGLE-3 "
+                              "versions only")
     e = checked.eagle
     embed = target.get_input_embeddings().weight
     try:

@@ -16,7 +16,8 @@ from pathlib import Path
 from dvi.cli.vllm_plugin import ENABLE, NAME, OVERRIDES, PORT
 from dvi.config import DviConfig, api_key
 from dvi.engine import MAX_LOGPROBS
-from dvi.serving.vllm_engine import vllm_env
+from dvi.models import drafter_kind
+from dvi.serving.vllm_engine import speculative_method, vllm_env
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -26,7 +27,8 @@ def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, p
     """The server's command line: the target in `dtype` under dvi's model name (serve.served_model_name, else the
     target's directory name), the drafter (None: none) as its `draft_model` speculator drafting up to `k` tokens
     (default: serve.spec.k_max with adaptive K, which dvi's planner lowers where drafting does not pay, else
-    serve.spec.k), serve.max_batch requests at once, browser calls from serve.allowed_origins only."""
+    serve.spec.k), serve.max_batch requests at once, browser calls from serve.allowed_origins only. An EAGLE-3 drafter's
+    directory (`dvi.models.drafter_kind`) is its `eagle3` speculator instead."""
     s, v = cfg.serve, cfg.serve.vllm
     cmd = [sys.executable, "-m", SERVER_MODULE, "--model", str(target), "--dtype", dtype, "--max-model-len", str(v.max_model_len),
            "--max-num-seqs", str(s.max_batch), "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0", "--disable-uvicorn-access-log",
@@ -40,7 +42,8 @@ def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, p
         cmd.append("--no-enable-prefix-caching")
     if drafter is not None:
         k = k or (s.spec.k_max if s.spec.adaptive else s.spec.k)
-        cmd += ["--speculative-config", json.dumps({"method": "draft_model", "model": str(drafter), "num_speculative_tokens": k})]
+        method = speculative_method(drafter_kind(drafter))
+        cmd += ["--speculative-config", json.dumps({"method": method, "model": str(drafter), "num_speculative_tokens": k})]
     return cmd
 
 

@@ -8,11 +8,13 @@
   `serve.max_batch` are decoding, and a finished one leaves in the round it finishes: its future is fulfilled,
   `ServingMetrics` fed and its DecisionRecords handed to the producer;
 - **swap** (when handed a control channel): a `DrafterPublished` drafter is checked and loaded off the decode
-  thread (`dvi.swap.load_announced`) and swapped in between rounds; after `serve.swap.window_tokens` drafted
-  tokens the live check (`dvi.swap.judge`) either promotes it (MLflow alias `production`, `DrafterPromoted` on the
-  control channel) or swaps the previous drafter back, tags the version rejected in the registry and announces
-  `DrafterRejected` to trainers and the other replicas (which then roll back too); refusals are logged and
-  counted, the current drafter keeps serving; each of these decisions is one line on `dvi.decision.serve`;
+  thread (`dvi.swap.load_announced`; `load_announced_eagle3` where the configured drafter is an EAGLE-3 one, which
+  vLLM's engines serve and dvi's refuses: a replica serves versions of its configured drafter's kind) and swapped in
+  between rounds; after `serve.swap.window_tokens` drafted tokens the live check (`dvi.swap.judge`) either promotes
+  it (MLflow alias `production`, `DrafterPromoted` on the control channel) or swaps the previous drafter back, tags
+  the version rejected in the registry and announces `DrafterRejected` to trainers and the other replicas (which
+  then roll back too); refusals are logged and counted, the current drafter keeps serving; each of these decisions
+  is one line on `dvi.decision.serve`;
 - **tracking**: every `serve.metrics_every_s` the interval's metrics go to the tracker, and every
   `serve.plot_every_s` a drift plot (acceptance and tokens/s over time, swap markers) as an artifact.
 
@@ -43,16 +45,17 @@ from pathlib import Path
 from dvi import store
 from dvi.config import DviConfig, api_key
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, Message
+from dvi.eagle3 import Eagle3Drafter
 from dvi.engine import LogProb, Request, Result, SpeculativeEngine, TokenHook
 from dvi.errors import DviError
 from dvi.files import sha256_file
 from dvi.hardware import pick_engine
 from dvi.metrics import ServingMetrics, drift_plot
-from dvi.models import Drafter, Pair, encode_chat, encode_prompt, end_ids, longest_token_chars
+from dvi.models import EAGLE3, LAYERS, Drafter, Pair, encode_chat, encode_prompt, end_ids, longest_token_chars
 from dvi.procs import default_replica_id
 from dvi.records import records_from_result
 from dvi.serving.vllm_engine import VllmEngine
-from dvi.swap import Refused, judge, load_announced
+from dvi.swap import Refused, judge, load_announced, load_announced_eagle3
 
 log = logging.getLogger("dvi.serving.replica")
 decisions = logging.getLogger("dvi.decision.serve")  # swaps, promotions, rollbacks, refusals: one line each
@@ -105,8 +108,12 @@ class Replica:
         self.metrics = ServingMetrics(max_domains=cfg.serve.max_domains, model_name=self.model_name)
         self.producer, self.tracker, self.control = producer, tracker, control
         stop_ids = end_ids(pair.target, pair.tokenizer)
-        # the config every published version must match: the configured drafter's family, or the target's
-        self.family = pair.drafter.model.config if pair.drafter is not None else pair.target.config
+        # the config every published layer drafter must match: the configured drafter's family, or the target's (an
+        # EAGLE-3 version is checked against the target alone)
+        layered = pair.drafter is not None and pair.drafter.kind == LAYERS
+        self.family = pair.drafter.model.config if layered else pair.target.config
+        # the kind of drafter this replica serves: the configured one's (vLLM sizes its draft model once, by method)
+        self.drafter_kind = pair.drafter.kind if pair.drafter is not None else LAYERS
         self.engine_kind = pick_engine(cfg.serve.engine, in_process=True)  # auto: vLLM's engine here, where installed
         if engine is not None:  # vLLM's own server steps it (dvi.cli.vllm_plugin): this replica follows its requests
             self.engine = engine
@@ -436,10 +443,14 @@ class Replica:
             decisions.warning("no drafter in the store %s passes its checks (%s tried): serving %s", self.store_root,
                               ", ".join(candidates), self._version())
 
-    def _load(self, ann: DrafterPublished) -> Drafter:
-        """The announced drafter, checked and loaded where this engine takes drafters from (or Refused)."""
-        drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens, self.engine.target.dtype,
-                                 self.family, device=self.engine.device)
+    def _load(self, ann: DrafterPublished) -> Drafter | Eagle3Drafter:
+        """The announced drafter, checked and loaded where this engine takes drafters from (or Refused): a version of
+        the kind this replica serves (a layer drafter, or an EAGLE-3 one on vLLM's engine started with one)."""
+        if self.drafter_kind == EAGLE3:
+            drafter = load_announced_eagle3(ann, self.store_root, self.engine.target, self.engine.target.dtype)
+        else:
+            drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens,
+                                     self.engine.target.dtype, self.family, device=self.engine.device)
         try:
             self.engine.check_drafter(drafter)
         except DviError as e:

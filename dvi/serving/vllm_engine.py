@@ -3,7 +3,9 @@
 `VllmEngine` offers what the replica asks of `dvi.engine.SpeculativeEngine` (`decoding()`, `check_request`,
 `check_drafter`, `swap_drafter`, `take_load_failures`, `drafter`, `abort`, `target`, `device`, `vocab_size`), so that the
 replica's API, decision records, hot swaps, live judge and metrics are the same for both engines. It follows one of
-vLLM's V1 `EngineCore`s, the target as its model and the drafter as its `draft_model` speculator, in either of two ways:
+vLLM's V1 `EngineCore`s, the target as its model and the drafter as its speculator: a layer drafter
+(`dvi.models.Drafter`) with method `draft_model`, an EAGLE-3 drafter (`dvi.eagle3.Eagle3Drafter`, drafting from the
+target's features) with method `eagle3` (`speculative_method`), in either of two ways:
 
 - **in process** (serve.engine=vllm, `VllmEngine.start`): vLLM's `LLMEngine` runs in this process (no engine process:
   `VLLM_ENABLE_V1_MULTIPROCESSING=0`) and the replica's decode thread steps it: `VllmDecoding.step()` is one
@@ -30,9 +32,12 @@ Either way dvi's work wraps each of the core's steps (the `step_fn` its loop cal
 - a swap loads the new weights into vLLM's draft model between two steps, so no step mixes two drafters. vLLM
   proposes the drafts a step verifies at the end of the step before, so the first step after a swap still verifies
   the previous drafter's drafts: rounds are labelled with the version that drafted them. Requests in flight at a swap
-  keep their draft KV cache, computed by the previous weights, until they finish;
-- what vLLM cannot do here is refused with the reason: a drafter with a reduced vocabulary head, or with another
-  shape than the draft model vLLM was started with (vLLM sizes the draft model once).
+  keep their draft KV cache, computed by the previous weights, until they finish. An EAGLE-3 version's tensors (`fc`,
+  `midlayer.*`, `norm`, `lm_head`, `d2t`) go in the same way; its embedding stays the target's, which vLLM shares;
+- what vLLM cannot do here is refused with the reason: a layer drafter with a reduced vocabulary head, a drafter of
+  the other kind than the one vLLM was started with (vLLM builds its speculator once, by method), or one with another
+  shape than the draft model vLLM was started with (vLLM sizes the draft model once; for an EAGLE-3 drafter also its
+  aux layers and norm placement).
 
 A failure of dvi's own work around a step is logged and the step's outputs still reach vLLM's clients. vLLM is
 imported when an engine is built, never by importing this module. This module knows vLLM's engine core and public
@@ -53,10 +58,11 @@ import torch
 from transformers import PreTrainedModel
 
 from dvi.config import SpecConfig, VllmConfig, default_cache_dir
+from dvi.eagle3 import Eagle3Drafter
 from dvi.engine import MAX_LOGPROBS, CostTable, Request, Result, Round, Routing, SpecStats, StepPlanner, TokenHook, check_request
 from dvi.errors import DviError
 from dvi.hardware import VLLM_RELEASE
-from dvi.models import Drafter
+from dvi.models import EAGLE3, LAYERS, Drafter
 from dvi.records import DOMAIN
 
 log = logging.getLogger("dvi.serving.vllm")
@@ -177,7 +183,7 @@ class VllmEngine:
             check_vllm_drafter(drafter, int(target.config.vocab_size))
         speculative = None
         if drafter is not None:
-            speculative = {"method": "draft_model", "model": str(drafter_dir), "num_speculative_tokens": spec.k}
+            speculative = {"method": speculative_method(drafter.kind), "model": str(drafter_dir), "num_speculative_tokens": spec.k}
             if spec.adaptive:  # a batch-size schedule, rewritten before every step (StepPlanner)
                 speculative.update(num_speculative_tokens=spec.k_max, num_speculative_tokens_per_batch_size=[(1, max_batch, spec.k)])
         window = min(vcfg.max_model_len, int(getattr(target.config, "max_position_embeddings", 1 << 30)))
@@ -208,6 +214,10 @@ class VllmEngine:
         config = core.vllm_config
         if drafter is not None:
             check_vllm_drafter(drafter, int(target.config.vocab_size))
+            method = getattr(config.speculative_config, "method", None)
+            if method != speculative_method(drafter.kind):
+                raise DviError(f"this vLLM server drafts with method {method}; drafter {drafter.version!r} is "
+                               f"{_kind_name(drafter.kind)}, which vLLM serves with method {speculative_method(drafter.kind)}")
         return cls(core, target, drafter, spec, max_batch=config.scheduler_config.max_num_seqs, window=config.model_config.max_model_len,
                    trial_tokens=trial_tokens)
 
@@ -397,17 +407,25 @@ class VllmEngine:
         with self._lock:
             return self._drafter
 
-    def check_drafter(self, drafter: Drafter) -> None:
-        """DviError unless vLLM's draft model can take `drafter`'s weights: the full vocabulary, and the shape of the
-        draft model vLLM was started with."""
+    def check_drafter(self, drafter: Drafter | Eagle3Drafter) -> None:
+        """DviError unless vLLM's draft model can take `drafter`'s weights: the kind of drafter vLLM was started with,
+        (a layer drafter) the full vocabulary, and the shape of the draft model vLLM was started with."""
         if self._shape is None:
             raise DviError("this vLLM engine was started without a drafter (--no-draft): it cannot take one while serving")
+        started = self._shape["kind"]
+        if drafter.kind != started:
+            raise DviError(f"drafter {drafter.version!r} is {_kind_name(drafter.kind)}; this vLLM engine was started with "
+                           f"{_kind_name(started)} (method {speculative_method(started)}) and builds its speculator once "
+                           "(restart the server with such a drafter to serve it)")
         check_vllm_drafter(drafter, self.vocab_size)
         if _shape(drafter) != self._shape:
-            raise DviError(f"drafter {drafter.version!r} has {drafter.model.config.num_hidden_layers} layers and other shapes than the "
-                           f"draft model vLLM was started with; vLLM sizes its draft model once (restart the server to change it)")
+            what = (f"{drafter.model.config.num_hidden_layers} layers and other shapes" if drafter.kind == LAYERS else
+                    f"aux layers {list(_eagle(drafter).layer_ids)}, a draft vocabulary of {_eagle(drafter).draft_vocab_size} "
+                    "or other shapes")
+            raise DviError(f"drafter {drafter.version!r} has {what} than the draft model vLLM was started with; vLLM sizes its "
+                           "draft model once (restart the server to change it)")
 
-    def swap_drafter(self, drafter: Drafter | None) -> None:
+    def swap_drafter(self, drafter: Drafter | Eagle3Drafter | None) -> None:
         """Install a new drafter: its weights go into vLLM's draft model before the next step."""
         if drafter is None:
             raise DviError("serve.engine=vllm cannot drop its drafter while serving")
@@ -439,7 +457,13 @@ class VllmEngine:
             r.whole = False
         log.info("drafter %s loaded into vLLM's draft model in %.2f s", want.version, seconds)
 
-    def _load(self, drafter: Drafter) -> float:
+    def _load(self, drafter: Drafter | Eagle3Drafter) -> float:
+        """`drafter`'s tensors into vLLM's draft model: a layer drafter's state dict, or an EAGLE-3 drafter's checkpoint
+        tensors (`Eagle3Drafter.weights`: vLLM's eagle3 `load_weights` names; d2t stays int64, the embedding is
+        the target's)."""
+        if drafter.kind == EAGLE3:
+            weights = {k: v.float() if v.is_floating_point() else v for k, v in _eagle(drafter).weights().items()}
+            return self.core.collective_rpc("dvi_load_drafter", args=(weights, True))[0]
         weights = {k: v.detach().float() for k, v in drafter.model.state_dict().items()}
         return self.core.collective_rpc("dvi_load_drafter", args=(weights,))[0]
 
@@ -496,8 +520,29 @@ class VllmEngine:
         return self._batch
 
 
-def check_vllm_drafter(drafter: Drafter, vocab_size: int) -> None:
-    """DviError unless vLLM's draft model can take `drafter`: the target's whole vocabulary."""
+def speculative_method(kind: str) -> str:
+    """vLLM's speculative method for a drafter of `kind` (`dvi.models.LAYERS` or `EAGLE3`, `Drafter.kind`)."""
+    return "eagle3" if kind == EAGLE3 else "draft_model"
+
+
+def _eagle(drafter: Drafter | Eagle3Drafter) -> Eagle3Drafter:
+    """The EAGLE-3 drafter itself, served bare or held by a `Drafter` (its model)."""
+    return drafter.model if isinstance(drafter, Drafter) else drafter
+
+
+def _kind_name(kind: str) -> str:
+    return "an EAGLE-3 drafter" if kind == EAGLE3 else "a layer drafter"
+
+
+def check_vllm_drafter(drafter: Drafter | Eagle3Drafter, vocab_size: int) -> None:
+    """DviError unless vLLM's draft model can take `drafter`: a layer drafter over the target's whole vocabulary, or
+    an EAGLE-3 drafter for this vocabulary (vLLM maps its reduced head with its d2t)."""
+    if drafter.kind == EAGLE3:
+        vocab = int(_eagle(drafter).config.vocab_size)
+        if vocab != vocab_size:
+            raise DviError(f"EAGLE-3 drafter {drafter.version!r} is for a vocabulary of {vocab}, the "
+                           f"target has {vocab_size}")
+        return
     if drafter.vocab_map is not None:
         raise DviError(f"drafter {drafter.version!r} has a reduced vocabulary head ({drafter.vocab_size} rows); "
                        "vLLM's draft model drafts over the target's whole vocabulary")
@@ -505,8 +550,14 @@ def check_vllm_drafter(drafter: Drafter, vocab_size: int) -> None:
         raise DviError(f"drafter {drafter.version!r} has vocabulary size {drafter.model.config.vocab_size}, the target has {vocab_size}")
 
 
-def _shape(drafter: Drafter) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in drafter.model.state_dict().items()}
+def _shape(drafter: Drafter | Eagle3Drafter) -> dict[str, object]:
+    """What vLLM fixes when it builds its draft model: the drafter's kind and tensor shapes and, for an EAGLE-3
+    drafter, which target layers feed it and where its norm sits."""
+    if drafter.kind == EAGLE3:
+        e = _eagle(drafter)
+        return {"kind": EAGLE3, "layer_ids": tuple(e.layer_ids), "norm_before_residual": e.norm_before_residual,
+                **{k: tuple(v.shape) for k, v in e.weights().items()}}
+    return {"kind": LAYERS, **{k: tuple(v.shape) for k, v in drafter.model.state_dict().items()}}
 
 
 @dataclass

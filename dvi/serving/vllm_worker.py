@@ -21,8 +21,12 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
   vLLM's own thread, before its sampler: on a thread of their own, their torch ops started a second OpenMP team beside
   the one vLLM binds to the cores, and on a 2-core CPU the two spin-waited against each other (vLLM's server with the
   loop and no drafter ran 0.87x plain vLLM);
-- `dvi_load_drafter(weights)` loads a state dict (Hugging Face names) into the draft model, through vLLM's
-  layer-wise reload (a plain `load_weights` fails where the CPU build has repacked linear weights).
+- `dvi_load_drafter(weights)` loads a state dict into the draft model (a layer drafter's, Hugging Face names; an
+  EAGLE-3 drafter's checkpoint tensors, which vLLM's eagle3 model's `load_weights` maps: `fc`, `midlayer.*`, `norm`,
+  `lm_head`, `d2t`), through vLLM's layer-wise reload (a plain `load_weights` fails where the CPU build has repacked
+  linear weights). An EAGLE-3 draft model shares the target's embedding and has a rotary embedding, which its
+  checkpoint does not hold: the reload puts their tensors back as they were, and its warning that they "failed to
+  load" is dropped for such a load.
 
 The logits of a step hold one row per drafted position and one bonus row per request, request after request
 (`SpecDecodeMetadata.cu_num_sampled_tokens`); a step without drafts has one row per request. This module knows
@@ -31,11 +35,16 @@ vLLM's worker; it does not know dvi's records, requests or drafter versions.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 FORBIDDEN = -1e4  # the log-prob recorded for a token the request's constraints forbid (see _log_probs)
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.32's layer-wise reload logs here
+# the layers of vLLM's EAGLE-3 draft model that its checkpoint does not hold: the embedding it shares with the target,
+# and the rotary embedding (buffers only)
+EAGLE3_NOT_LOADED = frozenset({"VocabParallelEmbedding", "RotaryEmbedding"})
 
 
 class DviWorkerExtension:
@@ -118,18 +127,40 @@ class DviWorkerExtension:
         """The engine is shutting down: nothing kept is taken any more."""
         self._dvi_steps = []
 
-    def dvi_load_drafter(self, weights: dict[str, torch.Tensor]) -> float:
-        """Load `weights` into the draft model; returns the seconds it took."""
+    def dvi_load_drafter(self, weights: dict[str, torch.Tensor], eagle3: bool = False) -> float:
+        """Load `weights` into the draft model (`eagle3`: an EAGLE-3 drafter's checkpoint tensors); returns the seconds
+        it took."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         t0 = time.perf_counter()
         model = self.model_runner.get_draft_model()
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(model)
-            model.load_weights(iter(weights.items()))
-            finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
+        quiet = _NotLoaded(EAGLE3_NOT_LOADED) if eagle3 else None
+        reload_log = logging.getLogger(RELOAD_LOGGER)
+        if quiet is not None:
+            reload_log.addFilter(quiet)
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                initialize_layerwise_reload(model)
+                model.load_weights(iter(weights.items()))
+                finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
+        finally:
+            if quiet is not None:
+                reload_log.removeFilter(quiet)
         return time.perf_counter() - t0
+
+
+class _NotLoaded(logging.Filter):
+    """Drops vLLM's reload warning "<layer>: Failed to load weights" for the layers named, which no checkpoint of the
+    draft model holds (their tensors are put back as they were)."""
+
+    def __init__(self, layers: frozenset[str]):
+        super().__init__()
+        self.layers = layers
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args and args[0] in self.layers)
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:
