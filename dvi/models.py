@@ -356,10 +356,31 @@ def read_drafter_meta(path: str | Path) -> dict:
         raise DviError(f"drafter metadata {str(meta)!r} is not valid JSON: {e}") from e
 
 
-def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> Drafter:
-    """Load a drafter checkpoint onto `device`, attaching its reduced head if it has one."""
+def drafter_kind(path: str | Path) -> str:
+    """"eagle3" for an EAGLE-3 drafter directory (its dvi_drafter.json says kind eagle3, or its config.json is the
+    speculators format's for eagle3, `dvi.eagle3`), else "layers" (a causal LM, `build_drafter`'s)."""
     p = Path(path).expanduser()
+    if read_drafter_meta(p).get("kind") == "eagle3":
+        return "eagle3"
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        return "layers"
+    return "eagle3" if isinstance(config, dict) and config.get("speculators_model_type") == "eagle3" else "layers"
+
+
+def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", target: PreTrainedModel | None = None) -> Drafter:
+    """Load a drafter checkpoint onto `device`, attaching its reduced head if it has one. With `target` (the loaded
+    target), an EAGLE-3 drafter directory (`drafter_kind`) loads too: `dvi.eagle3.load_for_target` (its `.model` an
+    `Eagle3Drafter` over the target's features, its `.vocab_map` the draft vocabulary's target ids)."""
+    p = Path(path).expanduser()
+    if target is not None and drafter_kind(p) == "eagle3":
+        from dvi.eagle3 import load_for_target  # dvi.eagle3 imports this module
+
+        if int(target.config.vocab_size) != target_vocab_size:
+            raise DviError(f"the target has vocabulary size {target.config.vocab_size}, not {target_vocab_size}")
+        return load_for_target(p, target, dtype, device)
     model = load_causal_lm(p, "drafter", dtype)
     meta = read_drafter_meta(p)
     if model.config.vocab_size != target_vocab_size:
@@ -541,11 +562,12 @@ def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
     return target_dir, drafter_dir
 
 
-def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True) -> Pair:
+def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, eagle3: bool = False) -> Pair:
     """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
     tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads).
     `target_weights=False`: the target is its skeleton (`target_skeleton`) and the drafter stays on the CPU, for an
-    engine that loads the target itself (serve.engine=vllm)."""
+    engine that loads the target itself (serve.engine=vllm). `eagle3`: an EAGLE-3 drafter directory loads too
+    (`load_drafter` with the target; the trainer's), with `target_weights` only."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.threads:
@@ -559,5 +581,6 @@ def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True) ->
     drafter = None
     if drafter_dir is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
-        drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype, device)
+        drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype, device,
+                               target=target if eagle3 and target_weights else None)
     return Pair(target, tokenizer, drafter, target_dir, drafter_dir)
