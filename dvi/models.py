@@ -11,7 +11,8 @@ Owns the on-disk layout of a drafter checkpoint:
 
 A drafter with a reduced head predicts over N target tokens only; its probability is zero elsewhere,
 which keeps the acceptance rule exact (see `dvi.speculative`). This module knows nothing about
-decoding, streams or training; EAGLE-3 drafters (a layer over the target's features) are `dvi.eagle3`'s.
+decoding, streams or training; EAGLE-3 drafters (a layer over the target's features) are `dvi.eagle3`'s
+(`load_drafter` given the loaded target takes their directories too, `drafter_kind` tells them apart).
 """
 
 from __future__ import annotations

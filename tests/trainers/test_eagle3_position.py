@@ -209,3 +209,26 @@ def test_a_published_eagle3_version_is_the_speculators_format_the_servers_accept
     assert all(torch.equal(v, d.weights()[k]) for k, v in served.weights().items())
     again = load_drafter(published.path, VOCAB, target=tiny_target)  # the gate's next baseline
     assert again.version == "d0001" and torch.equal(again.model.fc.weight, d.fc.weight)
+
+
+def test_the_registrys_pyfunc_model_of_an_eagle3_version_drafts_as_vllms_loop(saved, tiny_target):
+    """`dvi.registry_model` loads an EAGLE-3 directory with the target its config names; its continuation is the
+    drafter's chain after the prompt: the first draft is `Eagle3PositionLM`'s at the prompt's last column, each next
+    one `ttt_logits`' next step there, its tokens the drafts before it."""
+    from dvi.registry_model import DrafterModel
+
+    target_dir, drafter_dir, d = saved
+    model = DrafterModel(drafter_dir)
+    prompt = [5, 17, 60, 2, 33]
+    got = model.predict([prompt, [9]], params={"max_new_tokens": 4})
+    drafts = got[0]["token_ids"]
+    vocab = target_ids(d.d2t)
+    assert len(drafts) == 4 and set(drafts) <= set(vocab.tolist()) and len(got[1]["token_ids"]) == 4
+    seq = torch.tensor([prompt + drafts])
+    with torch.no_grad():
+        first = Eagle3PositionLM(d, tiny_target)(seq, torch.ones_like(seq), torch.tensor([0]), torch.tensor([len(prompt) - 1]))
+        chain = ttt_logits(d, target_features(tiny_target, seq, LAYER_IDS), seq, steps=4)
+        alone = Eagle3PositionLM(d, tiny_target)(torch.tensor([[9]]), torch.ones(1, 1), torch.tensor([0]), torch.tensor([0]))
+    assert drafts[0] == int(vocab[first.argmax()])
+    assert drafts == [int(vocab[chain[k][0, len(prompt) - 2].argmax()]) for k in range(4)]
+    assert got[1]["token_ids"][0] == int(vocab[alone.argmax()])
