@@ -232,3 +232,20 @@ def test_the_registrys_pyfunc_model_of_an_eagle3_version_drafts_as_vllms_loop(sa
     assert drafts[0] == int(vocab[first.argmax()])
     assert drafts == [int(vocab[chain[k][0, len(prompt) - 2].argmax()]) for k in range(4)]
     assert got[1]["token_ids"][0] == int(vocab[alone.argmax()])
+
+
+def test_lora_adapters_on_an_eagle3_drafter_merge_into_the_speculators_names(tiny_target):
+    """trainer.finetune=lora: adapters on the drafter's layer; what is published has vLLM's names, adapters merged."""
+    from dvi.config import TrainerConfig
+    from trainers import ds
+
+    d = random_eagle3(tiny_target, seed=4)
+    plain = d.weights()
+    model = ds.apply_lora(d, TrainerConfig(finetune="lora"))
+    lm = Eagle3PositionLM(model, tiny_target)
+    ids, mask, rows, cols, _ = packed_batch()
+    steps = lm(ids, mask, rows, cols, steps=2)
+    assert [tuple(x.shape) for x, _ in steps] == [(rows.numel(), DRAFT), (int((cols >= 2).sum()), DRAFT)]
+    merged = ds.merged_state_dict(model)
+    assert {k for k in merged if not k.startswith("embed_tokens.")} == set(weight_shapes(d.config, DRAFT, len(LAYER_IDS)))
+    assert all(torch.equal(merged[k], v) for k, v in plain.items())  # fresh adapters add nothing
