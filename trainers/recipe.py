@@ -105,9 +105,10 @@ class Eagle3PositionLM(torch.nn.Module):
     held outside the module (a plain attribute, not a submodule): DeepSpeed neither optimises nor checkpoints it.
 
     forward(..., steps=k) unrolls k drafting steps (training-time test): a list of (logits [P_j, N], keep [P] bool)
-    per step j, step j's logits at the positions it reaches (keep: col - 1 - j >= 0; step 0 keeps every position),
-    made from the drafter's own step j - 1 output after j - 1 drafts from position col - 1 - j, the tokens
-    teacher-forced (`dvi.eagle3.ttt_prenorms`)."""
+    per step j, at the positions it reaches (keep: col - 1 - j >= 0; step 0 keeps every position). Step j at (row,
+    col) is the drafter's j-th further draft after the target verified the tokens up to col - j: its first pass at
+    index col - 1 - j, then j steps each on its own previous output, the tokens col - j + 1..col teacher-forced
+    (`dvi.eagle3.ttt_prenorms`); it predicts the same token col + 1."""
 
     def __init__(self, model: torch.nn.Module, target: torch.nn.Module):
         super().__init__()
