@@ -344,6 +344,7 @@ class TrainerConfig:
     reward_warmup: int = 100  # steps of pure KL
     reward_ramp: int = 400  # step at which the reward weight reaches reward_max
     reward_penalty: float = 1.0
+    eagle3_ttt_steps: int = 3  # an EAGLE-3 drafter's loss: drafting steps unrolled (training-time test); 1: none
     # gate, publish, checkpoints
     holdout_share: float = 0.1  # fresh records set aside for the gate (never trained on)
     holdout_first: int = 4  # the first records are all held out until the gate has this many (then holdout_share)
@@ -387,6 +388,7 @@ class TrainerConfig:
         _check(0 <= self.reward_warmup <= self.reward_ramp, "trainer.reward_warmup/reward_ramp",
                (self.reward_warmup, self.reward_ramp), "0 <= reward_warmup <= reward_ramp")
         _check(self.reward_penalty >= 0, "trainer.reward_penalty", self.reward_penalty, ">= 0")
+        _check(self.eagle3_ttt_steps >= 1, "trainer.eagle3_ttt_steps", self.eagle3_ttt_steps, "an integer >= 1")
         _check(0 <= self.holdout_share < 1, "trainer.holdout_share", self.holdout_share, "in [0, 1)")
         _check(self.holdout_size >= 1, "trainer.holdout_size", self.holdout_size, "an integer >= 1")
         _check(self.replay_mb > 0 and self.holdout_mb > 0, "trainer.replay_mb/holdout_mb", (self.replay_mb, self.holdout_mb),

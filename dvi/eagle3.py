@@ -38,7 +38,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from dvi.errors import DviError
-from dvi.models import (DRAFTER_META, _require_dir, corpus_texts, end_ids, frequent_token_ids, load_causal_lm,
+from dvi.models import (DRAFTER_META, Drafter, _require_dir, corpus_texts, end_ids, frequent_token_ids, load_causal_lm,
                         load_tokenizer, read_drafter_meta, staged_dir)
 
 KIND = "eagle3"
@@ -46,6 +46,7 @@ WEIGHTS = "model.safetensors"
 # what a speculators-format config.json holds beside transformer_layer_config (`eagle3_config` reads them)
 SPECULATORS_VERSION = "0.3.0"
 SPECULATIVE_TOKENS = 3  # the proposal method's default K, recorded for vLLM's speculators reader
+SHARED_PREFIXES = ("embed_tokens.", "rotary.")  # state_dict entries a checkpoint leaves out: the target's embedding
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -98,10 +99,12 @@ def to_target_logits(logits: torch.Tensor, d2t: torch.Tensor, vocab_size: int) -
 
 
 @torch.no_grad()
-def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids) -> torch.Tensor:
+def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids,
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The target's aux hidden states for `input_ids` [B, T], as vLLM 0.32 takes them for an EAGLE-3 drafter: for
     layer id i the residual stream entering decoder layer i (hidden states plus residual; id 0 is the embeddings, id
-    num_layers the stream entering the final norm), concatenated in ascending layer order -> [B, T, len(ids) x hidden]."""
+    num_layers the stream entering the final norm), concatenated in ascending layer order -> [B, T, len(ids) x hidden].
+    Only the target's decoder runs (not its output layer); `attention_mask` [B, T] as its forward takes it."""
     ids = sorted(set(int(i) for i in layer_ids))
     inner = target.model
     n = len(inner.layers)
@@ -119,7 +122,7 @@ def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids) -> to
         module = inner.layers[i] if i < n else inner.norm
         hooks.append(module.register_forward_pre_hook(grab(i), with_kwargs=True))
     try:
-        target(input_ids=input_ids, use_cache=False)
+        inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
@@ -250,13 +253,21 @@ class Eagle3Drafter(nn.Module):
     def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor | None = None, past=()):
         """`forward` that also takes the (k, v) of earlier drafting steps (`Eagle3Attention.forward`) and returns its
         own: (logits, pre-norm output, (k, v))."""
+        prenorm, kv = self.trunk(hidden, input_ids, positions, past)
+        return self.head(prenorm), prenorm, kv
+
+    def trunk(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor | None = None, past=()):
+        """`step` without the head: (pre-norm output [B, T, hidden], this step's (k, v))."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         embeds = self.embed_tokens(input_ids)
         cos, sin = self.rotary(embeds, positions)
         out, residual, kv = self.midlayer(embeds, hidden, cos, sin, past)
-        prenorm = out + residual
-        return self.lm_head(self.norm(prenorm)), prenorm, kv
+        return out + residual, kv
+
+    def head(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., N] of pre-norm outputs [..., hidden]."""
+        return self.lm_head(self.norm(prenorm))
 
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return to_target_logits(logits, self.d2t, self.config.vocab_size)
@@ -264,7 +275,7 @@ class Eagle3Drafter(nn.Module):
     def weights(self) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint holds (vLLM's names): all but the shared embedding."""
         return {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()
-                if not k.startswith(("embed_tokens.", "rotary."))}
+                if not k.startswith(SHARED_PREFIXES)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,14 +297,20 @@ def ttt_logits(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch.
     i + 1 + k (teacher-forced) at position i + k and predicts the token at i + 2 + k, attending to the first pass
     causally and to its own earlier steps (vLLM's drafting, `Eagle3Attention.forward`). Entries whose token input
     would lie past the end hold a padding token and are to be ignored (`ttt_loss` masks them)."""
+    return [drafter.head(prenorm) for prenorm in ttt_prenorms(drafter, features, input_ids, steps)]
+
+
+def ttt_prenorms(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
+    """The drafter's pre-norm outputs [B, T - 1, hidden] of each drafting step of `ttt_logits` (whose logits are
+    `drafter.head` of them): for a caller that needs the head at some positions only."""
     b, t = input_ids.shape
     hidden, past, out = drafter.fuse(features[:, : t - 1]), [], []
     base = torch.arange(t - 1, device=input_ids.device).expand(b, -1)
     for k in range(steps):
         tokens = F.pad(input_ids[:, 1 + k :], (0, k), value=0)  # [B, T - 1]: the token at i + 1 + k
-        logits, hidden, kv = drafter.step(hidden, tokens, base + k, past)
+        hidden, kv = drafter.trunk(hidden, tokens, base + k, past)
         past.append(kv)
-        out.append(logits)
+        out.append(hidden)
     return out
 
 
@@ -330,7 +347,7 @@ def weight_shapes(config: LlamaConfig, draft_vocab_size: int, n_aux: int, target
     """name -> shape of every tensor an eagle3 checkpoint with this config holds (no weights are made)."""
     with torch.device("meta"):
         model = Eagle3Drafter(config, draft_vocab_size, range(n_aux), target_hidden_size=target_hidden_size)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith(("embed_tokens.", "rotary."))}
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,11 +436,17 @@ def read_target_embedding(target_dir: Path) -> torch.Tensor:
     raise DviError(f"no model.embed_tokens.weight in the safetensors files of {str(target_dir)!r}")
 
 
-def load_eagle3(path: str | Path, target_dir: str | Path | None = None, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
-    """An eagle3 drafter from its directory; the shared embedding from `target_dir` (default: its verifier's path)."""
+def load_eagle3(path: str | Path, target_dir: str | Path | None = None, dtype: torch.dtype = torch.float32,
+                embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    """An eagle3 drafter from its directory; the shared embedding `embed` (the target's input embedding [vocab,
+    hidden]), or read from `target_dir` (default: its verifier's path)."""
     p = _require_dir(path, "eagle3 drafter")
     config, fields = eagle3_config(json.loads((p / "config.json").read_text()))
-    embed = read_target_embedding(Path(target_dir or fields["verifier"]).expanduser())
+    if embed is None:
+        embed = read_target_embedding(Path(target_dir or fields["verifier"]).expanduser())
+    if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
+        raise DviError(f"eagle3 drafter at {str(p)!r} has vocabulary x hidden {config.vocab_size} x {config.hidden_size}, "
+                       f"the target's embedding is {tuple(embed.shape)}")
     weights = load_file(str(p / WEIGHTS))
     drafter = Eagle3Drafter(config, fields["draft_vocab_size"], fields["layer_ids"], embed,
                             fields["target_hidden_size"], fields["norm_before_residual"])
@@ -436,6 +459,26 @@ def load_eagle3(path: str | Path, target_dir: str | Path | None = None, dtype: t
     drafter.load_state_dict(weights, strict=False)
     drafter.version = str(read_drafter_meta(p).get("version", p.name))
     return drafter.to(dtype).eval()
+
+
+def load_for_target(path: str | Path, target: nn.Module, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> Drafter:
+    """An eagle3 drafter directory as a `dvi.models.Drafter` of `target` (a loaded target model): `.model` the
+    `Eagle3Drafter` (its shared embedding a copy of the target's), `.vocab_map` the target ids of its draft
+    vocabulary, `.version` its version. DviError for one that does not fit the target (vocabulary, hidden size, aux
+    layers)."""
+    p = _require_dir(path, "eagle3 drafter")
+    config, fields = eagle3_config(json.loads((p / "config.json").read_text()))
+    tc = target.config
+    problems = [f"vocabulary {config.vocab_size}, the target's is {tc.vocab_size}" if config.vocab_size != tc.vocab_size else "",
+                f"target_hidden_size {fields['target_hidden_size']}, the target's is {tc.hidden_size}"
+                if fields["target_hidden_size"] != tc.hidden_size else "",
+                f"aux layers {fields['layer_ids']} outside the target's 0..{tc.num_hidden_layers}"
+                if not all(0 <= i <= tc.num_hidden_layers for i in fields["layer_ids"]) else ""]
+    if any(problems):
+        raise DviError(f"eagle3 drafter at {str(p)!r} does not fit the target: {'; '.join(x for x in problems if x)}")
+    model = load_eagle3(p, dtype=dtype, embed=target.get_input_embeddings().weight.detach()).to(device)
+    return Drafter(model=model, version=model.version, vocab_map=target_ids(model.d2t))
 
 
 def build_eagle3(target_dir: str | Path, out_dir: str | Path, vocab_n: int, texts: list[str] | None = None,

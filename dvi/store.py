@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dvi import control
+from dvi import control, eagle3
 from dvi.errors import DviError
 from dvi.files import fsync_path, sha256_file
 from dvi.models import DRAFT_HEAD, DRAFTER_META, cache_dir, read_drafter_meta
@@ -88,7 +88,10 @@ def publish(store: Path, version: str, state_dict: dict[str, torch.Tensor], sour
     state_dict: the drafter's weights with the base model's keys (for a reduced head, `lm_head.weight` is
     [N, hidden] and `vocab_map` [N] its target ids); source_dir: the parent drafter's directory (config and
     tokenizer files are copied from it); meta: recorded in dvi_drafter.json next to version and time (and the
-    parent's kind, unless meta names one).
+    parent's kind, unless meta names one). A parent whose config.json is the speculators format's for eagle3 makes
+    an EAGLE-3 version: `state_dict` is an `Eagle3Drafter`'s, written to model.safetensors as vLLM reads it (fc,
+    midlayer, norm, lm_head with d2t and t2d; not the shared embedding, which is the target's; `vocab_map` is
+    its d2t's and is not written apart).
     """
     check_version_name(version)
     store, source_dir = Path(store).expanduser(), Path(source_dir).expanduser()
@@ -106,7 +109,9 @@ def publish(store: Path, version: str, state_dict: dict[str, torch.Tensor], sour
                 shutil.copy2(f, tmp / f.name)
         weights = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
         config = json.loads((source_dir / "config.json").read_text())
-        if vocab_map is not None:
+        if eagle3.is_eagle3_config(config):
+            weights = {k: v for k, v in weights.items() if not k.startswith(eagle3.SHARED_PREFIXES)}
+        elif vocab_map is not None:
             head = weights.pop("lm_head.weight")
             save_file({"token_ids": vocab_map.detach().cpu().long().contiguous(), "weight": head}, str(tmp / DRAFT_HEAD))
         elif config.get("tie_word_embeddings") and "model.embed_tokens.weight" in weights:

@@ -197,6 +197,38 @@ def engine_records(target_dir: Path, drafter_dir: Path | None, n: int, new_token
     return records
 
 
+PYTHON_QUESTIONS = [
+    "Write a Python function that reverses a string.",
+    "Write a Python function that checks whether a number is prime.",
+    "Write a Python function that returns the largest element of a list.",
+    "Write a Python function that counts the vowels in a string.",
+    "Write a Python function that computes the factorial of n.",
+    "Write a Python function that merges two sorted lists.",
+    "Write a Python function that removes duplicates from a list.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python function that flattens a nested list.",
+    "Write a Python function that sums the digits of an integer.",
+    "Write a Python function that sorts a dictionary by its values.",
+]
+
+
+def chat_records(target, drafter, tokenizer, questions=PYTHON_QUESTIONS, new_tokens: int = 32) -> list:
+    """Real DecisionRecords of one domain: the engine answering chat `questions` with a loaded pair of the demo
+    vocabulary (greedy, K = 3, top-8 teacher); `drafter` None: target-only."""
+    from dvi.config import SpecConfig
+    from dvi.engine import Request, SpeculativeEngine
+
+    engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=6)
+    requests = [Request(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=True)["input_ids"], max_new_tokens=new_tokens)
+                for q in questions]
+    records = []
+    for req, res in zip(requests, engine.generate(requests)):
+        records += records_from_result(res, replica_id="test", target_name="smollm2", vocab_size=DEMO_VOCAB, sampling=req, topk=8)
+    return records
+
+
 # the fields a later minor version of schema 2 adds (new numbers, as the schema's evolution rule asks)
 NEWER_FIELDS = (("novelty", 30, "string", ""), ("acceptance_hint", 31, "double", ""), ("future_arrays", 32, "bytes", ""))
 

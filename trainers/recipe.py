@@ -3,8 +3,10 @@
 `Trainer.run()` reads top to bottom as setup -> loop (ingest, step, checkpoint, gate and publish) -> cleanup:
 
 - setup: the drafter under training is `Trainer.student` (a DeepSpeed engine over a `PositionLM`, a causal LM
-  whose forward returns logits only at the teacher positions); `Trainer.teacher_lm` is the trainer's copy of the
-  target, the teacher for records logged without top-k; `Trainer.baseline` is a frozen copy of the drafter now
+  whose forward returns logits only at the teacher positions, or, for an EAGLE-3 drafter (`dvi.eagle3`), an
+  `Eagle3PositionLM`, which drafts from the features of the trainer's frozen copy of the target, `Trainer.target`,
+  and trains on `trainer.eagle3_ttt_steps` unrolled drafting steps); `Trainer.teacher_lm` is the trainer's copy of
+  the target, the teacher for records logged without top-k; `Trainer.baseline` is a frozen copy of the drafter now
   serving, the gate's baseline. A complete checkpoint in the run directory is resumed from;
 - ingest: records from the source (a consumer group, or a file) arrive validated by the record codec; records
   for another target vocabulary or without generated tokens are counted as `foreign` and set aside; the rest
@@ -55,7 +57,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from dvi import __version__, store
+from dvi import __version__, eagle3, store
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
@@ -85,6 +87,73 @@ class PositionLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
         return self.model.get_output_embeddings()(hidden[rows, cols])  # [P, N]
+
+
+class Eagle3PositionLM(torch.nn.Module):
+    """An EAGLE-3 drafter (`dvi.eagle3.Eagle3Drafter`) as a `PositionLM`: forward(input_ids, attention_mask, rows,
+    cols) returns its draft-vocabulary logits [P, N] at the teacher positions, predicting the token `PositionLM`
+    predicts there, so teachers, losses and the gate take it as they take a layer drafter (vocab_map: the draft
+    vocabulary's target ids).
+
+    Alignment: teacher position (row, col) predicts the token at col + 1 from the tokens up to col. An EAGLE-3
+    drafter predicts it from the target's features at col - 1 and the token at col: index col - 1 of
+    `dvi.eagle3.ttt_logits` (step 0: what serving's first draft after the target verified up to col sees). A
+    position at col 0 has no feature before it (vLLM never drafts there: the target's prefill gives the first
+    token); the drafter reads zero features there, over that one token.
+
+    The features come from `target`, the trainer's frozen copy of the target, run without grad on the batch. It is
+    held outside the module (a plain attribute, not a submodule): DeepSpeed neither optimises nor checkpoints it.
+
+    forward(..., steps=k) unrolls k drafting steps (training-time test): a list of (logits [P_j, N], keep [P] bool)
+    per step j, at the positions it reaches (keep: col - 1 - j >= 0; step 0 keeps every position). Step j at (row,
+    col) is the drafter's j-th further draft after the target verified the tokens up to col - j: its first pass at
+    index col - 1 - j, then j steps each on its own previous output, the tokens col - j + 1..col teacher-forced
+    (`dvi.eagle3.ttt_prenorms`); it predicts the same token col + 1."""
+
+    def __init__(self, model: torch.nn.Module, target: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "target", target)  # not registered: no parameter, no state_dict entry
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                steps: int | None = None):
+        d = self.model
+        feats = eagle3.target_features(self.target, input_ids, d.layer_ids, attention_mask).to(d.fc.weight.dtype)
+        prenorms = eagle3.ttt_prenorms(d, feats, input_ids, steps or 1) if input_ids.shape[1] > 1 else []
+        first = cols == 0
+        if bool(first.any()):  # the drafter alone on the first token, over zero features
+            alone, _ = d.trunk(feats.new_zeros(input_ids.shape[0], 1, d.config.hidden_size), input_ids[:, :1])
+            at0 = alone[rows, 0]
+            chosen = at0 if not prenorms else torch.where(first[:, None], at0, prenorms[0][rows, (cols - 1).clamp(min=0)])
+        else:
+            chosen = prenorms[0][rows, cols - 1]
+        out = [(d.head(chosen), torch.ones_like(cols, dtype=torch.bool))]
+        for k in range(1, steps or 1):
+            keep = cols - 1 - k >= 0
+            reached = prenorms[k][rows[keep], (cols - 1 - k)[keep]] if prenorms else chosen[:0]
+            out.append((d.head(reached), keep))
+        return out[0][0] if steps is None else out
+
+
+def ttt_position_loss(student, batch: Batch, teacher: Teacher, steps: int, divergence: str, w_kl: float, w_reward: float,
+                      beta: float, vocab_map) -> tuple[torch.Tensor, dict[str, float]]:
+    """An EAGLE-3 drafter's training loss: `position_loss` averaged over `steps` unrolled drafting steps
+    (`Eagle3PositionLM` forward with steps), each on the teacher positions it reaches; the metrics are step 0's (what
+    serving's first draft sees, as the gate measures it), with each later step's expected acceptance beside them
+    (`acceptance_step<j>`)."""
+    losses, metrics = [], {}
+    for k, (logits, keep) in enumerate(student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, steps=steps)):
+        if k and not bool(keep.any()):
+            continue
+        loss, m = position_loss(logits, Teacher(teacher.probs[keep], teacher.outside[keep]), batch.drafted[keep],
+                                batch.reward[keep], batch.judged[keep], batch.weight[keep], divergence, w_kl, w_reward,
+                                beta, vocab_map)
+        losses.append(loss)
+        if k == 0:
+            metrics.update(m)
+        else:
+            metrics[f"acceptance_step{k}"] = m["acceptance"]
+    return torch.stack(losses).mean(), metrics
 
 
 @dataclass
@@ -188,18 +257,20 @@ class Trainer:
         model_cfg = cfg.model
         if model_cfg.dtype == "auto" and resolve_device(model_cfg.device).type == "cpu":
             model_cfg = replace(model_cfg, dtype="float32")  # a CPU trains in fp32 (trainer.precision), bf16 CPU or not
-        pair = resolve_pair(model_cfg, with_drafter=True)
+        pair = resolve_pair(model_cfg, with_drafter=True, eagle3=True)
         self.target_dir, self.vocab_size = pair.target_dir, int(pair.target.config.vocab_size)
         self.vocab_map = pair.drafter.vocab_map
         self.state = State(lineage=[pair.drafter.version], serving_dir=str(pair.drafter_dir))
         self.initial_dir = pair.drafter_dir  # serves again if every published version is rejected
+        self.eagle3 = isinstance(pair.drafter.model, eagle3.Eagle3Drafter)  # drafts from the target's features
         needs_target = self.tcfg.teacher in ("auto", "logits")
-        # the trainer's copy of the target: the teacher of records logged without top-k
-        self.teacher_lm = PositionLM(pair.target.eval()).requires_grad_(False) if needs_target else None
+        # the trainer's copy of the target: the teacher of records logged without top-k, an EAGLE-3 drafter's features
+        self.target = pair.target.eval().requires_grad_(False) if needs_target or self.eagle3 else None
+        self.teacher_lm = PositionLM(self.target) if needs_target else None
         model = pair.drafter.model
         if self.tcfg.finetune == "lora":
             model = ds.apply_lora(model, self.tcfg)
-        self.student = ds.build_engine(PositionLM(model), self.tcfg)  # the DeepSpeed engine training the drafter
+        self.student = ds.build_engine(self._position_lm(model), self.tcfg)  # the DeepSpeed engine training the drafter
         self.ledger = Ledger(self.tcfg.ledger_size)
         self.published: list[str] = []  # versions this trainer published in this run, oldest first
 
@@ -250,10 +321,14 @@ class Trainer:
         dist.all_gather_object(out, obj)
         return out
 
+    def _position_lm(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The drafter as a module answering at teacher positions: a `PositionLM`, or an `Eagle3PositionLM`."""
+        return Eagle3PositionLM(model, self.target) if self.eagle3 else PositionLM(model)
+
     def _baseline_model(self) -> PositionLM:
         """A frozen copy of the drafter now serving (the gate's baseline), read from its directory."""
-        drafter = load_drafter(self.state.serving_dir, self.vocab_size)
-        return PositionLM(drafter.model.eval()).requires_grad_(False)
+        drafter = load_drafter(self.state.serving_dir, self.vocab_size, target=self.target if self.eagle3 else None)
+        return self._position_lm(drafter.model.eval()).requires_grad_(False)
 
     def version_age(self, version: str | None) -> int | None:
         """Publishes between `version` and the serving drafter (0: serving); None for a version not in the lineage.
@@ -465,9 +540,13 @@ class Trainer:
         if examples:
             batch = collate(examples, [1.0] * len(fresh) + weights)
             teacher = teacher_for(batch, self.vocab_size, self.vocab_map, self.teacher_lm)
-            logits = self.student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
-            loss, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight,
-                                          t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
+            if self.eagle3 and t.eagle3_ttt_steps > 1:
+                loss, metrics = ttt_position_loss(self.student, batch, teacher, t.eagle3_ttt_steps, t.divergence, w_kl,
+                                                  w_reward, t.jsd_beta, self.vocab_map)
+            else:
+                logits = self.student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
+                loss, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight,
+                                              t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
         else:  # another rank has a batch: join its step with a zero gradient (every rank must step together)
             batch, metrics = None, {}
             one = torch.zeros(1, 1, dtype=torch.long)

@@ -18,17 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from broker_fixtures import dead_letters, engine_records, make_record, poison
+from broker_fixtures import chat_records, dead_letters, engine_records, make_record, poison
 from child_env import clean_env
 from kafka import KafkaProducer
 
 from dvi import keys
-from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, TrainerConfig, keys_dir
+from dvi.config import DviConfig, ModelConfig, TrackingConfig, TrainerConfig, keys_dir
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected
 from dvi.control import encode as encode_control
-from dvi.engine import Request, SpeculativeEngine
 from dvi.models import load_causal_lm, load_drafter
-from dvi.records import encode, records_from_result
+from dvi.records import encode
 from streams.consumer import DecisionConsumer
 from streams.control import ControlReader
 from streams.control import send as control_send
@@ -399,22 +398,6 @@ def test_non_finite_weights_roll_back_and_are_never_checkpointed_or_published(st
     assert state["counters"]["trained"] == fates.count(Fate.TRAINED)
 
 
-PYTHON_QUESTIONS = [
-    "Write a Python function that reverses a string.",
-    "Write a Python function that checks whether a number is prime.",
-    "Write a Python function that returns the largest element of a list.",
-    "Write a Python function that counts the vowels in a string.",
-    "Write a Python function that computes the factorial of n.",
-    "Write a Python function that merges two sorted lists.",
-    "Write a Python function that removes duplicates from a list.",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Write a Python function that flattens a nested list.",
-    "Write a Python function that sums the digits of an integer.",
-    "Write a Python function that sorts a dictionary by its values.",
-]
-
-
 @pytest.mark.real_model
 def test_training_on_demo_records_raises_held_out_acceptance(stream_cfg, demo_target_dir, demo_drafter_dir, tmp_path):
     """A short run on real records of one domain (Python questions) raises the drafter's estimated acceptance
@@ -424,14 +407,7 @@ def test_training_on_demo_records_raises_held_out_acceptance(stream_cfg, demo_ta
 
     tokenizer = load_tokenizer(demo_target_dir)
     target = load_causal_lm(demo_target_dir, "target")
-    drafter = load_drafter(demo_drafter_dir, VOCAB)
-    engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=6)
-    requests = [Request(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                      tokenize=True, return_dict=True)["input_ids"], max_new_tokens=32)
-                for q in PYTHON_QUESTIONS]
-    records = []
-    for req, res in zip(requests, engine.generate(requests)):
-        records += records_from_result(res, replica_id="test", target_name="smollm2", vocab_size=VOCAB, sampling=req, topk=8)
+    records = chat_records(target, load_drafter(demo_drafter_dir, VOCAB), tokenizer)
     produce(stream_cfg, records)
     cfg = config(stream_cfg, (demo_target_dir, demo_drafter_dir), tmp_path, batch_tokens=128, replay_share=0.5,
                  holdout_share=0.25, lr=5e-4, max_steps=24, checkpoint_every=1000, idle_exit_s=None,

@@ -1,0 +1,173 @@
+"""The trainer end to end with an EAGLE-3 drafter: records from a file, DeepSpeed (CPU, gloo), the gate, the model
+store, the servers' checks on what it published, and a restart that resumes from its checkpoint.
+
+The target is the tiny random Llama with the demo tokenizer (tests/conftest.py: tiny_dirs); its records come from
+the real engine, target-only (no drafter drafted them). The EAGLE-3 drafter starts as the target's last layer over
+its features (`dvi.eagle3.init_from_target`), its draft vocabulary the ids the records' teachers use most, so it
+predicts the token one behind the teacher's until training moves it on."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from broker_fixtures import chat_records, engine_records
+
+from dvi import store
+from dvi.config import DviConfig, ModelConfig, TrackingConfig, TrainerConfig
+from dvi.control import DrafterPublished
+from dvi.eagle3 import Eagle3Drafter, init_from_target, layer_config, save_eagle3
+from dvi.models import load_causal_lm, load_tokenizer
+from dvi.swap import load_announced_eagle3
+from trainers.data import FileSource, collate, example_from_record
+from trainers.recipe import Eagle3PositionLM, Trainer, teacher_for, ttt_position_loss
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 49152
+DRAFT = 256
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def records(tiny_dirs) -> list:
+    return engine_records(tiny_dirs[0], None, n=16, new_tokens=24, seed=11)
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(tiny_dirs, records, tmp_path_factory) -> Path:
+    target_dir = tiny_dirs[0]
+    target = load_causal_lm(target_dir, "target")
+    used = Counter(int(i) for r in records for rnd in r.rounds for row in rnd.topk_ids for i in row)
+    vocab = torch.tensor(sorted(i for i, _ in used.most_common(DRAFT)))
+    assert vocab.numel() == DRAFT
+    drafter = Eagle3Drafter(layer_config(target.config), DRAFT, (0, 1), target.get_input_embeddings().weight.detach())
+    init_from_target(drafter, target, vocab)
+    return save_eagle3(drafter, tmp_path_factory.mktemp("eagle3") / "e3", target_dir,
+                       {"version": "e3-init", "parent": None}, load_tokenizer(target_dir))
+
+
+def config(tiny_dirs, eagle3_dir: Path, tmp_path: Path, **trainer) -> DviConfig:
+    t = dict(run_dir=str(tmp_path / "run"), store=str(tmp_path / "store"), batch_tokens=96, replay_share=0.0,
+             holdout_share=0.25, holdout_first=4, gate_min_records=4, min_gain=-1.0, gate_every=1000, gate_every_s=None,
+             checkpoint_every=5, max_steps=STEPS, replay_when_idle=True, idle_exit_s=None, lr=3e-3, teacher="topk",
+             eagle3_ttt_steps=3, log_every=1)
+    t.update(trainer)
+    return DviConfig(model=ModelConfig(target=str(tiny_dirs[0]), drafter=str(eagle3_dir), device="cpu"),
+                     trainer=TrainerConfig(**t), tracking=TrackingConfig(enabled=False))
+
+
+def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes(tiny_dirs, records, eagle3_dir, tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+    cfg = config(tiny_dirs, eagle3_dir, tmp_path)
+    tracker = Recorder()
+    trainer = Trainer(cfg, FileSource(str(path)), tracker=tracker, offline=True)
+    # teacher=topk: the target is held all the same, for the drafter's features, outside what DeepSpeed trains
+    assert trainer.eagle3 and trainer.teacher_lm is None and trainer.target is not None
+    assert isinstance(trainer.student.module, Eagle3PositionLM) and isinstance(trainer.baseline, Eagle3PositionLM)
+    assert all(k.startswith("model.") for k in trainer.student.module.state_dict())
+    assert trainer.vocab_map.numel() == DRAFT
+    examples = [example_from_record(r, cfg.trainer.max_seq_len) for r in records]
+    before = fixed_loss(trainer, examples)
+    counters = trainer.run()
+    after = fixed_loss(trainer, examples)
+
+    assert trainer.state.step == STEPS and counters.nonfinite == 0 and counters.trained > 0
+    gate = trainer.last_gate
+    print(f"loss over all records {before:.3f} -> {after:.3f}; held-out expected acceptance: serving "
+          f"{gate['serving_acceptance']:.4f}, candidate {gate['candidate_acceptance']:.4f} on {gate['holdout_records']} records")
+    assert after < 0.9 * before
+    assert len([m for m in tracker.metrics if "loss" in m]) == STEPS
+    assert {"train/acceptance", "train/acceptance_step1", "train/acceptance_step2"} <= set(tracker.metrics[0])
+    assert gate["outcome"] == "passed" and trainer.state.counters.gates == 1  # min_gain -1: about the pipeline, not the gate
+    assert counters.published == 1 and len(trainer.published) == 1
+    version = trainer.published[0]
+    root = Path(cfg.trainer.store)
+    where = root / version
+    assert trainer.state.serving_dir == str(where) and trainer.state.lineage == ["e3-init", version]
+
+    # what vLLM reads, passing the servers' checks under the digest a DrafterPublished carries
+    assert sorted(f.name for f in where.iterdir()) == sorted(
+        ["SHA256SUMS", "config.json", "dvi_drafter.json", "model.safetensors", *[f.name for f in eagle3_dir.iterdir()
+                                                                                 if f.name.startswith(("tokenizer", "special_tokens", "chat_template"))]])
+    meta = json.loads((where / "dvi_drafter.json").read_text())
+    assert meta["kind"] == "eagle3" and meta["parent"] == "e3-init" and meta["step"] == STEPS
+    target = load_causal_lm(tiny_dirs[0], "target")
+    from dvi.files import sha256_file
+    served = load_announced_eagle3(DrafterPublished(version, str(where), sha256_file(where / store.SUMS)), root, target)
+    trained = trainer.student.module.model.weights()
+    assert all(torch.equal(v, trained[k]) for k, v in served.weights().items())
+    # the gate's next baseline is the published version, reloaded from the store
+    assert torch.equal(trainer.baseline.model.fc.weight, trained["fc.weight"])
+
+    # registered like any version: its store directory, under its version name
+    assert tracker.registered == [(str(where), version)]
+
+    # a restart resumes from the last checkpoint: step, lineage and the trained weights
+    again = Trainer(replace_steps(cfg, STEPS), FileSource(str(path)), offline=True)
+    assert again.eagle3 and again.state.step == STEPS and again.state.lineage == ["e3-init", version]
+    assert again.state.serving_dir == str(where)
+    resumed = again.student.module.model.weights()
+    assert all(torch.equal(v, trained[k]) for k, v in resumed.items())
+    assert torch.equal(again.baseline.model.lm_head.weight, trained["lm_head.weight"])
+
+
+class Recorder:
+    """The tracker's interface, keeping what the trainer sends it."""
+
+    def __init__(self):
+        self.metrics, self.registered = [], []
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.metrics.append(dict(metrics))
+
+    def register_drafter(self, source: str, version: str, tags: dict, alias: str = "candidate") -> None:
+        self.registered.append((source, version))
+
+
+def fixed_loss(trainer: Trainer, examples) -> float:
+    """The student's training loss (unrolled steps, divergence only) over every position of `examples`."""
+    batch = collate(examples)
+    teacher = teacher_for(batch, VOCAB, trainer.vocab_map, None)
+    with torch.no_grad():
+        return float(ttt_position_loss(trainer.student.module, batch, teacher, 3, "fkl", 1.0, 0.0, 0.5, trainer.vocab_map)[0])
+
+
+def replace_steps(cfg: DviConfig, steps: int) -> DviConfig:
+    from dataclasses import replace
+
+    return replace(cfg, trainer=replace(cfg.trainer, max_steps=steps))
+
+
+@pytest.mark.real_model
+def test_training_an_eagle3_drafter_on_demo_records_raises_held_out_acceptance(demo_target_dir, tmp_path):
+    """The demo target's records of one domain (Python questions, target-only), an EAGLE-3 drafter built from the
+    target (`build_eagle3`: at first it repeats the target's last prediction): a short run raises its expected
+    acceptance on held-out records of that domain, as the gate measures it."""
+    from dvi.eagle3 import build_eagle3
+
+    tokenizer = load_tokenizer(demo_target_dir)
+    demo = chat_records(load_causal_lm(demo_target_dir, "target"), None, tokenizer)
+    texts = [tokenizer.decode(list(r.prompt_ids) + list(r.generated_ids)) for r in demo]
+    drafter_dir = build_eagle3(demo_target_dir, tmp_path / "e3", vocab_n=2048, texts=texts)
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in demo))
+    cfg = config((demo_target_dir, None), drafter_dir, tmp_path, batch_tokens=128, replay_share=0.5, holdout_first=3,
+                 gate_min_records=3, min_gain=0.02, lr=1e-3, max_steps=24, checkpoint_every=1000)
+    trainer = Trainer(replace_model(cfg, threads=2), FileSource(str(path)), offline=True)
+    trainer.run()  # the gate at its end: the trained candidate against the drafter it started from, on held-out records
+    gate = trainer.last_gate
+    assert trainer.state.step == 24 and gate["holdout_records"] >= 3
+    print(f"held-out expected acceptance {gate['serving_acceptance']:.3f} -> {gate['candidate_acceptance']:.3f}, "
+          f"greedy match {gate['serving_greedy']:.3f} -> {gate['candidate_greedy']:.3f}")
+    assert gate["outcome"] == "passed" and trainer.published  # more than min_gain better
+
+
+def replace_model(cfg: DviConfig, **model) -> DviConfig:
+    from dataclasses import replace
+
+    return replace(cfg, model=replace(cfg.model, **model))
