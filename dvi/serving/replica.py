@@ -125,6 +125,7 @@ class Replica:
             self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
         window = self.engine.window - 1  # the longest prompt the engine takes: one token of room to answer
         self.max_prompt_tokens = min(cfg.serve.max_prompt_tokens or window, window)
+        self._prompt_cap = self.max_prompt_tokens < window  # below the window (else the engine's own check says it)
         # a text longer than this cannot be a prompt of max_prompt_tokens tokens: refused before it is tokenized (the
         # bound vLLM's own server applies: tokens times the longest vocabulary entry)
         self.max_prompt_chars = self.max_prompt_tokens * longest_token_chars(self.tokenizer)
@@ -213,7 +214,8 @@ class Replica:
             len(c.prompt) if isinstance(c.prompt, str) else 0
         if chars > self.max_prompt_chars:
             raise DviError(f"prompt of {chars} characters is longer than a prompt of at most {self.max_prompt_tokens} tokens "
-                           f"can be (serve.max_prompt_tokens; at most {self.max_prompt_chars} characters)")
+                           f"can be (serve.max_prompt_tokens, at most the context window less one; at most "
+                           f"{self.max_prompt_chars} characters)")
         if c.messages is not None:
             try:
                 ids = encode_chat(self.tokenizer, c.messages)  # special tokens in contents are text
@@ -225,7 +227,7 @@ class Replica:
             ids = list(c.prompt)
         else:
             ids = encode_prompt(self.tokenizer, c.prompt, raw=True, split_special_tokens=c.split_special_tokens)
-        if len(ids) > self.max_prompt_tokens:
+        if self._prompt_cap and len(ids) > self.max_prompt_tokens:
             raise DviError(f"prompt of {len(ids)} tokens is longer than serve.max_prompt_tokens={self.max_prompt_tokens}")
         req = Request(ids, max_new_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, seed=c.seed,
                       ignore_eos=c.ignore_eos, min_tokens=min(c.min_tokens, c.max_tokens), logprobs=c.logprobs)

@@ -347,12 +347,15 @@ def test_live_check_promotes_a_better_drafter_and_rolls_back_a_random_one(stream
     from dvi.tracking import Tracker
 
     store_root = tmp_path / "store"
-    good = publish_noisy(store_root, tiny_dirs[0], "d0001", noise=0.02, seed=1)
-    bad = publish_noisy(store_root, tiny_dirs[0], "d0002", noise=10.0, seed=2)  # unrelated weights
     tracking = TrackingConfig(uri=mlflow_server.uri, experiment=f"serve-{tmp_path.name}", registry_model=f"m-{tmp_path.name}", retry_s=0.2)
-    with Tracker(tracking, "trainer") as trainer_side:  # what the trainer does when it publishes
-        for p in (good, bad):
+
+    def publish(version: str, noise: float, seed: int) -> store.Published:  # what the trainer does: store, registry
+        p = publish_noisy(store_root, tiny_dirs[0], version, noise=noise, seed=seed)
+        with Tracker(tracking, "trainer") as trainer_side:
             trainer_side.register_drafter(str(p.path), p.version, {"parent_version": "test"})
+        return p
+
+    good = publish("d0001", noise=0.02, seed=1)
     cfg = service_config(stream_cfg, tiny_dirs, store_root,
                          swap=SwapConfig(store=str(store_root), initial="none", window_tokens=60, baseline_tokens=30, rollback_margin=0.1))
     cfg = DviConfig(model=cfg.model, stream=cfg.stream, serve=cfg.serve, tracking=tracking)
@@ -372,6 +375,7 @@ def test_live_check_promotes_a_better_drafter_and_rolls_back_a_random_one(stream
         announce(stream_cfg, good)
         traffic_until(lambda: service.metrics.events["promote"] == 1, 4)
         assert service.engine.drafter.version == "d0001"
+        bad = publish("d0002", noise=10.0, seed=2)  # unrelated weights, published after d0001 (as a trainer publishes)
         announce(stream_cfg, bad)
         traffic_until(lambda: service.metrics.events["rollback"] == 1, 8)
         assert service.engine.drafter.version == "d0001" and "d0002" in service.rejected
