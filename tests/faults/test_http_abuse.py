@@ -28,7 +28,10 @@ def server(broker, demo_target_dir, tmp_path_factory, request):
     stream_cfg = stream_config(broker.bootstrap)
     ensure_topics(stream_cfg)
     tmp = tmp_path_factory.mktemp("abuse")
+    # every request here is one client's (one API key): the server-wide bounds are under test, so the per-client cap
+    # is off (its own test: tests/dvi/serving/test_replica.py::test_hostile_http_requests_get_a_clear_4xx_and_cost_nothing)
     s = Serve(tmp, *stream_overrides(stream_cfg), "serve.max_connections=24", "serve.max_queue=4", "serve.max_batch=2",
+              "serve.max_inflight_per_client=0",
               "serve.max_max_tokens=256", "tracking.enabled=false", f"serve.swap.store={tmp / 'store'}",
               env={"DVI_API_KEY": KEY}, engine=request.param)  # a secret: from the environment, never the command line
     yield s
