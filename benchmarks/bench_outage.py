@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, StreamConfig, SwapConfig, TrackingConfig  # noqa: E402
 from dvi.engine import Request  # noqa: E402
-from dvi.models import resolve_pair  # noqa: E402
+from dvi.pairs import resolve_pair  # noqa: E402
 from dvi.procs import free_port  # noqa: E402
 from dvi.serving.replica import Replica  # noqa: E402
 from streams.broker import EmbeddedBroker  # noqa: E402

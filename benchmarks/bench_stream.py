@@ -45,7 +45,8 @@ from kafka.codec import gzip_encode
 
 from dvi.config import StreamConfig, load_config
 from dvi.engine import Request, SpeculativeEngine
-from dvi.models import encode_prompt, resolve_pair
+from dvi.models import encode_prompt
+from dvi.pairs import resolve_pair
 from dvi.procs import free_port
 from dvi import records_v1
 from dvi.records import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result

@@ -48,7 +48,8 @@ from dvi.cli.up import Part, Supervisor, banner, plan
 from dvi.config import flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
 from dvi.errors import DviError
-from dvi.models import encode_prompt, resolve_pair
+from dvi.models import encode_prompt
+from dvi.pairs import resolve_pair
 from dvi.procs import free_port, http_ok, local_post
 from dvi.records import records_from_result
 from dvi.tracking import Tracker

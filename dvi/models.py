@@ -1,5 +1,6 @@
-"""Model pairs: fetching the demo target, importing a local GGUF file, building drafters from a target, loading and checking a pair, and
-turning a prompt into its token ids (`encode_prompt`).
+"""Models: fetching the demo target, importing a local GGUF file, building layer drafters from a target, loading and
+checking the parts of a pair (`dvi.pairs.resolve_pair` puts them together), and turning a prompt into its token ids
+(`encode_prompt`).
 
 Owns the on-disk layout of a drafter checkpoint:
 
@@ -11,8 +12,8 @@ Owns the on-disk layout of a drafter checkpoint:
 
 A drafter with a reduced head predicts over N target tokens only; its probability is zero elsewhere,
 which keeps the acceptance rule exact (see `dvi.speculative`). This module knows nothing about
-decoding, streams or training; EAGLE-3 drafters (a layer over the target's features) are `dvi.eagle3`'s
-(`load_drafter` given the loaded target takes their directories too, `drafter_kind` tells them apart).
+decoding, streams or training; EAGLE-3 drafters (a layer over the target's features) are `dvi.eagle3`'s, which
+builds on this module (`drafter_kind` tells the two kinds' directories apart).
 """
 
 from __future__ import annotations
@@ -380,17 +381,10 @@ def drafter_kind(path: str | Path) -> str:
 
 
 def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", target: PreTrainedModel | None = None) -> Drafter:
-    """Load a drafter checkpoint onto `device`, attaching its reduced head if it has one. With `target` (the loaded
-    target), an EAGLE-3 drafter directory (`drafter_kind`) loads too: `dvi.eagle3.load_for_target` (its `.model` an
-    `Eagle3Drafter` over the target's features, its `.vocab_map` the draft vocabulary's target ids)."""
+                 device: torch.device | str = "cpu") -> Drafter:
+    """Load a layer drafter's checkpoint onto `device`, attaching its reduced head if it has one (either kind, with
+    the target: `dvi.pairs.load_any_drafter`)."""
     p = Path(path).expanduser()
-    if target is not None and drafter_kind(p) == "eagle3":
-        from dvi.eagle3 import load_for_target  # dvi.eagle3 imports this module
-
-        if int(target.config.vocab_size) != target_vocab_size:
-            raise DviError(f"the target has vocabulary size {target.config.vocab_size}, not {target_vocab_size}")
-        return load_for_target(p, target, dtype, device)
     model = load_causal_lm(p, "drafter", dtype)
     meta = read_drafter_meta(p)
     if model.config.vocab_size != target_vocab_size:
@@ -570,34 +564,3 @@ def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
         log.info("building the demo drafter at %s", drafter_dir)
         build_drafter(target_dir, drafter_dir, cfg.drafter_layers, cfg.drafter_vocab)
     return target_dir, drafter_dir
-
-
-def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, eagle3: bool = False) -> Pair:
-    """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
-    tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads).
-    `target_weights=False`: the target is its skeleton (`target_skeleton`) and the drafter stays on the CPU, for an
-    engine that loads the target itself (serve.engine=vllm). An EAGLE-3 drafter's directory (`drafter_kind`) gives a
-    `dvi.eagle3.Eagle3Drafter` (its version and kind as a Drafter's; the target's embedding read from `target_dir`),
-    which vLLM serves (method eagle3) and dvi's own engine refuses; with `eagle3` (the trainer's) and the target's
-    weights, a `Drafter` over the loaded target instead (`load_drafter` with the target: `dvi.eagle3.load_for_target`)."""
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    target_dir, drafter_dir = pair_dirs(cfg, with_drafter)
-    tokenizer = load_tokenizer(target_dir, "target")
-    if target_weights:
-        target = load_causal_lm(target_dir, "target", dtype, device)
-    else:
-        target, device = target_skeleton(target_dir, dtype), torch.device("cpu")
-    drafter = None
-    if drafter_dir is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
-        if drafter_kind(drafter_dir) == EAGLE3 and not (eagle3 and target_weights):
-            from dvi.eagle3 import load_eagle3  # dvi.eagle3 builds on this module
-
-            drafter = load_eagle3(drafter_dir, target_dir, dtype).to(device)
-        else:
-            drafter = load_drafter(drafter_dir, int(target.config.vocab_size), dtype, device,
-                                   target=target if eagle3 and target_weights else None)
-    return Pair(target, tokenizer, drafter, target_dir, drafter_dir)

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from dvi.eagle3 import target_features, target_ids
 from dvi.errors import DviError
 from dvi.models import Drafter, drafter_kind, load_causal_lm, load_drafter, load_tokenizer
+from dvi.pairs import load_any_drafter
 
 
 class DrafterModel:
@@ -33,7 +35,7 @@ class DrafterModel:
         self.target = None
         if drafter_kind(p) == "eagle3":
             self.target = load_causal_lm(config["speculators_config"]["verifier"]["name_or_path"], "target")
-            self.drafter: Drafter = load_drafter(p, int(self.target.config.vocab_size), target=self.target)
+            self.drafter: Drafter = load_any_drafter(p, int(self.target.config.vocab_size), target=self.target)
         else:
             self.drafter = load_drafter(p, int(config["vocab_size"]))
         self.tokenizer = load_tokenizer(p, "drafter") if (p / "tokenizer_config.json").exists() else None
@@ -68,8 +70,6 @@ class DrafterModel:
         position beside the next prompt token (the last one predicts the token after the prompt); each further step
         reads its own output at the last position beside the token it drafted (`dvi.eagle3.ttt_logits`' chain). A
         one-token prompt has no feature before its token: zero features."""
-        from dvi.eagle3 import target_features, target_ids
-
         d = self.drafter.model
         x = torch.tensor([ids])
         if len(ids) > 1:

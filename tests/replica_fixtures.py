@@ -14,7 +14,8 @@ import torch
 
 from dvi import store
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig
-from dvi.models import load_causal_lm, resolve_pair
+from dvi.models import load_causal_lm
+from dvi.pairs import resolve_pair
 from dvi.procs import free_port
 from dvi.serving.replica import Replica
 from streams.control import ControlChannel

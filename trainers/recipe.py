@@ -61,7 +61,8 @@ from dvi import __version__, eagle3, store
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
-from dvi.models import cache_dir, load_drafter, resolve_device, resolve_pair
+from dvi.models import cache_dir, resolve_device
+from dvi.pairs import load_any_drafter, resolve_pair
 from dvi.records import DecisionRecord, Delivered
 from trainers import checkpoint, ds
 from trainers.data import Batch, Buffer, Example, Fate, Item, Ledger, Offsets, collate, example_from_record
@@ -327,7 +328,7 @@ class Trainer:
 
     def _baseline_model(self) -> PositionLM:
         """A frozen copy of the drafter now serving (the gate's baseline), read from its directory."""
-        drafter = load_drafter(self.state.serving_dir, self.vocab_size, target=self.target if self.eagle3 else None)
+        drafter = load_any_drafter(self.state.serving_dir, self.vocab_size, target=self.target if self.eagle3 else None)
         return self._position_lm(drafter.model.eval()).requires_grad_(False)
 
     def version_age(self, version: str | None) -> int | None:

@@ -20,7 +20,7 @@ from dvi.cli import setup_logging
 from dvi.cli.vllm_plugin import NAME, OVERRIDES, PORT
 from dvi.config import flat_params, load_config
 from dvi.errors import DviError
-from dvi.models import resolve_pair
+from dvi.pairs import resolve_pair
 from dvi.procs import default_replica_id
 from dvi.serving.replica import Replica
 from dvi.serving.vllm_engine import EXTENSION, VllmEngine, import_vllm

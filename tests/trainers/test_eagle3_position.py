@@ -17,6 +17,7 @@ from dvi.eagle3 import (Eagle3Drafter, init_from_target, layer_config, save_eagl
                         ttt_logits, weight_shapes)
 from dvi.errors import DviError
 from dvi.models import drafter_kind, load_drafter
+from dvi.pairs import load_any_drafter
 from dvi.swap import load_announced_eagle3
 from trainers.data import Batch
 from trainers.losses import Teacher, position_loss, teacher_from_logits
@@ -180,7 +181,7 @@ def saved(tiny_target, tmp_path) -> tuple[Path, Path, Eagle3Drafter]:
 def test_an_eagle3_directory_loads_as_a_drafter_given_the_target(saved, tiny_target):
     target_dir, drafter_dir, d = saved
     assert drafter_kind(drafter_dir) == "eagle3" and drafter_kind(target_dir) == "layers"
-    loaded = load_drafter(drafter_dir, VOCAB, target=tiny_target)
+    loaded = load_any_drafter(drafter_dir, VOCAB, target=tiny_target)
     assert isinstance(loaded.model, Eagle3Drafter) and loaded.version == "e3-init"
     assert torch.equal(loaded.vocab_map, draft_vocab()) and loaded.vocab_size == DRAFT
     assert torch.equal(loaded.model.embed_tokens.weight, tiny_target.get_input_embeddings().weight)
@@ -189,7 +190,7 @@ def test_an_eagle3_directory_loads_as_a_drafter_given_the_target(saved, tiny_tar
         load_drafter(drafter_dir, VOCAB)
     other = tiny_target.__class__(tiny_target.config.__class__(**{**tiny_target.config.to_dict(), "hidden_size": 64}))
     with pytest.raises(DviError, match="does not fit the target"):
-        load_drafter(drafter_dir, VOCAB, target=other)
+        load_any_drafter(drafter_dir, VOCAB, target=other)
 
 
 def test_a_published_eagle3_version_is_the_speculators_format_the_servers_accept(saved, tiny_target, tmp_path):
@@ -207,7 +208,7 @@ def test_a_published_eagle3_version_is_the_speculators_format_the_servers_accept
     assert {k: tuple(v.shape) for k, v in tensors.items()} == weight_shapes(d.config, DRAFT, len(LAYER_IDS))
     served = load_announced_eagle3(DrafterPublished("d0001", str(published.path), published.sha256), root, tiny_target)
     assert all(torch.equal(v, d.weights()[k]) for k, v in served.weights().items())
-    again = load_drafter(published.path, VOCAB, target=tiny_target)  # the gate's next baseline
+    again = load_any_drafter(published.path, VOCAB, target=tiny_target)  # the gate's next baseline
     assert again.version == "d0001" and torch.equal(again.model.fc.weight, d.fc.weight)
 
 

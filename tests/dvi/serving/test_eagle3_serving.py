@@ -24,7 +24,8 @@ from dvi.control import DrafterPublished, DrafterRejected
 from dvi.eagle3 import Eagle3Drafter, build_eagle3, load_eagle3
 from dvi.engine import SpeculativeEngine
 from dvi.errors import DviError
-from dvi.models import EAGLE3, LAYERS, Drafter, drafter_kind, load_causal_lm, load_drafter, resolve_pair
+from dvi.models import EAGLE3, LAYERS, Drafter, drafter_kind, load_causal_lm, load_drafter
+from dvi.pairs import resolve_pair
 from dvi.serving.replica import Replica
 from dvi.serving.vllm_engine import VllmEngine
 

@@ -27,7 +27,8 @@ from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConf
 from dvi.control import DrafterPublished, DrafterRejected
 from dvi.control import encode as encode_control
 from dvi.errors import DviError
-from dvi.models import load_causal_lm, resolve_pair
+from dvi.models import load_causal_lm
+from dvi.pairs import resolve_pair
 from dvi.procs import free_port
 from dvi.serving.replica import REJECTED_KEPT, Replica
 from streams.control import ControlChannel, ControlReader

@@ -23,7 +23,8 @@ from dvi.config import SpecConfig, SwapConfig, VllmConfig
 from dvi.control import DrafterPublished
 from dvi.engine import Request, SpeculativeEngine
 from dvi.errors import DviError
-from dvi.models import end_ids, load_causal_lm, load_tokenizer, resolve_pair
+from dvi.models import end_ids, load_causal_lm, load_tokenizer
+from dvi.pairs import resolve_pair
 from dvi.procs import free_port
 from dvi.records import validate
 from dvi.serving.replica import Replica

@@ -24,7 +24,8 @@ from dvi.config import SpecConfig, StreamConfig, SwapConfig, VllmConfig
 from dvi.control import DrafterPublished
 from dvi.eagle3 import Eagle3Drafter, build_eagle3, load_eagle3, target_features, target_ids
 from dvi.engine import Request
-from dvi.models import load_causal_lm, resolve_pair
+from dvi.models import load_causal_lm
+from dvi.pairs import resolve_pair
 from dvi.serving.replica import Replica
 from dvi.serving.vllm_engine import import_vllm, set_vllm_env
 

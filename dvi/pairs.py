@@ -1,0 +1,56 @@
+"""A target and its drafter, loaded: `resolve_pair` for a `dvi.config.ModelConfig`, `load_any_drafter` for a drafter
+directory of either kind. Layer drafters are `dvi.models`', EAGLE-3 drafters `dvi.eagle3`'s (which builds on
+`dvi.models`); this module only picks which (`dvi.models.drafter_kind`) and knows nothing of decoding or training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dvi.eagle3 import load_eagle3, load_for_target
+from dvi.errors import DviError
+from dvi.models import (EAGLE3, Drafter, Pair, check_same_tokenizer, drafter_kind, load_causal_lm, load_drafter, load_tokenizer,
+                        pair_dirs, resolve_device, resolve_dtype, target_skeleton)
+
+
+def load_any_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu", target=None) -> Drafter:
+    """A drafter directory as a `Drafter`: a layer drafter (`dvi.models.load_drafter`), or with `target` (the loaded
+    target) an EAGLE-3 one too (`dvi.eagle3.load_for_target`: its `.model` an `Eagle3Drafter` over the target's
+    features, its `.vocab_map` the draft vocabulary's target ids)."""
+    if target is not None and drafter_kind(path) == EAGLE3:
+        if int(target.config.vocab_size) != target_vocab_size:
+            raise DviError(f"the target has vocabulary size {target.config.vocab_size}, not {target_vocab_size}")
+        return load_for_target(Path(path).expanduser(), target, dtype, device)
+    return load_drafter(path, target_vocab_size, dtype, device)
+
+
+def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, eagle3: bool = False) -> Pair:
+    """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
+    tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads).
+    `target_weights=False`: the target is its skeleton (`target_skeleton`) and the drafter stays on the CPU, for an
+    engine that loads the target itself (serve.engine=vllm). An EAGLE-3 drafter's directory (`drafter_kind`) gives a
+    `dvi.eagle3.Eagle3Drafter` (its version and kind as a Drafter's; the target's embedding read from `target_dir`),
+    which vLLM serves (method eagle3) and dvi's own engine refuses; with `eagle3` (the trainer's) and the target's
+    weights, a `Drafter` over the loaded target instead (`load_any_drafter`)."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target_dir, drafter_dir = pair_dirs(cfg, with_drafter)
+    tokenizer = load_tokenizer(target_dir, "target")
+    if target_weights:
+        target = load_causal_lm(target_dir, "target", dtype, device)
+    else:
+        target, device = target_skeleton(target_dir, dtype), torch.device("cpu")
+    drafter = None
+    if drafter_dir is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
+        if drafter_kind(drafter_dir) == EAGLE3 and not (eagle3 and target_weights):
+            drafter = load_eagle3(drafter_dir, target_dir, dtype).to(device)
+        else:
+            drafter = load_any_drafter(drafter_dir, int(target.config.vocab_size), dtype, device,
+                                       target=target if eagle3 and target_weights else None)
+    return Pair(target, tokenizer, drafter, target_dir, drafter_dir)
