@@ -38,10 +38,10 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from dvi.errors import DviError
-from dvi.models import (DRAFTER_META, Drafter, _require_dir, corpus_texts, end_ids, frequent_token_ids, load_causal_lm,
+from dvi.models import (DRAFTER_META, EAGLE3, Drafter, _require_dir, corpus_texts, end_ids, frequent_token_ids, load_causal_lm,
                         load_tokenizer, read_drafter_meta, staged_dir)
 
-KIND = "eagle3"
+KIND = EAGLE3  # the kind dvi_drafter.json records, and the speculators_model_type
 WEIGHTS = "model.safetensors"
 # what a speculators-format config.json holds beside transformer_layer_config (`eagle3_config` reads them)
 SPECULATORS_VERSION = "0.3.0"

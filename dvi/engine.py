@@ -36,7 +36,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from dvi.config import SpecConfig, check_sampling
 from dvi.errors import DviError
-from dvi.models import Drafter, cache_kwarg
+from dvi.models import EAGLE3, Drafter, cache_kwarg
 from dvi.speculative import (
     acceptance_estimate,
     ban_tokens,
@@ -781,7 +781,7 @@ class SpeculativeEngine:
 
     def check_drafter(self, drafter: Drafter) -> None:
         """DviError unless this engine can draft with `drafter`: a layer drafter whose vocabulary is the target's."""
-        if getattr(drafter, "kind", None) == "eagle3":
+        if getattr(drafter, "kind", None) == EAGLE3:
             raise DviError(f"drafter {drafter.version!r} is an EAGLE-3 drafter: dvi's own engine (serve.engine=dvi, dvi "
                            "generate) drafts with layer drafters only; serve it with serve.engine=vllm or "
                            "serve.engine=vllm-server (vLLM's method eagle3)")

@@ -371,13 +371,13 @@ def drafter_kind(path: str | Path) -> str:
     """"eagle3" for an EAGLE-3 drafter directory (its dvi_drafter.json says kind eagle3, or its config.json is the
     speculators format's for eagle3, `dvi.eagle3`), else "layers" (a causal LM, `build_drafter`'s)."""
     p = Path(path).expanduser()
-    if read_drafter_meta(p).get("kind") == "eagle3":
-        return "eagle3"
+    if read_drafter_meta(p).get("kind") == EAGLE3:
+        return EAGLE3
     try:
         config = json.loads((p / "config.json").read_text())
     except (OSError, ValueError):
-        return "layers"
-    return "eagle3" if isinstance(config, dict) and config.get("speculators_model_type") == "eagle3" else "layers"
+        return LAYERS
+    return EAGLE3 if isinstance(config, dict) and config.get("speculators_model_type") == EAGLE3 else LAYERS
 
 
 def load_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,

@@ -137,14 +137,22 @@ class Child:
 REGISTRY_ENV = "DVI_CHILDREN_DIR"  # set by a supervisor (`dvi up`): every process dvi spawns below it is recorded there
 
 
-def start_time(pid: int) -> str | None:
-    """The kernel's start time of `pid` (clock ticks since boot, /proc/<pid>/stat), which tells a process from a later
-    one that got its pid; None when there is no such process (or no /proc)."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (the state first); None when there is no such process
+    (or no /proc)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    return fields if len(fields) > 19 else None
+
+
+def start_time(pid: int) -> str | None:
+    """The kernel's start time of `pid` (clock ticks since boot), which tells a process from a later one that got its
+    pid; None when there is no such process."""
+    fields = _stat(pid)
+    return fields[19] if fields else None
 
 
 def _register(name: str, pid: int) -> None:
@@ -226,11 +234,9 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
+    """Whether `pid` is gone or a zombie (exited, not yet reaped)."""
+    fields = _stat(pid)
+    return fields is None or fields[0] == "Z"
 
 
 def spawn(name: str, cmd: list[str], *, log_path: Path | None = None, env: dict | None = None, cwd: Path | None = None) -> Child:

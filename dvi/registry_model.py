@@ -22,7 +22,7 @@ import torch
 
 from dvi.eagle3 import target_features, target_ids
 from dvi.errors import DviError
-from dvi.models import Drafter, drafter_kind, load_causal_lm, load_drafter, load_tokenizer
+from dvi.models import EAGLE3, Drafter, drafter_kind, load_causal_lm, load_drafter, load_tokenizer
 from dvi.pairs import load_any_drafter
 
 
@@ -33,7 +33,7 @@ class DrafterModel:
         p = Path(path)
         config = json.loads((p / "config.json").read_text())
         self.target = None
-        if drafter_kind(p) == "eagle3":
+        if drafter_kind(p) == EAGLE3:
             self.target = load_causal_lm(config["speculators_config"]["verifier"]["name_or_path"], "target")
             self.drafter: Drafter = load_any_drafter(p, int(self.target.config.vocab_size), target=self.target)
         else:

@@ -21,8 +21,9 @@ API key set (`serve.api_key` or $DVI_API_KEY), everything but /health needs `Aut
 /health says only that the replica is up to a caller without it. A request that carries an `Origin` (a web page in
 a browser) is refused with 403 unless `serve.allowed_origins` lists it, so no page a user opens can drive
 generations; `serve.max_inflight_per_client` caps the requests one client (its key, else its address) has in flight
-(429 beyond it). A request's CPU work (parsing, chat templating, tokenizing, detokenizing) runs on worker threads
-(`off_loop`), never on the event loop, and a prompt too long for `serve.max_prompt_tokens` is refused before it is
+(429 beyond it). A request's CPU work (parsing, chat templating, tokenizing, an answer's detokenizing) runs on worker
+threads (`off_loop`), not on the event loop (a stream's text is decoded there as it comes, a round's few tokens at a
+time), and a prompt too long for `serve.max_prompt_tokens` is refused before it is
 tokenized (`Replica.request`): one client's huge prompt never holds up another's request or `/health`.
 
 `draining_server` runs the app under uvicorn so that a SIGINT or SIGTERM first drains the replica (requests in
@@ -70,7 +71,7 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 _warned: set[str] = set()  # ignored field names already logged (bounded)
 
 
-# a request's CPU work (parsing, templating, tokenizing, detokenizing) runs on these threads, never on the event loop;
+# a request's CPU work (parsing, templating, tokenizing, an answer's detokenizing) runs on these threads, not the loop;
 # bodies over LARGE_BODY_BYTES two at a time on their own, so small requests never queue behind them
 _POOLS = {"small": concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dvi-prepare"),
           "large": concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dvi-prepare-large")}
