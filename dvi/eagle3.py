@@ -27,6 +27,7 @@ This module knows the drafter's maths and files; not decoding, streams, serving 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -98,6 +99,30 @@ def to_target_logits(logits: torch.Tensor, d2t: torch.Tensor, vocab_size: int) -
 # The target's features.
 
 
+@contextmanager
+def aux_hidden_states(target: nn.Module, layer_ids):
+    """While open, the target's forwards record its aux hidden states (`target_features`' definition); yields a
+    function giving those of the last forward, concatenated in ascending layer order: [B, T, len(ids) x hidden]."""
+    ids = sorted(set(int(i) for i in layer_ids))
+    inner = target.model
+    n = len(inner.layers)
+    if not ids or ids[0] < 0 or ids[-1] > n:
+        raise DviError(f"aux layer ids must be in 0..{n}, got {list(layer_ids)}")
+    got: dict[int, torch.Tensor] = {}
+
+    def grab(i):
+        def hook(module, args, kwargs):
+            got[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    hooks = [(inner.layers[i] if i < n else inner.norm).register_forward_pre_hook(grab(i), with_kwargs=True) for i in ids]
+    try:
+        yield lambda: torch.cat([got[i] for i in ids], dim=-1)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids,
                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,28 +130,9 @@ def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids,
     layer id i the residual stream entering decoder layer i (hidden states plus residual; id 0 is the embeddings, id
     num_layers the stream entering the final norm), concatenated in ascending layer order -> [B, T, len(ids) x hidden].
     Only the target's decoder runs (not its output layer); `attention_mask` [B, T] as its forward takes it."""
-    ids = sorted(set(int(i) for i in layer_ids))
-    inner = target.model
-    n = len(inner.layers)
-    if not ids or ids[0] < 0 or ids[-1] > n:
-        raise DviError(f"aux layer ids must be in 0..{n}, got {list(layer_ids)}")
-    got: dict[int, torch.Tensor] = {}
-    hooks = []
-
-    def grab(i):
-        def hook(module, args, kwargs):
-            got[i] = args[0] if args else kwargs["hidden_states"]
-        return hook
-
-    for i in ids:
-        module = inner.layers[i] if i < n else inner.norm
-        hooks.append(module.register_forward_pre_hook(grab(i), with_kwargs=True))
-    try:
-        inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.cat([got[i] for i in ids], dim=-1)
+    with aux_hidden_states(target, layer_ids) as features:
+        target.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return features()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,16 +152,22 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past=()) -> tuple[torch.Tensor, tuple]:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past=(), cached=None) -> tuple[torch.Tensor, tuple]:
         """(output, this step's (k, v)). `past`: the (k, v) of earlier drafting steps over the same T positions, the
         first from the first pass (attended causally), the others from steps that drafted on from each position
-        (each position attends to its own only): vLLM's KV cache when each position is the last one drafted from."""
+        (each position attends to its own only): vLLM's KV cache when each position is the last one drafted from.
+        `cached`: instead, (a transformers `Cache` holding this layer's keys and values as layer 0, an additive mask
+        [B, 1, T, cached + T]): the step's (k, v) are appended to the cache and attended under the mask."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if not past:
+        if cached is not None:
+            cache, mask = cached
+            keys, values = cache.update(k, v, 0)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        elif not past:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
         else:
             out = _chained_attention(q, [(pk, pv) for pk, pv in past] + [(k, v)], self.heads // self.kv_heads)
@@ -188,12 +200,12 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, embeds, hidden, cos, sin, past=()) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    def forward(self, embeds, hidden, cos, sin, past=(), cached=None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """(output, residual, this step's (k, v)) as vLLM's layer returns the first two: their sum is the stream after
-        the layer. `past`: see `Eagle3Attention.forward`."""
+        the layer. `past`, `cached`: see `Eagle3Attention.forward`."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
-        x, kv = self.self_attn(torch.cat([self.input_layernorm(embeds), normed], dim=-1), cos, sin, past)
+        x, kv = self.self_attn(torch.cat([self.input_layernorm(embeds), normed], dim=-1), cos, sin, past, cached)
         residual = x + residual
         return self.mlp(self.post_attention_layernorm(residual)), residual, kv
 
@@ -256,14 +268,31 @@ class Eagle3Drafter(nn.Module):
         prenorm, kv = self.trunk(hidden, input_ids, positions, past)
         return self.head(prenorm), prenorm, kv
 
-    def trunk(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor | None = None, past=()):
-        """`step` without the head: (pre-norm output [B, T, hidden], this step's (k, v))."""
+    def trunk(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor | None = None, past=(),
+              cached=None):
+        """`step` without the head: (pre-norm output [B, T, hidden], this step's (k, v)); `cached`: see
+        `Eagle3Attention.forward`."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         embeds = self.embed_tokens(input_ids)
         cos, sin = self.rotary(embeds, positions)
-        out, residual, kv = self.midlayer(embeds, hidden, cos, sin, past)
+        out, residual, kv = self.midlayer(embeds, hidden, cos, sin, past, cached)
         return out + residual, kv
+
+    def decode(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
+               cache, keep: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward for a decoding loop that keeps this drafter's KV cache itself (`dvi.engine`): `hidden` [B, T,
+        hidden] (fused target features, or the drafter's own pre-norm output where it drafts on), the next tokens
+        `input_ids` [B, T] at `positions` [B, T], an additive `attention_mask` [B, 1, T, cached + T] over `cache` (a
+        transformers `Cache`, layer 0 this drafter's) and the new slots. (draft logits [B, keep, N], pre-norm output
+        [B, keep, hidden]) of the last `keep` positions."""
+        prenorm, _ = self.trunk(hidden, input_ids, positions, cached=(cache, attention_mask))
+        prenorm = prenorm[:, -keep:]
+        return self.head(prenorm), prenorm
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
 
     def head(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., N] of pre-norm outputs [..., hidden]."""

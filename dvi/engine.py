@@ -9,6 +9,12 @@ prompt is prefilled beside the others' verification, every existing slot a hole 
 round it finishes (`Decoding`). Greedy decoding is the temperature-0 case of the same rule and returns
 exactly the target's greedy tokens.
 
+The drafter is a layer drafter (a causal LM over the target's vocabulary or part of it) or an EAGLE-3 drafter
+(`dvi.eagle3`), which drafts from the target's own features: the verify forward records the target's aux hidden
+states, and each position the target kept is queued for the drafter beside the token after it (`_FeatureKV`); a
+request drafts from its second round on (its prefill gives the first features), and drafts made on the drafter's own
+features are dropped from its cache once verified, the target's replacing them, as vLLM's EAGLE-3 proposer does.
+
 Adaptive K picks each row's K from its measured acceptance and a cost table measured on this machine
 (`CostTable`: verify seconds per K and batch bucket, drafter step seconds; a start-up warm-up, then moving
 averages of live rounds); a row whose drafts keep failing decodes plainly and probes now and then. Every tensor
@@ -36,7 +42,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from dvi.config import SpecConfig, check_sampling
 from dvi.errors import DviError
-from dvi.models import EAGLE3, Drafter, cache_kwarg
+from dvi.eagle3 import Eagle3Drafter, aux_hidden_states, target_features, target_ids
+from dvi.models import Drafter, cache_kwarg
 from dvi.speculative import (
     acceptance_estimate,
     ban_tokens,
@@ -203,6 +210,21 @@ class _KV:
 
     def forward(self, model: PreTrainedModel, extra: torch.Tensor | None, keep: int) -> torch.Tensor:
         """Feed each row's pending tokens (right-aligned) plus `extra` [B, T]; return logits [B, keep, V]."""
+        ids, ok, positions, mask = self._inputs(extra, model.dtype)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=keep,
+            **{cache_kwarg(model): self.cache},
+        )
+        self._fed(ok)
+        return out.logits
+
+    def _inputs(self, extra: torch.Tensor | None, dtype: torch.dtype):
+        """A forward's inputs: ids [B, Q] (pending right-aligned, then `extra`), which are real tokens [B, Q],
+        their position ids [B, Q] and the additive attention mask [B, 1, Q, L + Q] over the cache and them."""
         batch = len(self.pending)
         width = max(len(p) for p in self.pending)
         ids = torch.zeros(batch, width, dtype=torch.long)
@@ -222,20 +244,18 @@ class _KV:
         k_slot = torch.arange(past + q_len, device=self.device).unsqueeze(0)  # [1, L + Q]
         allowed = keys_ok.unsqueeze(1) & (k_slot <= q_slot)  # [B, Q, L + Q] causal over valid slots
         allowed |= k_slot == q_slot  # a padding query sees itself: no fully masked row, no NaN
-        dtype = model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, torch.finfo(dtype).min)
-        out = model(
-            input_ids=ids,
-            attention_mask=mask.unsqueeze(1),  # [B, 1, Q, L + Q]
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=keep,
-            **{cache_kwarg(model): self.cache},
-        )
-        self.valid = keys_ok
+        return ids, ok, positions, mask.unsqueeze(1)
+
+    def _fed(self, ok: torch.Tensor) -> None:
+        """The forward of `_inputs` ran: its slots [B, Q] (`ok` the real ones) are the cache's newest."""
+        self.valid = torch.cat([self.valid, ok], 1)
         self.length += ok.sum(1)
-        self.pending = [[] for _ in range(batch)]
-        return out.logits
+        self.pending = [[] for _ in self.pending]
+
+    def feed(self, b: int, tokens: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Queue `tokens` for row b (`hidden`: their features, for `_FeatureKV`)."""
+        self.pending[b] += tokens
 
     def add_rows(self, pending: list[list[int]]) -> None:
         """Append rows whose tokens are all still pending (a request joining a running batch): every existing slot
@@ -289,6 +309,53 @@ class _KV:
         self.valid = self.valid[index]
         self.length = self.length[index]
         self.pending = [self.pending[r] for r in rows]
+
+
+class _FeatureKV(_KV):
+    """An EAGLE-3 drafter's KV cache (`dvi.eagle3.Eagle3Drafter.decode`), slots and holes as `_KV`'s. Each pending
+    token comes with the feature it is fed beside (`hidden[b]` [n, hidden], one row per pending token): the fused
+    target features of the position before it. Slot i holds (feature of position i, token i + 1), as vLLM's drafter
+    cache does. An `extra` token is fed beside the drafter's own pre-norm output at the position before it (its
+    last forward's, `prenorm`): drafting on from its own guess."""
+
+    def __init__(self, pending: list[list[int]], hidden: list[torch.Tensor], width: int, device: torch.device | str = "cpu"):
+        super().__init__(pending, device)
+        self.width = width  # the drafter's hidden size
+        self.hidden = list(hidden)
+        self.prenorm: torch.Tensor | None = None  # [B, 1, hidden] the last forward's output at each row's last slot
+        # (within one round's drafting: rows joining or leaving drop it)
+
+    def forward(self, model, extra: torch.Tensor | None, keep: int) -> torch.Tensor:
+        ids, ok, positions, mask = self._inputs(extra, model.dtype)
+        width = max(len(p) for p in self.pending)
+        hidden = torch.zeros(len(self.pending), ids.shape[1], self.width, dtype=model.dtype, device=self.device)
+        for b, h in enumerate(self.hidden):
+            if h.shape[0]:
+                hidden[b, width - h.shape[0] : width] = h
+        if ids.shape[1] > width:
+            hidden[:, width:] = self.prenorm  # a drafted token: beside the drafter's own output one step back
+        logits, self.prenorm = model.decode(hidden, ids, positions, mask, self.cache, keep)
+        self.prenorm = self.prenorm[:, -1:]
+        self._fed(ok)
+        self.hidden = [h[:0] for h in self.hidden]
+        return logits
+
+    def feed(self, b: int, tokens: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Queue `tokens` of row b with their features `hidden` [len(tokens), hidden] (zeros if None: a warm-up)."""
+        if hidden is None:
+            hidden = torch.zeros(len(tokens), self.width, device=self.device)
+        self.pending[b] += tokens
+        self.hidden[b] = torch.cat([self.hidden[b], hidden.to(self.hidden[b].dtype)], 0)
+
+    def add_rows(self, pending: list[list[int]]) -> None:
+        super().add_rows([[] for _ in pending])  # nothing to feed before the target has seen them
+        self.hidden += [torch.zeros(0, self.width, device=self.device) for _ in pending]
+        self.prenorm = None
+
+    def select(self, rows: list[int] | torch.Tensor) -> None:
+        super().select(rows)
+        self.hidden = [self.hidden[int(r)] for r in rows]
+        self.prenorm = None  # a drafting step's: the next drafts start from a forward of pending tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -743,6 +810,7 @@ class SpeculativeEngine:
         self.window = int(getattr(target.config, "max_position_embeddings", 1 << 30))
         if drafter is not None:
             self.check_drafter(drafter)
+            _to_device(drafter, self.device)
         self.costs = CostTable(spec)
         self._routing: list[tuple[Routing, list[int] | None]] = []  # per-request routing decisions (take_routing)
 
@@ -762,6 +830,7 @@ class SpeculativeEngine:
         """Install a new drafter; decoding picks it up at the next round boundary."""
         if drafter is not None:
             self.check_drafter(drafter)
+            _to_device(drafter, self.device)
         with self._lock:
             self._drafter = drafter
 
@@ -779,17 +848,20 @@ class SpeculativeEngine:
             out, self._routing = self._routing, []
         return out
 
-    def check_drafter(self, drafter: Drafter) -> None:
-        """DviError unless this engine can draft with `drafter`: a layer drafter whose vocabulary is the target's."""
-        if getattr(drafter, "kind", None) == EAGLE3:
-            raise DviError(f"drafter {drafter.version!r} is an EAGLE-3 drafter: dvi's own engine (serve.engine=dvi, dvi "
-                           "generate) drafts with layer drafters only; serve it with serve.engine=vllm or "
-                           "serve.engine=vllm-server (vLLM's method eagle3)")
-        if int(drafter.model.config.vocab_size) != self.vocab_size:
+    def check_drafter(self, drafter: Drafter | Eagle3Drafter) -> None:
+        """DviError unless this engine can draft with `drafter`: its vocabulary is the target's, and an EAGLE-3 drafter
+        reads features the target has (its aux layers, the target's width)."""
+        model, _ = draft_model(drafter)
+        if int(model.config.vocab_size) != self.vocab_size:
             raise DviError(
-                f"drafter {drafter.version!r} has vocabulary size {drafter.model.config.vocab_size}, "
+                f"drafter {drafter.version!r} has vocabulary size {model.config.vocab_size}, "
                 f"the target has {self.vocab_size}"
             )
+        if isinstance(model, Eagle3Drafter):
+            tc = self.target.config
+            if model.target_hidden_size != tc.hidden_size or not all(0 <= i <= tc.num_hidden_layers for i in model.layer_ids):
+                raise DviError(f"EAGLE-3 drafter {drafter.version!r} reads aux layers {list(model.layer_ids)} of width "
+                               f"{model.target_hidden_size}; the target has layers 0..{tc.num_hidden_layers} of width {tc.hidden_size}")
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -827,9 +899,10 @@ class SpeculativeEngine:
         tgt = _KV([ids[:-1]], self.device)
         tgt.forward(self.target, None, keep=1)
         drafter = self.drafter
-        dft = _KV([ids[:-1]], self.device)
-        if drafter is not None:
-            dft.forward(drafter.model, None, keep=1)
+        model, _ = draft_model(drafter) if drafter is not None else (None, None)
+        dft = _drafter_cache(model, [ids[:-1]], self.device)
+        if model is not None:
+            dft.forward(model, None, keep=1)
         greedy = torch.zeros(1, device=self.device)
         samples: dict[int, list[float]] = {}
         for rep in range(reps + 1):  # the first pass warms the shapes up and is not kept
@@ -841,10 +914,11 @@ class SpeculativeEngine:
                 if rep:
                     samples.setdefault(k, []).append(_now(self.device) - t0)
                 tgt.keep_last(torch.zeros(1, k + 1, dtype=torch.bool, device=self.device))
-            if drafter is not None:
-                dft.pending = [[ids[-1]]]
+            if model is not None:
+                dft.pending = [[]]
+                dft.feed(0, [ids[-1]])
                 t0 = _now(self.device)
-                logits_to_probs(dft.forward(drafter.model, None, keep=1)[:, -1], greedy, greedy + 1)
+                logits_to_probs(dft.forward(model, None, keep=1)[:, -1], greedy, greedy + 1)
                 if rep:
                     samples.setdefault(-1, []).append(_now(self.device) - t0)
                 dft.keep_last(torch.zeros(1, 1, dtype=torch.bool, device=self.device))
@@ -856,22 +930,49 @@ class SpeculativeEngine:
         return self.costs.to_dict()
 
     def _draft(
-        self, drafter: Drafter, dft: _KV, kmax: int, temp: torch.Tensor, top_p: torch.Tensor, u_draft: torch.Tensor
+        self, model, vocab_map: torch.Tensor | None, dft: _KV, kmax: int, temp: torch.Tensor, top_p: torch.Tensor,
+        u_draft: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Propose kmax tokens per row. Returns draft ids [B, Kmax] (target ids) and q [B, Kmax, V]."""
+        """Propose kmax tokens per row with a drafter's `model` (`draft_model`). Returns draft ids [B, Kmax] (target
+        ids) and q [B, Kmax, V]."""
         drafts, qs = [], []
-        logits = dft.forward(drafter.model, None, keep=1)[:, -1]  # [B, Vd]
+        logits = dft.forward(model, None, keep=1)[:, -1]  # [B, Vd]
         for j in range(kmax):
             q_j = logits_to_probs(logits, temp, top_p)  # [B, Vd]
             d = sample_from(q_j, u_draft[:, j])  # [B] drafter-vocabulary ids
-            if drafter.vocab_map is not None:
-                d = drafter.vocab_map[d]
+            if vocab_map is not None:
+                d = vocab_map[d]
             drafts.append(d)
             qs.append(q_j)
             if j < kmax - 1:
-                logits = dft.forward(drafter.model, d.unsqueeze(1), keep=1)[:, -1]
-        q = expand_draft_probs(torch.stack(qs, 1), drafter.vocab_map, self.vocab_size)  # [B, Kmax, V]
+                logits = dft.forward(model, d.unsqueeze(1), keep=1)[:, -1]
+        q = expand_draft_probs(torch.stack(qs, 1), vocab_map, self.vocab_size)  # [B, Kmax, V]
         return torch.stack(drafts, 1), q
+
+
+def draft_model(drafter: Drafter | Eagle3Drafter) -> tuple[torch.nn.Module, torch.Tensor | None]:
+    """What drafts for `drafter`, and the target ids of its output rows (None: all of them): a layer drafter's
+    causal LM, or an EAGLE-3 drafter, bare (`dvi.swap.load_announced_eagle3`) or held by a `Drafter`."""
+    if isinstance(drafter, Eagle3Drafter):
+        return drafter, target_ids(drafter.d2t)
+    return drafter.model, drafter.vocab_map
+
+
+def _to_device(drafter: Drafter | Eagle3Drafter, device: torch.device) -> None:
+    """A bare EAGLE-3 drafter, loaded on the CPU, moves to the target's device (a layer drafter is loaded there)."""
+    if isinstance(drafter, Eagle3Drafter) and drafter.fc.weight.device != device:
+        drafter.to(device)
+
+
+def _drafter_cache(model, pending: list[list[int]], device: torch.device, hidden: list[torch.Tensor] | None = None) -> _KV:
+    """An empty cache for a drafter's `model` with `pending` tokens to feed: an EAGLE-3 drafter's feeds each beside
+    its feature (`hidden`, zeros where not given)."""
+    if isinstance(model, Eagle3Drafter):
+        width = model.config.hidden_size
+        if hidden is None:
+            hidden = [torch.zeros(len(p), width, device=device) for p in pending]
+        return _FeatureKV(pending, hidden, width, device)
+    return _KV(pending, device)
 
 
 def _emitted_logprobs(log_p: torch.Tensor, emitted: list[int], n_top: int) -> list[LogProb]:
@@ -921,9 +1022,26 @@ class Decoding:
     def __init__(self, engine: SpeculativeEngine):
         self.engine = engine
         self.rows: list[_Row] = []
-        self.drafter = engine.drafter
         self.tgt = _KV([], engine.device)
-        self.dft = _KV([], engine.device)
+        self._use(engine.drafter, [])
+
+    def _use(self, drafter: Drafter | Eagle3Drafter | None, rows: list[_Row]) -> None:
+        """Draft with `drafter` from the next round, from a fresh cache fed each of `rows`' sequence so far (an
+        EAGLE-3 drafter's beside the target's features of it, recomputed: the positions the target has seen)."""
+        self.drafter = drafter
+        self.model, self.vocab_map = draft_model(drafter) if drafter is not None else (None, None)
+        self.eagle = self.model if isinstance(self.model, Eagle3Drafter) else None
+        device = self.engine.device
+        if self.eagle is None:
+            self.dft = _KV([r.req.prompt_ids + r.out for r in rows], device)
+            return
+        self.dft = _drafter_cache(self.eagle, [[] for _ in rows], device)
+        for b, r in enumerate(rows):
+            seq = r.req.prompt_ids + r.out
+            seen = len(seq) - len(self.tgt.pending[b])  # tokens the target has fed: their features exist
+            if seen:
+                ids = torch.tensor([seq[:seen]], device=device)
+                self.dft.feed(b, seq[1 : seen + 1], self.eagle.fuse(target_features(self.engine.target, ids, self.eagle.layer_ids))[0])
 
     @property
     def size(self) -> int:
@@ -937,7 +1055,7 @@ class Decoding:
         budget = min(req.max_new_tokens, e.window - len(req.prompt_ids))
         self.rows.append(_Row(key, req, on_tokens, budget, torch.Generator().manual_seed(seed), _KController(e.spec), time.perf_counter()))
         self.tgt.add_rows([req.prompt_ids])
-        self.dft.add_rows([req.prompt_ids])
+        self.dft.add_rows([req.prompt_ids])  # an EAGLE-3 drafter's: nothing to feed until the target has seen it
 
     def cancel(self, key: object, reason: str = "abort") -> bool:
         """End the row of `key` at the next round boundary (a client went away, a stop string was seen): `step`
@@ -955,7 +1073,8 @@ class Decoding:
             self.tgt.select(keep)
             self.dft.select(keep)
         else:
-            self.tgt, self.dft = _KV([], self.engine.device), _KV([], self.engine.device)
+            self.tgt = _KV([], self.engine.device)
+            self._use(self.drafter, [])
 
     def _take_cancelled(self) -> list[tuple[object, Result]]:
         gone = [b for b, r in enumerate(self.rows) if r.cancelled]
@@ -982,14 +1101,15 @@ class Decoding:
         device, batch = e.device, len(rows)
         current = e.drafter  # one drafter for the whole round
         if current is not self.drafter:  # hot-swapped: the new drafter starts from a fresh cache
-            self.drafter = current
-            self.dft = _KV([r.req.prompt_ids + r.out for r in rows], device)
-        drafter = self.drafter
+            self._use(current, rows)
+        drafter, eagle = self.drafter, self.eagle
         c, verify_cost = e.costs.plan(batch)
         measured = e.costs.measured
         ks, routed = [], []
-        for r in rows:
-            k = r.ctrl.next_k(len(r.out), c, verify_cost, measured) if drafter is not None else 0
+        for b, r in enumerate(rows):
+            # an EAGLE-3 drafter drafts for a row once the target's features of it are queued (not in its prefill)
+            ready = drafter is not None and (eagle is None or self.dft.length[b] > 0 or len(self.dft.pending[b]) > 0)
+            k = r.ctrl.next_k(len(r.out), c, verify_cost, measured) if ready else 0
             ks.append(max(0, min(k, r.budget - len(r.out) - 1)))  # never draft past the budget
             if drafter is not None and r.ctrl.routed is not None:
                 routed.append((replace(r.ctrl.routed, batch=batch), None))
@@ -1016,9 +1136,15 @@ class Decoding:
         draft_ids = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [B, Kmax]
         q = torch.zeros(batch, 0, e.vocab_size, device=device)  # [B, Kmax, V]
         if kmax:
-            draft_ids, q = e._draft(drafter, self.dft, kmax, temp, top_p, u_draft)
+            draft_ids, q = e._draft(self.model, self.vocab_map, self.dft, kmax, temp, top_p, u_draft)
         t1 = _now(device) if timing else 0.0
-        logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)  # [B, Kmax + 1, V]
+        fed = [list(p) for p in self.tgt.pending]
+        if eagle is None:
+            logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)  # [B, Kmax + 1, V]
+        else:
+            with aux_hidden_states(e.target, eagle.layer_ids) as aux:
+                logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)
+                features = eagle.fuse(aux())  # [B, Q, hidden]: each fed position's, drafts included
         early = [min(r.req.min_tokens, r.budget) - len(r.out) for r in rows]  # positions of this round before min_tokens
         warped = logits if max(early) <= 0 or not e.stop_ids else ban_tokens(logits, sorted(e.stop_ids), early)
         p = logits_to_probs(warped, temp, top_p)  # [B, Kmax + 1, V]
@@ -1041,7 +1167,15 @@ class Decoding:
         j = torch.arange(1, kmax + 1, device=device)
         self.tgt.keep_last(j.unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_Kmax
         self.tgt.pending = [[t] for t in token_list]
-        if kmax:
+        drafted = draft_ids.tolist()
+        if eagle is not None:
+            # the drafter's slots of d_1..d_{Kmax-1} came from its own features: the target's replace them
+            self.dft.keep_last(torch.zeros(batch, max(kmax - 1, 0), dtype=torch.bool, device=device))
+            width = max(len(f) for f in fed)
+            for b in range(batch):  # each position the target fed and kept, beside the token after it
+                seen = fed[b] + drafted[b][: n_list[b]]
+                self.dft.feed(b, seen[1:] + [token_list[b]], features[b, width - len(fed[b]) : width + n_list[b]])
+        elif kmax:
             last = draft_ids[:, -1].tolist()
             self.dft.keep_last(j[:-1].unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_{Kmax-1}
             self.dft.pending = [([last[b]] if n_list[b] == kmax else []) + [token_list[b]] for b in range(batch)]
@@ -1049,7 +1183,6 @@ class Decoding:
             for b in range(batch):
                 self.dft.pending[b].append(token_list[b])
 
-        drafted = draft_ids.tolist()
         finished, keep = [], []
         for b, r in enumerate(rows):
             nb, kb = n_list[b], ks[b]

@@ -33,7 +33,7 @@ def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, ea
     `target_weights=False`: the target is its skeleton (`target_skeleton`) and the drafter stays on the CPU, for an
     engine that loads the target itself (serve.engine=vllm). An EAGLE-3 drafter's directory (`drafter_kind`) gives a
     `dvi.eagle3.Eagle3Drafter` (its version and kind as a Drafter's; the target's embedding read from `target_dir`),
-    which vLLM serves (method eagle3) and dvi's own engine refuses; with `eagle3` (the trainer's) and the target's
+    which vLLM (method eagle3) and dvi's own engine serve; with `eagle3` (the trainer's) and the target's
     weights, a `Drafter` over the loaded target instead (`load_any_drafter`)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)

@@ -133,9 +133,9 @@ def load_announced(ann: DrafterPublished, store_root: Path, target: torch.nn.Mod
     from the target). `target` may hold no weights (the meta device): only its config and parameter count are read."""
     checked = check_announced(ann, store_root, target, family)
     if checked.eagle is not None:
-        raise Refused("load", f"drafter {ann.version} is an EAGLE-3 drafter: a server started with a layer drafter (dvi's "
-                              "engine, or vLLM's method draft_model) serves layer drafters only; vLLM started with an "
-                              "EAGLE-3 drafter (method eagle3) serves it")
+        raise Refused("load", f"drafter {ann.version} is an EAGLE-3 drafter: a replica started with a layer drafter (vLLM's "
+                              "method draft_model, or dvi's engine) serves layer drafters only; one started with an "
+                              "EAGLE-3 drafter (vLLM's method eagle3, or dvi's engine) serves it")
     vocab = int(target.config.vocab_size)
     try:
         drafter = _build(checked.config, checked.weights, checked.head, vocab, ann.version, str(checked.path / DRAFT_HEAD))

@@ -1,8 +1,11 @@
-"""Statistical checks shared by the tests: goodness of fit of sampled tokens to a distribution."""
+"""Statistical checks shared by the tests: goodness of fit of sampled tokens to a distribution, and the target's
+distributions of its first two tokens to fit against."""
 
 from __future__ import annotations
 
 import torch
+
+from dvi.speculative import logits_to_probs
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -17,3 +20,15 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((obs - exp) ** 2 / exp).sum()
     df = obs.numel() - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+@torch.inference_mode()
+def first_two_token_probs(target, prompt: list[int], temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's warped distributions [V] of the first token after `prompt` and of the second, P(second) =
+    sum_t p1(t) p2(. | t), every token of its vocabulary tried as the first."""
+    vocab = int(target.config.vocab_size)
+    one = lambda x: torch.ones(x, dtype=torch.float32)  # noqa: E731
+    p1 = logits_to_probs(target(torch.tensor([prompt])).logits[:, -1], one(1) * temperature, one(1) * top_p)[0]
+    ctx = torch.tensor([prompt + [t] for t in range(vocab)])
+    p2 = logits_to_probs(target(ctx).logits[:, -1], one(vocab) * temperature, one(vocab) * top_p)  # [V, V]
+    return p1, (p1.unsqueeze(1) * p2).sum(0)

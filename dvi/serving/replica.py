@@ -8,8 +8,8 @@
   `serve.max_batch` are decoding, and a finished one leaves in the round it finishes: its future is fulfilled,
   `ServingMetrics` fed and its DecisionRecords handed to the producer;
 - **swap** (when handed a control channel): a `DrafterPublished` drafter is checked and loaded off the decode
-  thread (`dvi.swap.load_announced`; `load_announced_eagle3` where the configured drafter is an EAGLE-3 one, which
-  vLLM's engines serve and dvi's refuses: a replica serves versions of its configured drafter's kind) and swapped in
+  thread (`dvi.swap.load_announced`; `load_announced_eagle3` where the configured drafter is an EAGLE-3 one: a
+  replica serves versions of its configured drafter's kind) and swapped in
   between rounds; after `serve.swap.window_tokens` drafted tokens the live check (`dvi.swap.judge`) either promotes
   it (MLflow alias `production`, `DrafterPromoted` on the control channel) or swaps the previous drafter back, tags
   the version rejected in the registry and announces `DrafterRejected` to trainers and the other replicas (which
@@ -447,7 +447,7 @@ class Replica:
 
     def _load(self, ann: DrafterPublished) -> Drafter | Eagle3Drafter:
         """The announced drafter, checked and loaded where this engine takes drafters from (or Refused): a version of
-        the kind this replica serves (a layer drafter, or an EAGLE-3 one on vLLM's engine started with one)."""
+        the kind this replica serves (a layer drafter, or an EAGLE-3 one where it was started with one)."""
         if self.drafter_kind == EAGLE3:
             drafter = load_announced_eagle3(ann, self.store_root, self.engine.target, self.engine.target.dtype)
         else:

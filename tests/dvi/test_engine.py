@@ -15,8 +15,7 @@ from dvi.config import SpecConfig, load_config
 from dvi.engine import Request, SpeculativeEngine, _KV
 from dvi.errors import DviError
 from dvi.models import Drafter, end_ids
-from dvi.speculative import logits_to_probs
-from stat_checks import chi_square_pvalue
+from stat_checks import chi_square_pvalue, first_two_token_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -419,13 +418,7 @@ def test_sampled_tokens_follow_target_distribution(tiny_target, drafter_name, re
     accepted = sum(r.rounds[0].accepted for r in results)
     assert 0 < accepted < rows or drafter_name == "random_drafter"
 
-    one = lambda x: torch.ones(x, dtype=torch.float32)  # noqa: E731
-    with torch.inference_mode():
-        p1 = logits_to_probs(tiny_target(torch.tensor([prompt])).logits[:, -1], one(1) * temperature, one(1) * top_p)[0]
-        # P(second) = sum_t p1(t) p2(. | t)
-        ctx = torch.tensor([prompt + [t] for t in range(97)])
-        p2 = logits_to_probs(tiny_target(ctx).logits[:, -1], one(97) * temperature, one(97) * top_p)  # [97, V]
-    p_second = (p1.unsqueeze(1) * p2).sum(0)
+    p1, p_second = first_two_token_probs(tiny_target, prompt, temperature, top_p)
     for tokens, probs, what in ((first, p1, "first"), (second, p_second, "second")):
         counts = torch.bincount(tokens, minlength=97).double()
         assert bool((counts[probs == 0] == 0).all()), f"{what}: tokens outside the top-p set were emitted"

@@ -1,7 +1,7 @@
 """Serving an EAGLE-3 drafter (`dvi.eagle3`), without starting vLLM: the configured pair gives an `Eagle3Drafter`, vLLM
-is told method eagle3 (in process and on its own server's command line), dvi's own engine refuses it with one clear
-error, and a replica over vLLM's engine (here a stand-in for vLLM's engine core that records what the worker is
-handed) swaps EAGLE-3 versions in as checkpoint tensors, refuses a layer drafter's version (`load`) and one vLLM's draft
+is told method eagle3 (in process and on its own server's command line), a replica on dvi's own engine drafts with it
+and swaps EAGLE-3 versions in and out, and a replica over vLLM's engine (here a stand-in for vLLM's engine core that
+records what the worker is handed) swaps EAGLE-3 versions in as checkpoint tensors, refuses a layer drafter's version (`load`) and one vLLM's draft
 model cannot take, and rolls back to the previous weights. vLLM itself serving and swapping one:
 tests/dvi/serving/test_vllm_eagle3.py.
 
@@ -22,7 +22,7 @@ from dvi.cli import vllm_server
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig
 from dvi.control import DrafterPublished, DrafterRejected
 from dvi.eagle3 import Eagle3Drafter, build_eagle3, load_eagle3
-from dvi.engine import SpeculativeEngine
+from dvi.engine import Request, SpeculativeEngine
 from dvi.errors import DviError
 from dvi.models import EAGLE3, LAYERS, Drafter, drafter_kind, load_causal_lm, load_drafter
 from dvi.pairs import resolve_pair
@@ -100,14 +100,27 @@ def test_the_configured_pair_gives_an_eagle3_drafter_and_vllm_is_told_method_eag
     assert speculative(tiny_dirs[1])["method"] == "draft_model"
 
 
-def test_dvis_own_engine_refuses_an_eagle3_drafter_naming_the_engines_that_serve_it(tiny_dirs, eagle3_dir, tmp_path):
-    cfg = config(tiny_dirs[0], eagle3_dir, tmp_path / "store", engine="dvi")
-    with pytest.raises(DviError, match="serve it with serve.engine=vllm or serve.engine=vllm-server") as e:
-        Replica(cfg, resolve_pair(cfg.model))
-    assert "'e0000' is an EAGLE-3 drafter" in str(e.value)
-    engine = SpeculativeEngine(load_causal_lm(tiny_dirs[0], "target"), None, SpecConfig())
-    with pytest.raises(DviError, match="EAGLE-3"):
-        engine.swap_drafter(load_eagle3(eagle3_dir))
+def test_a_replica_on_dvis_own_engine_drafts_with_eagle3_versions_and_rolls_them_back(tiny_dirs, eagle3_dir, tmp_path):
+    store_root = tmp_path / "store"
+    noisy = publish(store_root, eagle3_dir, tiny_dirs[0], "e0001", seed=1)
+    cfg = config(tiny_dirs[0], eagle3_dir, store_root, engine="dvi")
+    service = Replica(cfg, resolve_pair(cfg.model))
+    engine = service.engine
+    assert isinstance(engine, SpeculativeEngine) and engine.drafter.version == "e0000"
+    plain = SpeculativeEngine(engine.target, None, SpecConfig())
+    prompt = Request([1, 504, 3458, 282, 4371, 314], max_new_tokens=12, ignore_eos=True)
+
+    service.on_control(announce(noisy))
+    assert engine.drafter.version == "e0001" and service.rollout is not None
+    answer = engine.generate([prompt])[0]
+    assert answer.drafter_versions == ["e0001"] and answer.stats.drafted > 0
+    assert answer.token_ids == plain.generate([prompt])[0].token_ids
+    layer = store.publish(store_root, "e0002", load_causal_lm(tiny_dirs[1], "drafter").state_dict(), tiny_dirs[1], {"parent": "test"})
+    with pytest.raises(DviError, match="is a layer drafter, not an EAGLE-3 drafter"):
+        service._load(announce(layer))
+    service.on_control(DrafterRejected("e0001", "elsewhere", reason="test"))
+    assert engine.drafter.version == "e0000" and "e0001" in service.rejected
+    assert engine.generate([prompt])[0].drafter_versions == ["e0000"]
 
 
 def test_eagle3_versions_swap_into_vllms_draft_model_and_the_other_kind_is_refused(tiny_dirs, eagle3_dir, tmp_path):
