@@ -12,7 +12,9 @@ One run, side by side:
    vocabulary of `--vocab` tokens) and `dvi drafter distill --file --minutes` trains it for the same wall time,
    publishing at every gate (`trainer.min_gain=-1`); the held-out expected acceptance (sum of min(p, q) over the eval
    records' teacher positions) of the initial and of the final drafter come from the first and the last gate;
-3. serving: plain vLLM's own OpenAI server at its best settings here (the peer: the dtype `auto` picks, compiled,
+3. cost: c, a drafter step in target decoding steps at batch 1 in the serving dtype, as dvi's engine measures it
+   at start-up (`SpeculativeEngine.warm_up`), for each trained drafter;
+4. serving: plain vLLM's own OpenAI server at its best settings here (the peer: the dtype `auto` picks, compiled,
    every core for the engine), the same with each trained drafter at K=`--k` (`draft_model` for the layer drafter,
    `eagle3` for EAGLE-3), through `benchmarks.load_client` (streamed, greedy, `ignore_eos`, `--output-len` tokens) on
    the eval prompts at batch 1 and batch 8; vLLM's own spec-decode counters give the live acceptance. Every server
@@ -33,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from benchmarks import workloads
 from benchmarks.bench_vllm import PEER, ROOT, Server, log, measure, plain_vllm, server_env, write_json
 from dvi import eagle3
@@ -40,6 +44,7 @@ from dvi.config import SpecConfig
 from dvi.engine import Request, SpeculativeEngine
 from dvi.hardware import pick_dtype
 from dvi.models import build_drafter, encode_chat, end_ids, fetch_demo_target, load_causal_lm, load_tokenizer
+from dvi.pairs import load_any_drafter
 from dvi.procs import free_port
 from dvi.records import records_from_result
 
@@ -93,6 +98,17 @@ def distill(kind: str, target: Path, drafter: Path, records: Path, held_out: int
     if not result["published_versions"]:
         raise SystemExit(f"distilling the {kind} drafter published nothing: {result}")
     return result
+
+
+def cost_ratio(target: Path, drafter: str, dtype: torch.dtype, reps: int) -> dict:
+    """c, a drafter step's cost in target decoding steps at batch 1, as dvi's engine measures it at start-up
+    (`SpeculativeEngine.warm_up`: medians of `reps` interleaved runs on a 32-token context) in `dtype`."""
+    model = load_causal_lm(target, "target", dtype)
+    engine = SpeculativeEngine(model, load_any_drafter(drafter, int(model.config.vocab_size), dtype, target=model), SpecConfig())
+    costs = engine.warm_up(reps=reps)
+    draft, step = costs["draft_step_s"]["b1"], costs["verify_s"]["b1/k0"]
+    return {"c": round(draft / step, 3), "draft_step_ms": round(draft * 1000, 2), "target_step_ms": round(step * 1000, 2),
+            "dtype": str(dtype).removeprefix("torch.")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{trained[kind]['held_out_acceptance_final']}")
 
     dtype = pick_dtype("auto", "cpu").value
+    for kind, t in trained.items():
+        t["cost"] = cost_ratio(target, t["final"], getattr(torch, dtype), reps=3 if args.quick else 10)
+        log(f"{kind}: c = {t['cost']['c']} ({t['cost']['draft_step_ms']} ms a drafter step, {t['cost']['target_step_ms']} ms a "
+            f"target step, {dtype}, dvi's engine at batch 1)")
     env = {**server_env(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     plain = plain_vllm(target, dtype)
 
@@ -189,10 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"server": name, "batch": b, "tokens_per_s": round(statistics.median(m[b]["tokens_per_s"] for m in ms), 2),
                          "vs_vllm": round(statistics.median(ratios[(name, b)]), 3), "ratios": [round(x, 3) for x in ratios[(name, b)]],
                          "acceptance": round(statistics.median(acc), 3) if acc else None})
-    print(f"{'drafter':<8} {'steps':>6} {'held-out acceptance':>22} {'greedy match':>15}")
+    print(f"{'drafter':<8} {'steps':>6} {'held-out acceptance':>22} {'greedy match':>15} {'c':>6}")
     for kind, t in trained.items():
         print(f"{kind:<8} {t['steps']:>6} {t['held_out_acceptance_initial']:>10.3f} -> {t['held_out_acceptance_final']:<9.3f} "
-              f"{t['held_out_greedy_initial']:>6.3f} -> {t['held_out_greedy_final']:.3f}")
+              f"{t['held_out_greedy_initial']:>6.3f} -> {t['held_out_greedy_final']:.3f} {t['cost']['c']:>6.3f}")
     print(f"\n{'server':<28} {'batch':>5} {'tok/s':>8} {'x vLLM':>7} {'acceptance':>11}  x vLLM by round")
     for r in rows:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
