@@ -417,6 +417,24 @@ class CostTable:
             return None
         return self.rate[(b, True)] / self.rate[(b, False)]
 
+    def target_only_rate(self, bucket: int) -> float | None:
+        """Tokens per second of plain decoding at `bucket`: its steps' measured yield once there are
+        PLAIN_RATE_SAMPLES, else one token per row per measured plain step (`verify` at K = 0); None unmeasured."""
+        if self.samples[("rate", (bucket, False))] >= self.PLAIN_RATE_SAMPLES:
+            return self.rate[(bucket, False)]
+        step = self.verify.get((bucket, 0))
+        return bucket / step if step else None
+
+    def speed_vs_target_only(self) -> dict[int, float]:
+        """Per batch-size bucket with RATE_SAMPLES drafting steps and a target-only rate (`target_only_rate`): tokens
+        per second of drafting steps over target-only decoding's (> 1: speculation pays there)."""
+        out = {}
+        for (bucket, drafting), rate in list(self.rate.items()):  # a copy: the decoding thread adds to it
+            plain = self.target_only_rate(bucket) if drafting and self.samples[("rate", (bucket, True))] >= self.RATE_SAMPLES else None
+            if plain:
+                out[bucket] = rate / plain
+        return dict(sorted(out.items()))
+
     def forget_drafting_rates(self) -> None:
         """A new drafter: what drafting yielded says nothing of it."""
         for key in [k for k in self.rate if k[1]]:
@@ -1129,7 +1147,8 @@ class Decoding:
         k_row = torch.tensor(ks, device=device)  # [B]
         # a round whose rows feed only their last token is a representative cost (a prefill is not)
         steady_tgt = max(len(p) for p in self.tgt.pending) == 1
-        steady_dft = max(len(p) for p in self.dft.pending) <= 2
+        # (an EAGLE-3 drafter is fed each kept position: up to K + 1 a round)
+        steady_dft = max(len(p) for p in self.dft.pending) <= (2 if eagle is None else e.spec.k_max + 1)
 
         timing = e.spec.cost_ratio is None  # fixed costs: nothing to measure
         t0 = _now(device) if timing else 0.0
@@ -1162,6 +1181,8 @@ class Decoding:
                 e.costs.observe_verify(batch, kmax, t2 - t1)
             if kmax and steady_dft:
                 e.costs.observe_draft(batch, kmax, t1 - t0)
+            if steady_tgt and (not kmax or steady_dft):  # a decoding round's yield (`CostTable.speed_vs_target_only`)
+                e.costs.observe_rate(batch, kmax > 0, sum(n_list) + batch, t2 - t0)
 
         # roll both caches back to the accepted prefix
         j = torch.arange(1, kmax + 1, device=device)

@@ -48,6 +48,9 @@ class Point:
     tokens_per_s: float  # generated tokens / wall seconds of the interval
     version: str | None  # the drafter serving at its end
     domains: dict[str, float] = field(default_factory=dict)  # acceptance by domain in the interval
+    # decoding speed over target-only decoding's by batch-size bucket, as the engine measured it at the interval's
+    # end (`dvi.engine.CostTable.speed_vs_target_only`)
+    vs_target_only: dict[int, float] = field(default_factory=dict)
 
 
 class ServingMetrics:
@@ -67,6 +70,7 @@ class ServingMetrics:
         self.events: Counter[str] = Counter()  # swap, rollback, promote, refused:<reason>
         self.routing: Counter[str] = Counter()  # speculation routing decisions: on, off, probe, ... (dvi.engine.Routing)
         self.schedule: list[int] = []  # the K drafted at each batch size (index 0 unused), where the engine plans one
+        self.vs_target_only: dict[int, float] = {}  # decoding speed over target-only's by batch-size bucket (`speeds`)
         self.total = SpecStats()
         self.by_version: dict[str, SpecStats] = {}
         self.by_domain: dict[tuple[str, str], SpecStats] = {}
@@ -153,6 +157,12 @@ class ServingMetrics:
         with self._lock:
             self.version = version
 
+    def speeds(self, vs_target_only: dict[int, float]) -> None:
+        """The engine's measured decoding speed over target-only decoding's, by batch-size bucket
+        (`dvi.engine.CostTable.speed_vs_target_only`)."""
+        with self._lock:
+            self.vs_target_only = dict(vs_target_only)
+
     # -- readers ---------------------------------------------------------------------------------
 
     def acceptance_of(self, version: str) -> tuple[int, int]:
@@ -185,7 +195,9 @@ class ServingMetrics:
                 for j, a in enumerate(s.per_position_acceptance):
                     out[f"interval/acceptance_pos{j + 1}"] = a
                 out.update({f"interval/acceptance.{d}": a for d, a in domains.items()})
-            self.series.append(Point(now, s.acceptance_rate if s.drafted else None, tokens / seconds, self.version, domains))
+            out.update({f"interval/vs_target_only.b{b}": x for b, x in self.vs_target_only.items()})
+            self.series.append(Point(now, s.acceptance_rate if s.drafted else None, tokens / seconds, self.version, domains,
+                                     dict(self.vs_target_only)))
             self._interval, self._interval_domains, self._interval_tokens, self._interval_start = SpecStats(), {}, 0, now
             for version, st in self.by_version.items():
                 if st.drafted:
@@ -212,6 +224,7 @@ class ServingMetrics:
                 "events": dict(self.events),
                 "routing": dict(self.routing),
                 "schedule": {str(b): k for b, k in enumerate(self.schedule) if b},
+                "vs_target_only": {str(b): round(x, 3) for b, x in self.vs_target_only.items()},
                 "errors": dict(self.errors),
             }
 
@@ -321,7 +334,8 @@ def version_spans(series: list[Point]) -> list[tuple[float, float, str | None]]:
 
 
 def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path: str, title: str = "dvi serving") -> None:
-    """Acceptance (overall and by domain, one shared axis scaled to the data) and tokens/s against wall-clock time,
+    """Acceptance (overall and by domain, one shared axis scaled to the data), tokens/s and the decoding speed over
+    target-only decoding's (by batch-size bucket, the level 1 marked) against wall-clock time,
     each drafter version's span shaded and labelled with its mean acceptance, swap / rollback / promotion markers;
     intervals without traffic are left empty (a gap, not a zero), as a PNG."""
     import matplotlib  # heavy: only a replica that plots pays for it
@@ -335,13 +349,18 @@ def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path:
     def when(t: float):
         return datetime.fromtimestamp(t)
 
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True, gridspec_kw={"height_ratios": [2, 1, 1]})
     xs = [when(p.time) for p in series]
     idle = [p.tokens_per_s <= 0 for p in series]
     ax1.plot(xs, [nan if p.acceptance is None else p.acceptance for p in series], "k.-", label="all domains", lw=1.6)
     for domain in sorted({d for p in series for d in p.domains}):
         ax1.plot(xs, [p.domains.get(domain, nan) for p in series], ".-", label=domain, alpha=0.75)
     ax2.plot(xs, [nan if i else p.tokens_per_s for p, i in zip(series, idle)], "b.-")
+    for bucket in sorted({b for p in series for b in p.vs_target_only}):
+        ax3.plot(xs, [nan if i else p.vs_target_only.get(bucket, nan) for p, i in zip(series, idle)], ".-", label=f"batch <= {bucket}")
+    ax3.axhline(1.0, color="grey", lw=1.0, ls=":")
+    ax3.annotate("target-only", (0.0, 1.0), xycoords=("axes fraction", "data"), fontsize=7, color="grey", va="bottom",
+                 xytext=(3, 1), textcoords="offset points")
     top = max([p.acceptance or 0.0 for p in series] + [v for p in series for v in p.domains.values()] + [0.05])
     ax1.set_ylim(0, min(1.0, top * 1.15))
     ax2.set_ylim(bottom=0)
@@ -349,19 +368,23 @@ def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path:
     for i, (start, end, version) in enumerate(version_spans(series)):
         points = [p.acceptance for p in series if p.version == version and start <= p.time <= end and p.acceptance is not None]
         mean = f" {sum(points) / len(points):.3f}" if points else ""
-        for ax in (ax1, ax2):
+        for ax in (ax1, ax2, ax3):
             ax.axvspan(when(start), when(end), color=palette(i % 10), alpha=0.12, lw=0)
         ax1.annotate(f"{version or 'no drafter'}{mean}", (when(start), 1.0), xycoords=("data", "axes fraction"), fontsize=8,
                      va="top", ha="left", xytext=(3, -3), textcoords="offset points")
     colours = {"swap": "green", "rollback": "red", "promote": "purple"}
     for t, kind, version in markers:
-        for ax in (ax1, ax2):
+        for ax in (ax1, ax2, ax3):
             ax.axvline(when(t), color=colours.get(kind, "grey"), ls="--", lw=0.8)
         ax2.annotate(f"{kind} {version}", (when(t), 0.97), xycoords=("data", "axes fraction"), fontsize=7, rotation=90, va="top")
     ax1.set_ylabel("acceptance (accepted / drafted)")
     ax2.set_ylabel("tokens/s")
-    ax2.set_xlabel("wall-clock time (shaded: the drafter version serving, with its mean acceptance; gaps: no traffic)")
-    ax2.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
+    ax3.set_ylabel("x target-only")
+    ax3.set_ylim(bottom=0)
+    if ax3.get_legend_handles_labels()[0]:
+        ax3.legend(loc="upper right", fontsize=7)
+    ax3.set_xlabel("wall-clock time (shaded: the drafter version serving, with its mean acceptance; gaps: no traffic)")
+    ax3.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
     ax1.legend(loc="upper right", fontsize=7)
     ax1.set_title(title)
     fig.tight_layout()

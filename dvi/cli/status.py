@@ -72,7 +72,15 @@ def replica_lines(r: dict) -> list[str]:
             f"records sent/dropped {fmt(rec.get('sent'), 'd')}/{fmt(rec.get('dropped'), 'd')}",
             f"  acceptance {fmt(overall)} over {drafted} drafted tokens (by version: {per or '-'}); mean accepted length "
             f"{fmt(r.get('mean_accepted_length') if r.get('requests') else None, '.2f')}; swaps {events.get('swap', 0)}, promotions {events.get('promote', 0)}, "
-            f"rollbacks {events.get('rollback', 0)}"]
+            f"rollbacks {events.get('rollback', 0)}",
+            f"  speed over target-only decoding: {vs_target_only(r.get('vs_target_only'))}"]
+
+
+def vs_target_only(by_bucket: dict | None) -> str:
+    """The engine's measured speed over target-only decoding by batch size, for people."""
+    if not by_bucket:
+        return "- (not measured yet: it needs drafting and plain steps, or a start-up cost table, at one batch size)"
+    return ", ".join(f"{float(x):.2f}x at batch <= {b}" for b, x in sorted(by_bucket.items(), key=lambda kv: int(kv[0])))
 
 
 def trainer_lines(m: dict) -> list[str]:

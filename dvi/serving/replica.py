@@ -600,6 +600,7 @@ class Replica:
                 self.plot()
 
     def _log_interval(self) -> None:
+        self.metrics.speeds(self.engine.costs.speed_vs_target_only())
         metrics = self.metrics.interval()
         if self.tracker is not None:
             if self.producer is not None:

@@ -56,7 +56,8 @@ def test_drift_plot_shades_each_versions_span_and_leaves_idle_intervals_empty(tm
     t0 = 1_800_000_000.0
     series = [Point(t0, 0.02, 9.0, "init", {"code": 0.01, "prose": 0.03}), Point(t0 + 60, 0.03, 9.5, "init", {"code": 0.03}),
               Point(t0 + 120, None, 0.0, "init"),  # no traffic: a gap, not a zero
-              Point(t0 + 180, 0.30, 20.0, "d0001", {"code": 0.40, "prose": 0.18}), Point(t0 + 240, 0.33, 21.0, "d0001")]
+              Point(t0 + 180, 0.30, 20.0, "d0001", {"code": 0.40, "prose": 0.18}, {1: 1.1, 8: 0.9}),
+              Point(t0 + 240, 0.33, 21.0, "d0001", {}, {1: 1.2, 8: 0.95})]
     assert version_spans(series) == [(t0, t0 + 120, "init"), (t0 + 120, t0 + 240, "d0001")]
     path = tmp_path / "drift.png"
     drift_plot(series, [(t0 + 150, "swap", "d0001"), (t0 + 230, "promote", "d0001")], str(path), "test")
@@ -94,3 +95,12 @@ def test_prometheus_counters_add_up_as_vllm_defines_them_and_histograms_count_re
     assert total("dvi_inter_token_latency_seconds_count") == 4 and abs(total("dvi_inter_token_latency_seconds_sum") - 0.4) < 1e-9
     assert total("dvi_request_queue_time_seconds_count") == 2
     assert total("process_resident_memory_bytes") > 0
+
+
+def test_the_engines_speed_over_target_only_goes_to_health_mlflow_and_the_plot_series():
+    m = ServingMetrics()
+    m.speeds({1: 1.25, 8: 0.875})
+    assert m.snapshot()["vs_target_only"] == {"1": 1.25, "8": 0.875}
+    interval = m.interval()
+    assert interval["interval/vs_target_only.b1"] == 1.25 and interval["interval/vs_target_only.b8"] == 0.875
+    assert m.series[-1].vs_target_only == {1: 1.25, 8: 0.875}

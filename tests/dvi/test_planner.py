@@ -287,3 +287,20 @@ def test_drafting_stays_on_only_while_the_steps_that_draft_yield_more_tokens_per
     assert not planner.skips_pass(8, [0] + [SPEC.k] * 8)  # a step that drafts (a probe) runs it
     planner.reset()  # a new drafter: its yield is its own
     assert costs.realized_speedup(8) is None and not planner.skips_pass(8, lookup)
+
+
+def test_speed_over_target_only_is_the_drafting_steps_yield_over_plain_decodings_at_each_batch_size():
+    """Where drafting steps have been measured RATE_SAMPLES times: their tokens per second over plain decoding's, from
+    plain steps where PLAIN_RATE_SAMPLES ran, else from the measured plain step time (a row's token per step)."""
+    costs = CostTable(SpecConfig())
+    costs.observe_verify(1, 0, 0.05)  # a plain step at batch 1: 20 tokens/s
+    for _ in range(CostTable.RATE_SAMPLES - 1):
+        costs.observe_rate(1, True, tokens=3, seconds=0.1)  # drafting at batch 1: 30 tokens/s
+        costs.observe_rate(8, True, tokens=16, seconds=0.2)  # drafting at batch 8: 80 tokens/s
+    assert costs.speed_vs_target_only() == {}  # too few drafting steps to say
+    costs.observe_rate(1, True, tokens=3, seconds=0.1)
+    costs.observe_rate(8, True, tokens=16, seconds=0.2)
+    assert costs.speed_vs_target_only() == {1: pytest.approx(1.5)}  # batch 8: no target-only figure yet
+    for _ in range(CostTable.PLAIN_RATE_SAMPLES):
+        costs.observe_rate(8, False, tokens=8, seconds=0.08)  # plain at batch 8: 100 tokens/s
+    assert costs.speed_vs_target_only() == {1: pytest.approx(1.5), 8: pytest.approx(0.8)}

@@ -15,12 +15,14 @@ def test_acceptance_counts_drafted_tokens_only_and_unknowns_print_as_dashes():
     health = {"status": "ok", "url": "http://127.0.0.1:8000", "replica_id": "r1", "drafter_version": "d0001", "rollout": "d0001",
               "requests": 50, "median_tokens_per_s": None, "queue_depth": 0, "records": None, "mean_accepted_length": 1.4,
               "by_version": {"init": {"drafted": 900, "accepted": 18, "rounds": 1000}, "d0001": {"drafted": 100, "accepted": 35, "rounds": 100}},
-              "events": {"swap": 1}}
+              "events": {"swap": 1}, "vs_target_only": {"8": 0.91, "1": 1.234}}
     assert drafted_acceptance(health["by_version"]) == (53 / 1000, 1000)
     text = "\n".join(replica_lines(health))
     assert "acceptance 0.053 over 1000 drafted tokens (by version: init 0.020, d0001 0.350)" in text
     assert "drafter d0001 (on trial)" in text and "median -" in text and "records sent/dropped -/-" in text
     assert "None" not in text and "swaps 1, promotions 0" in text
+    assert "speed over target-only decoding: 1.23x at batch <= 1, 0.91x at batch <= 8" in text
+    assert "speed over target-only decoding: - (not measured yet" in "\n".join(replica_lines({**health, "vs_target_only": {}}))
 
 
 def test_trainer_and_publish_lines_say_the_last_and_next_gate_and_why_nothing_is_published():
