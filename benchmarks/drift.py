@@ -10,7 +10,10 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
 3. three replicas start from that version (the store's newest, `serve.swap.initial`): `online` follows the control
    topic and logs its decisions for the trainer, `frozen` does neither (the loop off), `plain` decodes target-only;
    `dvi train` distills from the online replica's decisions and publishes better drafters, which `online`
-   hot-swaps in;
+   hot-swaps in. `--stack` picks what serves: `dvi` (`+experiment=drift`: dvi's engine, fixed K, a drafter over the
+   8,192 most frequent tokens, `plain` is `dvi serve --no-draft`) or `vllm` (`+experiment=drift_vllm`, the default
+   stack: vLLM's engine in dvi's server at the model's dtype, compiled, adaptive K, the drafter's full head, and
+   `plain` is plain vLLM's own OpenAI server at the same settings, as a vLLM user runs it);
 4. replay: the schedule (A -> B -> C -> A by default) of `live` prompts from `benchmarks.workloads`, each prompt
    sent to `online` and `frozen` at once (and to `plain` every few prompts) through the HTTP API, each phase lasting
    a budget of the online replica's verification rounds;
@@ -42,13 +45,15 @@ from tqdm import tqdm
 from matplotlib.figure import Figure
 
 from benchmarks import workloads
+from benchmarks.bench_vllm import Server, plain_vllm, server_env
 from dvi import store
 from dvi.alloc import limit_arenas
 from dvi.cli.up import Part, Supervisor, banner, plan
 from dvi.config import flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
 from dvi.errors import DviError
-from dvi.models import encode_prompt
+from dvi.hardware import pick_dtype
+from dvi.models import encode_prompt, pair_dirs
 from dvi.pairs import resolve_pair
 from dvi.procs import free_port, http_ok, local_post
 from dvi.records import records_from_result
@@ -57,6 +62,7 @@ from dvi.tracking import Tracker
 log = logging.getLogger("benchmarks.drift")
 
 SIDES = ("online", "frozen", "plain")
+STACKS = {"dvi": "drift", "vllm": "drift_vllm"}  # --stack: the experiment config every part runs with
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,10 +153,12 @@ def thirds(samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
 
 @dataclass(frozen=True)
 class Targets:
-    tolerance: float = 0.05  # recovery: within this of domain A's level; forgetting: A falls no more than this
-    recovery_rounds: int = 2000
-    acceptance_gain: float = 0.15  # online over frozen on shifted domains, absolute
-    speedup: float = 1.25  # online over frozen tokens/s on shifted domains
+    tolerance: float = 0.05  # recovery: within this of the phase's own final level ...
+    recovery_rounds: int = 1000  # ... within this many online rounds of the switch
+    forgetting: float = 0.03  # back on the first domain: at most this below its first-phase level
+    acceptance_gain: float = 0.15  # online over frozen on shifted domains (last third), absolute
+    speedup: float = 1.15  # online over frozen tokens/s on shifted domains (last third)
+    speedup_vs_plain: float = 1.25  # online over target-only tokens/s on shifted domains (last third)
 
 
 def summarize(samples: list[Sample], schedule: list[str], window: int, targets: Targets = Targets()) -> dict:
@@ -181,27 +189,30 @@ def summarize(samples: list[Sample], schedule: list[str], window: int, targets: 
             p[f"{part}online_vs_plain"] = paired_ratio(side(subset, "online"), side(subset, "plain"))
             p[f"{part}frozen_vs_plain"] = paired_ratio(side(subset, "frozen"), side(subset, "plain"))
         p["versions"] = sorted({s.version for s in side(rows, "online") if s.version})
-        if i > 0 and level is not None:
-            p["recovery_rounds"] = recovery_rounds(side(rows, "online"), level, targets.tolerance, window)
         phases.append(p)
         if i == 0 or level is None:
             continue
+        online = side(rows, "online")
+        final = acceptance(trailing(online, window))  # the level the phase ended on
+        p["final_online_acceptance"] = final
+        p["recovery_rounds"] = recovery_rounds(online, final, targets.tolerance, window) if final is not None else None
+        rec = p["recovery_rounds"]
+        checks.append({"target": f"phase {i} ({domain}): online acceptance within {targets.tolerance} of the phase's final "
+                       f"level {_fmt(final)} within {targets.recovery_rounds} rounds of the switch", "measured": rec,
+                       "ok": rec is not None and rec <= targets.recovery_rounds})
         if domain != first:
-            rec = p["recovery_rounds"]
-            checks.append({"target": f"phase {i} ({domain}): recovers to within {targets.tolerance} of {first}'s level "
-                           f"{level:.3f} within {targets.recovery_rounds} rounds", "measured": rec,
-                           "ok": rec is not None and rec <= targets.recovery_rounds})
             gain = _diff(p["late_online_acceptance"], p["late_frozen_acceptance"])
             checks.append({"target": f"phase {i} ({domain}): acceptance online - frozen >= {targets.acceptance_gain} "
                            "(last third)", "measured": gain, "ok": gain is not None and gain >= targets.acceptance_gain})
-            ratio = p["late_online_vs_frozen"]
-            checks.append({"target": f"phase {i} ({domain}): tokens/s online / frozen >= {targets.speedup} (last third)",
-                           "measured": ratio, "ok": ratio is not None and ratio >= targets.speedup})
+            for key, name, goal in (("late_online_vs_frozen", "frozen", targets.speedup),
+                                    ("late_online_vs_plain", "target-only", targets.speedup_vs_plain)):
+                checks.append({"target": f"phase {i} ({domain}): tokens/s online / {name} >= {goal} (last third)",
+                               "measured": p[key], "ok": p[key] is not None and p[key] >= goal})
         else:
             acc = p["online_acceptance"]
             checks.append({"target": f"phase {i} ({domain} again): acceptance >= {first}'s level {level:.3f} - "
-                           f"{targets.tolerance} (no forgetting)", "measured": acc,
-                           "ok": acc is not None and acc >= level - targets.tolerance})
+                           f"{targets.forgetting} (no forgetting)", "measured": acc,
+                           "ok": acc is not None and acc >= level - targets.forgetting})
     return {"schedule": schedule, "window_rounds": window, "level": level, "phases": phases, "targets": checks,
             "swaps": swaps(side(samples, "online"))}
 
@@ -317,6 +328,7 @@ class Options:
     plain_every: int = 4  # every n-th prompt also goes to the target-only replica
     window: int = 300  # rounds of the trailing acceptance window (level and recovery)
     seed: int = 0
+    stack: str = "dvi"  # what serves (STACKS): dvi's engine, or vLLM's with plain vLLM as the target-only side
     out: Path = Path("outputs/drift")
 
     def budgets(self) -> list[int]:
@@ -336,12 +348,16 @@ def parse_schedule(text: str) -> list[str]:
     return schedule
 
 
-def ask(base: str, prompt, max_tokens: int) -> tuple[dict, float]:
-    """One request to a replica's API: (its answer, the seconds the client waited); DviError when it fails."""
+def ask(base: str, prompt, max_tokens: int, model: str | None = None) -> tuple[dict, float]:
+    """One request to a replica's API, or with `model` to plain vLLM's server of that model (no dvi extension):
+    (its answer, the seconds the client waited); DviError when it fails."""
     url = base + prompt.path
+    body = prompt.body(max_tokens)
+    if model is not None:
+        body = {**{k: v for k, v in body.items() if k != "dvi"}, "model": model}
     t0 = time.perf_counter()
     try:
-        answer = json.loads(local_post(url, json.dumps(prompt.body(max_tokens)).encode(), timeout_s=600))
+        answer = json.loads(local_post(url, json.dumps(body).encode(), timeout_s=600))
     except urllib.error.HTTPError as e:
         raise DviError(f"{url}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from e
     except (urllib.error.URLError, OSError) as e:
@@ -350,11 +366,13 @@ def ask(base: str, prompt, max_tokens: int) -> tuple[dict, float]:
 
 
 def sample_of(answer: dict, seconds: float, *, slot: int, phase: int, domain: str, side: str, t: float) -> Sample:
-    ext, stats = answer["dvi"], answer["dvi"]["stats"]
-    versions = ext.get("drafter_versions") or []
+    """A Sample of an answer: dvi's extension gives its rounds and drafts; plain vLLM's (none) decoded a token a round."""
+    tokens = int(answer["usage"]["completion_tokens"])
+    ext = answer.get("dvi") or {"stats": {"rounds": tokens, "drafted": 0, "accepted": 0}}
+    stats, versions = ext["stats"], ext.get("drafter_versions") or []
     return Sample(slot=slot, phase=phase, domain=domain, side=side, t=round(t, 3), version=versions[-1] if versions else None,
                   rounds=int(stats["rounds"]), drafted=int(stats["drafted"]), accepted=int(stats["accepted"]),
-                  tokens=int(answer["usage"]["completion_tokens"]), seconds=round(seconds, 4))
+                  tokens=tokens, seconds=round(seconds, 4))
 
 
 def bootstrap(cfg, opt: Options, overrides: list[str], work: Path, say) -> str:
@@ -412,8 +430,10 @@ def distill_result(stdout: str, log_file: Path) -> dict:
     return result
 
 
-def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None) -> list[Sample]:
-    """The schedule through the replicas' HTTP APIs (see the module docstring); every answer becomes a Sample."""
+def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None, models: dict[str, str] | None = None) -> list[Sample]:
+    """The schedule through the replicas' HTTP APIs (see the module docstring); every answer becomes a Sample.
+    `models`: the sides that are plain vLLM's server, and the model each serves."""
+    models = models or {}
     streams = {d: workloads.cycle(workloads.prompts(d, "live", opt.seed)) for d in set(opt.schedule)}  # A again: fresh prompts
     samples: list[Sample] = []
     slot, errors, t0, budgets = 0, 0, time.monotonic(), opt.budgets()
@@ -427,7 +447,7 @@ def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None) -> list[S
                 for _ in range(opt.concurrency):
                     prompt = next(streams[domain])
                     sides = [s for s in SIDES if s in urls and (s != "plain" or slot % opt.plain_every == 0)]
-                    asks += [(slot, side, pool.submit(ask, urls[side], prompt, opt.max_tokens)) for side in sides]
+                    asks += [(slot, side, pool.submit(ask, urls[side], prompt, opt.max_tokens, models.get(side))) for side in sides]
                     slot += 1
                 for s, side, fut in asks:
                     try:
@@ -462,7 +482,7 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     user = load_config(overrides)
     # a store and topics of this run's own; the broker and MLflow of its own too, unless config names running ones
-    base = ["+experiment=drift", f"trainer.store={work / 'store'}", f"stream.topic=dvi.drift-{stamp}.decisions",
+    base = [f"+experiment={STACKS[opt.stack]}", f"trainer.store={work / 'store'}", f"stream.topic=dvi.drift-{stamp}.decisions",
             f"stream.dlq_topic=dvi.drift-{stamp}.decisions.dlq", f"stream.control_topic=dvi.drift-{stamp}.control",
             f"trainer.group_id=dvi-drift-{stamp}"]
     if user.stream.bootstrap_servers is None:
@@ -484,20 +504,30 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
             return Part(side, ["serve", *extra, f"serve.port={ports[side]}", f"stream.replica_id={side}"],
                         lambda _: http_ok(f"{urls[side]}/health"), 300)
 
-        services = Supervisor([
-            replica("online"),
-            replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false"),
-            replica("plain", "--no-draft", "serve.swap.enabled=false", "serve.log_decisions=false"),
-            Part("train", ["train", f"model.drafter={store.default_root(cfg) / version}", f"trainer.run_dir={work / 'trainer'}"],
-                 banner("dvi train:"), 300),
-        ], common, work / "logs", say=say)
+        parts = [replica("online"), replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false")]
+        models, plain = {}, None
+        if opt.stack == "dvi":
+            parts.append(replica("plain", "--no-draft", "serve.swap.enabled=false", "serve.log_decisions=false"))
+        parts.append(Part("train", ["train", f"model.drafter={store.default_root(cfg) / version}", f"trainer.run_dir={work / 'trainer'}"],
+                          banner("dvi train:"), 300))
+        services = Supervisor(parts, common, work / "logs", say=say)
         try:
+            if opt.stack == "vllm":  # the peer: plain vLLM's own server at the same dtype, compiled, no drafter
+                target_dir, _ = pair_dirs(cfg.model, False)
+                dtype = pick_dtype(cfg.model.dtype, "cpu").value
+                peer = Server("plain-vllm", plain_vllm(target_dir, dtype), {**server_env(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+                              str(target_dir), "vllm")
+                plain, urls["plain"] = peer.start(ports["plain"], work / "logs")
+                models["plain"] = str(target_dir)
+                say(f"drift: plain vLLM ({dtype}, compiled) at {urls['plain']}")
             services.start()
             say(f"drift: replaying {' -> '.join(opt.schedule)} ({', '.join(map(str, opt.budgets()))} online "
                 f"rounds) against {', '.join(urls.values())}")
-            samples = replay(urls, opt, say, tick=services.tick)
+            samples = replay(urls, opt, say, tick=services.tick, models=models)
         finally:
             services.stop()
+            if plain is not None:
+                plain.stop(grace_s=30)
         summary = summarize(samples, opt.schedule, opt.window)
         summary.update(bootstrap_version=version, options={k: str(v) for k, v in asdict(opt).items()})
         (work / "samples.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
@@ -562,6 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain-every", type=int, dest="plain_every", help="every n-th prompt also goes target-only (default 4)")
     p.add_argument("--window", type=int, help="rounds of the trailing acceptance window (default 300)")
     p.add_argument("--seed", type=int, help="workload shuffle seed (default 0)")
+    p.add_argument("--stack", choices=sorted(STACKS), help="what serves: dvi's engine (dvi, the default) or the default stack, "
+                   "vLLM's engine with plain vLLM's own server as the target-only side (vllm)")
     p.add_argument("--out", help="output directory (default outputs/drift-<time>)")
     p.add_argument("--quick", action="store_true", help="the CI-sized run: code -> prose, small budgets (minutes)")
     p.add_argument("overrides", nargs="*", help="Hydra config overrides, key=value (given to every part)")
@@ -579,6 +611,8 @@ def options_of(args: argparse.Namespace) -> Options:
             setattr(opt, name, value)
     if args.schedule:
         opt.schedule = parse_schedule(args.schedule)
+    if args.stack:
+        opt.stack = args.stack
     opt.out = Path(args.out) if args.out else Path("outputs") / f"drift-{time.strftime('%Y%m%d-%H%M%S')}"
     return opt
 
