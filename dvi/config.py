@@ -345,6 +345,9 @@ class TrainerConfig:
     reward_ramp: int = 400  # step at which the reward weight reaches reward_max
     reward_penalty: float = 1.0
     eagle3_ttt_steps: int = 3  # an EAGLE-3 drafter's loss: drafting steps unrolled (training-time test); 1: none
+    # the target's forward giving an EAGLE-3 drafter its features: auto is model.dtype's (the dtype serving runs the
+    # target in: bf16 on CUDA and on CPUs with native bf16), else float32, bfloat16 or float16
+    features_dtype: str = "auto"
     # gate, publish, checkpoints
     holdout_share: float = 0.1  # fresh records set aside for the gate (never trained on)
     holdout_first: int = 4  # the first records are all held out until the gate has this many (then holdout_share)
@@ -388,6 +391,8 @@ class TrainerConfig:
         _check(0 <= self.reward_warmup <= self.reward_ramp, "trainer.reward_warmup/reward_ramp",
                (self.reward_warmup, self.reward_ramp), "0 <= reward_warmup <= reward_ramp")
         _check(self.reward_penalty >= 0, "trainer.reward_penalty", self.reward_penalty, ">= 0")
+        _check(self.features_dtype in ("auto", "float32", "bfloat16", "float16"), "trainer.features_dtype", self.features_dtype,
+               "auto, float32, bfloat16 or float16")
         _check(self.eagle3_ttt_steps >= 1, "trainer.eagle3_ttt_steps", self.eagle3_ttt_steps, "an integer >= 1")
         _check(0 <= self.holdout_share < 1, "trainer.holdout_share", self.holdout_share, "in [0, 1)")
         _check(self.holdout_size >= 1, "trainer.holdout_size", self.holdout_size, "an integer >= 1")

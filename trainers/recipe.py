@@ -4,8 +4,9 @@
 
 - setup: the drafter under training is `Trainer.student` (a DeepSpeed engine over a `PositionLM`, a causal LM
   whose forward returns logits only at the teacher positions, or, for an EAGLE-3 drafter (`dvi.eagle3`), an
-  `Eagle3PositionLM`, which drafts from the features of the trainer's frozen copy of the target, `Trainer.target`,
-  and trains on `trainer.eagle3_ttt_steps` unrolled drafting steps); `Trainer.teacher_lm` is the trainer's copy of
+  `Eagle3PositionLM`, which drafts from the features of the trainer's frozen copy of the target,
+  `Trainer.features_target` (in `trainer.features_dtype`: serving's, bf16 where the hardware has it), and trains on
+  `trainer.eagle3_ttt_steps` unrolled drafting steps); `Trainer.teacher_lm` is the trainer's copy of
   the target, the teacher for records logged without top-k; `Trainer.baseline` is a frozen copy of the drafter now
   serving, the gate's baseline. A complete checkpoint in the run directory is resumed from;
 - ingest: records from the source (a consumer group, or a file) arrive validated by the record codec; records
@@ -44,6 +45,7 @@ reader, publisher and tracker are passed in.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import signal
@@ -61,7 +63,7 @@ from dvi import __version__, eagle3, store
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
-from dvi.models import cache_dir, resolve_device
+from dvi.models import cache_dir, resolve_device, resolve_dtype
 from dvi.pairs import load_any_drafter, resolve_pair
 from dvi.records import DecisionRecord, Delivered
 from trainers import checkpoint, ds
@@ -268,6 +270,13 @@ class Trainer:
         # the trainer's copy of the target: the teacher of records logged without top-k, an EAGLE-3 drafter's features
         self.target = pair.target.eval().requires_grad_(False) if needs_target or self.eagle3 else None
         self.teacher_lm = PositionLM(self.target) if needs_target else None
+        # an EAGLE-3 drafter's features: the target in the dtype serving computes them in (a copy where that differs)
+        features_dtype = resolve_dtype(cfg.model.dtype if self.tcfg.features_dtype == "auto" else self.tcfg.features_dtype,
+                                       resolve_device(model_cfg.device))
+        self.features_target = None
+        if self.eagle3:
+            same = features_dtype == self.target.dtype
+            self.features_target = self.target if same else copy.deepcopy(self.target).to(features_dtype)
         model = pair.drafter.model
         if self.tcfg.finetune == "lora":
             model = ds.apply_lora(model, self.tcfg)
@@ -283,6 +292,7 @@ class Trainer:
             self._restore(saved)
             log.info("resumed from %s at step %d (%d records in the ledger)", last, self.state.step, len(self.ledger))
         self.baseline = self._baseline_model()
+        self._baseline_eval: tuple | None = None  # (the baseline, the held-out record ids, its gate figures)
 
         t = self.tcfg
         self.buffer = Buffer(t.pending_size, t.replay_size, t.holdout_size, t.replay_share, t.holdout_share,
@@ -324,7 +334,7 @@ class Trainer:
 
     def _position_lm(self, model: torch.nn.Module) -> torch.nn.Module:
         """The drafter as a module answering at teacher positions: a `PositionLM`, or an `Eagle3PositionLM`."""
-        return Eagle3PositionLM(model, self.target) if self.eagle3 else PositionLM(model)
+        return Eagle3PositionLM(model, self.features_target) if self.eagle3 else PositionLM(model)
 
     def _baseline_model(self) -> PositionLM:
         """A frozen copy of the drafter now serving (the gate's baseline), read from its directory."""
@@ -700,7 +710,13 @@ class Trainer:
             return None
         self.state.counters.gates += 1
         cand = evaluate(self.student.module, holdout, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens)
-        base = evaluate(self.baseline, holdout, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens)
+        # the baseline's figures stand while it and the held-out records do (a gate of an EAGLE-3 drafter runs the target)
+        ids = tuple(e.record_id for e in holdout)
+        cached = self._baseline_eval
+        if cached is None or cached[0] is not self.baseline or cached[1] != ids:
+            cached = self._baseline_eval = (self.baseline, ids, evaluate(self.baseline, holdout, self.vocab_size, self.vocab_map,
+                                                                         self.teacher_lm, self.tcfg.batch_tokens))
+        base = cached[2]
         gate = {"candidate_acceptance": cand["acceptance"], "serving_acceptance": base["acceptance"],
                 "candidate_greedy": cand["greedy"], "serving_greedy": base["greedy"], "holdout_records": len(holdout)}
         passed = cand["acceptance"] > base["acceptance"] + self.tcfg.min_gain and _params_finite(self.student.module)

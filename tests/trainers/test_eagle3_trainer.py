@@ -20,7 +20,7 @@ from dvi import store
 from dvi.config import DviConfig, ModelConfig, TrackingConfig, TrainerConfig
 from dvi.control import DrafterPublished
 from dvi.eagle3 import Eagle3Drafter, init_from_target, layer_config, save_eagle3
-from dvi.models import load_causal_lm, load_tokenizer
+from dvi.models import load_causal_lm, load_tokenizer, resolve_dtype
 from dvi.swap import load_announced_eagle3
 from trainers.data import FileSource, collate, example_from_record
 from trainers.recipe import Eagle3PositionLM, Trainer, teacher_for, ttt_position_loss
@@ -68,6 +68,10 @@ def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes
     trainer = Trainer(cfg, FileSource(str(path)), tracker=tracker, offline=True)
     # teacher=topk: the target is held all the same, for the drafter's features, outside what DeepSpeed trains
     assert trainer.eagle3 and trainer.teacher_lm is None and trainer.target is not None
+    # the features come from the target in serving's dtype (model.dtype auto: bf16 where the CPU has it), a copy of
+    # the fp32 target the trainer holds
+    assert trainer.target.dtype == torch.float32 and trainer.student.module.target is trainer.features_target
+    assert trainer.features_target.dtype == resolve_dtype("auto", torch.device("cpu"))
     assert isinstance(trainer.student.module, Eagle3PositionLM) and isinstance(trainer.baseline, Eagle3PositionLM)
     assert all(k.startswith("model.") for k in trainer.student.module.state_dict())
     assert trainer.vocab_map.numel() == DRAFT
@@ -107,8 +111,10 @@ def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes
     # registered like any version: its store directory, under its version name
     assert tracker.registered == [(str(where), version)]
 
-    # a restart resumes from the last checkpoint: step, lineage and the trained weights
-    again = Trainer(replace_steps(cfg, STEPS), FileSource(str(path)), offline=True)
+    # a restart resumes from the last checkpoint: step, lineage and the trained weights (features in fp32 this time:
+    # the target itself gives them)
+    again = Trainer(replace_steps(cfg, STEPS, features_dtype="float32"), FileSource(str(path)), offline=True)
+    assert again.features_target is again.target
     assert again.eagle3 and again.state.step == STEPS and again.state.lineage == ["e3-init", version]
     assert again.state.serving_dir == str(where)
     resumed = again.student.module.model.weights()
@@ -137,10 +143,10 @@ def fixed_loss(trainer: Trainer, examples) -> float:
         return float(ttt_position_loss(trainer.student.module, batch, teacher, 3, "fkl", 1.0, 0.0, 0.5, trainer.vocab_map)[0])
 
 
-def replace_steps(cfg: DviConfig, steps: int) -> DviConfig:
+def replace_steps(cfg: DviConfig, steps: int, **trainer) -> DviConfig:
     from dataclasses import replace
 
-    return replace(cfg, trainer=replace(cfg.trainer, max_steps=steps))
+    return replace(cfg, trainer=replace(cfg.trainer, max_steps=steps, **trainer))
 
 
 @pytest.mark.real_model
