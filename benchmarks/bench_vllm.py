@@ -56,7 +56,8 @@ import requests
 from benchmarks import load_client, workloads
 from dvi.engine import Request, SpeculativeEngine
 from dvi.hardware import pick_dtype, vllm_version
-from dvi.models import encode_chat, end_ids, load_causal_lm, load_tokenizer, pair_dirs
+from dvi.models import encode_chat, end_ids, load_causal_lm, load_tokenizer
+from dvi.pairs import pair_dirs
 from dvi.cli.status import replica as replica_view
 from dvi.config import ModelConfig, SpecConfig, VllmConfig
 from dvi.procs import Child, free_port, http_ok, spawn, wait_ready

@@ -53,8 +53,8 @@ from dvi.config import flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
 from dvi.errors import DviError
 from dvi.hardware import pick_dtype
-from dvi.models import encode_prompt, pair_dirs
-from dvi.pairs import resolve_pair
+from dvi.models import encode_prompt
+from dvi.pairs import pair_dirs, resolve_pair
 from dvi.procs import free_port, http_ok, local_post
 from dvi.records import records_from_result
 from dvi.tracking import Tracker

@@ -32,7 +32,7 @@ from benchmarks import mlflow_screenshots
 from dvi.cli.status import replica as replica_view
 from dvi.config import load_config
 from dvi.hardware import pick_engine
-from dvi.models import pair_dirs
+from dvi.pairs import pair_dirs
 from dvi.procs import free_port, http_ok, local_post, sigterm_interrupts, spawn, wait_ready
 
 CODE = ["Write a Python function that reverses a string.", "Write a Python function that checks whether a number is prime.",

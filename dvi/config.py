@@ -65,14 +65,16 @@ class ModelConfig:
 
     target: str | None = None
     drafter: str | None = None
-    drafter_layers: int = 2  # demo drafter: target embeddings, first L layers, final norm, head
-    drafter_vocab: int | None = None  # demo drafter: reduced head over the N most frequent tokens (None = full)
+    drafter_kind: str = "layers"  # demo drafter: layers (the target's first layers and head) or eagle3 (dvi.eagle3)
+    drafter_layers: int = 2  # demo layer drafter: target embeddings, first L layers, final norm, head
+    drafter_vocab: int | None = None  # demo drafter: reduced head over the N most frequent tokens (None = full; eagle3: 8192)
     cache_dir: str | None = None  # None: $DVI_CACHE or ~/.cache/dvi
     device: str = "auto"  # auto (CUDA when present, else CPU), cpu, cuda or cuda:N; target and drafters go there
     dtype: str = "auto"  # auto (bfloat16 on CUDA and on CPUs with native bf16, else float32), float32, bfloat16 or float16
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
 
     def __post_init__(self) -> None:
+        _check(self.drafter_kind in ("layers", "eagle3"), "model.drafter_kind", self.drafter_kind, "layers or eagle3")
         _check(self.drafter_layers >= 1, "model.drafter_layers", self.drafter_layers, "an integer >= 1")
         _check(self.drafter_vocab is None or self.drafter_vocab >= 2, "model.drafter_vocab", self.drafter_vocab, "null or >= 2")
         _check(_DEVICE.fullmatch(str(self.device)) is not None, "model.device", self.device, "auto, cpu, cuda or cuda:N")

@@ -536,7 +536,14 @@ class Pair:
     drafter_dir: Path | None
 
 
-def demo_drafter_dir(cache_dir: Path, layers: int, vocab: int | None) -> Path:
+EAGLE3_VOCAB = 8192  # an EAGLE-3 drafter's draft vocabulary where none is given
+
+
+def demo_drafter_dir(cache_dir: Path, layers: int, vocab: int | None, kind: str = LAYERS) -> Path:
+    """Where the demo drafter of `kind` is built in the cache: a layer drafter of `layers` layers and a head over
+    `vocab` tokens (None: all), or an EAGLE-3 drafter over `vocab` tokens (None: EAGLE3_VOCAB)."""
+    if kind == EAGLE3:
+        return cache_dir / "models" / f"eagle3-v{vocab or EAGLE3_VOCAB}"
     return cache_dir / "models" / f"drafter-L{layers}-{'v' + str(vocab) if vocab else 'full'}"
 
 
@@ -550,17 +557,3 @@ def target_dir_of(cfg) -> Path:
     return Path(cfg.target).expanduser()
 
 
-def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
-    """The target and drafter directories a `dvi.config.ModelConfig` names; null paths mean the demo pair,
-    whose target is fetched and whose drafter is built on first use. Loads no model."""
-    cache = cache_dir(cfg)
-    target_dir = target_dir_of(cfg)
-    if not with_drafter:
-        return target_dir, None
-    if cfg.drafter:
-        return target_dir, Path(cfg.drafter).expanduser()
-    drafter_dir = demo_drafter_dir(cache, cfg.drafter_layers, cfg.drafter_vocab)
-    if not (drafter_dir / DRAFTER_META).exists():
-        log.info("building the demo drafter at %s", drafter_dir)
-        build_drafter(target_dir, drafter_dir, cfg.drafter_layers, cfg.drafter_vocab)
-    return target_dir, drafter_dir

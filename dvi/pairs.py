@@ -5,14 +5,37 @@ directory of either kind. Layer drafters are `dvi.models`', EAGLE-3 drafters `dv
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
-from dvi.eagle3 import load_eagle3, load_for_target
+from dvi.eagle3 import build_eagle3, load_eagle3, load_for_target
 from dvi.errors import DviError
-from dvi.models import (EAGLE3, Drafter, Pair, check_same_tokenizer, drafter_kind, load_causal_lm, load_drafter, load_tokenizer,
-                        pair_dirs, resolve_device, resolve_dtype, target_skeleton)
+from dvi.models import (DRAFTER_META, EAGLE3, EAGLE3_VOCAB, Drafter, Pair, build_drafter, cache_dir, check_same_tokenizer,
+                        demo_drafter_dir, drafter_kind, load_causal_lm, load_drafter, load_tokenizer, resolve_device, resolve_dtype,
+                        target_dir_of, target_skeleton)
+
+log = logging.getLogger(__name__)
+
+
+def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
+    """The target and drafter directories a `dvi.config.ModelConfig` names; null paths mean the demo pair, whose
+    target is fetched and whose drafter (`model.drafter_kind`: a layer drafter, `dvi.models.build_drafter`, or an
+    EAGLE-3 one, `dvi.eagle3.build_eagle3`) is built on first use. Loads no model."""
+    target_dir = target_dir_of(cfg)
+    if not with_drafter:
+        return target_dir, None
+    if cfg.drafter:
+        return target_dir, Path(cfg.drafter).expanduser()
+    drafter_dir = demo_drafter_dir(cache_dir(cfg), cfg.drafter_layers, cfg.drafter_vocab, cfg.drafter_kind)
+    if not (drafter_dir / DRAFTER_META).exists():
+        log.info("building the demo %s drafter at %s", cfg.drafter_kind, drafter_dir)
+        if cfg.drafter_kind == EAGLE3:
+            build_eagle3(target_dir, drafter_dir, cfg.drafter_vocab or EAGLE3_VOCAB)
+        else:
+            build_drafter(target_dir, drafter_dir, cfg.drafter_layers, cfg.drafter_vocab)
+    return target_dir, drafter_dir
 
 
 def load_any_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,

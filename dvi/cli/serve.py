@@ -24,8 +24,8 @@ from dvi.cli.output import out
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
 from dvi.hardware import pick_dtype, pick_engine
-from dvi.models import encode_prompt, end_ids, pair_dirs, resolve_device
-from dvi.pairs import resolve_pair
+from dvi.models import encode_prompt, end_ids, resolve_device
+from dvi.pairs import pair_dirs, resolve_pair
 from dvi.procs import default_replica_id, free_port
 from dvi.records import records_from_result
 from dvi.serving.api import create_app, draining_server

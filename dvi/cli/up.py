@@ -36,7 +36,8 @@ from dvi.cli.output import out
 from dvi.config import load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
-from dvi.models import cache_dir, pair_dirs, resolve_device, resolve_dtype
+from dvi.models import cache_dir, resolve_device, resolve_dtype
+from dvi.pairs import pair_dirs
 from dvi.procs import REGISTRY_ENV, Child, http_ok, port_in_use, sigterm_interrupts, spawn, start_time, stop_leftovers, wait_ready
 from dvi.tracking import find_experiment_link, local_login
 

@@ -11,8 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dvi.config import ModelConfig
 from dvi.eagle3 import build_eagle3, load_eagle3, target_features, target_ids
-from dvi.models import end_ids, load_causal_lm, load_tokenizer
+from dvi.errors import DviError
+from dvi.models import drafter_kind, end_ids, load_causal_lm, load_tokenizer
+from dvi.pairs import pair_dirs
 
 pytestmark = pytest.mark.real_model
 
@@ -66,3 +69,15 @@ def test_drafter_init_kind_eagle3(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "dvi.cli", "drafter", "init", "--kind", "eagle3", "--layers", "2"],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--layers is for --kind layers" in refused.stderr
+
+
+def test_model_drafter_kind_eagle3_builds_the_demo_eagle3_drafter_once(demo_target_dir, tmp_path):
+    cfg = ModelConfig(target=str(demo_target_dir), drafter_kind="eagle3", drafter_vocab=300, cache_dir=str(tmp_path))
+    target_dir, drafter_dir = pair_dirs(cfg)
+    assert target_dir == demo_target_dir and drafter_dir == tmp_path / "models" / "eagle3-v300"
+    assert drafter_kind(drafter_dir) == "eagle3" and json.loads((drafter_dir / "config.json").read_text())["draft_vocab_size"] == 300
+    built = (drafter_dir / "model.safetensors").stat().st_mtime_ns
+    assert pair_dirs(cfg) == (target_dir, drafter_dir) and (drafter_dir / "model.safetensors").stat().st_mtime_ns == built
+    assert drafter_kind(pair_dirs(ModelConfig(target=str(demo_target_dir), cache_dir=str(tmp_path)))[1]) == "layers"
+    with pytest.raises(DviError, match="model.drafter_kind"):
+        ModelConfig(drafter_kind="medusa")
