@@ -65,7 +65,7 @@ class ModelConfig:
 
     target: str | None = None
     drafter: str | None = None
-    drafter_kind: str = "layers"  # demo drafter: layers (the target's first layers and head) or eagle3 (dvi.eagle3)
+    drafter_kind: str = "eagle3"  # demo drafter: eagle3 (dvi.eagle3) or layers (the target's first layers and head)
     drafter_layers: int = 2  # demo layer drafter: target embeddings, first L layers, final norm, head
     drafter_vocab: int | None = None  # demo drafter: reduced head over the N most frequent tokens (None = full; eagle3: 8192)
     cache_dir: str | None = None  # None: $DVI_CACHE or ~/.cache/dvi

@@ -78,6 +78,8 @@ def test_model_drafter_kind_eagle3_builds_the_demo_eagle3_drafter_once(demo_targ
     assert drafter_kind(drafter_dir) == "eagle3" and json.loads((drafter_dir / "config.json").read_text())["draft_vocab_size"] == 300
     built = (drafter_dir / "model.safetensors").stat().st_mtime_ns
     assert pair_dirs(cfg) == (target_dir, drafter_dir) and (drafter_dir / "model.safetensors").stat().st_mtime_ns == built
-    assert drafter_kind(pair_dirs(ModelConfig(target=str(demo_target_dir), cache_dir=str(tmp_path)))[1]) == "layers"
+    assert ModelConfig().drafter_kind == "eagle3"  # the default kind
+    layers = ModelConfig(target=str(demo_target_dir), cache_dir=str(tmp_path), drafter_kind="layers")
+    assert drafter_kind(pair_dirs(layers)[1]) == "layers" and pair_dirs(layers)[1] == tmp_path / "models" / "drafter-L2-full"
     with pytest.raises(DviError, match="model.drafter_kind"):
         ModelConfig(drafter_kind="medusa")

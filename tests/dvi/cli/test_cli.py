@@ -31,8 +31,8 @@ def test_generate_json_greedy_matches_target_only():
         assert key in out
     for key in ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length"):
         assert key in out["stats"]
-    assert out["drafter_version"] == "init-L2-full"
-    assert 1 <= len(out["token_ids"]) <= 24
+    assert out["drafter_version"] == "init-eagle3-v8192"  # the demo drafter of the default kind
+    assert 1 <= len(out["token_ids"]) <= 24 and out["stats"]["drafted"] > 0
     assert out["stats"]["mean_accepted_length"] >= 1.0
     assert out["text"].strip()
 
