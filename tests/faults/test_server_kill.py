@@ -66,7 +66,9 @@ def production_store(tmp_path, demo_drafter_dir, demo_target_dir):
 
 def test_killed_mid_stream_a_client_sees_an_error_and_a_restart_serves_production(broker, production_store, tmp_path):
     scfg = stream_config(broker.bootstrap)
-    args = [*stream_overrides(scfg), "tracking.enabled=false", f"serve.swap.store={production_store}", "serve.drain_s=2"]
+    # the store's versions are layer drafters: a replica serves versions of its configured drafter's kind
+    args = [*stream_overrides(scfg), "tracking.enabled=false", f"serve.swap.store={production_store}", "serve.drain_s=2",
+            "model.drafter_kind=layers"]
     ends = {}
 
     server = Serve(tmp_path, *args, name="serve-1")

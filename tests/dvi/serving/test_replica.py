@@ -602,7 +602,7 @@ def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_
         # the domain tag: vllm_xargs on vLLM's API, the dvi field on dvi's
         body.update({"vllm_xargs": {"dvi_domain": "math"}} if vllm_server else {"dvi": {"domain": "math"}})
         view = requests.get(url + ("/dvi/health" if vllm_server else "/health"), timeout=10).json()
-        assert view["engine"] == pick_engine("auto", in_process=True).value and view["drafter_version"] == "init-L2-full"
+        assert view["engine"] == pick_engine("auto", in_process=True).value and view["drafter_version"] == "init-eagle3-v8192"  # the default kind
         assert requests.post(url + "/v1/chat/completions", json=body, timeout=120).status_code == 401  # no key
         r = requests.post(url + "/v1/chat/completions", json=body, timeout=120,
                           headers={"Authorization": "Bearer a-key-only-this-test-knows"})
@@ -615,7 +615,7 @@ def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_
                 got += [d.record for d in consumer.poll(timeout_s=1.0)]
         request_id = answer["id"] if vllm_server else answer["dvi"]["request_id"]
         assert got and got[0].request_id.startswith(request_id) and got[0].domain == "math"
-        assert got[0].replica_id == "replica-a" and got[0].drafter_version == "init-L2-full"
+        assert got[0].replica_id == "replica-a" and got[0].drafter_version == "init-eagle3-v8192"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, proc.stdout.read()[-3000:]
     finally:
