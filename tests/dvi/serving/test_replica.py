@@ -585,7 +585,9 @@ def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_
            f"stream.bootstrap_servers={stream_cfg.bootstrap}", f"stream.topic={stream_cfg.topic}",
            f"stream.dlq_topic={stream_cfg.dlq_topic}", f"stream.control_topic={stream_cfg.control_topic}",
            f"serve.swap.store={tmp_path / 'store'}", "stream.replica_id=replica-a"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    # its own process group: a failing check kills vLLM's engine processes under it too, not dvi serve alone
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)
     vllm_server = pick_engine("auto").value == "vllm-server"
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 900
@@ -619,9 +621,11 @@ def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, proc.stdout.read()[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left (nothing, after a clean stop)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def test_a_request_submitted_while_a_long_one_decodes_finishes_first(tiny_dirs, tmp_path):
