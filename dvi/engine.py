@@ -284,6 +284,7 @@ class _KV:
         if end < self.valid.shape[1]:
             self.cache.crop(end - self.valid.shape[1])
             self.valid = self.valid[:, :end]
+            self._drop_if_empty()
 
     def compact(self, slack: int = 64) -> None:
         """Squeeze holes out once the cache holds `slack` more slots than the longest row needs."""
@@ -299,6 +300,7 @@ class _KV:
             layer.keys = layer.keys.gather(2, gather)
             layer.values = layer.values.gather(2, gather)
         self.valid = self.valid.gather(1, idx)
+        self._drop_if_empty()
 
     def select(self, rows: list[int] | torch.Tensor) -> None:
         """Keep only `rows` of the batch."""
@@ -309,6 +311,13 @@ class _KV:
         self.valid = self.valid[index]
         self.length = self.length[index]
         self.pending = [self.pending[r] for r in rows]
+
+    def _drop_if_empty(self) -> None:
+        """A cache whose last slots went (`keep_last`, `compact`) starts afresh: its layers' tensors, though empty,
+        keep the batch size they had, which rows joining since would no longer match (`add_rows` and `select` leave a
+        cache without slots alone, as transformers' own batch selection does)."""
+        if not self.valid.shape[1]:
+            self.cache = DynamicCache()
 
 
 class _FeatureKV(_KV):

@@ -236,6 +236,25 @@ def test_kv_holes_select_and_compact_match_fresh_forward(tiny_target, slack):
         assert squeezed > 0
 
 
+@pytest.mark.parametrize("emptied_by", ["compact", "keep_last"])
+def test_kv_left_without_slots_takes_rows_joining_after(tiny_target, emptied_by):
+    """A cache whose slots all go (the row left holds only pending tokens: it joined while nothing was drafted, and
+    the rows that were fed left) starts afresh, so a row joining later is fed beside it: no layer keeps the batch
+    size of the rows that left."""
+    kv = _KV([PROMPTS[2], PROMPTS[1]])
+    with torch.inference_mode():
+        kv.forward(tiny_target, torch.tensor([[4, 4], [5, 5]]), keep=1)
+        kv.add_rows([[7, 8, 9]])
+        kv.select([2])  # the fed rows leave: every slot is a hole for the row left
+        if emptied_by == "compact":
+            kv.compact(slack=0)
+        else:  # a round's drafts rolled back
+            kv.keep_last(torch.zeros(1, kv.valid.shape[1], dtype=torch.bool))
+        assert kv.valid.shape[1] == 0 and kv.cache.get_seq_length() == 0
+        kv.add_rows([PROMPTS[0]])
+        _feed_and_check(tiny_target, kv, [[7, 8, 9], PROMPTS[0]], torch.tensor([[3], [6]]))
+
+
 @pytest.fixture
 def compact_often(monkeypatch):
     """Make the engine squeeze holes out whenever there are any; count the compactions that happened."""

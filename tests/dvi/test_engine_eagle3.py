@@ -118,6 +118,28 @@ def test_a_hot_swap_mid_answer_drafts_from_the_target_features_of_the_whole_sequ
     assert 0 < accepted < drafted
 
 
+def test_a_row_that_joins_beside_one_the_drafter_has_not_seen_yet_drafts_from_its_features(tiny_target, eagle):
+    """The drafter's cache loses every slot: a long answer that filled it is cancelled as a request joins, whose
+    prefill round drafts nothing, and the compaction after it drops the holes. A request joining then is fed beside
+    the one left, from the round both draft."""
+    long = [(5 * i + 1) % 97 for i in range(80)]  # more drafter slots than the compaction's slack
+    engine = SpeculativeEngine(tiny_target, eagle, SpecConfig(k=3, adaptive=False), max_batch=3)
+    batch = engine.decoding()
+    batch.add(Request(long, max_new_tokens=NEW), key="long")
+    batch.step(), batch.step()
+    batch.add(Request(PROMPTS[1], max_new_tokens=NEW), key=1)
+    batch.cancel("long")
+    done = dict(batch.step())
+    assert list(done) == ["long"] and batch.dft.valid.shape[1] == 0  # the row left has only pending tokens
+    batch.add(Request(PROMPTS[2], max_new_tokens=NEW), key=2)
+    while batch.size:
+        done.update(batch.step())
+    for i in (1, 2):
+        assert done[i].token_ids == target_greedy(tiny_target, PROMPTS[i], NEW)
+    drafted, accepted = check_drafts([done[1], done[2]], tiny_target, {eagle.version: eagle})
+    assert drafted and 0 < accepted < drafted
+
+
 def test_sampled_tokens_with_an_eagle3_drafter_follow_the_target(tiny_target, eagle):
     """Thousands of seeded copies of one prompt: the second token (drafted by EAGLE-3 from the target's features of
     the prompt and the first token, then accepted or recovered) follows the target's warped distribution."""

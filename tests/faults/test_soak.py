@@ -143,7 +143,7 @@ def test_soak_mixed_traffic_with_swaps_keeps_memory_flat_and_greedy_exact(broker
 
     serve_log, train_log = (tmp_path / "serve.log").read_text(), (tmp_path / "train.log").read_text()
     swaps = health["events"].get("swap", 0)
-    published = len(re.findall(r"published drafter \S+", train_log))
+    published = len(re.findall(r"\S+ published \(parent", train_log))
 
     warm = max(MINUTES * 60 / 3, swapped_at[0] if swapped_at else 0.0)
     half = (warm + MINUTES * 60) / 2
