@@ -44,6 +44,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("DVI_CACHE", Path.home() / ".cache" / "dvi"))
 
 
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path): vLLM's engine makes its sockets in the temporary folder
+
+
+def scratch_dir() -> Path | None:
+    """<cache>/tmp, made if missing: the temporary folder of dvi's processes and of everything they start (vLLM's
+    sockets and distributed-init files, the logs of a broker's and MLflow's own processes), so a stack writes nothing
+    outside its cache. None where that path leaves no room for a socket's name (36 characters) under it."""
+    folder = default_cache_dir().expanduser() / "tmp"
+    if len(os.fsencode(str(folder))) + 1 + 36 > SOCKET_PATH_MAX:
+        return None
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder
+
+
 def keys_dir(cfg: StreamConfig) -> Path:
     """The control channel's keys folder: `stream.keys_dir`, or <cache>/keys."""
     return Path(cfg.keys_dir).expanduser() if cfg.keys_dir else default_cache_dir() / "keys"

@@ -17,11 +17,13 @@ import importlib.metadata
 import logging
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
 from dvi.alloc import limit_arenas
 from dvi.cli import output
+from dvi.config import scratch_dir
 from dvi.errors import DviError
 
 
@@ -188,6 +190,15 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def _use_scratch() -> None:
+    """The cache's scratch folder (`dvi.config.scratch_dir`) as this process's and its children's temporary folder,
+    unless $TMPDIR names one."""
+    if os.environ.get("TMPDIR") or (folder := scratch_dir()) is None:
+        return
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # read again from the environment
+
+
 def main(argv: list[str] | None = None) -> int:
     limit_arenas()  # before any thread starts (see dvi.alloc)
     os.umask(0o077)  # what dvi writes (cache, store, logs, keys, checkpoints, mlflow.db) is the user's alone
@@ -203,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             getattr(importlib.import_module(f"dvi.cli.{module}"), function)(args)
         if not args.light:
             _quiet_libraries()
+            _use_scratch()
         module, function = args.run.split(":")
         run = getattr(importlib.import_module(f"dvi.cli.{module}"), function)
         return int(run(args) or 0)

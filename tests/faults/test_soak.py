@@ -30,6 +30,7 @@ from broker_fixtures import stream_config
 from child_env import clean_env
 from faults_helpers import Serve, stream_end, stream_overrides
 
+from benchmarks.soak import slope_per_min
 from benchmarks.workloads import prompts
 from dvi.procs import rss_mib
 
@@ -45,15 +46,6 @@ def answer(server: Serve, prompt, max_tokens: int = 24) -> str:
     assert r.status_code == 200, r.text[:500]
     choice = r.json()["choices"][0]
     return choice["text"] if "text" in choice else choice["message"]["content"]
-
-
-def slope_mib_per_min(samples: list[tuple[float, float]]) -> float:
-    """Least-squares slope of (seconds, MiB) samples, in MiB per minute."""
-    n = len(samples)
-    mt = sum(t for t, _ in samples) / n
-    mm = sum(m for _, m in samples) / n
-    var = sum((t - mt) ** 2 for t, _ in samples)
-    return 60.0 * sum((t - mt) * (m - mm) for t, m in samples) / var if var else 0.0
 
 
 @pytest.mark.timeout(MINUTES * 60 + 900)  # the run itself, plus starting and stopping the stack
@@ -152,7 +144,7 @@ def test_soak_mixed_traffic_with_swaps_keeps_memory_flat_and_greedy_exact(broker
         first, second = [m for t, m in samples if warm <= t < half], [m for t, m in samples if t >= half]
         if not first or not second:  # the first swap came too late to leave a window after the warm-up
             return {"median": float("nan"), "growth": float("nan"), "peak": float("nan"), "slope": float("nan"), "halves": ""}
-        slope = slope_mib_per_min([(t, m) for t, m in samples if t >= warm])
+        slope = slope_per_min([(t, m) for t, m in samples if t >= warm])
         return {"median": statistics.median(second) / statistics.median(first),
                 "growth": slope * (MINUTES * 60 - warm) / 60 / statistics.median(first),
                 "peak": max(second) / max(first), "slope": slope,

@@ -1,0 +1,772 @@
+"""The soak: the default stack under steady mixed traffic and a schedule of faults for hours (2 by default), watched
+every 30 s and checked at the end: nothing lost, nothing growing.
+
+The stack is what users run: `dvi up --detach` on the defaults (embedded broker, local MLflow, `dvi serve` on vLLM,
+`dvi train`) plus a second serving replica that this benchmark supervises itself (`dvi.cli.up.Supervisor`, the one
+`dvi up` runs), all on one cache of their own (<out>/cache; the demo models are linked in from the user's cache,
+read only). The broker keeps its data on disk (`stream.data_dir` in the cache): a killed broker comes back with
+what it acknowledged, which is what "every acknowledged record is trained exactly once" is checked against.
+
+Traffic: chat and completion prompts of three domains (code, prose, qa; `benchmarks.workloads`), greedy and
+sampled, a third of them streamed, some clients hanging up after the first streamed chunk; the number of clients
+steps through 1, 2, 4, 8, 4, 2 every `--step-min` minutes; each request goes to a replica that answered its last
+health check, round robin.
+
+Faults, one every `--fault-every-min` minutes, in turn: the trainer, the broker, MLflow and the first replica
+killed with SIGKILL (the part's own process: what it had started is left for `dvi up` to find), then `dvi up`
+itself (SIGKILL, as an out-of-memory kill; a new `dvi up --detach` must stop what the dead one left and start
+cleanly). Once, between the second and third fault, a hostile burst: malformed, oversized and compressed-bomb
+records on the decision topic, an unsigned, a forged and a replayed control message, abusive HTTP.
+
+Every `--interval-s` (30) a row: resident memory and open descriptors of every process (each part with its whole
+process tree), request latency p50/p99 and errors by kind in the interval, records sent and dropped by the replicas,
+the trainer's counters and consumer lag (from MLflow), dead-lettered records, versions published, swaps and
+rollbacks, live acceptance and the served version of each replica. Written to <out>/soak.json, drawn to
+<out>/soak.png.
+
+Checked at the end (traffic stopped, the trainer given `--drain-min` to catch up), printed as a table and written
+to <out>/soak.md: every record on the topic is in the trainer's ledger exactly once; no request failed but those in
+flight at a killed replica (which got an error) or sent to one that was down; per process, resident memory and
+descriptors flat over the last hour (the second half in a shorter run): the second half's median within 5% of the
+first half's and the trend rising at most 5% across it; p99 latency of the last hour within 1.2x of the first
+hour's after warm-up; the served drafter never a version the gate refused or a control message the signature
+check refused; after the supervisor's kill nothing it had started was left running; nothing written outside the
+cache directory (home, /tmp and the work tree looked at).
+
+Run (alone on the machine): .venv/bin/python -m benchmarks.soak [--minutes 120] [--quick] [--out DIR] [overrides]
+`--quick`: 10 minutes, the five faults and the burst once each, a fault every 1.5 minutes (or as soon as the one
+before has recovered; the run goes on until the last has, at most 20 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import requests
+
+from benchmarks.workloads import prompts
+from dvi import store
+from dvi.cli.up import Part, Supervisor, children_dir, running_pid
+from dvi.config import load_config
+from dvi.models import default_cache_dir
+from dvi.procs import REGISTRY_ENV, free_port, http_ok, start_time
+
+FAULTS = ("train", "broker", "mlflow", "serve", "up")  # killed in this order, one every fault_every_min
+DOMAINS = ("code", "prose", "qa")
+CONCURRENCY = (1, 2, 4, 8, 4, 2)  # clients, a step every step_min
+FLAT = 0.05  # memory and descriptors: at most this growth over the checked window
+P99_RATIO = 1.2  # p99 latency of the last hour against the first's
+HOSTILE_VERSION = "hostile-v1"  # the version the burst's unsigned, forged and replayed messages announce
+
+
+@dataclass
+class Options:
+    minutes: float = 120.0
+    fault_every_min: float = 20.0
+    step_min: float = 2.0
+    interval_s: float = 30.0
+    warmup_min: float = 10.0
+    drain_min: float = 15.0
+    out: Path = field(default_factory=lambda: Path(f"/tmp/dvi-soak-{time.strftime('%Y%m%d-%H%M%S')}"))
+
+    @classmethod
+    def quick(cls, out: Path | None = None) -> Options:
+        return cls(minutes=10.0, fault_every_min=1.5, step_min=0.5, interval_s=10.0, warmup_min=2.0, drain_min=5.0,
+                   **({"out": out} if out else {}))
+
+    def fault_at(self) -> list[tuple[float, str]]:
+        """(seconds from the start, fault) of the schedule: FAULTS in turn, then again, while the run lasts; the
+        hostile burst halfway between the second and the third."""
+        every, end = self.fault_every_min * 60, self.minutes * 60
+        at = [(every * (i + 1), FAULTS[i % len(FAULTS)]) for i in range(int(end // every)) if every * (i + 1) < end - 30]
+        return sorted(at + [(every * 2.5, "hostile")])
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure figures.
+
+
+def slope_per_min(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value) samples, per minute."""
+    n = len(samples)
+    mt = sum(t for t, _ in samples) / n
+    mv = sum(v for _, v in samples) / n
+    var = sum((t - mt) ** 2 for t, _ in samples)
+    return 60.0 * sum((t - mt) * (v - mv) for t, v in samples) / var if var else 0.0
+
+
+def flatness(samples: list[tuple[float, float]]) -> dict | None:
+    """How a (seconds, value) series over a window grows: the second half's median over the first half's, and the
+    trend line's rise across the window as a share of the first half's median. None with under 4 samples."""
+    if len(samples) < 4:
+        return None
+    samples = sorted(samples)
+    t0, t1 = samples[0][0], samples[-1][0]
+    mid = (t0 + t1) / 2
+    first, second = [v for t, v in samples if t < mid], [v for t, v in samples if t >= mid]
+    base = statistics.median(first)
+    if not base:
+        return {"median_ratio": 1.0, "growth": 0.0, "slope_per_min": 0.0, "first": 0.0, "second": statistics.median(second)}
+    slope = slope_per_min(samples)
+    return {"median_ratio": statistics.median(second) / base, "growth": slope * (t1 - t0) / 60 / base,
+            "slope_per_min": slope, "first": base, "second": statistics.median(second)}
+
+
+def is_flat(f: dict | None) -> bool | None:
+    return None if f is None else f["median_ratio"] <= 1 + FLAT and f["growth"] <= FLAT
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by nearest rank; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def exactly_once(topic_ids: list[str], ledger: list[tuple[str, str]]) -> dict:
+    """The ledger against the topic: ids on the topic missing from the ledger, ids in it more than once, ids in it
+    that are not on the topic."""
+    counts = Counter(rid for rid, _ in ledger)
+    on_topic = set(topic_ids)
+    return {"on_topic": len(on_topic), "in_ledger": len(counts), "missing": sorted(on_topic - set(counts))[:20],
+            "missing_n": len(on_topic - set(counts)), "twice": sorted(r for r, n in counts.items() if n > 1)[:20],
+            "twice_n": sum(1 for n in counts.values() if n > 1), "unknown_n": len(set(counts) - on_topic),
+            "topic_duplicates": len(topic_ids) - len(on_topic)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes.
+
+
+def tree(pid: int, apart: frozenset[int] = frozenset()) -> list[int]:
+    """`pid` and every process below it (from /proc), but those in `apart` and theirs (counted on their own)."""
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    frontier += [c for c in map(int, f.read().split()) if c not in apart]
+        except OSError:
+            continue
+    return out
+
+
+def usage(pid: int, apart: frozenset[int] = frozenset()) -> tuple[float, int] | None:
+    """Resident MiB and open descriptors of `pid`'s tree (`tree`); None when it is gone."""
+    rss, fds, alive = 0.0, 0, False
+    for p in tree(pid, apart):
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                rss += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+            alive = True
+        except OSError:
+            continue
+    return (rss, fds) if alive else None
+
+
+def registry(folder: Path) -> dict[str, dict]:
+    """The processes a supervisor recorded (`dvi.procs`), by name ("serve", "broker/tansu": a part's own children
+    under the part's name)."""
+    entries = []
+    for path in Path(folder).glob("*.json"):
+        try:
+            entries.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    by_pid = {e["pid"]: e for e in entries}
+    out = {}
+    for e in entries:
+        parent = by_pid.get(e.get("parent"))
+        name = e["name"] if parent is None else f"{parent['name']}/{e['name']}"
+        out[name] = e
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Traffic.
+
+
+@dataclass
+class Outcome:
+    start: float  # seconds from the run's start
+    end: float
+    replica: str
+    kind: str  # "ok", "hung up" (a client that left on purpose), or what went wrong
+    streamed: bool
+
+
+class Traffic:
+    """Client threads sending the mixed workload to the replicas that are up."""
+
+    def __init__(self, urls: dict[str, str], t0: float, seed: int = 0):
+        self.urls, self.t0 = urls, t0
+        self.up = set(urls)  # replicas that answered their last health check
+        self.outcomes: list[Outcome] = []
+        self.clients = 0  # how many of the threads send now
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        rng = random.Random(seed)
+        self.work = [(d, p) for d in DOMAINS for p in prompts(d, "live", seed=seed)]
+        rng.shuffle(self.work)
+        self._next = 0
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(max(CONCURRENCY))]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(600)
+
+    def _pick(self) -> tuple[str, object, int] | None:
+        with self._lock:
+            up = sorted(self.up)
+            if not up:
+                return None
+            i = self._next
+            self._next += 1
+        return up[i % len(up)], self.work[i % len(self.work)][1], i
+
+    def _client(self, index: int) -> None:
+        while not self._stop.is_set():
+            if index >= self.clients or (job := self._pick()) is None:
+                time.sleep(0.5)
+                continue
+            name, prompt, i = job
+            stream = i % 3 == 0
+            hang_up = stream and i % 12 == 0
+            body = prompt.body(16 + 8 * (i % 5), temperature=(0.0, 0.7, 1.0)[i % 3], stream=stream)
+            start = time.monotonic() - self.t0
+            kind = self._send(self.urls[name] + prompt.path, body, stream, hang_up)
+            with self._lock:
+                self.outcomes.append(Outcome(start, time.monotonic() - self.t0, name, kind, stream))
+
+    @staticmethod
+    def _send(url: str, body: dict, stream: bool, hang_up: bool) -> str:
+        try:
+            with requests.post(url, json=body, timeout=600, stream=stream) as r:
+                if r.status_code != 200:
+                    return f"HTTP {r.status_code}"
+                if not stream:
+                    r.json()["choices"][0]
+                    return "ok"
+                events = []
+                for line in r.iter_lines(decode_unicode=True):
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if hang_up:
+                            return "hung up"
+                chunks = [json.loads(e) for e in events if e != "[DONE]"]
+                if any("error" in c for c in chunks):
+                    return "stream error event"
+                finished = any((c.get("choices") or [{}])[0].get("finish_reason") for c in chunks)
+                return "ok" if events and events[-1] == "[DONE]" and finished else "stream truncated"
+        except requests.ConnectionError as e:
+            return "connection refused" if "refused" in str(e).lower() else "connection error"
+        except requests.RequestException as e:
+            return type(e).__name__
+        except (ValueError, KeyError, IndexError):
+            return "bad answer"
+
+
+# ----------------------------------------------------------------------------------------------
+# The hostile burst.
+
+
+def hostile_burst(cfg, urls: list[str]) -> dict:
+    """Malformed, oversized and compressed-bomb records on the decision topic; an unsigned, a forged and a replayed
+    control message; abusive HTTP to each replica. Returns what was sent and what each HTTP request got."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+    from dvi import control, keys, records_v1
+    from dvi.records import READS
+
+    sent: dict = {"records": 0, "control": 0, "http": Counter()}
+    producer = KafkaProducer(bootstrap_servers=cfg.stream.bootstrap, max_request_size=4 << 20)
+    try:
+        v1 = [("content-type", READS[1].encode())]
+        payload = b"\0" * (64 << 20)
+        bomb = struct.pack("<4sHHI", records_v1.MAGIC, 1, 0, len(payload)) + zlib.compress(payload, 9)
+        for value, headers in [(b"\x00garbage", None), (os.urandom(3000), v1), (bomb, v1), (b"{" * (900 << 10), None),
+                               (struct.pack("<4sHHI", records_v1.MAGIC, 1, 0, 1 << 31) + b"x" * 64, v1)]:
+            producer.send(cfg.stream.topic, value, headers=headers).get(timeout=30)
+            sent["records"] += 1
+        # the newest signed control message, sent again: a replay
+        reader = KafkaConsumer(bootstrap_servers=cfg.stream.bootstrap, enable_auto_commit=False, consumer_timeout_ms=3000)
+        tps = [TopicPartition(cfg.stream.control_topic, p) for p in reader.partitions_for_topic(cfg.stream.control_topic) or []]
+        reader.assign(tps)
+        reader.seek_to_beginning(*tps)
+        signed = [m.value for m in reader if b'"signature"' in m.value]  # a publish, or a replica's verdict
+        reader.close()
+        msg = control.DrafterPublished(version=HOSTILE_VERSION, uri="/etc", sha256="0" * 64)
+        forged_keys = keys.Keys(signing={"trainer": Ed25519PrivateKey.generate()})  # a trainer key no replica trusts
+        for data in [control.encode(msg), control.encode(msg, forged_keys), *signed[-1:]]:
+            producer.send(cfg.stream.control_topic, data).get(timeout=30)
+            sent["control"] += 1
+        sent["replayed"] = len(signed[-1:])
+    finally:
+        producer.close(timeout=10)
+    abuse = [("/v1/completions", b"{not json"), ("/v1/completions", json.dumps({"prompt": 5, "max_tokens": "x"}).encode()),
+             ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 10 ** 9}).encode()),
+             ("/v1/chat/completions", json.dumps({"messages": "nope"}).encode()),
+             ("/v1/completions", b'{"prompt": "' + b"a" * (8 << 20) + b'"}'), ("/../../etc/passwd", b"")]
+    for url in urls:
+        for path, data in abuse:
+            try:
+                r = requests.post(url + path, data=data, headers={"Content-Type": "application/json"}, timeout=60)
+                sent["http"][f"{path[:20]} -> {r.status_code}"] += 1
+            except requests.RequestException as e:
+                sent["http"][f"{path[:20]} -> {type(e).__name__}"] += 1
+    sent["http"] = dict(sent["http"])
+    return sent
+
+
+# ----------------------------------------------------------------------------------------------
+# The run.
+
+
+class Soak:
+    def __init__(self, opt: Options, overrides: list[str], say=print):
+        self.opt, self.say = opt, say
+        self.work = opt.out.expanduser().resolve()
+        self.cache = self.work / "cache"
+        (self.cache / "logs").mkdir(parents=True, exist_ok=True)
+        models = default_cache_dir() / "models"
+        if models.is_dir() and not (self.cache / "models").exists():
+            (self.cache / "models").symlink_to(models, target_is_directory=True)
+        os.environ["DVI_CACHE"] = str(self.cache)
+        self.overrides = [f"stream.data_dir={self.cache / 'broker'}", "trainer.log_every=1", *overrides]
+        self.cfg = load_config(self.overrides)
+        self.port2 = free_port()
+        self.urls = {"r1": f"http://{self.cfg.serve.host}:{self.cfg.serve.port}", "r2": f"http://{self.cfg.serve.host}:{self.port2}"}
+        self.t0 = time.monotonic()
+        self.rows: list[dict] = []
+        self.faults: list[dict] = []
+        self.served: dict[str, set] = defaultdict(set)
+        self.counters: dict[str, dict] = defaultdict(dict)  # replica -> pid -> its last health (counters restart with it)
+        self.orphans: list[str] = []
+        self.hostile: dict = {}
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def up(self) -> None:
+        """`dvi up --detach` on the soak's cache (a `dvi up` killed before has what it left stopped first)."""
+        r = subprocess.run([sys.executable, "-m", "dvi.cli", "up", "--detach", *self.overrides], capture_output=True, text=True,
+                           timeout=1200, env={**os.environ, REGISTRY_ENV: ""})
+        for line in r.stdout.splitlines():
+            if "stopped what an earlier" in line or "detached" in line:
+                self.say(f"soak: {line}")
+        if r.returncode:
+            raise RuntimeError(f"dvi up --detach failed ({r.returncode}): {r.stdout[-2000:]}{r.stderr[-2000:]}")
+
+    def health(self, name: str) -> dict | None:
+        try:
+            r = requests.get(self.urls[name] + "/dvi/health", timeout=5)
+            return r.json() if r.status_code == 200 else None
+        except (requests.RequestException, ValueError):
+            return None
+
+    def kill(self, fault: str) -> dict:
+        """SIGKILL one part (its own process) or `dvi up` itself; returns what was killed."""
+        up_pid = running_pid(self.cache)
+        if fault == "up":
+            before = {n: (e["pid"], e["start"]) for n, e in registry(children_dir(self.cache)).items()}
+            os.kill(up_pid, signal.SIGKILL)
+            return {"pid": up_pid, "left": before}
+        entry = registry(children_dir(self.cache)).get(fault)
+        if entry is None:
+            raise RuntimeError(f"no {fault} recorded in {children_dir(self.cache)}")
+        os.kill(entry["pid"], signal.SIGKILL)
+        return {"pid": entry["pid"], "banners": self.train_banners()}
+
+    def train_banners(self) -> int:
+        """How many times the trainer has said it is ready (`dvi train:`, the line `dvi up` waits for) in its log."""
+        try:
+            return sum(line.startswith("dvi train:") for line in (self.cache / "logs" / "train.log").read_text(errors="replace").splitlines())
+        except OSError:
+            return 0
+
+    def recovered(self, fault: str, killed: dict) -> bool:
+        if fault == "up":  # a new `dvi up` said it is ready
+            return killed.get("restarted") is not None and not killed["restarted"].is_alive() and self.health("r1") is not None
+        entry = registry(children_dir(self.cache)).get(fault)
+        if entry is None or entry["pid"] == killed["pid"]:
+            return False
+        if fault == "serve":
+            return self.health("r1") is not None
+        if fault == "mlflow":
+            return http_ok(f"{self.cfg.tracking.tracking_uri}/health") is None
+        if fault == "broker":
+            from streams.broker import kafka_answers
+
+            return kafka_answers(self.cfg.stream.bootstrap) is None
+        return self.train_banners() > killed["banners"]
+
+    def sample(self, traffic: Traffic, since: float) -> dict:
+        t = self.now()
+        procs = {}
+        up_pid = running_pid(self.cache)
+        named = {"up": {"pid": up_pid}} if up_pid else {}
+        named.update(registry(children_dir(self.cache)))
+        named.update({f"r2:{n}": e for n, e in registry(self.work / "r2.children").items()})
+        recorded = frozenset(e["pid"] for e in named.values())  # each counted on its own, with what it started unrecorded
+        for name, e in named.items():
+            if (u := usage(e["pid"], recorded)) is not None:
+                procs[name] = {"pid": e["pid"], "rss_mib": round(u[0], 1), "fds": u[1]}
+        with traffic._lock:
+            window = [o for o in traffic.outcomes if since <= o.end < t]
+        lat = [o.end - o.start for o in window if o.kind == "ok"]
+        replicas = {}
+        for name in self.urls:
+            h = self.health(name)
+            if h is None:
+                replicas[name] = None
+                continue
+            self.counters[name][h.get("pid")] = h
+            self.served[name].add(h.get("drafter_version"))
+            replicas[name] = {"version": h.get("drafter_version"), "acceptance": h.get("acceptance_rate"),
+                              "control_refused": h.get("control_refused"), "events": h.get("events")}
+        sums = Counter()
+        for name, by_pid in self.counters.items():
+            for h in by_pid.values():
+                sums.update({k: v for k, v in (h.get("records") or {}).items() if isinstance(v, int)})
+                sums.update({f"event/{k}": v for k, v in (h.get("events") or {}).items()})
+        row = {"t": round(t, 1), "clients": traffic.clients, "procs": procs, "replicas": replicas,
+               "requests": dict(Counter(o.kind for o in window)),
+               "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99),
+               "records": {k: sums[k] for k in ("sent", "dropped", "errors")},
+               "events": {k[6:]: v for k, v in sums.items() if k.startswith("event/")},
+               "published": len(store.versions(store.default_root(self.cfg)))}
+        row.update(self.trainer_view())
+        return row
+
+    def trainer_view(self) -> dict:
+        from dvi.tracking import loop_view
+
+        try:
+            view = loop_view(self.cfg.tracking, timeout_s=5)
+        except Exception as e:  # a view for the record only: MLflow may be the part that is down
+            return {"trainer": f"unreadable ({type(e).__name__})"}
+        metrics = (view.get("trainer") or {}).get("metrics") or {}
+        keep = ("count/trained", "count/held_out", "count/skipped", "count/duplicates", "count/dead_lettered", "consumer_lag")
+        return {"trainer": {k: metrics[k]["value"] for k in keep if k in metrics} or view.get("error")}
+
+    def run(self) -> dict:
+        opt = self.opt
+        outside_before = outside_files(self.work)
+        self.say(f"soak: {opt.minutes:g} minutes, faults at {[(round(t / 60, 1), f) for t, f in opt.fault_at()]} min; out {self.work}")
+        self.up()
+        os.environ[REGISTRY_ENV] = str(self.work / "r2.children")
+        r2 = Supervisor([Part("r2", ["serve", f"serve.port={self.port2}", "stream.replica_id=r2"],
+                              lambda _: http_ok(self.urls["r2"] + "/dvi/health"), 900)], self.overrides, self.cache / "logs",
+                        say=lambda line: self.say(f"soak: {line}"), relay=False)
+        r2.start()
+        self.t0 = time.monotonic()
+        traffic = Traffic(self.urls, self.t0)
+        traffic.start()
+        schedule = opt.fault_at()
+        active: dict | None = None
+        last_sample = 0.0
+        try:
+            # the run lasts its minutes, and longer (at most twice) while a fault of the schedule is due or recovering
+            while self.now() < opt.minutes * 60 or ((schedule or active) and self.now() < 2 * opt.minutes * 60):
+                t = self.now()
+                traffic.clients = CONCURRENCY[int(t // (opt.step_min * 60)) % len(CONCURRENCY)]
+                traffic.up = {n for n in self.urls if self.health(n) is not None}
+                r2.tick()
+                if active is not None and self.recovered(active["fault"], active["killed"]):
+                    active["recovered_s"] = round(self.now() - active["t"], 1)
+                    if active["fault"] == "up":
+                        active["left_running"] = left_running(active["killed"]["left"])
+                        self.orphans += active["left_running"]
+                    self.say(f"soak: {active['fault']} back after {active['recovered_s']} s")
+                    active = None
+                if active is not None and active["fault"] == "up" and "restarted" not in active["killed"]:
+                    # what systemd's restart of a dead `dvi up` does, beside the traffic and the samples
+                    active["killed"]["restarted"] = threading.Thread(target=self.up, daemon=True)
+                    active["killed"]["restarted"].start()
+                if active is None and schedule and t >= schedule[0][0]:
+                    _, fault = schedule.pop(0)
+                    if fault == "hostile":
+                        self.hostile = hostile_burst(self.cfg, list(self.urls.values()))
+                        self.faults.append({"t": round(t, 1), "fault": "hostile", **self.hostile})
+                        self.say(f"soak: hostile burst at {t / 60:.1f} min: {self.hostile}")
+                    else:
+                        active = {"t": round(t, 1), "fault": fault, "killed": self.kill(fault)}
+                        self.faults.append(active)
+                        self.say(f"soak: SIGKILL {fault} (pid {active['killed']['pid']}) at {t / 60:.1f} min")
+                if t - last_sample >= opt.interval_s:
+                    self.rows.append(self.sample(traffic, last_sample))
+                    last_sample = t
+                    (self.work / "soak.json").write_text(json.dumps({"rows": self.rows, "faults": self.faults}, default=str))
+                time.sleep(1.0)
+            traffic.clients = 0
+            traffic.stop()
+            self.rows.append(self.sample(traffic, last_sample))
+            drained = self.drain()
+            topic_ids, dead = read_topic(self.cfg)
+        finally:
+            traffic.stop()
+            r2.stop()
+            subprocess.run([sys.executable, "-m", "dvi.cli", "down", *self.overrides], capture_output=True, timeout=300)
+            os.environ.pop(REGISTRY_ENV, None)
+        ledger = read_ledger(self.cfg)
+        summary = self.summarize(traffic, topic_ids, dead, ledger, drained, outside_files(self.work, outside_before))
+        (self.work / "soak.json").write_text(json.dumps({"rows": self.rows, "faults": self.faults, "summary": summary,
+                                                         "options": {k: str(v) for k, v in asdict(opt).items()}}, default=str))
+        (self.work / "soak.md").write_text(table(summary) + "\n")
+        plot(self.rows, self.faults, str(self.work / "soak.png"))
+        return summary
+
+    def drain(self) -> dict:
+        """Wait, traffic stopped, until the trainer has taken every record the replicas sent (its counters in MLflow),
+        at most `drain_min`."""
+        deadline, view = time.monotonic() + self.opt.drain_min * 60, {}
+        sent = self.rows[-1]["records"]["sent"]
+        while time.monotonic() < deadline:
+            view = self.trainer_view().get("trainer")
+            if isinstance(view, dict) and sum(view.get(k, 0) for k in ("count/trained", "count/held_out", "count/skipped",
+                                                                            "count/duplicates")) >= sent:
+                break
+            time.sleep(10)
+        return {"sent": sent, "trainer": view, "waited_s": round(self.opt.drain_min * 60 - (deadline - time.monotonic()))}
+
+    def summarize(self, traffic: Traffic, topic_ids, dead: int, ledger, drained: dict, outside: list[str]) -> dict:
+        opt = self.opt
+        end = max(opt.minutes * 60, self.rows[-1]["t"] if self.rows else 0.0)  # a run goes on while a fault recovers
+        # requests: failures are tolerated only at a replica that was down or being killed
+        downs = []
+        for f in self.faults:
+            if f["fault"] in ("serve", "up"):
+                downs.append(("r1", f["t"] - 1, f["t"] + f.get("recovered_s", end)))
+        tolerated, failed = Counter(), Counter()
+        for o in traffic.outcomes:
+            if o.kind in ("ok", "hung up"):
+                continue
+            at_down = any(o.replica == r and o.start <= b and o.end >= a for r, a, b in downs)
+            (tolerated if at_down else failed)[o.kind] += 1
+        # processes: the last hour (or half), each name's newest pid only
+        window = max(end - 3600, end / 2, opt.warmup_min * 60)
+        series: dict[str, list] = defaultdict(list)
+        for row in self.rows:
+            if row["t"] >= window:
+                for name, p in row["procs"].items():
+                    series[name].append((row["t"], p["pid"], p["rss_mib"], p["fds"]))
+        born = {}  # pid -> when it was first seen
+        for row in self.rows:
+            for p in row["procs"].values():
+                born.setdefault(p["pid"], row["t"])
+        procs = {}
+        for name, s in sorted(series.items()):
+            pid = s[-1][1]  # the newest process of that name, once it has warmed up
+            mine = [x for x in s if x[1] == pid and x[0] >= born[pid] + opt.warmup_min * 60]
+            covered = bool(mine) and (mine[-1][0] - mine[0][0]) >= (end - window) / 2
+            procs[name] = {"pid": pid, "samples": len(mine), "rss": flatness([(t, r) for t, _, r, _ in mine]) if covered else None,
+                           "fds": flatness([(t, f) for t, _, _, f in mine]) if covered else None}
+        # latency: the last hour (half) against the first one after warm-up
+        ok = [o for o in traffic.outcomes if o.kind == "ok"]
+        first = [o.end - o.start for o in ok if opt.warmup_min * 60 <= o.start < min(opt.warmup_min * 60 + 3600, window)]
+        last = [o.end - o.start for o in ok if o.start >= window]
+        p99 = {"first": percentile(first, 99), "last": percentile(last, 99), "first_n": len(first), "last_n": len(last)}
+        refused_versions = {HOSTILE_VERSION}
+        published = set(store.versions(store.default_root(self.cfg)))
+        served = {r: sorted(v - {None}) for r, v in self.served.items()}
+        bad_served = sorted({v for vs in served.values() for v in vs} & refused_versions
+                            | {v for vs in served.values() for v in vs if not v.startswith("init-") and v not in published})
+        once = exactly_once(topic_ids, ledger)
+        checks = {
+            "every record on the topic trained exactly once": once["missing_n"] == 0 and once["twice_n"] == 0 and once["unknown_n"] == 0,
+            "no request failed but at a killed replica": not failed,
+            "memory flat in the last hour": all(is_flat(p["rss"]) is not False for p in procs.values()),
+            "descriptors flat in the last hour": all(is_flat(p["fds"]) is not False for p in procs.values()),
+            f"p99 latency of the last hour within {P99_RATIO}x of the first's":
+                None if not (p99["first"] and p99["last"]) else p99["last"] <= P99_RATIO * p99["first"],
+            "served only versions the gate and the signature allowed": not bad_served,
+            "nothing left running by the killed supervisor": not self.orphans,
+            "nothing written outside the cache": not outside,
+        }
+        return {"minutes": opt.minutes, "checks": checks, "requests": {"ok": sum(o.kind == "ok" for o in traffic.outcomes),
+                "hung up": sum(o.kind == "hung up" for o in traffic.outcomes), "tolerated": dict(tolerated), "failed": dict(failed)},
+                "exactly_once": once, "dead_lettered": dead, "drain": drained, "procs": procs, "p99_s": p99,
+                "served": served, "bad_served": bad_served, "published": len(published), "orphans": self.orphans,
+                "outside": outside[:50], "faults": [{k: v for k, v in f.items() if k != "killed"} for f in self.faults],
+                "hostile": self.hostile}
+
+
+def left_running(before: dict[str, tuple[int, str]]) -> list[str]:
+    """Of the processes a killed `dvi up` had recorded, those still running (the same pid and start time)."""
+    return [f"{name} (pid {pid})" for name, (pid, start) in before.items() if start_time(pid) == start]
+
+
+def read_topic(cfg) -> tuple[list[str], int]:
+    """Record ids of every decodable record on the decision topic, and how many messages the dead-letter topic holds."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    from dvi.records import decode
+
+    def messages(topic: str):
+        c = KafkaConsumer(bootstrap_servers=cfg.stream.bootstrap, enable_auto_commit=False, consumer_timeout_ms=5000,
+                          fetch_max_bytes=8 << 20, max_partition_fetch_bytes=8 << 20)
+        try:
+            tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic) or []]
+            c.assign(tps)
+            c.seek_to_beginning(*tps)
+            yield from c
+        finally:
+            c.close()
+
+    ids = []
+    for m in messages(cfg.stream.topic):
+        try:
+            ids.append(decode(m.value).record_id)
+        except Exception:  # hostile bytes: the trainer dead-letters them
+            continue
+    return ids, sum(1 for _ in messages(cfg.stream.dlq_topic))
+
+
+def read_ledger(cfg) -> list[tuple[str, str]]:
+    from trainers import checkpoint
+
+    run_dir = Path(cfg.trainer.run_dir).expanduser() if cfg.trainer.run_dir else Path(os.environ["DVI_CACHE"]) / "trainer"
+    latest = checkpoint.latest(run_dir, clean=False)
+    if latest is None:
+        return []
+    return [tuple(x) for x in json.loads((latest / checkpoint.STATE).read_text())["ledger"]]
+
+
+def outside_files(work: Path, before: dict | None = None) -> dict | list[str]:
+    """Files under home, /tmp and the work tree outside `work`: their mtimes (the first call), or those new or
+    changed since `before`."""
+    roots = [Path.home(), Path("/tmp"), Path.cwd()]
+    skip = (str(work), "/tmp/bash_jobs", str(Path.home() / ".cache" / "dvi" / "models"))
+    seen = {}
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            if dirpath.startswith(skip) or "/.git" in dirpath or "/.venv" in dirpath or "__pycache__" in dirpath:
+                dirnames[:] = []
+                continue
+            for f in filenames:
+                p = os.path.join(dirpath, f)
+                try:
+                    seen[p] = os.stat(p).st_mtime_ns
+                except OSError:
+                    continue
+    if before is None:
+        return seen
+    return sorted(p for p, m in seen.items() if before.get(p) != m)
+
+
+def _fmt(v, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def table(summary: dict) -> str:
+    lines = [f"Soak of {summary['minutes']:g} minutes", "", "| check | holds |", "|---|---|"]
+    lines += [f"| {name} | {'yes' if ok else ('-' if ok is None else '**no**')} |" for name, ok in summary["checks"].items()]
+    once = summary["exactly_once"]
+    lines += ["", f"Records: {once['on_topic']} on the topic, {once['in_ledger']} in the ledger, {once['missing_n']} missing, "
+              f"{once['twice_n']} twice; {summary['dead_lettered']} dead-lettered. Requests: {summary['requests']}. "
+              f"p99 latency first/last: {_fmt(summary['p99_s']['first'])} / {_fmt(summary['p99_s']['last'])} s. "
+              f"{summary['published']} versions published; served {summary['served']}.", "",
+              "| process | pid | RSS first/second half MiB | RSS trend MiB/min | fds first/second half |", "|---|---|---|---|---|"]
+    for name, p in summary["procs"].items():
+        r, f = p["rss"] or {}, p["fds"] or {}
+        lines.append(f"| {name} | {p['pid']} | {_fmt(r.get('first'), 0)} / {_fmt(r.get('second'), 0)} | "
+                     f"{_fmt(r.get('slope_per_min'), 2)} | {_fmt(f.get('first'), 0)} / {_fmt(f.get('second'), 0)} |")
+    lines += ["", "| fault | at min | back after s |", "|---|---|---|"]
+    lines += [f"| {f['fault']} | {f['t'] / 60:.1f} | {_fmt(f.get('recovered_s'), 1)} |" for f in summary["faults"]]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], faults: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["t"] / 60 for r in rows]
+    fig, axes = plt.subplots(4, 1, figsize=(11, 13), sharex=True)
+    names = sorted({n for r in rows for n in r["procs"]})
+    for name in names:
+        axes[0].plot(t, [r["procs"].get(name, {}).get("rss_mib") for r in rows], label=name)
+        axes[1].plot(t, [r["procs"].get(name, {}).get("fds") for r in rows], label=name)
+    axes[0].set_ylabel("resident MiB (process tree)")
+    axes[0].legend(fontsize=7, ncol=3)
+    axes[1].set_ylabel("open descriptors")
+    axes[2].plot(t, [r["p50_s"] for r in rows], label="p50")
+    axes[2].plot(t, [r["p99_s"] for r in rows], label="p99")
+    axes[2].set_ylabel("latency s")
+    twin = axes[2].twinx()
+    twin.step(t, [r["clients"] for r in rows], color="grey", alpha=0.4, where="post")
+    twin.set_ylabel("clients")
+    axes[2].legend(fontsize=8)
+    axes[3].plot(t, [r["records"]["sent"] for r in rows], label="records sent")
+    trained = [r["trainer"].get("count/trained") if isinstance(r.get("trainer"), dict) else None for r in rows]
+    axes[3].plot(t, trained, label="trained (MLflow)")
+    axes[3].plot(t, [r["published"] for r in rows], label="versions published")
+    axes[3].set_ylabel("count")
+    axes[3].set_yscale("symlog")
+    axes[3].legend(fontsize=8)
+    axes[3].set_xlabel("minutes")
+    for ax in axes:
+        for f in faults:
+            ax.axvline(f["t"] / 60, color="red" if f["fault"] != "hostile" else "purple", alpha=0.3)
+    axes[0].set_title("soak: red lines SIGKILL (" + ", ".join(f["fault"] for f in faults if f["fault"] != "hostile")
+                      + "), purple the hostile burst")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=None)
+    p.add_argument("--fault-every-min", type=float, default=None)
+    p.add_argument("--quick", action="store_true", help="10 minutes, each fault once")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every part")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    opt = Options.quick(args.out) if args.quick else Options(**({"out": args.out} if args.out else {}))
+    if args.minutes is not None:
+        opt.minutes = args.minutes
+    if args.fault_every_min is not None:
+        opt.fault_every_min = args.fault_every_min
+    summary = Soak(opt, args.overrides).run()
+    print(table(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2, default=str))
+    return 0 if all(v is not False for v in summary["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The soak benchmark's figures and bookkeeping (`benchmarks.soak`), against plain references: the fault schedule,
+flatness of a series, percentiles, the ledger against the topic, and the process registry it reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import pytest
+
+from benchmarks.soak import FAULTS, Options, exactly_once, flatness, is_flat, percentile, registry, slope_per_min, tree, usage
+
+
+def test_the_schedule_kills_each_part_in_turn_and_bursts_once():
+    opt = Options(minutes=120, fault_every_min=20)
+    assert opt.fault_at() == [(1200.0, "train"), (2400.0, "broker"), (3000.0, "hostile"), (3600.0, "mlflow"),
+                              (4800.0, "serve"), (6000.0, "up")]
+    quick = Options.quick().fault_at()
+    assert [f for _, f in quick if f != "hostile"][: len(FAULTS)] == list(FAULTS)
+    assert sum(f == "hostile" for _, f in quick) == 1 and all(t < 600 - 30 for t, _ in quick)
+
+
+def test_slope_is_the_least_squares_line():
+    samples = [(60.0 * i, 100 + 3.0 * i + (-1) ** i * 0.5) for i in range(20)]  # 3 per minute, with jitter
+    n = len(samples)
+    mt, mv = sum(t for t, _ in samples) / n, sum(v for _, v in samples) / n
+    ref = sum((t - mt) * (v - mv) for t, v in samples) / sum((t - mt) ** 2 for t, _ in samples) * 60
+    assert slope_per_min(samples) == pytest.approx(ref) and slope_per_min(samples) == pytest.approx(3.0, abs=0.05)
+    assert slope_per_min([(5.0, 1.0), (5.0, 2.0)]) == 0.0
+
+
+def test_flat_means_the_second_half_and_the_trend_within_five_percent():
+    steady = [(30.0 * i, 1000 + (i % 3)) for i in range(40)]
+    f = flatness(steady)
+    assert is_flat(f) and f["median_ratio"] == pytest.approx(1.0, abs=0.01)
+    creeping = [(30.0 * i, 1000 + 4 * i) for i in range(40)]  # +156 over the window: 15%
+    f = flatness(creeping)
+    assert not is_flat(f)
+    first = [v for t, v in creeping if t < 30 * 39 / 2]
+    assert f["first"] == statistics.median(first)
+    assert f["growth"] == pytest.approx(slope_per_min(creeping) * 30 * 39 / 60 / statistics.median(first))
+    spike = [(30.0 * i, 1000 + (500 if i == 30 else 0)) for i in range(40)]  # one transient: the medians hold
+    assert is_flat(flatness(spike)) is True
+    assert flatness(steady[:3]) is None and is_flat(None) is None
+
+
+@pytest.mark.parametrize("q", [50, 90, 99, 100, 37])
+def test_percentile_is_the_nearest_rank(q):
+    for n in (10, 200, 7):
+        values = [float(v) for v in range(n, 0, -1)]  # unsorted
+        assert percentile(values, q) == sorted(values)[max(0, -(-q * n // 100) - 1)]  # the ceil(q n / 100)-th smallest
+    assert percentile([], q) is None and percentile([7.0], q) == 7.0
+
+
+def test_the_ledger_against_the_topic_finds_the_lost_the_twice_trained_and_the_unknown():
+    topic = ["a", "b", "c", "d"]
+    assert exactly_once(topic, [("a", "TRAINED"), ("b", "HELD_OUT"), ("c", "TRAINED"), ("d", "TRAINED")])["missing_n"] == 0
+    out = exactly_once(topic + ["a"], [("a", "TRAINED"), ("b", "TRAINED"), ("b", "TRAINED"), ("z", "TRAINED")])
+    assert out["missing"] == ["c", "d"] and out["twice"] == ["b"] and out["unknown_n"] == 1 and out["topic_duplicates"] == 1
+
+
+def test_registry_names_children_under_their_part_and_usage_reads_the_process_tree(tmp_path):
+    me, parent = os.getpid(), os.getppid()
+    (tmp_path / "1.json").write_text(json.dumps({"pid": parent, "start": "1", "name": "broker", "parent": 0}))
+    (tmp_path / "2.json").write_text(json.dumps({"pid": me, "start": "2", "name": "tansu", "parent": parent}))
+    (tmp_path / "3.json").write_text("{not json")
+    assert sorted(registry(tmp_path)) == ["broker", "broker/tansu"]
+    assert me in tree(parent)
+    rss, fds = usage(me)
+    assert rss > 10 and fds >= 3
+    assert usage(2 ** 22 + 7) is None  # above pid_max: no such process
