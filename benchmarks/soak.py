@@ -15,7 +15,7 @@ health check, round robin.
 Faults, one every `--fault-every-min` minutes, in turn: the trainer, the broker, MLflow and the first replica
 killed with SIGKILL (the part's own process: what it had started is left for `dvi up` to find), then `dvi up`
 itself (SIGKILL, as an out-of-memory kill; a new `dvi up --detach` must stop what the dead one left and start
-cleanly). Once, between the second and third fault, a hostile burst: malformed, oversized and compressed-bomb
+cleanly). Once, between the fourth and fifth fault, a hostile burst: malformed, oversized and compressed-bomb
 records on the decision topic, an unsigned, a forged and a replayed control message, abusive HTTP.
 
 Every `--interval-s` (30) a row: resident memory and open descriptors of every process (each part with its whole
@@ -71,7 +71,8 @@ DOMAINS = ("code", "prose", "qa")
 CONCURRENCY = (1, 2, 4, 8, 4, 2)  # clients, a step every step_min
 FLAT = 0.05  # memory and descriptors: at most this growth over the checked window
 P99_RATIO = 1.2  # p99 latency of the last hour against the first's
-HOSTILE_VERSION = "hostile-v1"  # the version the burst's unsigned, forged and replayed messages announce
+REPLICA_OF = {"serve": "r1", "r2:r2": "r2"}  # a replica's server process, by its name in the rows
+HOSTILE_VERSION = "hostile-v1"  # the version the burst's unsigned and forged messages announce
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Options:
     warmup_min: float = 10.0
     drain_min: float = 15.0
     out: Path = field(default_factory=lambda: Path(f"/tmp/dvi-soak-{time.strftime('%Y%m%d-%H%M%S')}"))
+    outside_ignore: tuple[str, ...] = ()  # path prefixes the writes check leaves out (another program's on the host)
 
     @classmethod
     def quick(cls, out: Path | None = None) -> Options:
@@ -91,10 +93,11 @@ class Options:
 
     def fault_at(self) -> list[tuple[float, str]]:
         """(seconds from the start, fault) of the schedule: FAULTS in turn, then again, while the run lasts; the
-        hostile burst halfway between the second and the third."""
+        hostile burst halfway between the fourth and the fifth (by then the control topic holds signed messages, one
+        of which it replays)."""
         every, end = self.fault_every_min * 60, self.minutes * 60
         at = [(every * (i + 1), FAULTS[i % len(FAULTS)]) for i in range(int(end // every)) if every * (i + 1) < end - 30]
-        return sorted(at + [(every * 2.5, "hostile")])
+        return sorted(at + [(every * 4.5, "hostile")])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,15 +142,19 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def exactly_once(topic_ids: list[str], ledger: list[tuple[str, str]]) -> dict:
-    """The ledger against the topic: ids on the topic missing from the ledger, ids in it more than once, ids in it
-    that are not on the topic."""
+def exactly_once(topic: list[tuple[int, int, str]], ledger: list[tuple[str, str]], offsets: dict[int, int]) -> dict:
+    """The trainer's ledger against the topic's records (partition, offset, record id), given the offsets its
+    checkpoint committed (partition -> the next offset it reads). A record below its partition's committed offset
+    must be in the ledger: if not, it is lost. One at or past it is pending: the next trainer start reads it (and
+    its ledger skips one already trained). No id may be in the ledger twice, nor one that is not on the topic."""
     counts = Counter(rid for rid, _ in ledger)
-    on_topic = set(topic_ids)
-    return {"on_topic": len(on_topic), "in_ledger": len(counts), "missing": sorted(on_topic - set(counts))[:20],
-            "missing_n": len(on_topic - set(counts)), "twice": sorted(r for r, n in counts.items() if n > 1)[:20],
-            "twice_n": sum(1 for n in counts.values() if n > 1), "unknown_n": len(set(counts) - on_topic),
-            "topic_duplicates": len(topic_ids) - len(on_topic)}
+    ids = {rid for _, _, rid in topic}
+    lost = sorted(rid for p, o, rid in topic if o < offsets.get(p, 0) and rid not in counts)
+    pending = [rid for p, o, rid in topic if o >= offsets.get(p, 0) and rid not in counts]
+    twice = sorted(r for r, n in counts.items() if n > 1)
+    return {"on_topic": len(topic), "in_ledger": len(counts), "lost": lost[:20], "lost_n": len(lost), "pending_n": len(pending),
+            "twice": twice[:20], "twice_n": len(twice), "unknown_n": len(set(counts) - ids),
+            "topic_duplicates": len(topic) - len(ids)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -533,8 +540,9 @@ class Soak:
             r2.stop()
             subprocess.run([sys.executable, "-m", "dvi.cli", "down", *self.overrides], capture_output=True, timeout=300)
             os.environ.pop(REGISTRY_ENV, None)
-        ledger = read_ledger(self.cfg)
-        summary = self.summarize(traffic, topic_ids, dead, ledger, drained, outside_files(self.work, outside_before))
+        ledger, offsets = read_ledger(self.cfg)
+        outside = [p for p in outside_files(self.work, outside_before) if not p.startswith(opt.outside_ignore)]
+        summary = self.summarize(traffic, exactly_once(topic_ids, ledger, offsets), dead, drained, outside)
         (self.work / "soak.json").write_text(json.dumps({"rows": self.rows, "faults": self.faults, "summary": summary,
                                                          "options": {k: str(v) for k, v in asdict(opt).items()}}, default=str))
         (self.work / "soak.md").write_text(table(summary) + "\n")
@@ -554,7 +562,7 @@ class Soak:
             time.sleep(10)
         return {"sent": sent, "trainer": view, "waited_s": round(self.opt.drain_min * 60 - (deadline - time.monotonic()))}
 
-    def summarize(self, traffic: Traffic, topic_ids, dead: int, ledger, drained: dict, outside: list[str]) -> dict:
+    def summarize(self, traffic: Traffic, once: dict, dead: int, drained: dict, outside: list[str]) -> dict:
         opt = self.opt
         end = max(opt.minutes * 60, self.rows[-1]["t"] if self.rows else 0.0)  # a run goes on while a fault recovers
         # requests: failures are tolerated only at a replica that was down or being killed
@@ -575,14 +583,15 @@ class Soak:
             if row["t"] >= window:
                 for name, p in row["procs"].items():
                     series[name].append((row["t"], p["pid"], p["rss_mib"], p["fds"]))
-        born = {}  # pid -> when it was first seen
+        born = {}  # pid -> when it was first seen (a replica's server: first seen serving)
         for row in self.rows:
-            for p in row["procs"].values():
-                born.setdefault(p["pid"], row["t"])
+            for name, p in row["procs"].items():
+                if name not in REPLICA_OF or row["replicas"].get(REPLICA_OF[name]) is not None:
+                    born.setdefault(p["pid"], row["t"])
         procs = {}
         for name, s in sorted(series.items()):
             pid = s[-1][1]  # the newest process of that name, once it has warmed up
-            mine = [x for x in s if x[1] == pid and x[0] >= born[pid] + opt.warmup_min * 60]
+            mine = [x for x in s if x[1] == pid and pid in born and x[0] >= born[pid] + opt.warmup_min * 60]
             covered = bool(mine) and (mine[-1][0] - mine[0][0]) >= (end - window) / 2
             procs[name] = {"pid": pid, "samples": len(mine), "rss": flatness([(t, r) for t, _, r, _ in mine]) if covered else None,
                            "fds": flatness([(t, f) for t, _, _, f in mine]) if covered else None}
@@ -596,9 +605,9 @@ class Soak:
         served = {r: sorted(v - {None}) for r, v in self.served.items()}
         bad_served = sorted({v for vs in served.values() for v in vs} & refused_versions
                             | {v for vs in served.values() for v in vs if not v.startswith("init-") and v not in published})
-        once = exactly_once(topic_ids, ledger)
         checks = {
-            "every record on the topic trained exactly once": once["missing_n"] == 0 and once["twice_n"] == 0 and once["unknown_n"] == 0,
+            "every record the trainer committed is in its ledger exactly once": once["lost_n"] == 0 and once["twice_n"] == 0
+                                                                                and once["unknown_n"] == 0,
             "no request failed but at a killed replica": not failed,
             "memory flat in the last hour": all(is_flat(p["rss"]) is not False for p in procs.values()),
             "descriptors flat in the last hour": all(is_flat(p["fds"]) is not False for p in procs.values()),
@@ -621,8 +630,9 @@ def left_running(before: dict[str, tuple[int, str]]) -> list[str]:
     return [f"{name} (pid {pid})" for name, (pid, start) in before.items() if start_time(pid) == start]
 
 
-def read_topic(cfg) -> tuple[list[str], int]:
-    """Record ids of every decodable record on the decision topic, and how many messages the dead-letter topic holds."""
+def read_topic(cfg) -> tuple[list[tuple[int, int, str]], int]:
+    """(partition, offset, record id) of every decodable record on the decision topic, and how many messages the
+    dead-letter topic holds."""
     from kafka import KafkaConsumer, TopicPartition
 
     from dvi.records import decode
@@ -638,23 +648,28 @@ def read_topic(cfg) -> tuple[list[str], int]:
         finally:
             c.close()
 
-    ids = []
+    found = []
     for m in messages(cfg.stream.topic):
         try:
-            ids.append(decode(m.value).record_id)
+            found.append((m.partition, m.offset, decode(m.value).record_id))
         except Exception:  # hostile bytes: the trainer dead-letters them
             continue
-    return ids, sum(1 for _ in messages(cfg.stream.dlq_topic))
+    return found, sum(1 for _ in messages(cfg.stream.dlq_topic))
 
 
-def read_ledger(cfg) -> list[tuple[str, str]]:
+def read_ledger(cfg) -> tuple[list[tuple[str, str]], dict[int, int]]:
+    """The ledger (record id, fate) and the committed offsets (partition -> next offset) of the trainer's newest
+    complete checkpoint."""
     from trainers import checkpoint
 
     run_dir = Path(cfg.trainer.run_dir).expanduser() if cfg.trainer.run_dir else Path(os.environ["DVI_CACHE"]) / "trainer"
     latest = checkpoint.latest(run_dir, clean=False)
     if latest is None:
-        return []
-    return [tuple(x) for x in json.loads((latest / checkpoint.STATE).read_text())["ledger"]]
+        return [], {}
+    state = json.loads((latest / checkpoint.STATE).read_text())
+    topic = cfg.stream.topic + ":"
+    offsets = {int(k[len(topic):]): int(v) for k, v in state.get("offsets", {}).items() if k.startswith(topic)}
+    return [tuple(x) for x in state["ledger"]], offsets
 
 
 def outside_files(work: Path, before: dict | None = None) -> dict | list[str]:
@@ -689,8 +704,9 @@ def table(summary: dict) -> str:
     lines = [f"Soak of {summary['minutes']:g} minutes", "", "| check | holds |", "|---|---|"]
     lines += [f"| {name} | {'yes' if ok else ('-' if ok is None else '**no**')} |" for name, ok in summary["checks"].items()]
     once = summary["exactly_once"]
-    lines += ["", f"Records: {once['on_topic']} on the topic, {once['in_ledger']} in the ledger, {once['missing_n']} missing, "
-              f"{once['twice_n']} twice; {summary['dead_lettered']} dead-lettered. Requests: {summary['requests']}. "
+    lines += ["", f"Records: {once['on_topic']} on the topic, {once['in_ledger']} in the ledger, {once['lost_n']} lost, "
+              f"{once['twice_n']} twice, {once['pending_n']} pending (past the committed offsets: the next start reads them); "
+              f"{summary['dead_lettered']} dead-lettered. Requests: {summary['requests']}. "
               f"p99 latency first/last: {_fmt(summary['p99_s']['first'])} / {_fmt(summary['p99_s']['last'])} s. "
               f"{summary['published']} versions published; served {summary['served']}.", "",
               "| process | pid | RSS first/second half MiB | RSS trend MiB/min | fds first/second half |", "|---|---|---|---|---|"]
@@ -750,6 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="10 minutes, each fault once")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    p.add_argument("--outside-ignore", action="append", default=[], metavar="PREFIX",
+                   help="leave writes under PREFIX (another program's) out of the check that nothing is written outside the cache")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every part")
     return p
 
@@ -761,6 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.minutes = args.minutes
     if args.fault_every_min is not None:
         opt.fault_every_min = args.fault_every_min
+    opt.outside_ignore = tuple(args.outside_ignore)
     summary = Soak(opt, args.overrides).run()
     print(table(summary))
     if args.json:

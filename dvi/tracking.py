@@ -34,6 +34,7 @@ log and what a drafter version holds are its callers' business.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import math
@@ -222,11 +223,14 @@ class Tracker:
         self._queue(_Op(f"tagging drafter {version}", op))
 
     def log_artifact(self, path: str, artifact_path: str | None = None, remove: bool = False) -> None:
-        """Queue: log the local file `path` as an artifact of the run (deleted afterwards when `remove`)."""
+        """Queue: log the local file `path` as an artifact of the run (deleted afterwards when `remove`, with its folder
+        once that is empty: the temporary folder made for it)."""
         def op(client) -> None:
             client.log_artifact(self._run_id, path, artifact_path)
             if remove:
                 Path(path).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # not empty: someone else's files are there too
+                    Path(path).parent.rmdir()
         self._queue(_Op(f"logging artifact {Path(path).name}", op))
 
     def _queue(self, op: _Op) -> None:

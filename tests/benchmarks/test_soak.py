@@ -14,8 +14,8 @@ from benchmarks.soak import FAULTS, Options, exactly_once, flatness, is_flat, pe
 
 def test_the_schedule_kills_each_part_in_turn_and_bursts_once():
     opt = Options(minutes=120, fault_every_min=20)
-    assert opt.fault_at() == [(1200.0, "train"), (2400.0, "broker"), (3000.0, "hostile"), (3600.0, "mlflow"),
-                              (4800.0, "serve"), (6000.0, "up")]
+    assert opt.fault_at() == [(1200.0, "train"), (2400.0, "broker"), (3600.0, "mlflow"), (4800.0, "serve"),
+                              (5400.0, "hostile"), (6000.0, "up")]
     quick = Options.quick().fault_at()
     assert [f for _, f in quick if f != "hostile"][: len(FAULTS)] == list(FAULTS)
     assert sum(f == "hostile" for _, f in quick) == 1 and all(t < 600 - 30 for t, _ in quick)
@@ -53,11 +53,14 @@ def test_percentile_is_the_nearest_rank(q):
     assert percentile([], q) is None and percentile([7.0], q) == 7.0
 
 
-def test_the_ledger_against_the_topic_finds_the_lost_the_twice_trained_and_the_unknown():
-    topic = ["a", "b", "c", "d"]
-    assert exactly_once(topic, [("a", "TRAINED"), ("b", "HELD_OUT"), ("c", "TRAINED"), ("d", "TRAINED")])["missing_n"] == 0
-    out = exactly_once(topic + ["a"], [("a", "TRAINED"), ("b", "TRAINED"), ("b", "TRAINED"), ("z", "TRAINED")])
-    assert out["missing"] == ["c", "d"] and out["twice"] == ["b"] and out["unknown_n"] == 1 and out["topic_duplicates"] == 1
+def test_the_ledger_against_the_committed_offsets_finds_the_lost_the_twice_trained_and_the_unknown():
+    topic = [(0, 0, "a"), (0, 1, "b"), (1, 0, "c"), (1, 1, "d"), (1, 2, "e")]
+    whole = exactly_once(topic, [("a", "t"), ("b", "h"), ("c", "t"), ("d", "t")], {0: 2, 1: 2})
+    assert (whole["lost_n"], whole["pending_n"], whole["twice_n"], whole["unknown_n"]) == (0, 1, 0, 0)  # e: not read yet
+    out = exactly_once(topic + [(1, 3, "a")], [("a", "t"), ("b", "t"), ("b", "t"), ("e", "t"), ("z", "t")], {0: 2, 1: 2})
+    assert out["lost"] == ["c", "d"] and out["pending_n"] == 0 and out["twice"] == ["b"] and out["unknown_n"] == 1
+    assert out["topic_duplicates"] == 1
+    assert exactly_once(topic, [], {})["pending_n"] == 5  # nothing committed: nothing lost yet
 
 
 def test_registry_names_children_under_their_part_and_usage_reads_the_process_tree(tmp_path):

@@ -392,9 +392,10 @@ def test_live_check_promotes_a_better_drafter_and_rolls_back_a_random_one(stream
         time.sleep(1.5)
         assert service.engine.drafter.version == "d0001" and service.metrics.events["swap"] == 2
         service._log_interval()
-        service.plot()
+        plotted = service.plot()
     finally:
         r.close()  # closes the tracker: queued MLflow operations are done first
+    assert not plotted.parent.exists()  # logged, then removed with its temporary folder
 
     client = MlflowClient(tracking_uri=mlflow_server.uri, registry_uri=mlflow_server.uri)
     numbers = {mv.tags["dvi.version"]: mv.version for mv in client.search_model_versions(f"name='{tracking.registry_model}'")}
