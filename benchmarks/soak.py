@@ -763,6 +763,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=None)
     p.add_argument("--fault-every-min", type=float, default=None)
+    p.add_argument("--drain-min", type=float, default=None, help="how long the trainer may catch up at the end (15)")
     p.add_argument("--quick", action="store_true", help="10 minutes, each fault once")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
@@ -779,6 +780,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.minutes = args.minutes
     if args.fault_every_min is not None:
         opt.fault_every_min = args.fault_every_min
+    if args.drain_min is not None:
+        opt.drain_min = args.drain_min
     opt.outside_ignore = tuple(args.outside_ignore)
     summary = Soak(opt, args.overrides).run()
     print(table(summary))
