@@ -84,6 +84,8 @@ class Options:
     warmup_min: float = 10.0
     drain_min: float = 15.0
     out: Path = field(default_factory=lambda: Path(f"/tmp/dvi-soak-{time.strftime('%Y%m%d-%H%M%S')}"))
+    faults: tuple[str, ...] = FAULTS  # the kills, in turn
+    max_minutes: float | None = None  # how long a fault still recovering may stretch the run (None: twice `minutes`)
     outside_ignore: tuple[str, ...] = ()  # path prefixes the writes check leaves out (another program's on the host)
 
     @classmethod
@@ -92,11 +94,11 @@ class Options:
                    **({"out": out} if out else {}))
 
     def fault_at(self) -> list[tuple[float, str]]:
-        """(seconds from the start, fault) of the schedule: FAULTS in turn, then again, while the run lasts; the
+        """(seconds from the start, fault) of the schedule: `faults` in turn, then again, while the run lasts; the
         hostile burst halfway between the fourth and the fifth (by then the control topic holds signed messages, one
         of which it replays)."""
         every, end = self.fault_every_min * 60, self.minutes * 60
-        at = [(every * (i + 1), FAULTS[i % len(FAULTS)]) for i in range(int(end // every)) if every * (i + 1) < end - 30]
+        at = [(every * (i + 1), self.faults[i % len(self.faults)]) for i in range(int(end // every)) if every * (i + 1) < end - 30]
         return sorted(at + [(every * 4.5, "hostile")])
 
 
@@ -499,7 +501,8 @@ class Soak:
         last_sample = 0.0
         try:
             # the run lasts its minutes, and longer (at most twice) while a fault of the schedule is due or recovering
-            while self.now() < opt.minutes * 60 or ((schedule or active) and self.now() < 2 * opt.minutes * 60):
+            cap = 60 * (opt.max_minutes if opt.max_minutes is not None else 2 * opt.minutes)
+            while self.now() < opt.minutes * 60 or ((schedule or active) and self.now() < cap):
                 t = self.now()
                 traffic.clients = CONCURRENCY[int(t // (opt.step_min * 60)) % len(CONCURRENCY)]
                 traffic.up = {n for n in self.urls if self.health(n) is not None}
@@ -764,6 +767,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=None)
     p.add_argument("--fault-every-min", type=float, default=None)
     p.add_argument("--drain-min", type=float, default=None, help="how long the trainer may catch up at the end (15)")
+    p.add_argument("--faults", default=None, help=f"the kills in turn, from {','.join(FAULTS)} (all, in that order)")
+    p.add_argument("--max-minutes", type=float, default=None, help="the longest a recovering fault may stretch the run")
     p.add_argument("--quick", action="store_true", help="10 minutes, each fault once")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
@@ -780,6 +785,13 @@ def main(argv: list[str] | None = None) -> int:
         opt.minutes = args.minutes
     if args.fault_every_min is not None:
         opt.fault_every_min = args.fault_every_min
+    if args.faults:
+        unknown = sorted(set(args.faults.split(",")) - set(FAULTS))
+        if unknown:
+            raise SystemExit(f"--faults: unknown {unknown}; the faults are {', '.join(FAULTS)}")
+        opt.faults = tuple(args.faults.split(","))
+    if args.max_minutes is not None:
+        opt.max_minutes = args.max_minutes
     if args.drain_min is not None:
         opt.drain_min = args.drain_min
     opt.outside_ignore = tuple(args.outside_ignore)
