@@ -214,13 +214,22 @@ def registry(folder: Path) -> dict[str, dict]:
 # Traffic.
 
 
+def stream_end(events: list[str]) -> str:
+    """How a streamed completion's `data:` events end: 'complete' (a finish_reason, then [DONE]), 'error' (an error
+    event: dvi.serving.api's {"error": {...}}), or 'truncated' (it just stopped). An event that is not JSON raises."""
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    if any("error" in c for c in chunks):
+        return "error"
+    finished = any((c.get("choices") or [{}])[0].get("finish_reason") for c in chunks)
+    return "complete" if events and events[-1] == "[DONE]" and finished else "truncated"
+
+
 @dataclass
 class Outcome:
     start: float  # seconds from the run's start
     end: float
     replica: str
     kind: str  # "ok", "hung up" (a client that left on purpose), or what went wrong
-    streamed: bool
 
 
 class Traffic:
@@ -269,7 +278,7 @@ class Traffic:
             start = time.monotonic() - self.t0
             kind = self._send(self.urls[name] + prompt.path, body, stream, hang_up)
             with self._lock:
-                self.outcomes.append(Outcome(start, time.monotonic() - self.t0, name, kind, stream))
+                self.outcomes.append(Outcome(start, time.monotonic() - self.t0, name, kind))
 
     @staticmethod
     def _send(url: str, body: dict, stream: bool, hang_up: bool) -> str:
@@ -286,11 +295,8 @@ class Traffic:
                         events.append(line[6:])
                         if hang_up:
                             return "hung up"
-                chunks = [json.loads(e) for e in events if e != "[DONE]"]
-                if any("error" in c for c in chunks):
-                    return "stream error event"
-                finished = any((c.get("choices") or [{}])[0].get("finish_reason") for c in chunks)
-                return "ok" if events and events[-1] == "[DONE]" and finished else "stream truncated"
+                end = stream_end(events)
+                return "ok" if end == "complete" else f"stream {end}"
         except requests.ConnectionError as e:
             return "connection refused" if "refused" in str(e).lower() else "connection error"
         except requests.RequestException as e:

@@ -7,7 +7,6 @@ server, DeepSpeed. Each asserts its pass criterion and prints its figures (`pyte
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -55,16 +54,6 @@ class Serve:
 
     def stop(self) -> int | None:
         return self.child.stop(grace_s=30)
-
-
-def stream_end(events: list[str]) -> str:
-    """How a streamed completion's `data:` events end: 'complete' (a finish_reason, then [DONE]), 'error' (an error
-    event: dvi.serving.api's {"error": {...}}), or 'truncated' (it just stopped). An event that is not JSON raises."""
-    chunks = [json.loads(e) for e in events if e != "[DONE]"]
-    if any("error" in c for c in chunks):
-        return "error"
-    finished = any((c.get("choices") or [{}])[0].get("finish_reason") for c in chunks)
-    return "complete" if events and events[-1] == "[DONE]" and finished else "truncated"
 
 
 def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.2):

@@ -12,7 +12,9 @@ import requests
 import torch
 
 from broker_fixtures import stream_config
-from faults_helpers import Serve, stream_end, stream_overrides
+from faults_helpers import Serve, stream_overrides
+
+from benchmarks.soak import stream_end
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model]
 

@@ -28,9 +28,9 @@ import pytest
 import requests
 from broker_fixtures import stream_config
 from child_env import clean_env
-from faults_helpers import Serve, stream_end, stream_overrides
+from faults_helpers import Serve, stream_overrides
 
-from benchmarks.soak import slope_per_min
+from benchmarks.soak import slope_per_min, stream_end
 from benchmarks.workloads import prompts
 from dvi.procs import rss_mib
 
