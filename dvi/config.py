@@ -345,6 +345,8 @@ class TrainerConfig:
     # batches and the replay buffer
     batch_tokens: int = 512  # teacher positions (generated tokens) per optimizer step
     max_seq_len: int = 512  # longer records keep their last tokens (context is truncated from the left)
+    # build the next batch on a thread (pinned, copied to the GPU) while a step runs; null: on a GPU only
+    batch_ahead: bool | None = None
     replay_share: float = 0.25  # share of each batch drawn from already-trained records (against forgetting)
     replay_size: int = 4096  # records kept for replay (oldest evicted)
     replay_mb: float = 512.0  # and at most this many MiB of them (oldest evicted): long records cannot fill memory

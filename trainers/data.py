@@ -19,7 +19,8 @@ out for the gate, and already-trained records for replay (weighted down by draft
 replayed ones are bounded in count and in bytes (`Kept`). The `Ledger`
 remembers the `Fate` of every record id (trained, held out, skipped) for deduplication and for the
 exactly-once check after a restart; `Offsets` tracks which consumed offsets are done, so a checkpoint commits
-only offsets whose records it covers. `FileSource` reads a JSON-lines file of records (`dvi stream tail --json`)
+only offsets whose records it covers. `Ahead` builds the next batch on a worker thread into pinned memory while
+the device trains on the last one (CUDA), and moves batches to the device. `FileSource` reads a JSON-lines file of records (`dvi stream tail --json`)
 behind the same poll interface as the stream's consumer, returning `dvi.records.Delivered`.
 
 This module knows records, tensors and files; not models, Kafka (the stream's consumer is `streams.consumer`'s)
@@ -32,7 +33,8 @@ import json
 import logging
 import random
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 from pathlib import Path
 
@@ -147,6 +149,20 @@ class Batch:
     def positions(self) -> int:
         return int(self.rows.numel())
 
+    def _map(self, fn) -> Batch:
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def pinned(self) -> Batch:
+        """The batch in page-locked host memory, so copies to a GPU run asynchronously."""
+        return self._map(torch.Tensor.pin_memory)
+
+    def to(self, device: torch.device) -> Batch:
+        """The batch on `device` (itself where it already is); copies from pinned memory do not block the host."""
+        if self.input_ids.device == device:
+            return self
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
 
 def collate(examples: list[Example], weights: list[float] | None = None) -> Batch:
     """Pack examples (all with a teacher top-k of the same width, or none with one) into a `Batch`."""
@@ -180,6 +196,52 @@ def collate(examples: list[Example], weights: list[float] | None = None) -> Batc
         judged=cat([e.judged for e in examples]),
         weight=torch.cat([torch.full((e.positions,), float(w)) for e, w in zip(examples, weights)]),
     )
+
+
+class Ahead:
+    """Batches built one step ahead: `submit` collates examples on a worker thread (into pinned memory on the way to
+    a GPU) and starts their copy to the device while the caller's step runs; `take` returns what was submitted with
+    its batch on the device. `threaded`: None builds ahead on a CUDA device only; elsewhere nothing is built ahead
+    and `build` collates in the calling thread. The payload travels with the batch untouched (the trainer's fresh
+    items and weights)."""
+
+    def __init__(self, device: torch.device, threaded: bool | None = None):
+        self.device = device
+        self.threaded = device.type == "cuda" if threaded is None else threaded
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dvi-batch") if self.threaded else None
+        self._next: tuple[object, Future] | None = None
+
+    def build(self, examples: list[Example], weights: list[float]) -> Batch:
+        """`collate(examples, weights)` on the device (pinned on the way to a GPU)."""
+        batch = collate(examples, weights)
+        return (batch.pinned() if self.device.type == "cuda" else batch).to(self.device)
+
+    def submit(self, payload, examples: list[Example], weights: list[float]) -> None:
+        if self._pool is None or self._next is not None:
+            raise RuntimeError("Ahead.submit: nothing is built ahead here, or a batch is already waiting")
+        self._next = (payload, self._pool.submit(self.build, examples, weights))
+
+    @property
+    def waiting(self) -> bool:
+        return self._next is not None
+
+    def take(self) -> tuple[object, Batch] | None:
+        """(payload, batch on the device) of the batch submitted last, or None; an error building it raises here."""
+        if self._next is None:
+            return None
+        (payload, future), self._next = self._next, None
+        return payload, future.result()
+
+    def drop(self) -> None:
+        """Forget the batch submitted last (after a rollback: its records are read again)."""
+        if self._next is not None:
+            self._next[1].cancel()
+            self._next = None
+
+    def close(self) -> None:
+        self.drop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ or checkpoints on disk (trainers/checkpoint.py): callers pass a model in and get
 
 Plain `python` runs as a world of one (gloo on CPU); under the `deepspeed` launcher (use `--no_local_rank`,
 Hydra rejects `--local_rank`) the launcher's environment is used as is. The optimizer is a client
-`torch.optim.AdamW` rather than DeepSpeed's own, so a CPU run compiles no Adam op; the only op DeepSpeed
-compiles on a CPU is its shared-memory comm op, once per machine, cached under TORCH_EXTENSIONS_DIR.
+`torch.optim.AdamW` rather than DeepSpeed's own (fused where the drafter is on a GPU), so no run compiles an Adam
+op; the only op DeepSpeed compiles on a CPU is its shared-memory comm op, once per machine, cached under
+TORCH_EXTENSIONS_DIR. With bf16, DeepSpeed keeps fp32 master weights that the AdamW steps (its bf16 wrapper).
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def build_engine(
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
     if not params:
         raise DviError("the drafter has no trainable parameters (trainer.finetune and trainer.lora_targets froze all)")
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    # on a GPU, the fused kernel: one launch per step for all parameters, not several per tensor
+    fused = all(p.device.type == "cuda" for p in params)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, fused=fused or None)
     config = ds_config(cfg, resolve_precision(cfg))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine

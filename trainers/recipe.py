@@ -15,7 +15,9 @@
   fresh queue (`trainers.data.Buffer`), and counted by the trigger's rolling acceptance;
 - step: while the trigger says the trainer is active, a batch of fresh records (plus a replayed share) is
   packed and the drafter takes one DeepSpeed step on `trainers.losses.position_loss` (divergence to the
-  teacher + the DVI reward term on the KL-to-reward schedule). A non-finite loss skips the batch (counted);
+  teacher + the DVI reward term on the KL-to-reward schedule). A non-finite loss skips the batch (counted). On a
+  GPU (`trainer.batch_ahead`) the next batch is taken and built on a thread while the step runs (`trainers.data.Ahead`);
+  its records stay in flight, uncommitted, until it is trained;
 - checkpoint: every `trainer.checkpoint_every` steps, a DeepSpeed checkpoint holding the ledger, the
   committable offsets and the lineage is written atomically (`trainers.checkpoint`); only then are the offsets
   committed, so a crash re-reads exactly the records the last checkpoint does not cover;
@@ -67,7 +69,7 @@ from dvi.models import cache_dir, resolve_device, resolve_dtype
 from dvi.pairs import load_any_drafter, resolve_pair
 from dvi.records import DecisionRecord, Delivered
 from trainers import checkpoint, ds
-from trainers.data import Batch, Buffer, Example, Fate, Item, Ledger, Offsets, collate, example_from_record
+from trainers.data import Ahead, Batch, Buffer, Example, Fate, Item, Ledger, Offsets, collate, example_from_record
 from trainers.losses import Teacher, kl_reward_weights, position_loss, teacher_from_logits, teacher_from_topk
 from trainers.triggers import Trigger
 
@@ -207,9 +209,10 @@ def evaluate(student: PositionLM, examples: list[Example], vocab_size: int, voca
     positions; `teacher_lm` as in `teacher_for`."""
     totals = {"acceptance": 0.0, "greedy": 0.0}
     positions = 0
+    device = next(student.parameters()).device
     with torch.no_grad():
-        for group in _chunks(examples, batch_tokens):
-            batch = collate(group)
+        for group in chunks(examples, batch_tokens):
+            batch = collate(group).to(device)
             teacher = teacher_for(batch, vocab_size, vocab_map, teacher_lm)
             logits = student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
             _, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged)
@@ -223,7 +226,7 @@ def evaluate(student: PositionLM, examples: list[Example], vocab_size: int, voca
     return {k: v / max(positions, 1) for k, v in totals.items()}
 
 
-def _chunks(examples: list[Example], tokens: int):
+def chunks(examples: list[Example], tokens: int):
     """Groups of examples with the same teacher width and at most about `tokens` positions each."""
     by_width: dict[int, list[Example]] = {}
     for e in examples:
@@ -280,7 +283,11 @@ class Trainer:
         model = pair.drafter.model
         if self.tcfg.finetune == "lora":
             model = ds.apply_lora(model, self.tcfg)
+        if ds.resolve_precision(self.tcfg) == "fp32":
+            model = model.float()  # model.dtype may have loaded it in bf16 (a GPU's default); fp32 training keeps fp32 weights
         self.student = ds.build_engine(self._position_lm(model), self.tcfg)  # the DeepSpeed engine training the drafter
+        self.device = next(self.student.module.parameters()).device
+        self.ahead = Ahead(self.device, self.tcfg.batch_ahead)  # (on a GPU) the next batch is built while a step runs
         self.ledger = Ledger(self.tcfg.ledger_size)
         self.published: list[str] = []  # versions this trainer published in this run, oldest first
 
@@ -433,7 +440,7 @@ class Trainer:
             log.info("trained for %.0f s (trainer.max_seconds): stopping", time.monotonic() - self.started_at)
             return True
         idle = time.monotonic() - self.last_record_at
-        if t.idle_exit_s is not None and idle > t.idle_exit_s and not self.buffer.pending:
+        if t.idle_exit_s is not None and idle > t.idle_exit_s and not self.buffer.pending and not self.ahead.waiting:
             log.info("no fresh record for %.0f s: stopping", idle)
             return True
         return False
@@ -445,6 +452,8 @@ class Trainer:
 
     def _batch_ready(self, now: float) -> bool:
         """A full batch of fresh positions is waiting, or some are and the stream paused for a second."""
+        if self.ahead.waiting:
+            return True
         if not self.buffer.pending:
             return self.tcfg.replay_when_idle and bool(self.buffer.replay)
         budget = self.tcfg.batch_tokens * (1.0 - self.tcfg.replay_share)
@@ -540,16 +549,26 @@ class Trainer:
 
     # -- one optimizer step ----------------------------------------------------------------------
 
+    def _take(self) -> tuple[list[Item], list[Example], list[float]]:
+        """The next batch's fresh items, replayed examples and the weights of all its examples."""
+        fresh, replayed, weights = self.buffer.take(self.tcfg.batch_tokens, self.version_age)
+        return fresh, [i.example for i in fresh] + replayed, [1.0] * len(fresh) + weights
+
     def step(self) -> None:
         t, c = self.tcfg, self.state.counters
-        fresh, replayed, weights = self.buffer.take(t.batch_tokens, self.version_age)
-        examples = [i.example for i in fresh] + replayed
+        ahead = self.ahead.take()  # the batch built while the last step ran (trainer.batch_ahead), or None
+        (fresh, examples, weights), batch = ahead if ahead is not None else (self._take(), None)
         if not examples and self.world == 1:  # nothing fresh, and nothing recent enough to replay
             return
         w_kl, w_reward = kl_reward_weights(self.state.step, t.reward_warmup, t.reward_ramp, t.reward_max)
         t0 = time.perf_counter()
         if examples:
-            batch = collate(examples, [1.0] * len(fresh) + weights)
+            if batch is None:
+                batch = self.ahead.build(examples, weights)
+            if self.ahead.threaded and (self.buffer.pending or self.tcfg.replay_when_idle):
+                following = self._take()  # built on the worker thread while this step runs on the device
+                if following[1]:
+                    self.ahead.submit(following, following[1], following[2])
             teacher = teacher_for(batch, self.vocab_size, self.vocab_map, self.teacher_lm)
             if self.eagle3 and t.eagle3_ttt_steps > 1:
                 loss, metrics = ttt_position_loss(self.student, batch, teacher, t.eagle3_ttt_steps, t.divergence, w_kl,
@@ -560,7 +579,7 @@ class Trainer:
                                               t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
         else:  # another rank has a batch: join its step with a zero gradient (every rank must step together)
             batch, metrics = None, {}
-            one = torch.zeros(1, 1, dtype=torch.long)
+            one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
             loss = self.student(one, torch.ones_like(one), one[0], one[0]).sum() * 0.0
         if not self._all(math.isfinite(loss.item())):  # every rank skips the backward together, or none does
             c.nonfinite += 1
@@ -592,6 +611,7 @@ class Trainer:
                 "loss": loss.item(), **{f"train/{k}": v for k, v in metrics.items()},
                 "w_kl": w_kl, "w_reward": w_reward, "step_time_s": dt, "positions_per_s": batch.positions / dt,
                 "records_per_s": len(fresh) / dt, "pending": len(self.buffer.pending),
+                **({} if (busy := gpu_busy_share(self.device)) is None else {"gpu_busy_share": busy}),
             }, step=self.state.step)
             self.log_counters()
         if self.state.step % t.log_every == 0:
@@ -643,6 +663,7 @@ class Trainer:
         nonfinite = self.state.counters.nonfinite
         self._restore(checkpoint.load(self.student, path))
         self.state.counters.nonfinite = nonfinite  # what went wrong stays counted
+        self.ahead.drop()  # its fresh records are read again, like those still pending
         self.buffer.pending.clear()
         self.offsets = Offsets()
         self.inflight.clear()
@@ -787,6 +808,7 @@ class Trainer:
     # -- cleanup ---------------------------------------------------------------------------------
 
     def close(self) -> None:
+        self.ahead.close()  # a batch built ahead is not trained: its records stay uncommitted and are read again
         if self.state.step > self.last_checkpoint_step:
             try:
                 self.checkpoint()
@@ -810,7 +832,9 @@ def _merged_ledgers(ranks: list[dict]) -> list[list[str]]:
 
 
 def _params_finite(module: torch.nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    """Every parameter finite: one reduction on the device, read once (not one device sync per tensor)."""
+    params = list(module.parameters())
+    return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
 
 def system_metrics(process: psutil.Process, device: torch.device) -> dict[str, float]:
@@ -821,6 +845,20 @@ def system_metrics(process: psutil.Process, device: torch.device) -> dict[str, f
     if device.type == "cuda":
         out["system/gpu_memory_allocated_mb"] = torch.cuda.memory_allocated(device) / (1 << 20)
         out["system/gpu_memory_reserved_mb"] = torch.cuda.memory_reserved(device) / (1 << 20)
+        busy = gpu_busy_share(device)
+        if busy is not None:
+            out["system/gpu_busy_share"] = busy
     return out
+
+
+def gpu_busy_share(device: torch.device) -> float | None:
+    """The share of the last sample period (about a second) in which a kernel ran on `device`, from NVML; None on
+    a CPU or where NVML cannot be read (no nvidia-ml-py)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.cuda.utilization(device) / 100.0
+    except Exception:  # ModuleNotFoundError (pynvml), or an NVML error: the figure is optional
+        return None
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dvi.records import Delivered
-from trainers.data import Buffer, Fate, FileSource, Item, Ledger, Offsets, collate, example_from_record
+from trainers.data import Ahead, Buffer, Fate, FileSource, Item, Ledger, Offsets, collate, example_from_record
 
 
 def reference_positions(record):
@@ -52,6 +52,36 @@ def test_long_records_keep_their_last_tokens(make_record):
     assert 0 < kept <= 11
     assert cut.topk_ids.tolist() == full.topk_ids[-kept:].tolist()
     assert [cut.tokens[t] for t in cut.targets] == [full.tokens[t] for t in full.targets[-kept:]]
+
+
+def same_batch(a, b) -> bool:
+    tensors = ("input_ids", "attention_mask", "rows", "cols", "labels", "topk_ids", "topk_logprobs", "drafted", "reward",
+               "judged", "weight")
+    return a.record_ids == b.record_ids and all(torch.equal(getattr(a, t), getattr(b, t)) for t in tensors)
+
+
+def test_a_batch_built_ahead_on_a_thread_is_the_one_collate_builds(make_record):
+    """`Ahead` (a GPU's trainer builds the next batch on a worker thread while a step runs; forced here on the CPU):
+    what `take` returns is what was submitted, its batch `collate`'s; `drop` forgets it; without a thread nothing is
+    built ahead and `build` is `collate`."""
+    groups = [[example_from_record(make_record(rounds=r, seed=10 * g + r), 10_000) for r in (2, 3)] for g in range(3)]
+    ahead = Ahead(torch.device("cpu"), threaded=True)
+    assert ahead.take() is None and not ahead.waiting
+    ahead.submit("first", groups[0], [1.0, 0.5])
+    with pytest.raises(RuntimeError, match="already waiting"):
+        ahead.submit("second", groups[1], [1.0, 1.0])
+    payload, batch = ahead.take()
+    assert payload == "first" and same_batch(batch, collate(groups[0], [1.0, 0.5]))
+    assert batch.to(torch.device("cpu")) is batch  # already there: no copy
+    ahead.submit("second", groups[1], [1.0, 1.0])
+    ahead.drop()
+    assert ahead.take() is None
+    ahead.close()
+
+    inline = Ahead(torch.device("cpu"))  # no GPU: nothing built ahead
+    assert not inline.threaded and same_batch(inline.build(groups[2], [1.0, 1.0]), collate(groups[2], [1.0, 1.0]))
+    with pytest.raises(RuntimeError, match="nothing is built ahead"):
+        inline.submit("x", groups[2], [1.0, 1.0])
 
 
 def test_records_without_teacher_and_a_cut_last_round(make_record):
