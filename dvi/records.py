@@ -304,8 +304,8 @@ def records_from_result(
 def _round_record(r: Any, topk: int) -> RoundRecord:
     k = int(r.k)
     if topk:
-        ids = r.topk_ids[:, :topk].numpy().astype(np.int32)  # [k + 1, topk]
-        lps = r.topk_logprobs[:, :topk].float().numpy()  # [k + 1, topk]
+        ids = r.topk_ids[:, :topk].cpu().numpy().astype(np.int32)  # [k + 1, topk]; an engine on a GPU keeps them there
+        lps = r.topk_logprobs[:, :topk].float().cpu().numpy()  # [k + 1, topk]
     else:
         ids = np.zeros((k + 1, 0), np.int32)
         lps = np.zeros((k + 1, 0), np.float32)
