@@ -8,6 +8,9 @@ forwards (which differ by float rounding only) agree on them.
 The real pair is SmolLM2-135M-Instruct (`dvi.models.fetch_demo_target`, cached after the first fetch)
 and a 2-layer drafter built from it, cached under `<cache>/models/drafter-L2-full` like the CLI does.
 Fixtures that load it are only used by tests marked `real_model`.
+
+`DVI_TEST_DEVICE` (default cpu) puts the tiny target and drafters on another device, e.g. cuda, for the engine's
+greedy and sampling tests on a GPU (`python -m benchmarks.gpu` runs them there); the rest of the suite is CPU-only.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dvi.models import DRAFTER_META, Drafter
 pytest_plugins = ["broker_fixtures"]
 
 TINY_VOCAB = 97
+TEST_DEVICE = torch.device(os.environ.get("DVI_TEST_DEVICE") or "cpu")
 
 
 def tiny_llama(
@@ -108,13 +112,13 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_target() -> LlamaForCausalLM:
-    return tiny_llama(seed=0, layers=3)
+    return tiny_llama(seed=0, layers=3).to(TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
 def tiny_drafter(tiny_target) -> Drafter:
     """A noisy copy of the target: accepts some drafts and rejects others (mixed acceptance)."""
-    return Drafter(model=noisy_copy(tiny_target, seed=1, noise=0.04), version="noisy-v1")
+    return Drafter(model=noisy_copy(tiny_target, seed=1, noise=0.04).to(TEST_DEVICE), version="noisy-v1")
 
 
 @pytest.fixture(scope="session")
@@ -126,13 +130,13 @@ def reduced_drafter(tiny_target) -> Drafter:
     with torch.no_grad():
         head.weight.copy_(model.lm_head.weight[vocab_map])
     model.lm_head = head
-    return Drafter(model=model, version="reduced-v1", vocab_map=vocab_map)
+    return Drafter(model=model.to(TEST_DEVICE), version="reduced-v1", vocab_map=vocab_map.to(TEST_DEVICE))
 
 
 @pytest.fixture(scope="session")
 def random_drafter() -> Drafter:
     """An unrelated random model with the target's vocabulary: its drafts are almost never accepted."""
-    return Drafter(model=tiny_llama(seed=2, layers=2), version="random-v1")
+    return Drafter(model=tiny_llama(seed=2, layers=2).to(TEST_DEVICE), version="random-v1")
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ def target_greedy(target, prompt: list[int], n: int) -> list[int]:
     """The target's own greedy continuation (Hugging Face generate, no drafter)."""
     key = (id(target), tuple(prompt), n)
     if key not in _greedy_cache:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=target.device)
         with torch.inference_mode():
             out = target.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
@@ -62,7 +62,7 @@ def assert_cache_matches_fresh_forward(target, results, atol: float = 1e-4) -> i
             contexts = [base + r.drafted[:j] for j in range(r.k + 1)]
             for j, ctx in enumerate(contexts):
                 with torch.inference_mode():
-                    fresh = torch.log_softmax(target(torch.tensor([ctx])).logits[0, -1].float(), -1)
+                    fresh = torch.log_softmax(target(torch.tensor([ctx], device=target.device)).logits[0, -1].float(), -1).cpu()
                 got_ids, got_lp = r.topk_ids[j], r.topk_logprobs[j]
                 assert torch.allclose(fresh[got_ids], got_lp, atol=atol), (res.request_id, r.position, j)
                 assert torch.allclose(fresh.topk(got_ids.numel()).values, got_lp, atol=atol)
@@ -81,7 +81,7 @@ def assert_drafts_are_drafter_greedy(drafter: Drafter, results) -> int:
             base = res.prompt_ids + res.token_ids[: r.position]
             for j, d in enumerate(r.drafted):
                 with torch.inference_mode():
-                    choice = int(drafter.model(torch.tensor([base + r.drafted[:j]])).logits[0, -1].argmax())
+                    choice = int(drafter.model(torch.tensor([base + r.drafted[:j]], device=drafter.model.device)).logits[0, -1].argmax())
                 if drafter.vocab_map is not None:
                     choice = int(drafter.vocab_map[choice])
                 assert d == choice, (res.request_id, r.position, j)

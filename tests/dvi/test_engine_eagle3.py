@@ -10,6 +10,8 @@ with an EAGLE-3 drafter as `dvi drafter init --kind eagle3` builds it, whose dra
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ NEW = 24
 def eagle_drafter(target, seed: int, noise: float, version: str, layer_ids=(0, 1, 2), vocab: int = 64) -> Eagle3Drafter:
     """An EAGLE-3 drafter of `target` over `vocab` of its ids: the target's last layer over its top features
     (`init_from_target`), with relative Gaussian noise `noise` on every matrix but the shared embedding."""
+    device, target = target.device, copy.deepcopy(target).cpu()  # built on the CPU, then moved to the target's device
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(int(target.config.vocab_size), generator=g)[:vocab].sort().values
     d = Eagle3Drafter(layer_config(target.config), vocab, layer_ids, embed=target.get_input_embeddings().weight.detach())
@@ -38,7 +41,7 @@ def eagle_drafter(target, seed: int, noise: float, version: str, layer_ids=(0, 1
         if p.ndim == 2 and not name.startswith("embed_tokens"):
             p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp(min=0.02))
     d.version = version
-    return d.eval()
+    return d.eval().to(device)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,7 @@ def eagle(tiny_target) -> Eagle3Drafter:
 def reference_drafts(drafter: Eagle3Drafter, target, seq: list[int], k: int) -> list[int]:
     """The k greedy drafts after `seq`, uncached: the drafter reads the target's features of every position but the
     last beside the token after it, drafts at the last, then feeds its own pre-norm output back k - 1 times."""
-    x = torch.tensor([seq])
+    x = torch.tensor([seq], device=target.device)
     hidden, tokens, vocab, out = drafter.fuse(target_features(target, x[:, :-1], drafter.layer_ids)), x[:, 1:], target_ids(drafter.d2t), []
     for _ in range(k):
         logits, prenorm = drafter(hidden, tokens)
@@ -74,7 +77,7 @@ def check_drafts(results, target, drafters: dict[str, Eagle3Drafter]) -> tuple[i
 
 
 def target_greedy(target, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=target.device)
     with torch.inference_mode():
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                               pad_token_id=0)
