@@ -1,23 +1,30 @@
-"""Trainer benchmark: what N minutes of online distillation do to the demo drafter, and how fast the trainer is.
+"""Trainer benchmark: how fast dvi's trainer distills the demo drafter, beside a plain PyTorch loop, and what held-out
+acceptance that buys against training time; on the CPU or a GPU (`--device cuda`), for either drafter kind.
 
-One process, on the demo pair (SmolLM2-135M-Instruct target, the 2-layer drafter built from it), one domain
-(Python coding questions):
+One process, on the demo pair (SmolLM2-135M-Instruct target; `--kinds`: the EAGLE-3 drafter and/or the 2-layer
+layer drafter, each untrained as `dvi` builds it), one domain (`--domain`: `tasks`, the Python coding questions
+below sent as chat, or a `benchmarks.workloads` domain such as `code`, stdlib signatures continued raw):
 
-1. records: the engine decodes the training prompts (greedy, K = 4, top-8 teacher) and the DecisionRecords go
-   through the real embedded broker;
-2. training: the DeepSpeed trainer (`trainers.recipe.Trainer`, the same one `dvi train` runs) consumes them
-   for `--minutes`, replaying records once every fresh one is trained (so the budget is in minutes, not data);
-3. before / after, side by side in one run: the estimated acceptance (sum of min(p, q) over held-out records'
-   teacher positions; and the greedy match rate) of the untrained and the trained drafter, and the engine's
-   measured acceptance and tokens/s on evaluation prompts of the same domain that no record came from
-   (greedy, K = 4 and adaptive K), against target-only decoding; medians over prompts.
+1. records: dvi's engine decodes the training prompts with the kind's untrained drafter (K = 4, top-8 teacher;
+   `--samples` per prompt: the first greedy, the others sampled at temperature 0.8) and the evaluation prompts
+   (greedy, prompts no training record came from); the training records go to a JSON-lines file;
+2. training: the DeepSpeed trainer (`trainers.recipe.Trainer`, the one `dvi train` and `dvi drafter distill` run)
+   reads that file and takes optimizer steps for `--minutes`, replaying records once every fresh one is trained;
+   every `--eval-every-s` seconds of training the expected acceptance (sum of min(p, q) at the teacher positions)
+   and greedy match rate on the evaluation records are measured (outside the training time);
+3. plain loop: a fresh copy of the untrained drafter trained by plain PyTorch (fp32 weights, bf16 autocast on a GPU,
+   AdamW, fused on a GPU, the same loss) over batches of the same records and size, prebuilt on the device, for
+   `--plain-s` seconds: the ceiling the trainer's bookkeeping, DeepSpeed and batch building are measured against;
+4. on the CPU only (`--decode`), the engine's measured acceptance and tokens/s with the untrained and the trained
+   drafter on the evaluation prompts, against target-only decoding (batch 1, greedy; medians over prompts).
 
-Trainer throughput: records/s and tokens/s (teacher positions trained on, fresh and replayed) over the run,
-and the median step time. No GPU here: the bf16 / model-FLOP-utilisation row needs one (run the same script
-there with trainer.precision=bf16).
+Throughput: teacher positions trained on (fresh and replayed) per second of training, and the median step time; on
+a GPU also the share of time a kernel ran (NVML) and the time of one checkpoint. The trainer's precision is
+trainer.precision's auto: bf16 on a GPU, fp32 on the CPU.
 
-Run: .venv/bin/python benchmarks/bench_trainer.py [--minutes 5] [--save STORE] [--json PATH]; then
-`bench_engine.py --trained STORE/bench0001` puts the trained drafter's rows into the engine table.
+Run: .venv/bin/python benchmarks/bench_trainer.py [--device cpu] [--kinds layers] [--minutes 5] [--json PATH];
+on a GPU host `python -m benchmarks.gpu` runs it with the engine's checks (benchmarks/README.md, "On a GPU").
+`--save STORE` publishes the last kind's trained drafter (`bench_engine.py --trained STORE/bench0001`).
 """
 
 from __future__ import annotations
@@ -37,18 +44,18 @@ import transformers
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import workloads  # noqa: E402
 from dvi import store  # noqa: E402
-from dvi.config import DviConfig, ModelConfig, SpecConfig, StreamConfig, TrackingConfig, TrainerConfig  # noqa: E402
+from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, TrainerConfig  # noqa: E402
 from dvi.engine import Request, SpeculativeEngine  # noqa: E402
-from dvi.models import Drafter, build_drafter, default_cache_dir, demo_drafter_dir, fetch_demo_target, load_causal_lm, load_drafter, load_tokenizer  # noqa: E402
-from dvi.procs import free_port  # noqa: E402
+from dvi.models import Drafter, end_ids, resolve_device  # noqa: E402
+from dvi.pairs import load_any_drafter, resolve_pair  # noqa: E402
 from dvi.records import records_from_result  # noqa: E402
-from streams.broker import EmbeddedBroker  # noqa: E402
-from streams.consumer import DecisionConsumer  # noqa: E402
-from streams.producer import DecisionProducer  # noqa: E402
-from streams.topics import ensure_topics  # noqa: E402
+from trainers.data import Ahead, FileSource, example_from_record  # noqa: E402
 from trainers.ds import merged_state_dict  # noqa: E402
-from trainers.recipe import Trainer, evaluate  # noqa: E402
+from trainers.losses import position_loss  # noqa: E402
+from trainers.recipe import (Eagle3PositionLM, PositionLM, Trainer, chunks, evaluate, gpu_busy_share, teacher_for,  # noqa: E402
+                             ttt_position_loss)
 
 TASKS = ["reverses a string", "checks whether a number is prime", "returns the largest element of a list",
          "counts the vowels in a string", "computes the factorial of n", "merges two sorted lists",
@@ -63,9 +70,11 @@ TASKS = ["reverses a string", "checks whether a number is prime", "returns the l
          "computes the power set of a list", "counts the occurrences of each character in a string",
          "returns the median of a list of numbers", "removes all whitespace from a string", "chunks a list into pieces of size n"]
 STYLES = ["Write a Python function that {}.", "In Python, implement a function that {}. Keep it short."]
+MAX_PROMPT_TOKENS = 192
+RECORDS: dict[str, tuple] = {}  # --records-from target: the records made for the first kind, reused by the others
 
 
-def prompts(tokenizer) -> list[list[int]]:
+def task_prompts(tokenizer) -> list[list[int]]:
     out = []
     for task in TASKS:
         for style in STYLES:
@@ -75,9 +84,55 @@ def prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-def decode_eval(engine_cls, target, drafter, spec, stop_ids, prompts_, new_tokens):
+def domain_prompts(tokenizer, domain: str, n_train: int, n_eval: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(training, evaluation) prompt ids: `tasks` split in two, or a workloads domain's live and eval splits."""
+    if domain == "tasks":
+        every = task_prompts(tokenizer)
+        return every[: min(n_train, len(every) - n_eval)], every[-n_eval:]
+
+    def ids(split: str, n: int) -> list[list[int]]:
+        out = []
+        for p in workloads.prompts(domain, split):
+            if p.chat:
+                enc = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)
+                tokens = list(enc["input_ids"])
+            else:
+                tokens = tokenizer(p.text)["input_ids"]
+            if 0 < len(tokens) <= MAX_PROMPT_TOKENS:
+                out.append(tokens)
+            if len(out) == n:
+                break
+        return out
+
+    return ids("live", n_train), ids("eval", n_eval)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_records(pair, prompts_: list[list[int]], samples: int, new_tokens: int, batch: int, drafted: bool = True
+                 ) -> tuple[list, float]:
+    """Decode every prompt `samples` times (greedy, then sampled at 0.8) with the pair (`drafted`: with its drafter,
+    else the target alone: records no drafter drafted for, which train any drafter); (records, seconds)."""
+    vocab = int(pair.target.config.vocab_size)
+    engine = SpeculativeEngine(pair.target, pair.drafter if drafted else None, SpecConfig(k=4, adaptive=False, topk_logprobs=8),
+                               stop_ids=end_ids(pair.target, pair.tokenizer), max_batch=batch)
+    requests = [Request(ids, max_new_tokens=new_tokens, temperature=0.8 if s else 0.0, seed=s)
+                for s in range(samples) for ids in prompts_]
+    t0 = time.perf_counter()
+    records = []
+    with torch.inference_mode():
+        for req, res in zip(requests, engine.generate(requests)):
+            records += records_from_result(res, replica_id="bench", target_name="smollm2", vocab_size=vocab, sampling=req, topk=8)
+    return records, time.perf_counter() - t0
+
+
+def decode_eval(target, drafter, spec, stop_ids, prompts_, new_tokens):
     """Per prompt: (tokens/s, drafted, accepted) decoding alone (batch 1), greedy."""
-    engine = engine_cls(target, drafter, spec, stop_ids=stop_ids, max_batch=1)
+    engine = SpeculativeEngine(target, drafter, spec, stop_ids=stop_ids, max_batch=1)
     rows = []
     for ids in prompts_:
         t0 = time.perf_counter()
@@ -87,93 +142,164 @@ def decode_eval(engine_cls, target, drafter, spec, stop_ids, prompts_, new_token
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--minutes", type=float, default=5.0, help="training time")
-    ap.add_argument("--train-prompts", type=int, default=48)
-    ap.add_argument("--eval-prompts", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--batch-tokens", type=int, default=512)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--vocab", type=int, default=0, help="reduced drafter vocabulary (0: full)")
-    ap.add_argument("--save", type=Path, default=None, help="publish the trained drafter into this store directory")
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
-    transformers.utils.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cache = default_cache_dir()
-    target_dir = fetch_demo_target(cache)
-    drafter_dir = demo_drafter_dir(cache, 2, args.vocab or None)
-    if not drafter_dir.exists():
-        build_drafter(target_dir, drafter_dir, layers=2, vocab=args.vocab or None)
-    tokenizer = load_tokenizer(target_dir)
-    target = load_causal_lm(target_dir, "target")
-    vocab = int(target.config.vocab_size)
-    stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    all_prompts = prompts(tokenizer)
-    eval_prompts = all_prompts[-args.eval_prompts:]
-    train_prompts = all_prompts[: min(args.train_prompts, len(all_prompts) - args.eval_prompts)]
-    spec = SpecConfig(k=4, adaptive=False, topk_logprobs=8)
+def plain_loop(trainer: Trainer, drafter_dir: Path, seconds: float) -> dict:
+    """A plain PyTorch loop (see the module docstring) over the trainer's records in batches of its size; its
+    throughput in teacher positions per second."""
+    t, device = trainer.tcfg, trainer.device
+    cuda = device.type == "cuda"
+    drafter = load_any_drafter(drafter_dir, trainer.vocab_size, torch.float32, device,
+                               target=trainer.target if trainer.eagle3 else None)
+    model = drafter.model.train()
+    module = Eagle3PositionLM(model, trainer.features_target) if trainer.eagle3 else PositionLM(model)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=cuda or None)
+    examples = [i.example for i in trainer.buffer.pending] + list(trainer.buffer.replay)
+    ahead = Ahead(device)
+    batches = [ahead.build(group, [1.0] * len(group)) for group in chunks(examples, t.batch_tokens)]
+    ahead.close()
+    if not batches:
+        return {}
 
+    def one(batch) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            teacher = teacher_for(batch, trainer.vocab_size, trainer.vocab_map, trainer.teacher_lm)
+            if trainer.eagle3 and t.eagle3_ttt_steps > 1:
+                loss, _ = ttt_position_loss(module, batch, teacher, t.eagle3_ttt_steps, t.divergence, 1.0, 0.0, t.jsd_beta,
+                                            trainer.vocab_map)
+            else:
+                logits = module(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
+                loss, _ = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight, t.divergence,
+                                        1.0, 0.0, t.jsd_beta, trainer.vocab_map)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for batch in batches[:3]:  # warm-up: kernels chosen, allocator filled
+        one(batch)
+    sync(device)
+    steps = positions = 0
     t0 = time.perf_counter()
-    untrained = load_drafter(drafter_dir, vocab)
-    engine = SpeculativeEngine(target, untrained, spec, stop_ids=stop_ids, max_batch=8)
-    requests = [Request(ids, max_new_tokens=args.new_tokens) for ids in train_prompts]
-    records = []
-    with torch.inference_mode():
-        for req, res in zip(requests, engine.generate(requests)):
-            records += records_from_result(res, replica_id="bench", target_name="smollm2", vocab_size=vocab, sampling=req, topk=8)
-    gen_s = time.perf_counter() - t0
-    print(f"records: {len(records)} from {len(requests)} prompts, {sum(len(r.generated_ids) for r in records)} tokens in {gen_s:.0f} s")
+    while time.perf_counter() - t0 < seconds:
+        batch = batches[steps % len(batches)]
+        one(batch)
+        steps, positions = steps + 1, positions + batch.positions
+    sync(device)
+    dt = time.perf_counter() - t0
+    return {"steps": steps, "seconds": dt, "positions_per_s": positions / dt, "step_s": dt / steps, "batches": len(batches)}
 
-    with EmbeddedBroker(free_port()) as broker, tempfile.TemporaryDirectory() as tmp:
-        scfg = StreamConfig(bootstrap_servers=broker.bootstrap, partitions=2, linger_ms=5)
-        ensure_topics(scfg)
-        producer = DecisionProducer(scfg)
-        for r in records:
-            producer.submit(r)
-        producer.close(timeout_s=30)
-        cfg = DviConfig(model=ModelConfig(target=str(target_dir), drafter=str(drafter_dir)), stream=scfg,
-                        trainer=TrainerConfig(run_dir=f"{tmp}/run", store=f"{tmp}/store", batch_tokens=args.batch_tokens,
-                                              lr=args.lr, replay_share=0.5, replay_when_idle=True, holdout_share=0.15,
-                                              holdout_size=1000, checkpoint_every=10**6, gate_every=10**6, max_version_age=10),
-                        tracking=TrackingConfig(enabled=False))
-        with DecisionConsumer(scfg, group_id="bench", from_beginning=True) as source:
-            trainer = Trainer(cfg, source)
-            deadline = time.monotonic() + 30
-            while trainer.state.counters.records + trainer.state.counters.duplicates < len(records) and time.monotonic() < deadline:
-                trainer.ingest(source.poll(0.5))
-            holdout = list(trainer.buffer.holdout)
-            ev = lambda model: evaluate(model, holdout, vocab, trainer.vocab_map, trainer.teacher_lm, 1024)  # noqa: E731
-            before = ev(trainer.student.module)
-            step_times = []
-            t_train = time.perf_counter()
-            while time.perf_counter() - t_train < args.minutes * 60:
-                trainer.ingest(source.poll(0.0))
-                s0 = time.perf_counter()
-                trainer.step()
-                step_times.append(time.perf_counter() - s0)
-            train_s = time.perf_counter() - t_train
-            after = ev(trainer.student.module)
+
+def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
+    """Records, timed training with held-out evaluations, the plain loop and (CPU) the decode table for one kind."""
+    model_cfg = ModelConfig(target=args.target, drafter_kind=kind, drafter_layers=2, drafter_vocab=args.vocab or None,
+                            device=args.device,
+                            dtype="float32" if device.type == "cpu" else "auto")
+    pair = resolve_pair(model_cfg)
+    vocab = int(pair.target.config.vocab_size)
+    train_prompts, eval_prompts = domain_prompts(pair.tokenizer, args.domain, args.train_prompts, args.eval_prompts)
+    drafted = args.records_from == "drafter"
+    if drafted or "target" not in RECORDS:  # the target's records serve every kind: made once
+        RECORDS["target"] = (make_records(pair, train_prompts, args.samples, args.new_tokens, args.gen_batch, drafted),
+                             make_records(pair, eval_prompts, 1, args.new_tokens, args.gen_batch, drafted)[0])
+    (records, gen_s), eval_records = RECORDS["target"]
+    tokens = sum(len(r.generated_ids) for r in records)
+    print(f"[{kind}] records: {len(records)} from {len(train_prompts)} prompts x {args.samples}, {tokens} tokens in "
+          f"{gen_s:.0f} s; {len(eval_records)} evaluation records from {len(eval_prompts)} other prompts", flush=True)
+    record_file = tmp / f"records-{kind}.jsonl"
+    record_file.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+
+    cfg = DviConfig(model=replace(model_cfg, target=str(pair.target_dir), drafter=str(pair.drafter_dir)),
+                    trainer=TrainerConfig(run_dir=str(tmp / f"run-{kind}"), store=str(tmp / f"store-{kind}"),
+                                          batch_tokens=args.batch_tokens, lr=args.lr, replay_share=0.5, replay_when_idle=True,
+                                          holdout_share=0.0, holdout_first=0, pending_size=10**6, replay_size=10**6,
+                                          replay_mb=16384.0, checkpoint_every=10**6, gate_every=10**6, gate_every_s=None,
+                                          max_version_age=10),
+                    tracking=TrackingConfig(enabled=False))
+    del pair  # the trainer loads its own copy of the pair
+    source = FileSource(str(record_file), vocab)
+    trainer = Trainer(cfg, source, offline=True)
+    while True:
+        delivered = source.poll(0.0, max_records=10**6)
+        if not delivered:
+            break
+        trainer.ingest(delivered)
+    eval_examples = [example_from_record(r, trainer.tcfg.max_seq_len, trainer.tcfg.reward_penalty) for r in eval_records]
+
+    def held_out() -> dict:
+        return evaluate(trainer.student.module, eval_examples, vocab, trainer.vocab_map, trainer.teacher_lm, args.batch_tokens)
+
+    curve = [{"train_s": 0.0, "steps": 0, "positions": 0, **held_out()}]
+    print(f"[{kind}] held-out acceptance before training {curve[0]['acceptance']:.3f}", flush=True)
+    step_times, busy = [], []
+    train_s, next_eval = 0.0, args.eval_every_s
+    trainer.step()  # warm-up step (kernels, allocator), not timed
+    sync(device)
+    warm = (trainer.state.step, trainer.state.counters.positions)
+    while train_s < args.minutes * 60:
+        s0 = time.perf_counter()
+        trainer.step()
+        sync(device)
+        dt = time.perf_counter() - s0
+        step_times.append(dt)
+        train_s += dt
+        if train_s >= next_eval or train_s >= args.minutes * 60:
+            next_eval += args.eval_every_s
+            share = gpu_busy_share(device)
+            if share is not None:
+                busy.append(share)
+            point = {"train_s": train_s, "steps": trainer.state.step - warm[0],
+                     "positions": trainer.state.counters.positions - warm[1], **held_out()}
+            curve.append(point)
+            print(f"[{kind}] {train_s:6.1f} s, {point['steps']} steps, {point['positions'] / train_s:,.0f} positions/s: "
+                  f"held-out acceptance {point['acceptance']:.3f}, greedy match {point['greedy']:.3f}", flush=True)
     c = trainer.state.counters
+    positions = c.positions - warm[1]
+    c0 = time.perf_counter()
+    trainer.checkpoint()
+    checkpoint_s = time.perf_counter() - c0
+    out = {"kind": kind, "device": str(device), "records": len(records), "record_tokens": tokens, "gen_s": gen_s,
+           "eval_records": len(eval_records), "train_s": train_s, "steps": trainer.state.step - warm[0],
+           "positions": positions, "positions_per_s": positions / train_s, "median_step_s": statistics.median(step_times),
+           "gpu_busy_share": statistics.median(busy) if busy else None, "checkpoint_s": checkpoint_s,
+           "precision": trainer.student.bfloat16_enabled() and "bf16" or "fp32",
+           "fresh_records_trained": c.trained, "curve": curve,
+           "reached_0_5_at_s": next((p["train_s"] for p in curve if p["acceptance"] >= 0.5), None)}
+    if args.plain_s > 0:
+        plain = plain_loop(trainer, Path(trainer.initial_dir), args.plain_s)
+        out["plain"] = plain
+        out["vs_plain"] = out["positions_per_s"] / plain["positions_per_s"] if plain else None
+        print(f"[{kind}] dvi's trainer {out['positions_per_s']:,.0f} positions/s, plain PyTorch "
+              f"{plain.get('positions_per_s', 0):,.0f}: {out['vs_plain'] or 0:.2f}x", flush=True)
     if args.save:
         version = store.next_version(args.save, prefix="bench")
-        pub = store.publish(args.save, version, merged_state_dict(trainer.student.module.model), drafter_dir,
-                            {"parent": untrained.version, "minutes": args.minutes, "steps": trainer.state.step,
-                             "held_out_acceptance": after["acceptance"]}, trainer.vocab_map)
+        pub = store.publish(args.save, version, merged_state_dict(trainer.student.module.model), trainer.initial_dir,
+                            {"parent": trainer.state.lineage[0], "minutes": args.minutes, "steps": trainer.state.step,
+                             "held_out_acceptance": curve[-1]["acceptance"]}, trainer.vocab_map)
         print(f"trained drafter published at {pub.path}")
-    trained = Drafter(model=trainer.student.module.model.eval(), version="trained", vocab_map=trainer.vocab_map)
+    if args.decode:
+        out["decode"] = decode_table(trainer, eval_prompts, args.new_tokens, model_cfg)
+    trainer.close()
+    return out
 
-    # decode on prompts no record came from: untrained vs trained, side by side (interleaved per prompt)
-    rows = {"target-only": [], "untrained K=4": [], "trained K=4": [], "untrained adaptive": [], "trained adaptive": []}
+
+def decode_table(trainer: Trainer, eval_prompts, new_tokens: int, model_cfg: ModelConfig) -> list[dict]:
+    """The engine on the evaluation prompts: untrained vs trained drafter vs target-only, interleaved per prompt."""
+    pair = resolve_pair(model_cfg)
+    stop_ids = end_ids(pair.target, pair.tokenizer)
+    trained_model = load_any_drafter(trainer.initial_dir, trainer.vocab_size, torch.float32, trainer.device,
+                                     target=pair.target if trainer.eagle3 else None).model
+    trained_model.load_state_dict(merged_state_dict(trainer.student.module.model))
+    trained = Drafter(model=trained_model.eval(), version="trained", vocab_map=trainer.vocab_map)
+    spec = SpecConfig(k=4, adaptive=False, topk_logprobs=8)
     adaptive = replace(spec, adaptive=True)
+    rows = {"target-only": [], "untrained K=4": [], "trained K=4": [], "untrained adaptive": [], "trained adaptive": []}
     with torch.inference_mode():
         for ids in eval_prompts:
-            rows["target-only"] += decode_eval(SpeculativeEngine, target, None, spec, stop_ids, [ids], args.new_tokens)
-            rows["untrained K=4"] += decode_eval(SpeculativeEngine, target, untrained, spec, stop_ids, [ids], args.new_tokens)
-            rows["trained K=4"] += decode_eval(SpeculativeEngine, target, trained, spec, stop_ids, [ids], args.new_tokens)
-            rows["untrained adaptive"] += decode_eval(SpeculativeEngine, target, untrained, adaptive, stop_ids, [ids], args.new_tokens)
-            rows["trained adaptive"] += decode_eval(SpeculativeEngine, target, trained, adaptive, stop_ids, [ids], args.new_tokens)
+            rows["target-only"] += decode_eval(pair.target, None, spec, stop_ids, [ids], new_tokens)
+            rows["untrained K=4"] += decode_eval(pair.target, pair.drafter, spec, stop_ids, [ids], new_tokens)
+            rows["trained K=4"] += decode_eval(pair.target, trained, spec, stop_ids, [ids], new_tokens)
+            rows["untrained adaptive"] += decode_eval(pair.target, pair.drafter, adaptive, stop_ids, [ids], new_tokens)
+            rows["trained adaptive"] += decode_eval(pair.target, trained, adaptive, stop_ids, [ids], new_tokens)
     base = [r[0] for r in rows["target-only"]]
     table = []
     for name, rs in rows.items():
@@ -181,27 +307,71 @@ def main() -> int:
         table.append({"path": name, "tok_s": statistics.median(r[0] for r in rs),
                       "speedup": statistics.median(r[0] / b for r, b in zip(rs, base)),
                       "acceptance": accepted / drafted if drafted else None})
-
-    print(f"\ntraining: {args.minutes:g} min, {trainer.state.step} steps, median step {statistics.median(step_times):.2f} s; "
-          f"{c.trained} records trained fresh, {c.positions} teacher positions (fresh + replayed): "
-          f"{c.trained / train_s:.2f} fresh records/s, {c.positions / train_s:.0f} tokens/s")
-    print(f"held-out ({len(holdout)} records): expected acceptance {before['acceptance']:.3f} -> {after['acceptance']:.3f}, "
-          f"greedy match {before['greedy']:.3f} -> {after['greedy']:.3f}\n")
-    print("| path | tok/s | speedup vs target-only | acceptance |")
-    print("|---|---|---|---|")
+    print("| path | tok/s | speedup vs target-only | acceptance |\n|---|---|---|---|")
     for r in table:
         acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
         print(f"| {r['path']} | {r['tok_s']:.1f} | {r['speedup']:.2f} | {acc} |")
-    print(f"\n{len(eval_prompts)} evaluation prompts x {args.new_tokens} new tokens, batch 1, greedy; "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    return table
+
+
+def replace_minutes(args: argparse.Namespace, minutes: float) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "minutes": minutes})
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", help="model.device: cpu, cuda, auto")
+    ap.add_argument("--target", default=None, help="model.target (default: the demo target; a .gguf file is imported)")
+    ap.add_argument("--kinds", default="layers", help="drafter kinds, comma-separated: layers, eagle3")
+    ap.add_argument("--domain", default="tasks", help="tasks, or a benchmarks.workloads domain (code, prose, qa, markdown)")
+    ap.add_argument("--minutes", default="5", help="training time per kind: one number, or one per kind (2,1)")
+    ap.add_argument("--eval-every-s", type=float, default=60.0, help="held-out evaluation every this much training time")
+    ap.add_argument("--plain-s", type=float, default=30.0, help="seconds of the plain PyTorch loop (0: none)")
+    ap.add_argument("--train-prompts", type=int, default=48)
+    ap.add_argument("--eval-prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=1, help="decodes per training prompt (the first greedy, then sampled)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--records-from", choices=("drafter", "target"), default="drafter",
+                    help="decode the records with the kind's untrained drafter, or with the target alone (once for all kinds)")
+    ap.add_argument("--gen-batch", type=int, default=8, help="engine batch while making records")
+    ap.add_argument("--batch-tokens", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--vocab", type=int, default=0, help="the demo drafter's reduced vocabulary (0: the kind's default)")
+    ap.add_argument("--decode", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine's decode table after training (default: on the CPU only)")
+    ap.add_argument("--save", type=Path, default=None, help="publish the trained drafter into this store directory")
+    ap.add_argument("--json", type=Path, default=None)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    device = resolve_device(args.device)
+    args.decode = device.type == "cpu" if args.decode is None else args.decode
+    results = {"args": {k: str(v) for k, v in vars(args).items()}, "torch": torch.__version__,
+               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "kinds": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        kinds = [k.strip() for k in args.kinds.split(",")]
+        minutes = [float(m) for m in str(args.minutes).split(",")]
+        for kind, m in zip(kinds, minutes * len(kinds) if len(minutes) == 1 else minutes):
+            results["kinds"].append(run_kind(kind, replace_minutes(args, m), device, Path(tmp)))
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(results, indent=2))
+    print("\n| kind | device | precision | positions/s | plain PyTorch | vs plain | median step | held-out acceptance | 0.5 at |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for k in results["kinds"]:
+        plain, ratio, at = k.get("plain", {}).get("positions_per_s"), k.get("vs_plain"), k["reached_0_5_at_s"]
+        cells = [k["kind"], k["device"], k["precision"], f"{k['positions_per_s']:,.0f}", "–" if plain is None else f"{plain:,.0f}",
+                 "–" if ratio is None else f"{ratio:.2f}x", f"{k['median_step_s'] * 1000:.0f} ms",
+                 f"{k['curve'][0]['acceptance']:.3f} -> {k['curve'][-1]['acceptance']:.3f}", "–" if at is None else f"{at:.0f} s"]
+        print("| " + " | ".join(cells) + " |")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "before": before, "after": after,
-                                         "steps": trainer.state.step, "train_s": train_s, "counters": c.to_dict(),
-                                         "median_step_s": statistics.median(step_times), "decode": table}, indent=2))
         print(f"wrote {args.json}")
-    return 0
+    return results
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
