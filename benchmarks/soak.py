@@ -24,8 +24,12 @@ the trainer's counters and consumer lag (from MLflow), dead-lettered records, ve
 rollbacks, live acceptance and the served version of each replica. Written to <out>/soak.json, drawn to
 <out>/soak.png.
 
+A killed part that is not back within `--recover-max-min` (20) minutes, or a new `dvi up` that fails, is given up
+on: the fault is recorded as never recovered and the run goes on. If the broker does not answer at the end, the
+final check starts it alone on the run's data (which holds what it acknowledged) to read the topic.
+
 Checked at the end (traffic stopped, the trainer given `--drain-min` to catch up), printed as a table and written
-to <out>/soak.md: every record on the topic is in the trainer's ledger exactly once; no request failed but those in
+to <out>/soak.md: every killed part came back; every record on the topic is in the trainer's ledger exactly once; no request failed but those in
 flight at a killed replica (which got an error) or sent to one that was down; per process, resident memory and
 descriptors flat over the last hour (the second half in a shorter run): the second half's median within 5% of the
 first half's and the trend rising at most 5% across it; p99 latency of the last hour within 1.2x of the first
@@ -86,12 +90,13 @@ class Options:
     out: Path = field(default_factory=lambda: Path(f"/tmp/dvi-soak-{time.strftime('%Y%m%d-%H%M%S')}"))
     faults: tuple[str, ...] = FAULTS  # the kills, in turn
     max_minutes: float | None = None  # how long a fault still recovering may stretch the run (None: twice `minutes`)
+    recover_max_min: float = 20.0  # a part not back this long after its kill is given up on (recorded; the run goes on)
     outside_ignore: tuple[str, ...] = ()  # path prefixes the writes check leaves out (another program's on the host)
 
     @classmethod
     def quick(cls, out: Path | None = None) -> Options:
         return cls(minutes=10.0, fault_every_min=1.5, step_min=0.5, interval_s=10.0, warmup_min=2.0, drain_min=5.0,
-                   **({"out": out} if out else {}))
+                   recover_max_min=15.0, **({"out": out} if out else {}))
 
     def fault_at(self) -> list[tuple[float, str]]:
         """(seconds from the start, fault) of the schedule: `faults` in turn, then again, while the run lasts; the
@@ -161,6 +166,11 @@ def exactly_once(topic: list[tuple[int, int, str]], ledger: list[tuple[str, str]
 
 # ----------------------------------------------------------------------------------------------
 # Processes.
+
+
+def unrecovered(faults: list[dict]) -> list[str]:
+    """The kills of a run whose part never came back ('broker at 40.0 min'); the hostile burst is no kill."""
+    return [f"{f['fault']} at {f['t'] / 60:.1f} min" for f in faults if f["fault"] != "hostile" and f.get("recovered_s") is None]
 
 
 def tree(pid: int, apart: frozenset[int] = frozenset()) -> list[int]:
@@ -383,6 +393,7 @@ class Soak:
         self.counters: dict[str, dict] = defaultdict(dict)  # replica -> pid -> its last health (counters restart with it)
         self.orphans: list[str] = []
         self.hostile: dict = {}
+        self.final_broker: dict = {"restarted": False}  # whether the final check had to start the broker again
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -520,9 +531,13 @@ class Soak:
                         self.orphans += active["left_running"]
                     self.say(f"soak: {active['fault']} back after {active['recovered_s']} s")
                     active = None
+                if active is not None and (why := self.given_up(active)):
+                    active.update(recovered_s=None, gave_up_s=round(self.now() - active["t"], 1), gave_up=why)
+                    self.say(f"soak: {active['fault']} not back after {active['gave_up_s']} s ({why}): given up; the run goes on")
+                    active = None
                 if active is not None and active["fault"] == "up" and "restarted" not in active["killed"]:
                     # what systemd's restart of a dead `dvi up` does, beside the traffic and the samples
-                    active["killed"]["restarted"] = threading.Thread(target=self.up, daemon=True)
+                    active["killed"]["restarted"] = threading.Thread(target=self.restart_up, args=(active["killed"],), daemon=True)
                     active["killed"]["restarted"].start()
                 if active is None and schedule and t >= schedule[0][0]:
                     _, fault = schedule.pop(0)
@@ -531,7 +546,12 @@ class Soak:
                         self.faults.append({"t": round(t, 1), "fault": "hostile", **self.hostile})
                         self.say(f"soak: hostile burst at {t / 60:.1f} min: {self.hostile}")
                     else:
-                        active = {"t": round(t, 1), "fault": fault, "killed": self.kill(fault)}
+                        try:
+                            active = {"t": round(t, 1), "fault": fault, "killed": self.kill(fault)}
+                        except (RuntimeError, ProcessLookupError, TypeError) as e:  # not running (a part given up on)
+                            self.faults.append({"t": round(t, 1), "fault": fault, "recovered_s": None, "gave_up": f"not running: {e}"})
+                            self.say(f"soak: {fault} not killed at {t / 60:.1f} min: not running ({e})")
+                            continue
                         self.faults.append(active)
                         self.say(f"soak: SIGKILL {fault} (pid {active['killed']['pid']}) at {t / 60:.1f} min")
                 if t - last_sample >= opt.interval_s:
@@ -543,7 +563,7 @@ class Soak:
             traffic.stop()
             self.rows.append(self.sample(traffic, last_sample))
             drained = self.drain()
-            topic_ids, dead = read_topic(self.cfg)
+            topic_ids, dead = self.final_topic()
         finally:
             traffic.stop()
             r2.stop()
@@ -557,6 +577,35 @@ class Soak:
         (self.work / "soak.md").write_text(table(summary) + "\n")
         plot(self.rows, self.faults, str(self.work / "soak.png"))
         return summary
+
+    def restart_up(self, killed: dict) -> None:
+        """A new `dvi up --detach` after the supervisor's kill; its failure is recorded in `killed`, not raised."""
+        try:
+            self.up()
+        except (RuntimeError, subprocess.SubprocessError) as e:
+            killed["restart_error"] = str(e).splitlines()[0][:300]
+
+    def given_up(self, active: dict) -> str | None:
+        """Why a fault still recovering is given up on (the restart of `dvi up` failed, or `recover_max_min` passed),
+        or None."""
+        if active["killed"].get("restart_error"):
+            return f"the new dvi up failed: {active['killed']['restart_error']}"
+        if self.now() - active["t"] > self.opt.recover_max_min * 60:
+            return f"not back within {self.opt.recover_max_min:g} minutes"
+        return None
+
+    def final_topic(self) -> tuple[list[tuple[int, int, str]], int]:
+        """The topic for the final check (`read_topic`). A broker that does not answer (a part that never came back)
+        is first started alone on the run's data (`dvi up --detach --only broker`; it kept what it acknowledged), and
+        that is recorded in `self.final_broker`."""
+        from streams.broker import kafka_answers
+
+        if (why := kafka_answers(self.cfg.stream.bootstrap)) is not None:
+            self.say(f"soak: the broker does not answer at the end ({why}): starting it alone on the run's data to check the topic")
+            r = subprocess.run([sys.executable, "-m", "dvi.cli", "up", "--detach", "--only", "broker", *self.overrides],
+                               capture_output=True, text=True, timeout=600, env={**os.environ, REGISTRY_ENV: ""})
+            self.final_broker = {"restarted": True, "returncode": r.returncode, "why": why}
+        return read_topic(self.cfg)
 
     def drain(self) -> dict:
         """Wait, traffic stopped, until the trainer has taken every record the replicas sent (its counters in MLflow),
@@ -578,7 +627,8 @@ class Soak:
         downs = []
         for f in self.faults:
             if f["fault"] in ("serve", "up"):
-                downs.append(("r1", f["t"] - 1, f["t"] + f.get("recovered_s", end)))
+                back = f.get("recovered_s")
+                downs.append(("r1", f["t"] - 1, end if back is None else f["t"] + back))
         tolerated, failed = Counter(), Counter()
         for o in traffic.outcomes:
             if o.kind in ("ok", "hung up"):
@@ -615,6 +665,7 @@ class Soak:
         bad_served = sorted({v for vs in served.values() for v in vs} & refused_versions
                             | {v for vs in served.values() for v in vs if not v.startswith("init-") and v not in published})
         checks = {
+            f"every killed part back (within {opt.recover_max_min:g} minutes)": not unrecovered(self.faults),
             "every record the trainer committed is in its ledger exactly once": once["lost_n"] == 0 and once["twice_n"] == 0
                                                                                 and once["unknown_n"] == 0,
             "no request failed but at a killed replica": not failed,
@@ -631,7 +682,7 @@ class Soak:
                 "exactly_once": once, "dead_lettered": dead, "drain": drained, "procs": procs, "p99_s": p99,
                 "served": served, "bad_served": bad_served, "published": len(published), "orphans": self.orphans,
                 "outside": outside[:50], "faults": [{k: v for k, v in f.items() if k != "killed"} for f in self.faults],
-                "hostile": self.hostile}
+                "unrecovered": unrecovered(self.faults), "final_broker": self.final_broker, "hostile": self.hostile}
 
 
 def left_running(before: dict[str, tuple[int, str]]) -> list[str]:
@@ -724,7 +775,10 @@ def table(summary: dict) -> str:
         lines.append(f"| {name} | {p['pid']} | {_fmt(r.get('first'), 0)} / {_fmt(r.get('second'), 0)} | "
                      f"{_fmt(r.get('slope_per_min'), 2)} | {_fmt(f.get('first'), 0)} / {_fmt(f.get('second'), 0)} |")
     lines += ["", "| fault | at min | back after s |", "|---|---|---|"]
-    lines += [f"| {f['fault']} | {f['t'] / 60:.1f} | {_fmt(f.get('recovered_s'), 1)} |" for f in summary["faults"]]
+    lines += [f"| {f['fault']} | {f['t'] / 60:.1f} | "
+              f"{_fmt(f.get('recovered_s'), 1) if 'gave_up' not in f else 'never: ' + f['gave_up']} |" for f in summary["faults"]]
+    if summary.get("final_broker", {}).get("restarted"):
+        lines += ["", "The broker did not answer at the end: the final check started it alone on the run's data."]
     return "\n".join(lines)
 
 
@@ -775,6 +829,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-min", type=float, default=None, help="how long the trainer may catch up at the end (15)")
     p.add_argument("--faults", default=None, help=f"the kills in turn, from {','.join(FAULTS)} (all, in that order)")
     p.add_argument("--max-minutes", type=float, default=None, help="the longest a recovering fault may stretch the run")
+    p.add_argument("--recover-max-min", type=float, default=None,
+                   help="a killed part not back within this many minutes is given up on, and the run goes on (20)")
     p.add_argument("--quick", action="store_true", help="10 minutes, each fault once")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
@@ -800,6 +856,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.max_minutes = args.max_minutes
     if args.drain_min is not None:
         opt.drain_min = args.drain_min
+    if args.recover_max_min is not None:
+        opt.recover_max_min = args.recover_max_min
     opt.outside_ignore = tuple(args.outside_ignore)
     summary = Soak(opt, args.overrides).run()
     print(table(summary))

@@ -9,7 +9,8 @@ import statistics
 
 import pytest
 
-from benchmarks.soak import FAULTS, Options, exactly_once, flatness, is_flat, percentile, registry, slope_per_min, tree, usage
+from benchmarks.soak import (FAULTS, Options, exactly_once, flatness, is_flat, percentile, registry, slope_per_min, table, tree,
+                             unrecovered, usage)
 
 
 def test_the_schedule_kills_each_part_in_turn_and_bursts_once():
@@ -73,3 +74,18 @@ def test_registry_names_children_under_their_part_and_usage_reads_the_process_tr
     rss, fds = usage(me)
     assert rss > 10 and fds >= 3
     assert usage(2 ** 22 + 7) is None  # above pid_max: no such process
+
+
+def test_a_part_that_never_came_back_fails_its_check_and_the_table_says_why():
+    faults = [{"t": 1200.0, "fault": "train", "recovered_s": 23.0}, {"t": 2400.0, "fault": "broker", "recovered_s": 0.0},
+              {"t": 3000.0, "fault": "hostile"},
+              {"t": 6000.0, "fault": "up", "recovered_s": None, "gave_up_s": 905.0, "gave_up": "the new dvi up failed: timeout"}]
+    assert unrecovered(faults) == ["up at 100.0 min"]  # back at once (0 s) is back; the burst is no kill
+    summary = {"minutes": 120.0, "checks": {"every killed part back (within 20 minutes)": not unrecovered(faults)},
+               "exactly_once": {"on_topic": 3, "in_ledger": 3, "lost_n": 0, "twice_n": 0, "pending_n": 0}, "dead_lettered": 0,
+               "requests": {}, "p99_s": {"first": None, "last": None}, "published": 0, "served": {}, "procs": {},
+               "faults": faults, "final_broker": {"restarted": True}}
+    text = table(summary)
+    assert "| every killed part back (within 20 minutes) | **no** |" in text
+    assert "| up | 100.0 | never: the new dvi up failed: timeout |" in text and "| broker | 40.0 | 0.0 |" in text
+    assert "started it alone on the run's data" in text
