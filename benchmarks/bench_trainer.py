@@ -71,7 +71,7 @@ TASKS = ["reverses a string", "checks whether a number is prime", "returns the l
          "returns the median of a list of numbers", "removes all whitespace from a string", "chunks a list into pieces of size n"]
 STYLES = ["Write a Python function that {}.", "In Python, implement a function that {}. Keep it short."]
 MAX_PROMPT_TOKENS = 192
-RECORDS: dict[str, tuple] = {}  # --records-from target: the records made for the first kind, reused by the others
+RECORDS: dict[str, tuple] = {}  # records made in this process, by kind (--records-from drafter) or "target"
 
 
 def task_prompts(tokenizer) -> list[list[int]]:
@@ -192,16 +192,16 @@ def plain_loop(trainer: Trainer, drafter_dir: Path, seconds: float) -> dict:
 def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
     """Records, timed training with held-out evaluations, the plain loop and (CPU) the decode table for one kind."""
     model_cfg = ModelConfig(target=args.target, drafter_kind=kind, drafter_layers=2, drafter_vocab=args.vocab or None,
-                            device=args.device,
-                            dtype="float32" if device.type == "cpu" else "auto")
+                            device=args.device, dtype="float32" if device.type == "cpu" else "auto")
     pair = resolve_pair(model_cfg)
     vocab = int(pair.target.config.vocab_size)
     train_prompts, eval_prompts = domain_prompts(pair.tokenizer, args.domain, args.train_prompts, args.eval_prompts)
     drafted = args.records_from == "drafter"
-    if drafted or "target" not in RECORDS:  # the target's records serve every kind: made once
-        RECORDS["target"] = (make_records(pair, train_prompts, args.samples, args.new_tokens, args.gen_batch, drafted),
-                             make_records(pair, eval_prompts, 1, args.new_tokens, args.gen_batch, drafted)[0])
-    (records, gen_s), eval_records = RECORDS["target"]
+    key = kind if drafted else "target"  # the target's own records serve every kind: made once
+    if key not in RECORDS:
+        RECORDS[key] = (make_records(pair, train_prompts, args.samples, args.new_tokens, args.gen_batch, drafted),
+                        make_records(pair, eval_prompts, 1, args.new_tokens, args.gen_batch, drafted)[0])
+    (records, gen_s), eval_records = RECORDS[key]
     tokens = sum(len(r.generated_ids) for r in records)
     print(f"[{kind}] records: {len(records)} from {len(train_prompts)} prompts x {args.samples}, {tokens} tokens in "
           f"{gen_s:.0f} s; {len(eval_records)} evaluation records from {len(eval_prompts)} other prompts", flush=True)

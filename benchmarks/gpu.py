@@ -14,7 +14,7 @@
 
 Writes `<out>/gpu.json` (hardware, versions, every section) after each section, so a run cut short keeps what it
 measured. Run on the GPU host after the install of `../shared/gpu/README.md`:
-`python3 -m benchmarks.gpu --out $OUT` (about 8 minutes on one H100). Records: benchmarks/results/gpu-*.json.
+`python3 -m benchmarks.gpu --out $OUT [--target GGUF]` (about 9 minutes on one H100, the model's import included). Records: benchmarks/results/gpu-*.json.
 """
 
 from __future__ import annotations
@@ -133,8 +133,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--tie-logits", type=float, default=0.25, help="a difference this close in logits is a near-tie")
     ap.add_argument("--skip", default="", help="sections to leave out, comma-separated: engine_tests, greedy, trainer")
-    ap.add_argument("--trainer-args", default="--kinds eagle3,layers --domain code --minutes 2,1 --eval-every-s 15 --plain-s 20 "
-                    "--train-prompts 1000 --samples 1 --eval-prompts 160 --new-tokens 128 --gen-batch 256 --batch-tokens 8192",
+    ap.add_argument("--trainer-args", default="--kinds eagle3,layers --domain code --minutes 2,0.5 --eval-every-s 15 --plain-s 10 "
+                    "--train-prompts 600 --samples 1 --eval-prompts 160 --new-tokens 128 --gen-batch 400 --batch-tokens 8192 "
+                    "--records-from target",
                     help="arguments of benchmarks.bench_trainer (besides --device and --json)")
     args = ap.parse_args()
     transformers.utils.logging.set_verbosity_error()
