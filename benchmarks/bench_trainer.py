@@ -48,7 +48,7 @@ from benchmarks import workloads  # noqa: E402
 from dvi import store  # noqa: E402
 from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, TrainerConfig  # noqa: E402
 from dvi.engine import Request, SpeculativeEngine  # noqa: E402
-from dvi.models import Drafter, end_ids, resolve_device  # noqa: E402
+from dvi.models import Drafter, encode_chat, end_ids, resolve_device  # noqa: E402
 from dvi.pairs import load_any_drafter, resolve_pair  # noqa: E402
 from dvi.records import records_from_result  # noqa: E402
 from trainers.data import Ahead, FileSource, example_from_record  # noqa: E402
@@ -74,14 +74,13 @@ MAX_PROMPT_TOKENS = 192
 RECORDS: dict[str, tuple] = {}  # records made in this process, by kind (--records-from drafter) or "target"
 
 
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """One user message through the chat template, as serving encodes it."""
+    return encode_chat(tokenizer, [{"role": "user", "content": text}])
+
+
 def task_prompts(tokenizer) -> list[list[int]]:
-    out = []
-    for task in TASKS:
-        for style in STYLES:
-            enc = tokenizer.apply_chat_template([{"role": "user", "content": style.format(task)}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=True)
-            out.append(list(enc["input_ids"]))
-    return out
+    return [chat_ids(tokenizer, style.format(task)) for task in TASKS for style in STYLES]
 
 
 def domain_prompts(tokenizer, domain: str, n_train: int, n_eval: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -93,12 +92,7 @@ def domain_prompts(tokenizer, domain: str, n_train: int, n_eval: int) -> tuple[l
     def ids(split: str, n: int) -> list[list[int]]:
         out = []
         for p in workloads.prompts(domain, split):
-            if p.chat:
-                enc = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True)
-                tokens = list(enc["input_ids"])
-            else:
-                tokens = tokenizer(p.text)["input_ids"]
+            tokens = chat_ids(tokenizer, p.text) if p.chat else tokenizer(p.text)["input_ids"]
             if 0 < len(tokens) <= MAX_PROMPT_TOKENS:
                 out.append(tokens)
             if len(out) == n:
@@ -154,9 +148,8 @@ def plain_loop(trainer: Trainer, drafter_dir: Path, seconds: float) -> dict:
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=cuda or None)
     examples = [i.example for i in trainer.buffer.pending] + list(trainer.buffer.replay)
-    ahead = Ahead(device)
+    ahead = Ahead(device, threaded=False)  # built now, on the device (pinned on the way to a GPU), before the clock
     batches = [ahead.build(group, [1.0] * len(group)) for group in chunks(examples, t.batch_tokens)]
-    ahead.close()
     if not batches:
         return {}
 

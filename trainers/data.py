@@ -20,8 +20,9 @@ replayed ones are bounded in count and in bytes (`Kept`). The `Ledger`
 remembers the `Fate` of every record id (trained, held out, skipped) for deduplication and for the
 exactly-once check after a restart; `Offsets` tracks which consumed offsets are done, so a checkpoint commits
 only offsets whose records it covers. `Ahead` builds the next batch on a worker thread into pinned memory while
-the device trains on the last one (CUDA), and moves batches to the device. `FileSource` reads a JSON-lines file of records (`dvi stream tail --json`)
-behind the same poll interface as the stream's consumer, returning `dvi.records.Delivered`.
+the device trains on the last one (CUDA), and moves batches to the device. `FileSource` reads a JSON-lines file
+of records (`dvi stream tail --json`) behind the same poll interface as the stream's consumer, returning
+`dvi.records.Delivered`.
 
 This module knows records, tensors and files; not models, Kafka (the stream's consumer is `streams.consumer`'s)
 or DeepSpeed. Records arrive validated: the codec (`dvi.records.decode` / `from_dict`) checks them at the wire.

@@ -611,9 +611,8 @@ class Trainer:
                 "loss": loss.item(), **{f"train/{k}": v for k, v in metrics.items()},
                 "w_kl": w_kl, "w_reward": w_reward, "step_time_s": dt, "positions_per_s": batch.positions / dt,
                 "records_per_s": len(fresh) / dt, "pending": len(self.buffer.pending),
-                **({} if (busy := gpu_busy_share(self.device)) is None else {"gpu_busy_share": busy}),
             }, step=self.state.step)
-            self.log_counters()
+            self.log_counters()  # with system/*: on a GPU, its busy share
         if self.state.step % t.log_every == 0:
             log.info("step %d: loss %.4f, acceptance %.3f, %d positions in %.2f s, %d records so far", self.state.step,
                      loss.item(), metrics["acceptance"], batch.positions, dt, c.records)
