@@ -59,6 +59,7 @@ class Child:
         self.log_path = Path(log_file.name)
         self.started = time.monotonic()
         self._proc: subprocess.Popen | None = proc
+        self._pid = proc.pid
         self._log = log_file
         self._temporary_log = temporary_log
         self._returncode: int | None = None
@@ -66,8 +67,9 @@ class Child:
         atexit.register(self.stop)  # an owner that forgets to stop its child does not leave it running
 
     @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+    def pid(self) -> int:
+        """This launch's pid, also once it has stopped: what it left running is found by it (`stop_leftovers`)."""
+        return self._pid
 
     @property
     def running(self) -> bool:

@@ -19,11 +19,11 @@ import pytest
 import requests
 
 from dvi import mlflow_view
-from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, next_backoff, plan
+from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, Part, Supervisor, next_backoff, plan
 from dvi.config import load_config
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
-from dvi.procs import free_port
+from dvi.procs import REGISTRY_ENV, free_port, spawn
 from dvi.tracking import local_login, rest
 
 
@@ -83,6 +83,72 @@ class Lines:
                 left = deadline - time.monotonic()
                 assert left > 0, f"no '{text}' within {timeout_s} s:\n" + "\n".join(self.lines)
                 self._cv.wait(left)
+
+
+# a part for the supervision tests: it starts a worker of its own (recorded, as a part's broker or MLflow server is),
+# then waits
+SLEEPER = "from dvi.procs import spawn; import time; spawn('worker', ['sleep', '600']); time.sleep(600)"
+
+
+class Sleepers(Supervisor):
+    """`dvi up`'s supervision of parts that are SLEEPER processes."""
+
+    def _spawn(self, part: Part):
+        return spawn(part.name, [sys.executable, "-c", SLEEPER], log_path=self.log_dir / f"{part.name}.log")
+
+
+def _registry(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in folder.glob("*.json")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_part_stopped_for_not_coming_back_in_time_has_its_own_leftovers_stopped_and_nothing_else(tmp_path, monkeypatch):
+    """A restarted part that is not ready within its time is stopped and started again; what it left running is
+    stopped with it, and every other part, with what it started, keeps running."""
+    registry = tmp_path / "children"
+    monkeypatch.setenv(REGISTRY_ENV, str(registry))
+    ready = {"a": True, "b": True}
+    said: list[str] = []
+    sup = Sleepers([Part(n, [], lambda _c, n=n: None if ready[n] else "not yet", 5.0) for n in ("a", "b")], [],
+                   tmp_path / "logs", say=said.append, relay=False)
+
+    def workers_of(pid: int) -> list[int]:
+        return [e["pid"] for e in _registry(registry) if e["name"] == "worker" and e["parent"] == pid]
+
+    def until(what, timeout_s: float = 60.0):
+        deadline = time.monotonic() + timeout_s
+        while not (got := what()):
+            assert time.monotonic() < deadline, said
+            sup.tick()
+            time.sleep(0.1)
+        return got
+
+    sup.start()
+    try:
+        a, b = sup.children["a"].pid, sup.children["b"].pid
+        a_worker, = until(lambda: workers_of(a))
+        until(lambda: workers_of(b))
+        ready["b"] = False
+        os.kill(b, signal.SIGKILL)
+        until(lambda: "b" in sup.children and sup.children["b"].pid != b)  # restarted
+        b2 = sup.children["b"].pid
+        b2_worker, = until(lambda: workers_of(b2))
+        until(lambda: any("b not ready 5 s after its restart" in line for line in said))
+        exited = until(lambda: [line for line in said if line.startswith("dvi up: b exited") and "after" in line][1:])
+        assert f"stopped what it left running: worker (pid {b2_worker})" in exited[0], exited
+        assert not _alive(b2_worker)
+        assert sup.children["a"].running and sup.children["a"].pid == a and _alive(a_worker), said
+        assert workers_of(a) == [a_worker]
+    finally:
+        sup.stop()
+    assert _registry(registry) == []
 
 
 @pytest.mark.slow
