@@ -114,6 +114,7 @@ def test_a_part_stopped_for_not_coming_back_in_time_has_its_own_leftovers_stoppe
     stopped with it, and every other part, with what it started, keeps running."""
     registry = tmp_path / "children"
     monkeypatch.setenv(REGISTRY_ENV, str(registry))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the workers' temporary logs, which a killed part leaves behind
     ready = {"a": True, "b": True}
     said: list[str] = []
     sup = Sleepers([Part(n, [], lambda _c, n=n: None if ready[n] else "not yet", 5.0) for n in ("a", "b")], [],
