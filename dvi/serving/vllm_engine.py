@@ -81,11 +81,13 @@ def compile_cache_dir() -> Path:
 def vllm_env(cfg: VllmConfig) -> dict[str, str]:
     """vLLM's settings that are environment variables, read when its engine starts, for an engine dvi starts in this
     process (`set_vllm_env`) or a vLLM server it starts (`dvi.serving.vllm_server`): the compile caches under dvi's
-    cache, the KV cache's size, every core for the engine, no usage reports."""
+    cache, the KV cache's size, every core for the engine, the cores its worker pins its threads to (serve.vllm.cpu_bind;
+    an engine in this process has no worker process and pins nothing), no usage reports."""
     cache = compile_cache_dir()
     env = {"VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "VLLM_CPU_KVCACHE_SPACE": str(int(cfg.cpu_kv_cache_gb)),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # the CPU build keeps a core back unless told
+           "VLLM_CPU_OMP_THREADS_BIND": cfg.cpu_bind,
            "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
     # vLLM 0.32's CPU build saves an ahead-of-time compiled artifact it then fails to load ("'function' object has no
     # attribute 'finalize_loading'") and compiles again at every start; without it, torch inductor's own cache makes a

@@ -85,6 +85,11 @@ def test_bad_input_is_one_clear_line(args, needle):
     one_line_error(dvi("generate", *args), needle)
 
 
+def test_pinning_vllm_to_a_core_this_machine_lacks_is_one_clear_line():
+    one_line_error(dvi("serve", "serve.engine=vllm-server", "serve.vllm.cpu_bind=4095"),
+                   "serve.vllm.cpu_bind='4095' names cores 4095, which this process may not run on")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")
 def test_cuda_where_there_is_none_is_one_clear_line():
     one_line_error(dvi("generate", "hi", "model.device=cuda"), "model.device=cuda: no CUDA device here")

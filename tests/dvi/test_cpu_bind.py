@@ -1,0 +1,102 @@
+"""serve.vllm.cpu_bind: the cores vLLM's worker pins its threads to, checked against this machine and against the vLLM
+engines already pinned on it (dvi.hardware), and handed to vLLM's server (dvi.cli.vllm_server)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dvi.cli import vllm_server
+from dvi.config import VllmConfig, load_config
+from dvi.errors import DviError
+from dvi.hardware import VLLM_WORKER, bound_cores, parse_cores, pinned_engines, shared_cores
+
+PINNED_WORKER = f"""
+import os, sys, time
+with open("/proc/self/comm", "w") as f:
+    f.write({VLLM_WORKER!r})
+os.sched_setaffinity(0, {{int(sys.argv[1])}})
+print("pinned", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("value", ["auto", "nobind", "0", "0-1", "1,3", "0-3,8"])
+def test_a_core_list_auto_or_nobind_is_taken(value):
+    assert VllmConfig(cpu_bind=value).cpu_bind == value
+
+
+@pytest.mark.parametrize("value", ["all", "0|1", "1-", "-1", "0,,1", " 0", ""])
+def test_anything_else_is_refused_with_the_key_and_what_is_expected(value):
+    with pytest.raises(DviError, match=r"serve\.vllm\.cpu_bind=.*expected auto, nobind or a list of cores"):
+        VllmConfig(cpu_bind=value)
+
+
+def test_a_single_core_from_the_command_line_is_a_string():
+    assert load_config(["serve.vllm.cpu_bind=1"]).serve.vllm.cpu_bind == "1"
+
+
+def test_a_core_list_reads_as_linux_writes_it():
+    assert parse_cores("0-3,8") == {0, 1, 2, 3, 8}
+    assert parse_cores("5") == {5}
+
+
+def test_the_cores_an_engine_pins_are_every_usable_one_the_listed_ones_or_none():
+    usable = frozenset(os.sched_getaffinity(0))
+    assert bound_cores("auto") == usable
+    assert bound_cores("nobind") == frozenset()
+    first = min(usable)
+    assert bound_cores(str(first)) == {first}
+
+
+def test_a_core_this_process_may_not_run_on_is_refused_naming_it():
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(DviError, match=rf"serve\.vllm\.cpu_bind='{missing}' names cores {missing}, which this process may not run on"):
+        bound_cores(str(missing))
+
+
+def test_vllms_server_is_started_with_the_binding():
+    cfg = load_config(["serve.vllm.cpu_bind=1"])
+    assert vllm_server.environment(cfg, {}, plain=True)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert vllm_server.environment(load_config([]), {}, plain=True)["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+
+
+def test_a_pinned_vllm_worker_on_this_host_is_found_with_its_cores():
+    usable = sorted(os.sched_getaffinity(0))
+    assert (os.cpu_count() or 1) >= 2, "pinning means something only on a machine with two cores or more"
+    child = subprocess.Popen([sys.executable, "-c", PINNED_WORKER, str(usable[0])], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "pinned"
+        found = pinned_engines()
+        assert found.get(child.pid) == {usable[0]}
+        assert os.getpid() not in found  # this process is not a vLLM worker, whatever its cores
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in pinned_engines()
+
+
+def test_an_unpinned_vllm_worker_is_not_reported(tmp_path: Path):
+    for pid, allowed in ((10, "0-1"), (11, "0")):
+        task = tmp_path / str(pid) / "task" / str(pid)
+        task.mkdir(parents=True)
+        (tmp_path / str(pid) / "comm").write_text(VLLM_WORKER + "\n")
+        (task / "status").write_text(f"Name:\t{VLLM_WORKER}\nCpus_allowed_list:\t{allowed}\n")
+    (tmp_path / "self").mkdir()
+    assert pinned_engines(tmp_path, online=2) == {11: {0}}
+
+
+def test_pinning_onto_a_core_another_engine_holds_is_named_with_the_free_cores():
+    usable = frozenset({0, 1, 2, 3})
+    msg = shared_cores("auto", {123: frozenset({0, 1})}, usable)
+    assert "serve.vllm.cpu_bind=auto pins this replica's engine to cores 0-3" in msg
+    assert "pid 123 on 0-1" in msg and "serve.vllm.cpu_bind=2-3 is free here" in msg
+    assert shared_cores("2-3", {123: frozenset({0, 1})}, usable) is None
+    assert shared_cores("nobind", {123: frozenset({0, 1})}, usable) is None
+    assert shared_cores("auto", {}, usable) is None
+    full = shared_cores("1", {123: frozenset({0}), 124: frozenset({1, 2, 3})}, usable)
+    assert "pid 124 on 1" in full and "pid 123" not in full and "no core is free of a pinned engine" in full
