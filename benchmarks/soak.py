@@ -4,7 +4,9 @@ every 30 s and checked at the end: nothing lost, nothing growing.
 The stack is what users run: `dvi up --detach` on the defaults (embedded broker, local MLflow, `dvi serve` on vLLM,
 `dvi train`) plus a second serving replica that this benchmark supervises itself (`dvi.cli.up.Supervisor`, the one
 `dvi up` runs), all on one cache of their own (<out>/cache; the demo models are linked in from the user's cache,
-read only). The broker keeps its data on disk (`stream.data_dir` in the cache): a killed broker comes back with
+read only). The two replicas share the machine as the README says replicas on one machine should: each pins its
+engine to its own half of the cores (`serve.vllm.cpu_bind`; unless the overrides name a binding): two engines pinned
+to the same cores starve one that restarts beside the other (`benchmarks.bench_restart`). The broker keeps its data on disk (`stream.data_dir` in the cache): a killed broker comes back with
 what it acknowledged, which is what "every acknowledged record is trained exactly once" is checked against.
 
 Traffic: chat and completion prompts of three domains (code, prose, qa; `benchmarks.workloads`), greedy and
@@ -63,6 +65,7 @@ from pathlib import Path
 
 import requests
 
+from benchmarks.bench_restart import halves
 from benchmarks.workloads import prompts
 from dvi import store
 from dvi.cli.up import Part, Supervisor, children_dir, running_pid
@@ -222,6 +225,15 @@ def registry(folder: Path) -> dict[str, dict]:
 
 # ----------------------------------------------------------------------------------------------
 # Traffic.
+
+
+def replica_binds(overrides: list[str], cores: list[int]) -> dict[str, list[str]]:
+    """The overrides that give each replica its own half of `cores` (serve.vllm.cpu_bind); none where `overrides` name
+    a binding already, or on a single core."""
+    if len(cores) < 2 or any(o.split("=", 1)[0].lstrip("+~") == "serve.vllm.cpu_bind" for o in overrides):
+        return {"r1": [], "r2": []}
+    first, second = halves(cores)
+    return {"r1": [f"serve.vllm.cpu_bind={first}"], "r2": [f"serve.vllm.cpu_bind={second}"]}
 
 
 def stream_end(events: list[str]) -> str:
@@ -384,6 +396,7 @@ class Soak:
         os.environ["DVI_CACHE"] = str(self.cache)
         self.overrides = [f"stream.data_dir={self.cache / 'broker'}", "trainer.log_every=1", *overrides]
         self.cfg = load_config(self.overrides)
+        self.binds = replica_binds(overrides, sorted(os.sched_getaffinity(0)))
         self.port2 = free_port()
         self.urls = {"r1": f"http://{self.cfg.serve.host}:{self.cfg.serve.port}", "r2": f"http://{self.cfg.serve.host}:{self.port2}"}
         self.t0 = time.monotonic()
@@ -400,8 +413,8 @@ class Soak:
 
     def up(self) -> None:
         """`dvi up --detach` on the soak's cache (a `dvi up` killed before has what it left stopped first)."""
-        r = subprocess.run([sys.executable, "-m", "dvi.cli", "up", "--detach", *self.overrides], capture_output=True, text=True,
-                           timeout=1200, env={**os.environ, REGISTRY_ENV: ""})
+        r = subprocess.run([sys.executable, "-m", "dvi.cli", "up", "--detach", *self.overrides, *self.binds["r1"]],
+                           capture_output=True, text=True, timeout=1200, env={**os.environ, REGISTRY_ENV: ""})
         for line in r.stdout.splitlines():
             if "stopped what an earlier" in line or "detached" in line:
                 self.say(f"soak: {line}")
@@ -506,7 +519,7 @@ class Soak:
         self.say(f"soak: {opt.minutes:g} minutes, faults at {[(round(t / 60, 1), f) for t, f in opt.fault_at()]} min; out {self.work}")
         self.up()
         os.environ[REGISTRY_ENV] = str(self.work / "r2.children")
-        r2 = Supervisor([Part("r2", ["serve", f"serve.port={self.port2}", "stream.replica_id=r2"],
+        r2 = Supervisor([Part("r2", ["serve", f"serve.port={self.port2}", "stream.replica_id=r2", *self.binds["r2"]],
                               lambda _: http_ok(self.urls["r2"] + "/dvi/health"), 900)], self.overrides, self.cache / "logs",
                         say=lambda line: self.say(f"soak: {line}"), relay=False)
         r2.start()
@@ -573,7 +586,8 @@ class Soak:
         outside = [p for p in outside_files(self.work, outside_before) if not p.startswith(opt.outside_ignore)]
         summary = self.summarize(traffic, exactly_once(topic_ids, ledger, offsets), dead, drained, outside)
         (self.work / "soak.json").write_text(json.dumps({"rows": self.rows, "faults": self.faults, "summary": summary,
-                                                         "options": {k: str(v) for k, v in asdict(opt).items()}}, default=str))
+                                                         "options": {k: str(v) for k, v in asdict(opt).items()},
+                                                         "cpu_bind": self.binds}, default=str))
         (self.work / "soak.md").write_text(table(summary) + "\n")
         plot(self.rows, self.faults, str(self.work / "soak.png"))
         return summary

@@ -1,5 +1,6 @@
 """The soak benchmark's figures and bookkeeping (`benchmarks.soak`), against plain references: the fault schedule,
-flatness of a series, percentiles, the ledger against the topic, and the process registry it reads."""
+flatness of a series, percentiles, the ledger against the topic, the process registry it reads, and the cores each
+replica is pinned to (with `benchmarks.bench_restart`'s schemes)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import statistics
 
 import pytest
 
-from benchmarks.soak import (FAULTS, Options, exactly_once, flatness, is_flat, percentile, registry, slope_per_min, table, tree,
-                             unrecovered, usage)
+from benchmarks.bench_restart import binds, halves
+from benchmarks.soak import (FAULTS, Options, exactly_once, flatness, is_flat, percentile, registry, replica_binds, slope_per_min,
+                             table, tree, unrecovered, usage)
 
 
 def test_the_schedule_kills_each_part_in_turn_and_bursts_once():
@@ -89,3 +91,18 @@ def test_a_part_that_never_came_back_fails_its_check_and_the_table_says_why():
     assert "| every killed part back (within 20 minutes) | **no** |" in text
     assert "| up | 100.0 | never: the new dvi up failed: timeout |" in text and "| broker | 40.0 | 0.0 |" in text
     assert "started it alone on the run's data" in text
+
+
+def test_two_replicas_get_disjoint_halves_of_the_cores_that_cover_them():
+    for cores in ([0, 1], [0, 1, 2], [0, 1, 2, 3], [2, 5, 7, 9]):
+        first, second = halves(cores)
+        a, b = ({int(c) for c in half.split(",")} for half in (first, second))
+        assert a and b and not a & b and a | b == set(cores)
+    assert halves([0, 1]) == ("0", "1")
+    assert binds("split", [0, 1]) == ("0", "1") and binds("auto", [0, 1]) == ("auto", "auto")
+
+
+def test_the_soaks_replicas_are_split_unless_a_binding_is_given_or_there_is_one_core():
+    assert replica_binds([], [0, 1]) == {"r1": ["serve.vllm.cpu_bind=0"], "r2": ["serve.vllm.cpu_bind=1"]}
+    assert replica_binds(["serve.vllm.cpu_bind=nobind"], [0, 1]) == {"r1": [], "r2": []}
+    assert replica_binds(["trainer.log_every=1"], [0]) == {"r1": [], "r2": []}
