@@ -8,8 +8,8 @@ or checkpoints on disk (trainers/checkpoint.py): callers pass a model in and get
 Plain `python` runs as a world of one (gloo on CPU); under the `deepspeed` launcher (use `--no_local_rank`,
 Hydra rejects `--local_rank`) the launcher's environment is used as is. The optimizer is a client
 `torch.optim.AdamW` rather than DeepSpeed's own (fused where the drafter is on a GPU), so no run compiles an Adam
-op; the only op DeepSpeed compiles on a CPU is its shared-memory comm op, once per machine, cached under
-TORCH_EXTENSIONS_DIR. With bf16, DeepSpeed keeps fp32 master weights that the AdamW steps (its bf16 wrapper).
+op; the only op DeepSpeed compiles on a CPU is its shared-memory comm op, once per cache, kept under
+$TORCH_EXTENSIONS_DIR (default <cache>/torch_extensions). With bf16, DeepSpeed keeps fp32 master weights that the AdamW steps (its bf16 wrapper).
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from pathlib import Path
 
 import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
 
-from dvi.config import TrainerConfig
+from dvi.config import TrainerConfig, default_cache_dir
 from dvi.errors import DviError
 from dvi.procs import HOST, free_port
 
@@ -40,8 +39,9 @@ def init_distributed() -> tuple[int, int]:
         # A world of one: DeepSpeed otherwise falls back to MPI discovery (and asks for mpi4py).
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR=HOST, MASTER_PORT=str(free_port()))
     os.environ.setdefault("LOCAL_RANK", "0")
-    # DeepSpeed compiles its comm op on first use (about 30-100 s on 2 cores): keep the build where later runs find it
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    # DeepSpeed compiles its comm op on first use (about 30-100 s on 2 cores): keep the build where later runs on this
+    # cache find it, inside dvi's cache (nothing written outside it)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir() / "torch_extensions"))
     deepspeed.init_distributed()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 from dvi.alloc import limit_arenas
 from dvi.cli import output
-from dvi.config import scratch_dir
+from dvi.config import default_cache_dir, scratch_dir
 from dvi.errors import DviError
 
 
@@ -192,7 +192,9 @@ def _quiet_libraries() -> None:
 
 def _use_scratch() -> None:
     """The cache's scratch folder (`dvi.config.scratch_dir`) as this process's and its children's temporary folder,
-    unless $TMPDIR names one."""
+    unless $TMPDIR names one; and matplotlib's own cache (its font list, built by the first replica that plots) in
+    dvi's cache too, unless $MPLCONFIGDIR names one: a stack writes nothing outside its cache."""
+    os.environ.setdefault("MPLCONFIGDIR", str(default_cache_dir() / "matplotlib"))
     if os.environ.get("TMPDIR") or (folder := scratch_dir()) is None:
         return
     os.environ["TMPDIR"] = str(folder)

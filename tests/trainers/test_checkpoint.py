@@ -24,7 +24,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from dvi.config import TrainerConfig
+from dvi.config import TrainerConfig, default_cache_dir
 from dvi.errors import DviError
 from trainers.checkpoint import MANIFEST, MARKER, STATE, latest, load, save, step_tag, verify
 from trainers.ds import apply_lora, build_engine, ds_config, merged_state_dict, resolve_precision
@@ -100,6 +100,11 @@ def test_engine_optimizes_with_the_configured_adamw(ds_world, make_tiny_llama):
     group = engine.optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-3, (0.8, 0.9), 0.01)
     assert engine.gradient_clipping() == 1.0
+
+
+def test_deepspeeds_compiled_op_is_kept_in_dvis_cache(ds_world):
+    # the process group is up: DeepSpeed builds its CPU comm op where this says, once per cache, not under ~/.cache
+    assert Path(os.environ["TORCH_EXTENSIONS_DIR"]) == default_cache_dir() / "torch_extensions"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,7 +276,7 @@ KILLED_SAVE = textwrap.dedent(
     import sys, time
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from dvi.config import TrainerConfig
+    from dvi.config import TrainerConfig, default_cache_dir
     from trainers import checkpoint
     from trainers.ds import build_engine
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dvi.cli import _use_scratch
 from dvi.errors import DviError
 from dvi.procs import free_port
 
@@ -130,6 +132,19 @@ def test_what_dvi_writes_is_the_users_alone(tmp_path: Path):
     for f in sorted((tmp_path / "t").iterdir()) + sorted((tmp_path / "r").iterdir()):
         assert f.stat().st_mode & 0o077 == 0, f"{f} is {oct(f.stat().st_mode & 0o777)}"
     assert (tmp_path / "t").stat().st_mode & 0o777 == 0o700
+
+
+def test_libraries_keep_their_own_caches_in_dvis(tmp_path: Path, monkeypatch):
+    """matplotlib's font list (built by the first replica that plots) goes to <cache>/matplotlib, not ~/.cache; a folder
+    the user names wins."""
+    monkeypatch.setenv("DVI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv("MPLCONFIGDIR", raising=False)
+    _use_scratch()
+    assert os.environ["MPLCONFIGDIR"] == str(tmp_path / "cache" / "matplotlib")
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mine"))
+    _use_scratch()
+    assert os.environ["MPLCONFIGDIR"] == str(tmp_path / "mine")
 
 
 @pytest.fixture(scope="session")
