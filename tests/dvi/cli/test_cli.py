@@ -110,15 +110,11 @@ def test_prompt_longer_than_context_window():
     one_line_error(dvi("generate", "word " * 9000, "--raw"), "context window")
 
 
-def test_tokenizer_mismatch_is_refused(tmp_path: Path):
+def test_tokenizer_mismatch_is_refused(tmp_path: Path, demo_drafter_dir: Path):
     from transformers import AutoTokenizer
 
-    from dvi.models import default_cache_dir
-
-    src = default_cache_dir() / "models" / "drafter-L2-full"
-    assert src.exists(), "the demo drafter is built by the tests above"
     bad = tmp_path / "drafter"
-    shutil.copytree(src, bad)
+    shutil.copytree(demo_drafter_dir, bad)
     tok = AutoTokenizer.from_pretrained(bad)
     tok.add_tokens(["<not-in-the-target>"])
     tok.save_pretrained(bad)
