@@ -93,55 +93,57 @@ class Clients:
             t.join(timeout=700)
 
 
+def start(name: str, bind: str, target: Path, dtype: str, logs: Path):
+    """A replica (vLLM's own server, pinned as `bind` says) starting; (its child, its URL)."""
+    port = free_port()
+    env = {**os.environ, **vllm_env(VllmConfig(cpu_bind=bind))}
+    child = spawn(name, plain_vllm(target, dtype, "--port", str(port)), log_path=logs / f"{name}.log", env=env)
+    return child, f"http://127.0.0.1:{port}"
+
+
+def ready_after(child, url: str, limit_s: float, what: str) -> float | None:
+    """Seconds until the replica at `url` answers /health; None where it did not within `limit_s` (or stopped)."""
+    t0 = time.monotonic()
+    try:
+        wait_ready(child, lambda: http_ok(url + "/health"), limit_s, what, interval_s=1.0)
+    except DviError as e:
+        log(str(e).splitlines()[0])
+        return None
+    return round(time.monotonic() - t0, 1)
+
+
 def run_scheme(scheme: str, target: Path, dtype: str, cores: list[int], a: argparse.Namespace, logs: Path) -> dict:
     bind_a, bind_b = binds(scheme, cores)
     prompts = load_client.prompts(16, 128, (1000, 30000), 0)
     row: dict = {"scheme": scheme, "cpu_bind": {"A": bind_a, "B": bind_b}}
     children = []
     try:
-        urls = {}
-        for name, bind in (("A", bind_a), ("B", bind_b)):
-            env = {**os.environ, **vllm_env(VllmConfig(cpu_bind=bind))}
-            port = free_port()
-            urls[name] = f"http://127.0.0.1:{port}"
-            if name == "A":
-                child = spawn(f"{scheme}-A", plain_vllm(target, dtype, "--port", str(port)), log_path=logs / f"{scheme}-A.log", env=env)
-                children.append(child)
-                t0 = time.monotonic()
-                wait_ready(child, lambda: http_ok(urls["A"] + "/health"), 900, "replica A", interval_s=1.0)
-                row["A_start_s"] = round(time.monotonic() - t0, 1)
-                load_client.run(urls["A"], requests_n=a.clients, concurrency=a.clients, input_len=128, output_len=8)  # warm
-                clients_a = Clients(urls["A"], a.clients, prompts)
-                t0 = time.monotonic()
-                time.sleep(a.window_s)
-                row["A_alone_tok_s"] = round(clients_a.tokens_per_s(t0, time.monotonic()), 1)
-                log(f"{scheme}: A up in {row['A_start_s']} s, {row['A_alone_tok_s']} tokens/s alone with {a.clients} clients")
-                continue
-            child = spawn(f"{scheme}-B", plain_vllm(target, dtype, "--port", str(port)), log_path=logs / f"{scheme}-B.log", env=env)
-            children.append(child)
-            t0 = time.monotonic()
-            up = None
-            while time.monotonic() - t0 < a.limit_s and child.running:
-                if http_ok(urls["B"] + "/health") is None:
-                    up = time.monotonic() - t0
-                    break
-                time.sleep(1.0)
-            row["B_start_s"] = round(up, 1) if up is not None else None
-            row["A_tok_s_while_B_started"] = round(clients_a.tokens_per_s(t0, time.monotonic()), 1)
-            log(f"{scheme}: B {'up in %.1f s' % up if up is not None else 'not up within %d s' % a.limit_s}; "
-                f"A served {row['A_tok_s_while_B_started']} tokens/s meanwhile")
-            if up is None:  # B's start with A idle, so that the two can still be measured together
-                clients_a.stop()
-                t0 = time.monotonic()
-                try:
-                    wait_ready(child, lambda: http_ok(urls["B"] + "/health"), a.limit_s, "replica B beside an idle A", interval_s=1.0)
-                    up = row["B_start_beside_idle_A_s"] = round(time.monotonic() - t0, 1)
-                except DviError as e:
-                    log(f"{scheme}: {e}")
-                log(f"{scheme}: with A's clients stopped, B was up {up} s later")
-                clients_a = Clients(urls["A"], a.clients, prompts)
+        child_a, url_a = start(f"{scheme}-A", bind_a, target, dtype, logs)
+        children.append(child_a)
+        t0 = time.monotonic()
+        wait_ready(child_a, lambda: http_ok(url_a + "/health"), 900, "replica A", interval_s=1.0)
+        row["A_start_s"] = round(time.monotonic() - t0, 1)
+        load_client.run(url_a, requests_n=a.clients, concurrency=a.clients, input_len=128, output_len=8)  # warm
+        clients_a = Clients(url_a, a.clients, prompts)
+        t0 = time.monotonic()
+        time.sleep(a.window_s)
+        row["A_alone_tok_s"] = round(clients_a.tokens_per_s(t0, time.monotonic()), 1)
+        log(f"{scheme}: A up in {row['A_start_s']} s, {row['A_alone_tok_s']} tokens/s alone with {a.clients} clients")
+
+        child_b, url_b = start(f"{scheme}-B", bind_b, target, dtype, logs)
+        children.append(child_b)
+        t0 = time.monotonic()
+        up = row["B_start_s"] = ready_after(child_b, url_b, a.limit_s, "replica B")
+        row["A_tok_s_while_B_started"] = round(clients_a.tokens_per_s(t0, time.monotonic()), 1)
+        log(f"{scheme}: B {'up in %.1f s' % up if up is not None else 'not up within %d s' % a.limit_s}; "
+            f"A served {row['A_tok_s_while_B_started']} tokens/s meanwhile")
+        if up is None:  # B's start with A idle, so that the two can still be measured together
+            clients_a.stop()
+            up = row["B_start_beside_idle_A_s"] = ready_after(child_b, url_b, a.limit_s, "replica B beside an idle A")
+            log(f"{scheme}: with A's clients stopped, B was up {up} s later")
+            clients_a = Clients(url_a, a.clients, prompts)
         if up is not None:
-            clients_b = Clients(urls["B"], a.clients, prompts)
+            clients_b = Clients(url_b, a.clients, prompts)
             time.sleep(5)  # B's first requests compile nothing more, but its first steps warm its caches
             t0 = time.monotonic()
             time.sleep(a.window_s)

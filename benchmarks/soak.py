@@ -6,8 +6,9 @@ The stack is what users run: `dvi up --detach` on the defaults (embedded broker,
 `dvi up` runs), all on one cache of their own (<out>/cache; the demo models are linked in from the user's cache,
 read only). The two replicas share the machine as the README says replicas on one machine should: each pins its
 engine to its own half of the cores (`serve.vllm.cpu_bind`; unless the overrides name a binding): two engines pinned
-to the same cores starve one that restarts beside the other (`benchmarks.bench_restart`). The broker keeps its data on disk (`stream.data_dir` in the cache): a killed broker comes back with
-what it acknowledged, which is what "every acknowledged record is trained exactly once" is checked against.
+to the same cores starve one that restarts beside the other (`benchmarks.bench_restart`). The broker keeps its data
+on disk (`stream.data_dir` in the cache): a killed broker comes back with what it acknowledged, which is what "every
+acknowledged record is trained exactly once" is checked against.
 
 Traffic: chat and completion prompts of three domains (code, prose, qa; `benchmarks.workloads`), greedy and
 sampled, a third of them streamed, some clients hanging up after the first streamed chunk; the number of clients

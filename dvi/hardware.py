@@ -9,7 +9,7 @@
   onto cores where another vLLM engine is pinned already is told so (`shared_cores`): vLLM's CPU worker pins its
   OpenMP threads, one per core, from the moment its process starts, and a pinned engine that is busy starves
   whatever else is pinned beside it (a replica restarting beside a loaded one on this 2-core machine was not up
-  after 600 s, and came up in 94 s on a core of its own: `benchmarks.bench_restart`).
+  after 600 s, and came up in 89 s on a core of its own: `benchmarks.bench_restart`).
 
 Each answer comes with the reason, for `dvi config show` and the start-up banners. This module imports neither torch
 nor vLLM unless it must (a CPU's flags are read from /proc/cpuinfo where there is one), so a light command can ask.
@@ -160,10 +160,9 @@ def pinned_engines(proc: Path = Path("/proc"), online: int | None = None) -> dic
     return found
 
 
-def shared_cores(bind: str, engines: dict[int, frozenset[int]], usable: frozenset[int]) -> str | None:
-    """What is wrong with pinning an engine with `serve.vllm.cpu_bind=bind` beside `engines` (`pinned_engines`), on a
-    machine whose usable cores are `usable`; None where it shares no core with them."""
-    mine = usable if bind == "auto" else frozenset() if bind == "nobind" else parse_cores(bind)
+def shared_cores(bind: str, mine: frozenset[int], engines: dict[int, frozenset[int]], usable: frozenset[int]) -> str | None:
+    """What is wrong with pinning an engine with `serve.vllm.cpu_bind=bind` to cores `mine` (`bound_cores`) beside
+    `engines` (`pinned_engines`), on a machine whose usable cores are `usable`; None where it shares no core with them."""
     clash = {pid: cores & mine for pid, cores in sorted(engines.items()) if cores & mine}
     if not clash:
         return None

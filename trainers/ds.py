@@ -9,7 +9,8 @@ Plain `python` runs as a world of one (gloo on CPU); under the `deepspeed` launc
 Hydra rejects `--local_rank`) the launcher's environment is used as is. The optimizer is a client
 `torch.optim.AdamW` rather than DeepSpeed's own (fused where the drafter is on a GPU), so no run compiles an Adam
 op; the only op DeepSpeed compiles on a CPU is its shared-memory comm op, once per cache, kept under
-$TORCH_EXTENSIONS_DIR (default <cache>/torch_extensions). With bf16, DeepSpeed keeps fp32 master weights that the AdamW steps (its bf16 wrapper).
+$TORCH_EXTENSIONS_DIR (default <cache>/torch_extensions). With bf16, DeepSpeed keeps fp32 master weights that the
+AdamW steps (its bf16 wrapper).
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
     """serve.engine=vllm-server (auto, where vLLM is installed): this process becomes vLLM's own OpenAI server on the
     configured pair (`dvi.cli.vllm_server`), dvi's loop in it as its plugin (`dvi.cli.vllm_plugin`): its signals, exit
     status and processes are vLLM's (a supervisor that stops or kills this process stops the server)."""
-    bound_cores(cfg.serve.vllm.cpu_bind)  # DviError where it names a core this process may not run on
+    pinned = bound_cores(cfg.serve.vllm.cpu_bind)  # DviError where it names a core this process may not run on
     target_dir, drafter_dir = pair_dirs(cfg.model, with_drafter=not args.no_draft)
     dtype = pick_dtype(cfg.model.dtype, resolve_device(cfg.model.device).type)
     loop_port = free_port()
@@ -161,7 +161,7 @@ def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
     cmd = vllm_server.command(cfg, target_dir, drafter_dir, dtype.value)
     url = f"http://{cfg.serve.host}:{cfg.serve.port}"
     out(f"dvi serve: engine {pick_engine(cfg.serve.engine)}, dtype {dtype}", flush=True)
-    clash = shared_cores(cfg.serve.vllm.cpu_bind, pinned_engines(), bound_cores("auto"))
+    clash = shared_cores(cfg.serve.vllm.cpu_bind, pinned, pinned_engines(), bound_cores("auto"))
     if clash:
         out(f"dvi serve: warning: {clash}", flush=True)
     out(f"dvi serve: {url}/v1 once vLLM's server is up (model {cfg.serve.served_model_name or target_dir.name}, drafter "

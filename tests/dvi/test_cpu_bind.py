@@ -92,11 +92,11 @@ def test_an_unpinned_vllm_worker_is_not_reported(tmp_path: Path):
 
 def test_pinning_onto_a_core_another_engine_holds_is_named_with_the_free_cores():
     usable = frozenset({0, 1, 2, 3})
-    msg = shared_cores("auto", {123: frozenset({0, 1})}, usable)
+    msg = shared_cores("auto", usable, {123: frozenset({0, 1})}, usable)
     assert "serve.vllm.cpu_bind=auto pins this replica's engine to cores 0-3" in msg
     assert "pid 123 on 0-1" in msg and "serve.vllm.cpu_bind=2-3 is free here" in msg
-    assert shared_cores("2-3", {123: frozenset({0, 1})}, usable) is None
-    assert shared_cores("nobind", {123: frozenset({0, 1})}, usable) is None
-    assert shared_cores("auto", {}, usable) is None
-    full = shared_cores("1", {123: frozenset({0}), 124: frozenset({1, 2, 3})}, usable)
+    assert shared_cores("2-3", parse_cores("2-3"), {123: frozenset({0, 1})}, usable) is None
+    assert shared_cores("nobind", frozenset(), {123: frozenset({0, 1})}, usable) is None
+    assert shared_cores("auto", usable, {}, usable) is None
+    full = shared_cores("1", parse_cores("1"), {123: frozenset({0}), 124: frozenset({1, 2, 3})}, usable)
     assert "pid 124 on 1" in full and "pid 123" not in full and "no core is free of a pinned engine" in full

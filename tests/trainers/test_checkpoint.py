@@ -276,7 +276,7 @@ KILLED_SAVE = textwrap.dedent(
     import sys, time
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from dvi.config import TrainerConfig, default_cache_dir
+    from dvi.config import TrainerConfig
     from trainers import checkpoint
     from trainers.ds import build_engine
 
