@@ -8,6 +8,7 @@ its records come from the real engine. Learning itself is tested on the real dem
 
 from __future__ import annotations
 
+import copy
 import json
 import signal
 import subprocess
@@ -343,9 +344,11 @@ def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_reco
         assert trainer.state.counters.refused == 1 and not list(Path(cfg.trainer.store).glob("d*"))
 
         candidate.load_state_dict(original)
-        with torch.no_grad():
-            for p in trainer.baseline.parameters():
+        worse = copy.deepcopy(trainer.baseline)  # the trainer takes a new baseline object whenever serving changes,
+        with torch.no_grad():                     # and its gate keeps the old one's figures until it does
+            for p in worse.parameters():
                 p.add_(torch.randn_like(p) * 0.5)  # now the serving drafter is the worse one
+        trainer.baseline = worse
         assert trainer.gate_and_publish() is True
         version = trainer.state.lineage[-1]
         assert version != cfg.model.drafter and (Path(cfg.trainer.store) / version).is_dir()
