@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -38,8 +39,38 @@ Probe = Callable[[], "str | None"]  # None: ready; otherwise what is still missi
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local probe never goes via a proxy
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_PORT = 20000  # free_port's ports lie between this and the ephemeral range: above the configured defaults (19092)
+_given: set[int] = set()  # the ports free_port handed out in this process, never handed out twice
+_draw = random.SystemRandom()  # no state a seed or a fork could make two processes share
+
+
+def ephemeral_range(path: Path = EPHEMERAL_RANGE) -> tuple[int, int] | None:
+    """The kernel's ephemeral port range (low, high), from which bind(0) and outgoing connections take their local
+    ports; None where it cannot be read."""
+    try:
+        low, high = (int(x) for x in path.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def free_port(ephemeral: tuple[int, int] | None = None) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, for a process that binds it later. It is drawn below
+    the ephemeral range (`ephemeral`, else the kernel's), so that nothing on the host is given it in the meantime: an
+    ephemeral port found free and released can go to the next bind(0) or outgoing connection (a vLLM engine core
+    once found the port meant for dvi's loop view taken when it came to bind it, a minute after `dvi serve` chose
+    it). Where that range leaves no room below it, an ephemeral port as before."""
+    low = (ephemeral or ephemeral_range() or (FIRST_PORT, FIRST_PORT))[0]
+    candidates = [p for p in _draw.sample(range(FIRST_PORT, low), min(64, max(0, low - FIRST_PORT))) if p not in _given]
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:  # in use
+                continue
+        _given.add(port)
+        return port
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]

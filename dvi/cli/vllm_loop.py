@@ -142,7 +142,12 @@ class _Loop:
         self.server = None
         self.port = int(os.environ.get(PORT, 0)) or None
         if self.port:
-            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), _handler(replica))
+            try:
+                self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), _handler(replica))
+            except OSError as e:
+                replica.close()
+                raise DviError(f"dvi's loop cannot serve its view on 127.0.0.1:{self.port} ({PORT}): {e.strerror or e}; "
+                               f"another process holds that port: set {PORT} to a free one (`dvi serve` chooses one)") from e
             self.server.daemon_threads = True
             threading.Thread(target=self.server.serve_forever, name="dvi-view", daemon=True).start()
 
