@@ -11,6 +11,7 @@ import http.server
 import json
 import logging
 import os
+import signal
 import threading
 import urllib.error
 import urllib.request
@@ -49,7 +50,11 @@ def install() -> None:
     busy_loop = EngineCoreProc.run_busy_loop
 
     def run_busy_loop(self):
-        follow(self)
+        try:
+            follow(self)
+        except BaseException as e:
+            stop_server(e)
+            raise
         return busy_loop(self)
 
     EngineCoreProc.run_busy_loop = run_busy_loop
@@ -69,6 +74,17 @@ def install() -> None:
             REGISTRY.register(DviCollector(int(os.environ[PORT])))
         except Exception:  # vLLM's metrics go on without dvi's
             log.exception("dvi's metrics could not join vLLM's /metrics")
+
+
+def stop_server(error: BaseException) -> None:
+    """dvi's loop could not start in this engine core: say why, and stop the vLLM process that started it (SIGTERM,
+    which vLLM's server takes while it starts up). The engine core is past its handshake by then, and vLLM 0.32's API
+    server goes on waiting for an answer a dead engine never gives, neither listening nor exiting, so that a
+    supervisor would wait out its start-up limit instead of restarting it at once."""
+    parent = os.getppid()
+    log.error("dvi's loop could not start: %s; stopping vLLM's server (pid %d)", error, parent)
+    if parent > 1:
+        os.kill(parent, signal.SIGTERM)
 
 
 def prepare(vllm_config) -> None:
