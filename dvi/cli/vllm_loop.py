@@ -10,6 +10,7 @@ import asyncio
 import http.server
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -81,10 +82,12 @@ def stop_server(error: BaseException) -> None:
     which vLLM's server takes while it starts up). The engine core is past its handshake by then, and vLLM 0.32's API
     server goes on waiting for an answer a dead engine never gives, neither listening nor exiting, so that a
     supervisor would wait out its start-up limit instead of restarting it at once."""
-    parent = os.getppid()
-    log.error("dvi's loop could not start: %s; stopping vLLM's server (pid %d)", error, parent)
-    if parent > 1:
-        os.kill(parent, signal.SIGTERM)
+    parent = multiprocessing.parent_process()  # None, or not our parent any more: no vLLM process to stop
+    if parent is None or parent.pid != os.getppid():
+        log.error("dvi's loop could not start: %s", error)
+        return
+    log.error("dvi's loop could not start: %s; stopping vLLM's server (pid %d)", error, parent.pid)
+    os.kill(parent.pid, signal.SIGTERM)
 
 
 def prepare(vllm_config) -> None:
