@@ -40,7 +40,9 @@ class LocalMlflow(ServerProcess):
     """An `mlflow server` process on 127.0.0.1:<port>; a context manager (start on enter, stop on exit; stopping
     signals its process group, the uvicorn worker too)."""
 
-    def __init__(self, root: Path, port: int, startup_timeout_s: float = 60.0, auth: bool = False,
+    # 180 s: restarted beside two serving engines on 2 cores, the server took about 70 s to answer (a 60 s limit
+    # gave up on a start that was getting there, and the restart after it took as long again)
+    def __init__(self, root: Path, port: int, startup_timeout_s: float = 180.0, auth: bool = False,
                  auth_cache_s: int = AUTH_CACHE_S):
         self.root = Path(root).resolve()
         self.port = port

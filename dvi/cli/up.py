@@ -85,7 +85,8 @@ def plan(cfg, only: set[str] | None = None, train: bool = True) -> list[Part]:
     if cfg.stream.bootstrap_servers is None:
         parts.append(Part("broker", ["broker"], banner("dvi broker:"), 60))  # its banner comes once the topics exist
     if cfg.tracking.enabled and cfg.tracking.uri is None:
-        parts.append(Part("mlflow", ["mlflow"], lambda _: http_ok(f"{cfg.tracking.tracking_uri}/health"), 120))
+        # longer than `dvi mlflow`'s own limit on its server (180 s), so that its error, not this wait, ends a start
+        parts.append(Part("mlflow", ["mlflow"], lambda _: http_ok(f"{cfg.tracking.tracking_uri}/health"), 240))
     # 900 s: the first start on a machine compiles the models (vLLM, serve.vllm.enforce_eager=false: minutes on 2 cores)
     parts.append(Part("serve", ["serve"], lambda _: http_ok(f"{serve_url}/health"), 900))
     if train:
