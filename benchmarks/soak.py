@@ -351,12 +351,16 @@ def hostile_burst(cfg, urls: list[str]) -> dict:
                                (struct.pack("<4sHHI", records_v1.MAGIC, 1, 0, 1 << 31) + b"x" * 64, v1)]:
             producer.send(cfg.stream.topic, value, headers=headers).get(timeout=30)
             sent["records"] += 1
-        # the newest signed control message, sent again: a replay
-        reader = KafkaConsumer(bootstrap_servers=cfg.stream.bootstrap, enable_auto_commit=False, consumer_timeout_ms=3000)
+        # the newest signed control message, sent again: a replay. The topic is read to its end offsets (a loaded
+        # broker can take longer than any idle timeout to answer the first fetch: one run replayed nothing that way)
+        reader = KafkaConsumer(bootstrap_servers=cfg.stream.bootstrap, enable_auto_commit=False)
         tps = [TopicPartition(cfg.stream.control_topic, p) for p in reader.partitions_for_topic(cfg.stream.control_topic) or []]
         reader.assign(tps)
         reader.seek_to_beginning(*tps)
-        signed = [m.value for m in reader if b'"signature"' in m.value]  # a publish, or a replica's verdict
+        end, signed, deadline = reader.end_offsets(tps), [], time.monotonic() + 120
+        while any(reader.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
+            for batch in reader.poll(timeout_ms=1000).values():
+                signed += [m.value for m in batch if b'"signature"' in m.value]  # a publish, or a replica's verdict
         reader.close()
         msg = control.DrafterPublished(version=HOSTILE_VERSION, uri="/etc", sha256="0" * 64)
         forged_keys = keys.Keys(signing={"trainer": Ed25519PrivateKey.generate()})  # a trainer key no replica trusts

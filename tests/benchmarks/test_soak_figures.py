@@ -1,18 +1,23 @@
 """The soak benchmark's figures and bookkeeping (`benchmarks.soak`), against plain references: the fault schedule,
 flatness of a series, percentiles, the ledger against the topic, the process registry it reads, and the cores each
-replica is pinned to (with `benchmarks.bench_restart`'s schemes)."""
+replica is pinned to (with `benchmarks.bench_restart`'s schemes); and, on the real broker, the hostile burst's replay
+of the newest signed control message."""
 
 from __future__ import annotations
 
 import json
 import os
 import statistics
+from types import SimpleNamespace
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from benchmarks.bench_restart import binds, halves
-from benchmarks.soak import (FAULTS, Options, exactly_once, flatness, is_flat, percentile, registry, replica_binds, slope_per_min,
-                             table, tree, unrecovered, usage)
+from benchmarks.soak import (FAULTS, Options, exactly_once, flatness, hostile_burst, is_flat, percentile, registry, replica_binds,
+                             slope_per_min, table, tree, unrecovered, usage)
+from dvi import control, keys
 
 
 def test_the_schedule_kills_each_part_in_turn_and_bursts_once():
@@ -106,3 +111,24 @@ def test_the_soaks_replicas_are_split_unless_a_binding_is_given_or_there_is_one_
     assert replica_binds([], [0, 1]) == {"r1": ["serve.vllm.cpu_bind=0"], "r2": ["serve.vllm.cpu_bind=1"]}
     assert replica_binds(["serve.vllm.cpu_bind=nobind"], [0, 1]) == {"r1": [], "r2": []}
     assert replica_binds(["trainer.log_every=1"], [0]) == {"r1": [], "r2": []}
+
+
+@pytest.mark.broker
+def test_the_hostile_burst_replays_the_newest_signed_control_message(stream_cfg):
+    signer = keys.Keys(signing={"trainer": Ed25519PrivateKey.generate()})
+    older, newest = (control.encode(control.DrafterPublished(version=v, uri=f"/store/{v}", sha256="0" * 64), signer)
+                     for v in ("d0001", "d0002"))
+    producer = KafkaProducer(bootstrap_servers=stream_cfg.bootstrap)
+    for data in (older, b'{"unsigned": true}', newest):
+        producer.send(stream_cfg.control_topic, data).get(timeout=30)
+    producer.close()
+
+    sent = hostile_burst(SimpleNamespace(stream=stream_cfg), [])
+    assert sent["records"] == 5 and sent["control"] == 3 and sent["replayed"] == 1, sent
+    reader = KafkaConsumer(bootstrap_servers=stream_cfg.bootstrap, enable_auto_commit=False, consumer_timeout_ms=10000)
+    tp = TopicPartition(stream_cfg.control_topic, 0)
+    reader.assign([tp])
+    reader.seek_to_beginning(tp)
+    values = [m.value for m in reader]
+    reader.close()
+    assert values[-1] == newest and len(values) == 6  # the three above, the unsigned and forged ones, the replay
