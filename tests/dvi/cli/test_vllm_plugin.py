@@ -194,4 +194,3 @@ def test_a_signed_better_drafter_is_swapped_in_a_forged_one_refused_and_a_dead_b
                  "a record of a request made after the broker came back")
     rec = server.health()["records"]
     assert rec["sent"] + rec["dropped"] + rec["pending"] == rec["submitted"], rec
-
