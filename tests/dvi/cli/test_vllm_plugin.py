@@ -11,6 +11,7 @@ request. The drafters are noisy copies of the target (vLLM's draft model takes d
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 
@@ -194,3 +195,30 @@ def test_a_signed_better_drafter_is_swapped_in_a_forged_one_refused_and_a_dead_b
                  "a record of a request made after the broker came back")
     rec = server.health()["records"]
     assert rec["sent"] + rec["dropped"] + rec["pending"] == rec["submitted"], rec
+
+
+def test_a_loop_that_cannot_start_stops_vllms_server_with_the_reason(tmp_path):
+    """The port of the loop's view is held by another process: the loop cannot start in the engine core, and vLLM's
+    server exits with that reason in its log, where it would otherwise wait for ever on its dead engine, neither
+    listening nor exiting."""
+    target = fetch_demo_target()
+    port, loop_port = free_port(), free_port()
+    overrides = ["stream.replica_id=plugin-port-test", "tracking.enabled=false", "serve.log_decisions=false"]
+    env = clean_env(**{ENABLE: "1", OVERRIDES: json.dumps(overrides), PORT: str(loop_port), "VLLM_PLUGINS": NAME,
+                       "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--dtype", "float32",
+           "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager", "--no-enable-prefix-caching"]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", loop_port))
+        holder.listen()
+        child = spawn("vllm", cmd, log_path=tmp_path / "vllm.log", env=env, cwd=tmp_path)
+        try:
+            deadline = time.monotonic() + 600
+            while child.running and time.monotonic() < deadline:
+                assert http_ok(f"http://127.0.0.1:{port}/health") is not None, "vLLM's server answered without dvi's loop"
+                time.sleep(1)
+            assert not child.running, f"vLLM's server still runs 600 s after its loop failed: {child.log_tail()}"
+        finally:
+            child.stop(grace_s=10)
+    log = child.log_since_start()
+    assert f"dvi's loop could not start: dvi's loop cannot serve its view on 127.0.0.1:{loop_port} ({PORT})" in log, log[-3000:]
