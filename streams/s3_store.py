@@ -10,23 +10,34 @@ WARNING, and the connection is closed. CORS preflights are refused (the store se
 SECRET_VAR), never the command line. `streams.broker.LocalS3` makes a fresh key pair at every start and hands
 it to Tansu as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY. `sign` and `check` are the pure SigV4 maths; this
 module knows S3 requests, not what Tansu keeps in them.
+
+Listing: Tansu lists a partition's whole `records/` prefix on every fetch, to find the batch holding an offset.
+LocalBucket walks and sorts the whole bucket for every page of a listing, so a fetch cost grew with the size of every
+topic (10,000 records: about a second a fetch, a few records a second read back). Here a listing walks only the
+folder its prefix names (`prefix_root`) and pages with a binary search (`list_page`), and a listing asked again while
+its folders are unchanged (`folder_stamp`) is answered from memory (`Listings`); what it answers is LocalBucket's.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import hmac
 import logging
 import os
 import re
 import sys
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
+from xml.etree import ElementTree as ET
 
 ACCESS_VAR, SECRET_VAR = "DVI_S3_ACCESS_KEY", "DVI_S3_SECRET_KEY"
 ALGORITHM = "AWS4-HMAC-SHA256"
@@ -35,6 +46,7 @@ DATE_FORMAT = "%Y%m%dT%H%M%SZ"
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _AUTH = re.compile(r"AWS4-HMAC-SHA256 Credential=([^,\s]+),\s*SignedHeaders=([a-z0-9;\-]+),\s*Signature=([0-9a-f]{64})")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+SETTLE_NS = 1_000_000_000  # a folder changed this recently is listed afresh (see `folder_stamp`)
 
 log = logging.getLogger("dvi.s3_store")
 
@@ -120,11 +132,124 @@ def check(access_key: str, secret: str, method: str, target: str, headers: Mappi
     return None
 
 
+def prefix_root(prefix: str) -> str | None:
+    """The folder (relative to the bucket, "" for its root) that holds every key starting with `prefix`; None where
+    that folder part is not a plain relative path (`..`, `.`, an empty or absolute part): no key starts so."""
+    folder = prefix.rpartition("/")[0]
+    if folder and any(part in ("", ".", "..") for part in folder.split("/")):
+        return None
+    return folder
+
+
+def bucket_keys(bucket_dir: Path, prefix: str, skip: str) -> list[tuple[str, Path]]:
+    """(key, file) of every object under the folder `prefix` names, sorted by the key's bytes (S3's order); files
+    whose name starts with `skip` (the store's uploads in progress) are left out."""
+    folder = prefix_root(prefix)
+    if folder is None:
+        return []
+    keys = []
+    for directory, _, files in os.walk(bucket_dir / folder):
+        rel = Path(directory).relative_to(bucket_dir).as_posix()
+        rel = "" if rel == "." else rel + "/"
+        keys += [(rel + name, Path(directory, name)) for name in files if not name.startswith(skip)]
+    keys.sort(key=lambda item: item[0].encode())
+    return keys
+
+
+def folder_stamp(bucket_dir: Path, prefix: str, settle_ns: int = SETTLE_NS, now_ns: int | None = None) -> tuple | None:
+    """What changes whenever a key under `prefix`'s folder is added, replaced or removed: the modification times of
+    that folder and every folder under it. None (do not trust a remembered listing) where the folder is missing, or
+    one of them changed within `settle_ns` of now: a file's time has a coarse clock, so a change in the same tick
+    as an earlier one could leave it as it was."""
+    folder = prefix_root(prefix)
+    if folder is None:
+        return None
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    stamp, todo = [], [str(bucket_dir / folder)]
+    try:
+        while todo:
+            path = todo.pop()
+            mtime = os.stat(path).st_mtime_ns
+            if now_ns - mtime < settle_ns:
+                return None
+            stamp.append((path, mtime))
+            with os.scandir(path) as entries:
+                todo += [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return None
+    return tuple(sorted(stamp))
+
+
+class Listings:
+    """The bodies of the newest listings answered, each with the folder stamp it was answered under: a listing
+    asked again while its folders are unchanged is answered from here (Tansu lists a partition's records on every
+    fetch). At most `size` are kept, the least recently used dropped first."""
+
+    def __init__(self, size: int = 64):
+        self.size, self._lock, self._bodies = size, threading.Lock(), OrderedDict()
+
+    def get(self, key: tuple, stamp: tuple | None) -> bytes | None:
+        if stamp is None:
+            return None
+        with self._lock:
+            found = self._bodies.get(key)
+            if found is None or found[0] != stamp:
+                return None
+            self._bodies.move_to_end(key)
+            return found[1]
+
+    def put(self, key: tuple, stamp: tuple | None, body: bytes) -> None:
+        if stamp is None:
+            return
+        with self._lock:
+            self._bodies[key] = (stamp, body)
+            self._bodies.move_to_end(key)
+            while len(self._bodies) > self.size:
+                self._bodies.popitem(last=False)
+
+
+def list_page(keys: list[tuple[str, Path]], prefix: str, delimiter: str, marker: str, marker_is_prefix: bool,
+              max_keys: int) -> tuple[list[tuple[str, Path]], list[str], bool, str]:
+    """One page of a listing over `keys` (sorted by bytes): the objects and common prefixes after `marker`, whether it
+    is truncated, and the last entry ("K:" key or "P:" prefix, the continuation token's text)."""
+    contents: list[tuple[str, Path]] = []
+    common_prefixes: list[str] = []
+    last_entry, truncated = "", False
+    encoded = [k.encode() for k, _ in keys]
+    start = max(bisect.bisect_left(encoded, prefix.encode()), bisect.bisect_right(encoded, marker.encode()) if marker else 0)
+    for key, path in keys[start:]:
+        if not key.startswith(prefix):
+            break  # sorted: no later key has the prefix
+        if marker and marker_is_prefix and key.startswith(marker):
+            continue
+        common = ""
+        if delimiter and (index := key.find(delimiter, len(prefix))) >= 0:
+            common = key[: index + len(delimiter)]
+        if common and common_prefixes and common_prefixes[-1] == common:
+            continue
+        if len(contents) + len(common_prefixes) >= max_keys:
+            truncated = max_keys > 0
+            break
+        if common:
+            common_prefixes.append(common)
+            last_entry = "P:" + common
+        else:
+            contents.append((key, path))
+            last_entry = "K:" + key
+    return contents, common_prefixes, truncated, last_entry
+
+
 def _handler(access_key: str, secret: str):
     """LocalBucket's request handler, answering only requests `check` accepts."""
     import localbucket  # the `local` extra; imported only where the store runs
 
+    listings = Listings()
+
     class SignedS3Handler(localbucket.S3Handler):
+        # headers and body go out in two writes: with Nagle's algorithm each answer waited for the client's delayed
+        # ACK (about 40 ms a request, most of a fetch's time)
+        disable_nagle_algorithm = True
+
         def _dispatch(self, action):
             headers = {name.lower(): value for name, value in self.headers.items()}
             why = check(access_key, secret, self.command, self.path, headers)
@@ -138,6 +263,26 @@ def _handler(access_key: str, secret: str):
         def do_OPTIONS(self):
             self.close_connection = True
             self._send_error(localbucket.S3Error(HTTPStatus.FORBIDDEN, "AccessDenied", "no cross-origin access"))
+
+        def _list_entries(self, bucket_dir: Path, prefix: str, delimiter: str, marker: str, marker_is_prefix: bool,
+                          max_keys: int):
+            keys = bucket_keys(bucket_dir, prefix, localbucket.TEMP_PREFIX)
+            return list_page(keys, prefix, delimiter, marker, marker_is_prefix, max_keys)
+
+        def _list_objects_v2(self, bucket: str):
+            stamp = folder_stamp(self._bucket_dir(bucket), self.query.get("prefix", ""))  # taken before the listing
+            key = (bucket, tuple(sorted(self.query.items())))
+            if (body := listings.get(key, stamp)) is not None:
+                self._send(HTTPStatus.OK, body, {"Content-Type": "application/xml"})
+                return
+            self._xml = None
+            super()._list_objects_v2(bucket)
+            if self._xml is not None:
+                listings.put(key, stamp, self._xml)
+
+        def _send_xml(self, root):
+            self._xml = ET.tostring(root, encoding="UTF-8", xml_declaration=True)
+            self._send(HTTPStatus.OK, self._xml, {"Content-Type": "application/xml"})
 
         def _read_body(self) -> bytes:
             body = super()._read_body()

@@ -4,6 +4,8 @@ against AWS's published example, then the real store process against unsigned, f
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 import urllib.error
 import urllib.request
 from datetime import datetime, timedelta, timezone
@@ -110,3 +112,110 @@ def test_the_store_answers_only_its_key_pair(tmp_path):
     with LocalS3(tmp_path / "data") as again:  # a new start, a new key pair: the old one is worthless
         assert again.secret != store.secret
         assert again.request("GET", f"/{BUCKET}/segment") == b"records"
+
+
+def _tree(root: Path) -> None:
+    """A bucket like Tansu's: partitions of numbered batches, a watermark each, nested folders and an upload in
+    progress."""
+    for topic in ("t", "t.dlq", "u"):
+        for p in range(3):
+            part = root / "clusters" / "c" / "topics" / topic / "partitions" / f"{p:010d}"
+            (part / "records").mkdir(parents=True)
+            (part / "watermark.json").write_text("{}")
+            for offset in range(0, 40, 3):
+                (part / "records" / f"{offset:020d}.batch").write_bytes(b"x")
+    (root / "clusters" / "c" / "meta.json").write_text("{}")
+    (root / "clusters" / "c" / "topics" / "t" / "partitions" / f"{0:010d}" / "records" / ".localbucket-tmp").write_text("")
+    (root / "a-b").write_text("")
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "c").write_text("")
+
+
+@pytest.mark.parametrize("prefix", ["", "clusters/", "clusters/c/topics/t", "clusters/c/topics/t/",
+                                    f"clusters/c/topics/t/partitions/{1:010d}/records/", "clusters/c/topics/t/partitions/00",
+                                    "a", "a/", "a/b/c", "nothing/", "../", "/etc/", "clusters//c/", "./clusters/"])
+def test_a_listing_answers_what_localbucket_answers(tmp_path, prefix):
+    """The store walks only the prefix's folder; every page (with and without a delimiter, after a key or a common
+    prefix, any page size) is the one LocalBucket's own walk of the whole bucket gives."""
+    import localbucket
+
+    _tree(tmp_path)
+    keys = s3_store.bucket_keys(tmp_path, prefix, localbucket.TEMP_PREFIX)
+    everything = [k for k, _ in s3_store.bucket_keys(tmp_path, "", localbucket.TEMP_PREFIX)]
+    markers = ["", prefix, everything[len(everything) // 2], everything[-1], prefix + "zzz", "clusters/c/"]
+    for delimiter in ("", "/"):
+        for marker in markers:
+            for marker_is_prefix in (False, True):
+                for max_keys in (0, 1, 7, 1000):
+                    args = (prefix, delimiter, marker, marker_is_prefix, max_keys)
+                    want = localbucket.S3Handler._list_entries(None, tmp_path, *args)
+                    assert s3_store.list_page(keys, *args) == want, args
+
+
+def test_paging_a_partitions_records_reads_every_batch_once(tmp_path):
+    """Tansu's fetch: a partition's records, page after page by continuation, in offset order."""
+    import localbucket
+
+    _tree(tmp_path)
+    prefix = f"clusters/c/topics/t/partitions/{0:010d}/records/"
+    keys = s3_store.bucket_keys(tmp_path, prefix, localbucket.TEMP_PREFIX)
+    seen, marker = [], ""
+    while True:
+        contents, _, truncated, last = s3_store.list_page(keys, prefix, "", marker, False, 4)
+        seen += [k for k, _ in contents]
+        if not truncated:
+            break
+        marker = last[2:]
+    assert seen == [f"{prefix}{o:020d}.batch" for o in range(0, 40, 3)]
+
+
+def test_a_folder_stamp_changes_with_every_key_and_is_withheld_while_the_folder_is_fresh(tmp_path):
+    _tree(tmp_path)
+    prefix = f"clusters/c/topics/t/partitions/{1:010d}/records/"
+    later = time.time_ns() + 10 * s3_store.SETTLE_NS
+    before = s3_store.folder_stamp(tmp_path, prefix, now_ns=later)
+    assert before is not None and s3_store.folder_stamp(tmp_path, prefix, now_ns=later) == before
+    (tmp_path / prefix / f"{99:020d}.batch").write_bytes(b"x")
+    assert s3_store.folder_stamp(tmp_path, prefix) is None  # just changed: not to be trusted yet
+    assert s3_store.folder_stamp(tmp_path, prefix, now_ns=later) not in (None, before)
+    # a change below the prefix's folder changes its stamp too
+    whole = s3_store.folder_stamp(tmp_path, "clusters/", now_ns=later)
+    os.utime(tmp_path / prefix, ns=(later, later))
+    assert s3_store.folder_stamp(tmp_path, "clusters/", now_ns=later + s3_store.SETTLE_NS) != whole
+    for nothing in ("missing/", "../", "/etc/", "a//b/"):
+        assert s3_store.folder_stamp(tmp_path, nothing, now_ns=later) is None
+
+
+def test_remembered_listings_answer_only_their_stamp_and_keep_the_newest():
+    listings = s3_store.Listings(size=2)
+    listings.put(("b", "q1"), ("s1",), b"one")
+    listings.put(("b", "q2"), None, b"unsettled")  # no stamp: not kept
+    assert listings.get(("b", "q1"), ("s1",)) == b"one"
+    assert listings.get(("b", "q1"), ("s2",)) is None and listings.get(("b", "q1"), None) is None
+    assert listings.get(("b", "q2"), None) is None
+    listings.put(("b", "q2"), ("s1",), b"two")
+    assert listings.get(("b", "q1"), ("s1",)) == b"one"  # used: the newest
+    listings.put(("b", "q3"), ("s1",), b"three")  # one too many: the least recently used goes
+    assert listings.get(("b", "q2"), ("s1",)) is None and listings.get(("b", "q1"), ("s1",)) == b"one"
+
+
+def test_the_store_answers_a_listing_again_from_memory_until_its_folder_changes(tmp_path):
+    """A key removed behind the store's back, its folder's time put back, is still listed: that answer came from
+    memory. A PUT changes the folder: the next listing is fresh."""
+    with LocalS3(tmp_path / "data") as store:
+        folder = tmp_path / "data" / BUCKET / "p" / "records"
+        for name in ("1", "2"):
+            store.request("PUT", f"/{BUCKET}/p/records/{name}", b"batch")
+
+        def listing() -> bytes:
+            return store.request("GET", f"/{BUCKET}?list-type=2&prefix=p%2Frecords%2F")
+
+        settled = time.time_ns() - 10 * s3_store.SETTLE_NS
+        os.utime(folder, ns=(settled, settled))
+        assert b"p/records/1" in listing() and b"p/records/2" in listing()
+        (folder / "2").unlink()
+        os.utime(folder, ns=(settled, settled))
+        assert b"p/records/2" in listing()  # remembered
+        store.request("PUT", f"/{BUCKET}/p/records/3", b"batch")
+        fresh = listing()
+        assert b"p/records/3" in fresh and b"p/records/2" not in fresh and b"p/records/1" in fresh
