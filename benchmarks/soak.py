@@ -336,7 +336,7 @@ def hostile_burst(cfg, urls: list[str]) -> dict:
     """Malformed, oversized and compressed-bomb records on the decision topic; an unsigned, a forged and a replayed
     control message; abusive HTTP to each replica. Returns what was sent and what each HTTP request got."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+    from kafka import KafkaProducer
 
     from dvi import control, keys, records_v1
     from dvi.records import READS
@@ -351,17 +351,9 @@ def hostile_burst(cfg, urls: list[str]) -> dict:
                                (struct.pack("<4sHHI", records_v1.MAGIC, 1, 0, 1 << 31) + b"x" * 64, v1)]:
             producer.send(cfg.stream.topic, value, headers=headers).get(timeout=30)
             sent["records"] += 1
-        # the newest signed control message, sent again: a replay. The topic is read to its end offsets (a loaded
-        # broker can take longer than any idle timeout to answer the first fetch: one run replayed nothing that way)
-        reader = KafkaConsumer(bootstrap_servers=cfg.stream.bootstrap, enable_auto_commit=False)
-        tps = [TopicPartition(cfg.stream.control_topic, p) for p in reader.partitions_for_topic(cfg.stream.control_topic) or []]
-        reader.assign(tps)
-        reader.seek_to_beginning(*tps)
-        end, signed, deadline = reader.end_offsets(tps), [], time.monotonic() + 120
-        while any(reader.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
-            for batch in reader.poll(timeout_ms=1000).values():
-                signed += [m.value for m in batch if b'"signature"' in m.value]  # a publish, or a replica's verdict
-        reader.close()
+        # the newest signed control message, sent again: a replay
+        signed = [m.value for m in read_to_end(cfg.stream.bootstrap, cfg.stream.control_topic, 120)
+                  if b'"signature"' in m.value]  # a publish, or a replica's verdict
         msg = control.DrafterPublished(version=HOSTILE_VERSION, uri="/etc", sha256="0" * 64)
         forged_keys = keys.Keys(signing={"trainer": Ed25519PrivateKey.generate()})  # a trainer key no replica trusts
         for data in [control.encode(msg), control.encode(msg, forged_keys), *signed[-1:]]:
@@ -411,7 +403,7 @@ class Soak:
         self.counters: dict[str, dict] = defaultdict(dict)  # replica -> pid -> its last health (counters restart with it)
         self.orphans: list[str] = []
         self.hostile: dict = {}
-        self.final_broker: dict = {"restarted": False}  # whether the final check had to start the broker again
+        self.final_broker: dict = {}  # the final read of the topic: how long it took, what it found
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -581,15 +573,23 @@ class Soak:
             traffic.stop()
             self.rows.append(self.sample(traffic, last_sample))
             drained = self.drain()
-            topic_ids, dead = self.final_topic()
+            r2.stop()
+            self.down()  # the engines stopped: the final read has the machine (and the broker) to itself
+            try:
+                topic_ids, dead = self.final_topic()
+            except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:  # the rest is still checked
+                self.final_broker["error"] = str(e)[:500]
+                self.say(f"soak: the topic could not be read back: {e}")
+                topic_ids, dead = None, None
         finally:
             traffic.stop()
             r2.stop()
-            subprocess.run([sys.executable, "-m", "dvi.cli", "down", *self.overrides], capture_output=True, timeout=300)
+            self.down()
             os.environ.pop(REGISTRY_ENV, None)
         ledger, offsets = read_ledger(self.cfg)
         outside = [p for p in outside_files(self.work, outside_before) if not p.startswith(opt.outside_ignore)]
-        summary = self.summarize(traffic, exactly_once(topic_ids, ledger, offsets), dead, drained, outside)
+        once = exactly_once(topic_ids, ledger, offsets) if topic_ids is not None else None
+        summary = self.summarize(traffic, once, dead, drained, outside)
         (self.work / "soak.json").write_text(json.dumps({"rows": self.rows, "faults": self.faults, "summary": summary,
                                                          "options": {k: str(v) for k, v in asdict(opt).items()},
                                                          "cpu_bind": self.binds}, default=str))
@@ -613,18 +613,21 @@ class Soak:
             return f"not back within {self.opt.recover_max_min:g} minutes"
         return None
 
-    def final_topic(self) -> tuple[list[tuple[int, int, str]], int]:
-        """The topic for the final check (`read_topic`). A broker that does not answer (a part that never came back)
-        is first started alone on the run's data (`dvi up --detach --only broker`; it kept what it acknowledged), and
-        that is recorded in `self.final_broker`."""
-        from streams.broker import kafka_answers
+    def down(self) -> None:
+        subprocess.run([sys.executable, "-m", "dvi.cli", "down", *self.overrides], capture_output=True, timeout=300)
 
-        if (why := kafka_answers(self.cfg.stream.bootstrap)) is not None:
-            self.say(f"soak: the broker does not answer at the end ({why}): starting it alone on the run's data to check the topic")
-            r = subprocess.run([sys.executable, "-m", "dvi.cli", "up", "--detach", "--only", "broker", *self.overrides],
-                               capture_output=True, text=True, timeout=600, env={**os.environ, REGISTRY_ENV: ""})
-            self.final_broker = {"restarted": True, "returncode": r.returncode, "why": why}
-        return read_topic(self.cfg)
+    def final_topic(self) -> tuple[list[tuple[int, int, str]], int]:
+        """The topic for the final check (`read_topic`), once the stack is down: the broker is started alone on the
+        run's data (`dvi up --detach --only broker`; it kept what it acknowledged), as it is after a crash."""
+        r = subprocess.run([sys.executable, "-m", "dvi.cli", "up", "--detach", "--only", "broker", *self.overrides],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, REGISTRY_ENV: ""})
+        if r.returncode:
+            raise RuntimeError(f"the broker alone on the run's data did not start ({r.returncode}): {r.stdout[-2000:]}{r.stderr[-2000:]}")
+        t = time.monotonic()
+        found = read_topic(self.cfg)
+        self.final_broker = {"read_s": round(time.monotonic() - t, 1), "records": len(found[0]), "dead_lettered": found[1]}
+        self.say(f"soak: the topic read back in {self.final_broker['read_s']} s: {len(found[0])} records, {found[1]} dead-lettered")
+        return found
 
     def drain(self) -> dict:
         """Wait, traffic stopped, until the trainer has taken every record the replicas sent (its counters in MLflow),
@@ -639,7 +642,7 @@ class Soak:
             time.sleep(10)
         return {"sent": sent, "trainer": view, "waited_s": round(self.opt.drain_min * 60 - (deadline - time.monotonic()))}
 
-    def summarize(self, traffic: Traffic, once: dict, dead: int, drained: dict, outside: list[str]) -> dict:
+    def summarize(self, traffic: Traffic, once: dict | None, dead: int | None, drained: dict, outside: list[str]) -> dict:
         opt = self.opt
         end = max(opt.minutes * 60, self.rows[-1]["t"] if self.rows else 0.0)  # a run goes on while a fault recovers
         # requests: failures are tolerated only at a replica that was down or being killed
@@ -685,8 +688,8 @@ class Soak:
                             | {v for vs in served.values() for v in vs if not v.startswith("init-") and v not in published})
         checks = {
             f"every killed part back (within {opt.recover_max_min:g} minutes)": not unrecovered(self.faults),
-            "every record the trainer committed is in its ledger exactly once": once["lost_n"] == 0 and once["twice_n"] == 0
-                                                                                and once["unknown_n"] == 0,
+            "every record the trainer committed is in its ledger exactly once":
+                None if once is None else once["lost_n"] == 0 and once["twice_n"] == 0 and once["unknown_n"] == 0,
             "no request failed but at a killed replica": not failed,
             "memory flat in the last hour": all(is_flat(p["rss"]) is not False for p in procs.values()),
             "descriptors flat in the last hour": all(is_flat(p["fds"]) is not False for p in procs.values()),
@@ -709,31 +712,42 @@ def left_running(before: dict[str, tuple[int, str]]) -> list[str]:
     return [f"{name} (pid {pid})" for name, (pid, start) in before.items() if start_time(pid) == start]
 
 
-def read_topic(cfg) -> tuple[list[tuple[int, int, str]], int]:
-    """(partition, offset, record id) of every decodable record on the decision topic, and how many messages the
-    dead-letter topic holds."""
+def read_to_end(bootstrap: str, topic: str, deadline_s: float) -> list:
+    """Every message of `topic`, read from the beginning up to the end offsets it had when the read began (not until
+    an idle timeout: a loaded broker can take longer than any to answer a fetch). Raises TimeoutError when that is
+    not done within `deadline_s`, naming how far each partition got."""
     from kafka import KafkaConsumer, TopicPartition
 
+    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_bytes=8 << 20,
+                      max_partition_fetch_bytes=8 << 20)
+    try:
+        tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic) or []]
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        end, found, deadline = c.end_offsets(tps), [], time.monotonic() + deadline_s
+        while any(c.position(tp) < end[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                at = {tp.partition: f"{c.position(tp)}/{end[tp]}" for tp in tps}
+                raise TimeoutError(f"{topic} not read to its end offsets within {deadline_s:g} s: {at}")
+            for batch in c.poll(timeout_ms=1000).values():
+                found += [m for m in batch if m.offset < end[TopicPartition(m.topic, m.partition)]]
+        return found
+    finally:
+        c.close()
+
+
+def read_topic(cfg, deadline_s: float = 1800) -> tuple[list[tuple[int, int, str]], int]:
+    """(partition, offset, record id) of every decodable record on the decision topic, and how many messages the
+    dead-letter topic holds."""
     from dvi.records import decode
 
-    def messages(topic: str):
-        c = KafkaConsumer(bootstrap_servers=cfg.stream.bootstrap, enable_auto_commit=False, consumer_timeout_ms=5000,
-                          fetch_max_bytes=8 << 20, max_partition_fetch_bytes=8 << 20)
-        try:
-            tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic) or []]
-            c.assign(tps)
-            c.seek_to_beginning(*tps)
-            yield from c
-        finally:
-            c.close()
-
     found = []
-    for m in messages(cfg.stream.topic):
+    for m in read_to_end(cfg.stream.bootstrap, cfg.stream.topic, deadline_s):
         try:
             found.append((m.partition, m.offset, decode(m.value).record_id))
         except Exception:  # hostile bytes: the trainer dead-letters them
             continue
-    return found, sum(1 for _ in messages(cfg.stream.dlq_topic))
+    return found, len(read_to_end(cfg.stream.bootstrap, cfg.stream.dlq_topic, deadline_s))
 
 
 def read_ledger(cfg) -> tuple[list[tuple[str, str]], dict[int, int]]:
@@ -783,9 +797,12 @@ def table(summary: dict) -> str:
     lines = [f"Soak of {summary['minutes']:g} minutes", "", "| check | holds |", "|---|---|"]
     lines += [f"| {name} | {'yes' if ok else ('-' if ok is None else '**no**')} |" for name, ok in summary["checks"].items()]
     once = summary["exactly_once"]
-    lines += ["", f"Records: {once['on_topic']} on the topic, {once['in_ledger']} in the ledger, {once['lost_n']} lost, "
-              f"{once['twice_n']} twice, {once['pending_n']} pending (past the committed offsets: the next start reads them); "
-              f"{summary['dead_lettered']} dead-lettered. Requests: {summary['requests']}. "
+    records = ("Records: the topic could not be read back: " + summary.get("final_broker", {}).get("error", "?") + "."
+               if once is None else
+               f"Records: {once['on_topic']} on the topic, {once['in_ledger']} in the ledger, {once['lost_n']} lost, "
+               f"{once['twice_n']} twice, {once['pending_n']} pending (past the committed offsets: the next start reads them); "
+               f"{summary['dead_lettered']} dead-lettered.")
+    lines += ["", f"{records} Requests: {summary['requests']}. "
               f"p99 latency first/last: {_fmt(summary['p99_s']['first'])} / {_fmt(summary['p99_s']['last'])} s. "
               f"{summary['published']} versions published; served {summary['served']}.", "",
               "| process | pid | RSS first/second half MiB | RSS trend MiB/min | fds first/second half |", "|---|---|---|---|---|"]
@@ -796,8 +813,8 @@ def table(summary: dict) -> str:
     lines += ["", "| fault | at min | back after s |", "|---|---|---|"]
     lines += [f"| {f['fault']} | {f['t'] / 60:.1f} | "
               f"{_fmt(f.get('recovered_s'), 1) if 'gave_up' not in f else 'never: ' + f['gave_up']} |" for f in summary["faults"]]
-    if summary.get("final_broker", {}).get("restarted"):
-        lines += ["", "The broker did not answer at the end: the final check started it alone on the run's data."]
+    if summary.get("final_broker", {}).get("read_s") is not None:
+        lines += ["", f"The stack stopped, the broker alone read the topic back in {summary['final_broker']['read_s']:g} s."]
     return "\n".join(lines)
 
 

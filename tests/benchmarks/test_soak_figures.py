@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from benchmarks.bench_restart import binds, halves
-from benchmarks.soak import (FAULTS, Options, exactly_once, flatness, hostile_burst, is_flat, percentile, registry, replica_binds,
-                             slope_per_min, table, tree, unrecovered, usage)
+from benchmarks.soak import (FAULTS, Options, exactly_once, flatness, hostile_burst, is_flat, percentile, read_to_end, registry,
+                             replica_binds, slope_per_min, table, tree, unrecovered, usage)
 from dvi import control, keys
 
 
@@ -91,11 +91,11 @@ def test_a_part_that_never_came_back_fails_its_check_and_the_table_says_why():
     summary = {"minutes": 120.0, "checks": {"every killed part back (within 20 minutes)": not unrecovered(faults)},
                "exactly_once": {"on_topic": 3, "in_ledger": 3, "lost_n": 0, "twice_n": 0, "pending_n": 0}, "dead_lettered": 0,
                "requests": {}, "p99_s": {"first": None, "last": None}, "published": 0, "served": {}, "procs": {},
-               "faults": faults, "final_broker": {"restarted": True}}
+               "faults": faults, "final_broker": {"read_s": 12.5, "records": 3, "dead_lettered": 0}}
     text = table(summary)
     assert "| every killed part back (within 20 minutes) | **no** |" in text
     assert "| up | 100.0 | never: the new dvi up failed: timeout |" in text and "| broker | 40.0 | 0.0 |" in text
-    assert "started it alone on the run's data" in text
+    assert "the broker alone read the topic back in 12.5 s" in text
 
 
 def test_two_replicas_get_disjoint_halves_of_the_cores_that_cover_them():
@@ -132,3 +132,25 @@ def test_the_hostile_burst_replays_the_newest_signed_control_message(stream_cfg)
     values = [m.value for m in reader]
     reader.close()
     assert values[-1] == newest and len(values) == 6  # the three above, the unsigned and forged ones, the replay
+
+
+@pytest.mark.broker
+def test_a_topic_is_read_to_the_end_offsets_it_had_or_the_read_says_how_far_it_got(stream_cfg):
+    producer = KafkaProducer(bootstrap_servers=stream_cfg.bootstrap)
+    for i in range(30):
+        producer.send(stream_cfg.topic, f"m{i}".encode(), partition=i % 3).get(timeout=30)
+    producer.close()
+    got = read_to_end(stream_cfg.bootstrap, stream_cfg.topic, 60)
+    assert sorted(int(m.value[1:]) for m in got) == list(range(30))  # each once, from every partition
+    assert read_to_end(stream_cfg.bootstrap, stream_cfg.dlq_topic, 60) == []  # an empty topic: at once
+    with pytest.raises(TimeoutError, match=r"decisions not read to its end offsets within 0 s: \{0: '0/10'"):
+        read_to_end(stream_cfg.bootstrap, stream_cfg.topic, 0)
+
+
+def test_a_topic_that_could_not_be_read_back_leaves_its_check_open_and_says_why():
+    summary = {"minutes": 120.0, "checks": {"every record the trainer committed is in its ledger exactly once": None},
+               "exactly_once": None, "dead_lettered": None, "requests": {}, "p99_s": {"first": None, "last": None},
+               "published": 0, "served": {}, "procs": {}, "faults": [], "final_broker": {"error": "broker did not start"}}
+    text = table(summary)
+    assert "| every record the trainer committed is in its ledger exactly once | - |" in text
+    assert "Records: the topic could not be read back: broker did not start." in text
