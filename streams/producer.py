@@ -12,6 +12,11 @@ with the content type and schema version) and counts the outcome of each:
 - errors: failures seen by the sender, for alerting: records that failed to encode, send or be delivered,
   and failed connection attempts.
 
+A delivery the broker answers with an unclassified error (`UnknownError`, which kafka-python does not retry) is sent
+again, at most `_RETRIES` times: the durable embedded broker answers so when two replicas write one partition's next
+batch at once, and keeps only the other one's (60 of the 10,400 records of a two-replica, two-hour soak were
+dropped that way). A record sent twice is harmless: the trainer's ledger drops repeated record ids.
+
 With every bootstrap server unreachable (a TCP probe once a second), at start or mid-run, the thread holds no
 Kafka client at all (a disconnected kafka-python client keeps about 5% of a core busy reconnecting, which a decode
 thread sharing the GIL feels): records in flight count as dropped, new ones wait in the queue (beyond
@@ -44,6 +49,8 @@ from streams.client import client_options
 log = logging.getLogger("dvi.streams.producer")
 
 _MAX_BATCH = 512  # records taken from the queue per send pass
+_RETRIES = 2  # more sends of a record whose delivery failed with a `_RETRIED` error
+_RETRIED = (ke.UnknownError,)
 _PROBE_S = 1.0  # between TCP probes of the bootstrap servers while a client is open
 HEADERS = kafka_headers()  # on every record: its content type and schema version
 
@@ -86,6 +93,7 @@ class DecisionProducer:
         self._last_outcome = time.monotonic()  # of a record in flight (or when the client got its first one)
         self._next_probe = 0.0
         self._generation = 0  # of the KafkaProducer: outcomes a closed client reports late are ignored
+        self._tries: dict[str, int] = {}  # record id -> how often it was sent again
         self._thread = threading.Thread(target=self._run, name="dvi-producer", daemon=True)
         self._thread.start()
 
@@ -256,20 +264,41 @@ class DecisionProducer:
             self._resolve(False, self._generation)
             return
         future.add_callback(self._delivered, record, self._generation)
-        future.add_errback(self._failed, self._generation)
+        future.add_errback(self._failed, record, self._generation)
 
     def _delivered(self, record: DecisionRecord, generation: int, _metadata) -> None:
+        with self._lock:
+            self._tries.pop(record.record_id, None)
         if self._resolve(True, generation) and self.on_sent is not None:
             try:
                 self.on_sent(record)
             except Exception as e:
                 self._warn("on_sent", "the on_sent callback failed: %s", e)
 
-    def _failed(self, generation: int, exc: BaseException) -> None:
+    def _failed(self, record: DecisionRecord, generation: int, exc: BaseException) -> None:
         if _is_fatal(self._producer, exc):
             self._fatal = True
+        if isinstance(exc, _RETRIED) and self._again(record, generation):
+            self._warn("retry", "delivery to %s failed (%s): sending it again", self.topic, exc)
+            return
+        with self._lock:
+            self._tries.pop(record.record_id, None)
         self._warn("delivery", "delivery to %s failed (%s): dropping", self.topic, exc)
         self._resolve(False, generation)
+
+    def _again(self, record: DecisionRecord, generation: int) -> bool:
+        """Queue a record whose delivery failed for another send (counted as an error, not an outcome); False when
+        it had its `_RETRIES`, or the outcome came too late (see `_resolve`)."""
+        with self._lock:
+            tries = self._tries.get(record.record_id, 0)
+            if self._finished or generation != self._generation or tries >= _RETRIES:
+                return False
+            self._tries[record.record_id] = tries + 1
+            self._in_flight -= 1
+            self._queued += 1
+            self._errors += 1
+            self._queue.put(record)
+        return True
 
     def _resolve(self, ok: bool, generation: int) -> bool:
         """Count one outcome; False when it came too late (the producer has finished, or the client is closed)."""
@@ -313,6 +342,7 @@ class DecisionProducer:
                 log.debug("closing the Kafka producer: %s", e)
             with self._lock:  # what it did not report is dropped; its late reports are ignored
                 self._generation += 1
+                self._tries.clear()
                 self._dropped += self._in_flight
                 self._errors += self._in_flight
                 self._in_flight = 0

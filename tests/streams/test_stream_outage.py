@@ -123,6 +123,41 @@ def test_a_client_that_never_answers_is_recreated_and_its_records_counted(broker
         producer.close(timeout_s=0)
 
 
+class _ContendedClient(streams.producer.KafkaProducer):
+    """The real client, whose next `failures` sends the broker answers `UnknownError` (as the durable broker answers
+    the second of two writers of one partition's next batch, keeping the first's)."""
+
+    failures = 0
+
+    def send(self, *args, **kwargs):
+        if type(self).failures <= 0:
+            return super().send(*args, **kwargs)
+        type(self).failures -= 1
+        from kafka.errors import UnknownError
+        from kafka.future import Future
+
+        failed = Future()
+        failed.failure(UnknownError())
+        return failed
+
+
+@pytest.mark.parametrize("failures, sent, dropped", [(2, 3, 0), (100, 0, 3)])
+def test_an_unknown_broker_error_is_sent_again_twice_then_dropped(stream_cfg, make_record, monkeypatch, failures, sent, dropped):
+    monkeypatch.setattr(streams.producer, "KafkaProducer", _ContendedClient)
+    monkeypatch.setattr(_ContendedClient, "failures", failures)
+    records = [make_record(f"u{i}", rounds=1) for i in range(3)]
+    with DecisionProducer(stream_cfg) as producer:
+        for record in records:
+            producer.submit(record)
+        assert producer.flush(20)
+        stats = producer.stats
+    assert (stats.sent, stats.dropped, stats.pending) == (sent, dropped, 0), stats
+    assert stats.errors == min(failures, 3 * (1 + streams.producer._RETRIES))  # every failed send is seen
+    with DecisionConsumer(stream_cfg, group_id=None) as consumer:
+        got = consumer.poll_until(sent, timeout_s=10) if sent else []
+    assert sorted(d.record.record_id for d in got) == sorted(r.record_id for r in records[:sent])  # each once
+
+
 def test_close_with_no_broker_drops_and_returns(stream_config, make_record):
     cfg = stream_config(f"127.0.0.1:{free_port()}")
     producer = DecisionProducer(cfg)
