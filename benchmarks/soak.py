@@ -33,9 +33,10 @@ final check starts it alone on the run's data (which holds what it acknowledged)
 
 Checked at the end (traffic stopped, the trainer given `--drain-min` to catch up), printed as a table and written
 to <out>/soak.md: every killed part came back; every record on the topic is in the trainer's ledger exactly once; no request failed but those in
-flight at a killed replica (which got an error) or sent to one that was down; per process, resident memory and
-descriptors flat over the last hour (the second half in a shorter run): the second half's median within 5% of the
-first half's and the trend rising at most 5% across it; p99 latency of the last hour within 1.2x of the first
+flight at a killed replica (which got an error) or sent to one that was down; per process, each life of it (a part
+restarted is a new life), resident memory and descriptors flat over the last hour of that life after its warm-up
+(in a run under two hours: as long as half the run), judged where the life covers at least half of that: the
+second half's median within 5% of the first half's and the trend rising at most 5% across it; p99 latency of the last hour within 1.2x of the first
 hour's after warm-up; the served drafter never a version the gate refused or a control message the signature
 check refused; after the supervisor's kill nothing it had started was left running; nothing written outside the
 cache directory (home, /tmp and the work tree looked at).
@@ -143,6 +144,59 @@ def flatness(samples: list[tuple[float, float]]) -> dict | None:
 
 def is_flat(f: dict | None) -> bool | None:
     return None if f is None else f["median_ratio"] <= 1 + FLAT and f["growth"] <= FLAT
+
+
+def lives(rows: list[dict], span_s: float, warmup_s: float) -> list[dict]:
+    """Every process of a run's rows (a name and a pid: a restarted part is a new life) over the last `span_s` of
+    its life after its warm-up: `warmup_s` from when it was first seen, and for a replica's server from when it was
+    first seen serving and at least until its first swap (from then on it holds two drafters: the serving one and
+    the one before, kept for a rollback). Memory and descriptors are judged (`flatness`) where those samples span at
+    least half of `span_s`; otherwise "rss" and "fds" are None. Ordered by name, then by when each life began."""
+    seen: dict[tuple[str, int], list] = defaultdict(list)
+    warm_at: dict[int, float] = {}  # pid -> when its warm-up ends
+    serving: dict[int, tuple[float, str]] = {}  # a replica's server -> when it first served, and which drafter
+    swapped: dict[int, float] = {}  # a replica's server -> when it first served another drafter
+    for row in rows:
+        for name, p in row["procs"].items():
+            pid = p["pid"]
+            seen[(name, pid)].append((row["t"], p["rss_mib"], p["fds"]))
+            if name not in REPLICA_OF:
+                warm_at.setdefault(pid, row["t"] + warmup_s)
+            elif (health := (row.get("replicas") or {}).get(REPLICA_OF[name])) is not None:
+                since, first = serving.setdefault(pid, (row["t"], health.get("version")))
+                if health.get("version") != first:
+                    swapped.setdefault(pid, row["t"])
+                warm_at[pid] = max(since + warmup_s, swapped.get(pid, -math.inf))
+    out = []
+    for (name, pid), s in seen.items():
+        warm = [x for x in s if pid in warm_at and x[0] >= warm_at[pid]]
+        mine = [x for x in warm if x[0] >= warm[-1][0] - span_s] if warm else []
+        judged = bool(mine) and mine[-1][0] - mine[0][0] >= span_s / 2
+        out.append({"name": name, "pid": pid, "first_t": s[0][0], "last_t": s[-1][0], "samples": len(mine),
+                    "from_t": mine[0][0] if mine else None, "to_t": mine[-1][0] if mine else None,
+                    "rss": flatness([(t, r) for t, r, _ in mine]) if judged else None,
+                    "fds": flatness([(t, f) for t, _, f in mine]) if judged else None})
+    return sorted(out, key=lambda p: (p["name"], p["first_t"]))
+
+
+def last_hour(end: float, warmup_s: float) -> float:
+    """Where the checked window of a run ending at `end` (seconds) begins: its last hour, its second half in a run
+    under two hours, never inside the warm-up."""
+    return max(end - 3600, end / 2, warmup_s)
+
+
+def judged_lives(rows: list[dict], minutes: float, warmup_min: float) -> tuple[list[dict], list[str]]:
+    """`lives` of a run's rows over as long as its checked window (`last_hour`), and the names of which no life was
+    long enough to judge."""
+    end = max(minutes * 60, rows[-1]["t"] if rows else 0.0)  # a run goes on while a fault recovers
+    procs = lives(rows, end - last_hour(end, warmup_min * 60), warmup_min * 60)
+    return procs, sorted({p["name"] for p in procs} - {p["name"] for p in procs if p["rss"] is not None})
+
+
+def all_flat(procs: list[dict], key: str) -> bool | None:
+    """Whether every judged life (`lives`) is flat in `key` ("rss" or "fds"); None when none was judged."""
+    judged = [is_flat(p[key]) for p in procs if p[key] is not None]
+    return all(judged) if judged else None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -657,25 +711,8 @@ class Soak:
                 continue
             at_down = any(o.replica == r and o.start <= b and o.end >= a for r, a, b in downs)
             (tolerated if at_down else failed)[o.kind] += 1
-        # processes: the last hour (or half), each name's newest pid only
-        window = max(end - 3600, end / 2, opt.warmup_min * 60)
-        series: dict[str, list] = defaultdict(list)
-        for row in self.rows:
-            if row["t"] >= window:
-                for name, p in row["procs"].items():
-                    series[name].append((row["t"], p["pid"], p["rss_mib"], p["fds"]))
-        born = {}  # pid -> when it was first seen (a replica's server: first seen serving)
-        for row in self.rows:
-            for name, p in row["procs"].items():
-                if name not in REPLICA_OF or row["replicas"].get(REPLICA_OF[name]) is not None:
-                    born.setdefault(p["pid"], row["t"])
-        procs = {}
-        for name, s in sorted(series.items()):
-            pid = s[-1][1]  # the newest process of that name, once it has warmed up
-            mine = [x for x in s if x[1] == pid and pid in born and x[0] >= born[pid] + opt.warmup_min * 60]
-            covered = bool(mine) and (mine[-1][0] - mine[0][0]) >= (end - window) / 2
-            procs[name] = {"pid": pid, "samples": len(mine), "rss": flatness([(t, r) for t, _, r, _ in mine]) if covered else None,
-                           "fds": flatness([(t, f) for t, _, _, f in mine]) if covered else None}
+        window = last_hour(end, opt.warmup_min * 60)
+        procs, unjudged = judged_lives(self.rows, opt.minutes, opt.warmup_min)  # each over the last hour of its life
         # latency: the last hour (half) against the first one after warm-up
         ok = [o for o in traffic.outcomes if o.kind == "ok"]
         first = [o.end - o.start for o in ok if opt.warmup_min * 60 <= o.start < min(opt.warmup_min * 60 + 3600, window)]
@@ -691,8 +728,8 @@ class Soak:
             "every record the trainer committed is in its ledger exactly once":
                 None if once is None else once["lost_n"] == 0 and once["twice_n"] == 0 and once["unknown_n"] == 0,
             "no request failed but at a killed replica": not failed,
-            "memory flat in the last hour": all(is_flat(p["rss"]) is not False for p in procs.values()),
-            "descriptors flat in the last hour": all(is_flat(p["fds"]) is not False for p in procs.values()),
+            "memory flat (each process, the last hour of its life)": all_flat(procs, "rss"),
+            "descriptors flat (each process, the last hour of its life)": all_flat(procs, "fds"),
             f"p99 latency of the last hour within {P99_RATIO}x of the first's":
                 None if not (p99["first"] and p99["last"]) else p99["last"] <= P99_RATIO * p99["first"],
             "served only versions the gate and the signature allowed": not bad_served,
@@ -701,7 +738,7 @@ class Soak:
         }
         return {"minutes": opt.minutes, "checks": checks, "requests": {"ok": sum(o.kind == "ok" for o in traffic.outcomes),
                 "hung up": sum(o.kind == "hung up" for o in traffic.outcomes), "tolerated": dict(tolerated), "failed": dict(failed)},
-                "exactly_once": once, "dead_lettered": dead, "drain": drained, "procs": procs, "p99_s": p99,
+                "exactly_once": once, "dead_lettered": dead, "drain": drained, "procs": procs, "unjudged": unjudged, "p99_s": p99,
                 "served": served, "bad_served": bad_served, "published": len(published), "orphans": self.orphans,
                 "outside": outside[:50], "faults": [{k: v for k, v in f.items() if k != "killed"} for f in self.faults],
                 "unrecovered": unrecovered(self.faults), "final_broker": self.final_broker, "hostile": self.hostile}
@@ -793,6 +830,23 @@ def _fmt(v, digits: int = 3) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def procs_table(procs: list[dict], unjudged: list[str]) -> list[str]:
+    """The lines of the table of process lives (`lives`): when each ran, over which minutes it was judged, and its
+    memory and descriptor figures."""
+    lines = ["| process | pid | ran, min | judged, min | RSS first/second half MiB | RSS trend MiB/min | fds first/second half "
+             "| flat: memory, fds |", "|---|---|---|---|---|---|---|---|"]
+    for p in procs:
+        r, f = p["rss"] or {}, p["fds"] or {}
+        judged = f"{p['from_t'] / 60:.1f}-{p['to_t'] / 60:.1f}" if p["rss"] is not None else "no (too short)"
+        flat = ", ".join({True: "yes", False: "**no**", None: "-"}[is_flat(p[k])] for k in ("rss", "fds"))
+        lines.append(f"| {p['name']} | {p['pid']} | {p['first_t'] / 60:.1f}-{p['last_t'] / 60:.1f} | {judged} | "
+                     f"{_fmt(r.get('first'), 0)} / {_fmt(r.get('second'), 0)} | {_fmt(r.get('slope_per_min'), 2)} | "
+                     f"{_fmt(f.get('first'), 0)} / {_fmt(f.get('second'), 0)} | {flat} |")
+    if unjudged:
+        lines += ["", f"No life long enough to judge memory and descriptors: {', '.join(unjudged)}."]
+    return lines
+
+
 def table(summary: dict) -> str:
     lines = [f"Soak of {summary['minutes']:g} minutes", "", "| check | holds |", "|---|---|"]
     lines += [f"| {name} | {'yes' if ok else ('-' if ok is None else '**no**')} |" for name, ok in summary["checks"].items()]
@@ -805,11 +859,7 @@ def table(summary: dict) -> str:
     lines += ["", f"{records} Requests: {summary['requests']}. "
               f"p99 latency first/last: {_fmt(summary['p99_s']['first'])} / {_fmt(summary['p99_s']['last'])} s. "
               f"{summary['published']} versions published; served {summary['served']}.", "",
-              "| process | pid | RSS first/second half MiB | RSS trend MiB/min | fds first/second half |", "|---|---|---|---|---|"]
-    for name, p in summary["procs"].items():
-        r, f = p["rss"] or {}, p["fds"] or {}
-        lines.append(f"| {name} | {p['pid']} | {_fmt(r.get('first'), 0)} / {_fmt(r.get('second'), 0)} | "
-                     f"{_fmt(r.get('slope_per_min'), 2)} | {_fmt(f.get('first'), 0)} / {_fmt(f.get('second'), 0)} |")
+              *procs_table(summary["procs"], summary.get("unjudged", []))]
     lines += ["", "| fault | at min | back after s |", "|---|---|---|"]
     lines += [f"| {f['fault']} | {f['t'] / 60:.1f} | "
               f"{_fmt(f.get('recovered_s'), 1) if 'gave_up' not in f else 'never: ' + f['gave_up']} |" for f in summary["faults"]]
@@ -868,6 +918,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recover-max-min", type=float, default=None,
                    help="a killed part not back within this many minutes is given up on, and the run goes on (20)")
     p.add_argument("--quick", action="store_true", help="10 minutes, each fault once")
+    p.add_argument("--judge", type=Path, default=None, metavar="SOAK_JSON",
+                   help="run nothing: judge the memory and descriptors of every process life in a run's soak.json")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
     p.add_argument("--outside-ignore", action="append", default=[], metavar="PREFIX",
@@ -878,6 +930,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.judge:
+        return judge(args.judge)
     opt = Options.quick(args.out) if args.quick else Options(**({"out": args.out} if args.out else {}))
     if args.minutes is not None:
         opt.minutes = args.minutes
@@ -900,6 +954,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2, default=str))
     return 0 if all(v is not False for v in summary["checks"].values()) else 1
+
+
+def judge(path: Path) -> int:
+    """The memory and descriptor checks of a run's soak.json, from its rows: the process table and the two verdicts."""
+    saved = json.loads(path.read_text())
+    options = saved.get("options", {})
+    procs, unjudged = judged_lives(saved["rows"], float(options.get("minutes", Options.minutes)),
+                                   float(options.get("warmup_min", Options.warmup_min)))
+    lines = "\n".join(procs_table(procs, unjudged))
+    verdicts = {k: all_flat(procs, k) for k in ("rss", "fds")}
+    print(lines)
+    print(f"\nmemory flat: {verdicts['rss']}; descriptors flat: {verdicts['fds']}")
+    return 0 if all(v is not False for v in verdicts.values()) else 1
 
 
 if __name__ == "__main__":

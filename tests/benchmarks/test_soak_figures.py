@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from benchmarks.bench_restart import binds, halves
-from benchmarks.soak import (FAULTS, Options, exactly_once, flatness, hostile_burst, is_flat, percentile, read_to_end, registry,
-                             replica_binds, slope_per_min, table, tree, unrecovered, usage)
+from benchmarks.soak import (FAULTS, Options, all_flat, exactly_once, flatness, hostile_burst, is_flat, lives, percentile,
+                             main, read_to_end, registry, replica_binds, slope_per_min, table, tree, unrecovered, usage)
 from dvi import control, keys
 
 
@@ -51,6 +51,53 @@ def test_flat_means_the_second_half_and_the_trend_within_five_percent():
     spike = [(30.0 * i, 1000 + (500 if i == 30 else 0)) for i in range(40)]  # one transient: the medians hold
     assert is_flat(flatness(spike)) is True
     assert flatness(steady[:3]) is None and is_flat(None) is None
+
+
+def test_each_life_is_judged_over_the_last_hour_of_it_after_its_warm_up():
+    # a row every minute for 120 minutes: the trainer restarted at 60 (its first life creeps), the replica serving
+    # from minute 5 on, the broker restarted at 110 (its last life too short to judge)
+    rows = []
+    for m in range(121):
+        procs = {"train": {"pid": 10 if m < 60 else 11, "rss_mib": 1000 + (8 * m if m < 60 else 0), "fds": 30},
+                 "serve": {"pid": 20, "rss_mib": 5000 + (m % 2), "fds": 190},
+                 "broker": {"pid": 30 if m < 110 else 31, "rss_mib": 80, "fds": 5 + (m >= 110) * 9},
+                 "r2:r2": {"pid": 40, "rss_mib": 5000 + 200 * (m >= 70), "fds": 190 + 6 * (m >= 70)}}
+        rows.append({"t": 60.0 * m, "procs": procs, "replicas": {"r1": {"version": "v"} if m >= 5 else None,
+                                                                 "r2": {"version": "v" if m < 70 else "w"}}})
+    got = {(p["name"], p["pid"]): p for p in lives(rows, span_s=3600, warmup_s=600)}
+    assert sorted(got) == [("broker", 30), ("broker", 31), ("r2:r2", 40), ("serve", 20), ("train", 10), ("train", 11)]
+    swapped = got[("r2:r2", 40)]  # its warm-up lasts until its first swap (70): from then on it holds two drafters
+    assert (swapped["from_t"], swapped["to_t"]) == (4200.0, 7200.0) and is_flat(swapped["rss"]) and is_flat(swapped["fds"])
+    first = got[("train", 10)]  # judged from its warm-up (10) to its end (59): 8 MiB a minute on 1,080 is not flat
+    assert (first["from_t"], first["to_t"]) == (600.0, 3540.0) and first["samples"] == 50
+    assert first["rss"] == flatness([(60.0 * m, 1000 + 8 * m) for m in range(10, 60)]) and is_flat(first["rss"]) is False
+    assert is_flat(got[("train", 11)]["rss"]) is True and got[("train", 11)]["from_t"] == 4200.0
+    serve = got[("serve", 20)]  # born when it first served (5): the last hour of its life, 60-120
+    assert (serve["from_t"], serve["to_t"]) == (3600.0, 7200.0) and is_flat(serve["fds"]) is True
+    assert got[("broker", 31)]["rss"] is None and got[("broker", 31)]["fds"] is None  # 11 minutes lived: 1 after warm-up
+    assert [p["name"] for p in lives(rows, 3600, 600)] == ["broker", "broker", "r2:r2", "serve", "train", "train"]
+    procs = list(got.values())
+    assert all_flat(procs, "rss") is False and all_flat(procs, "fds") is True
+    assert all_flat([got[("broker", 31)]], "rss") is None  # nothing judged: no verdict
+    text = table({"minutes": 120.0, "checks": {}, "exactly_once": None, "final_broker": {"error": "-"}, "requests": {},
+                  "p99_s": {"first": None, "last": None}, "published": 0, "served": {}, "faults": [], "procs": procs,
+                  "unjudged": ["up"]})
+    assert "| train | 10 | 0.0-59.0 | 10.0-59.0 | 1176 / 1376 | 8.00 | 30 / 30 | **no**, yes |" in text
+    assert "| broker | 31 | 110.0-120.0 | no (too short) | - / - | - | - / - | -, - |" in text
+    assert "No life long enough to judge memory and descriptors: up." in text
+
+
+def test_judge_rereads_a_stored_run_and_fails_on_a_creeping_life(tmp_path, capsys):
+    rows = [{"t": 60.0 * m, "procs": {"train": {"pid": 7, "rss_mib": 1000 + 8 * m, "fds": 30}}, "replicas": {}}
+            for m in range(121)]
+    path = tmp_path / "soak.json"
+    path.write_text(json.dumps({"rows": rows, "options": {"minutes": "120.0", "warmup_min": "10.0"}}))
+    assert main(["--judge", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "| train | 7 | 0.0-120.0 | 60.0-120.0 |" in out and "memory flat: False; descriptors flat: True" in out
+    path.write_text(json.dumps({"rows": [{**r, "procs": {"train": {"pid": 7, "rss_mib": 1000, "fds": 30}}} for r in rows],
+                                "options": {"minutes": "120.0", "warmup_min": "10.0"}}))
+    assert main(["--judge", str(path)]) == 0
 
 
 @pytest.mark.parametrize("q", [50, 90, 99, 100, 37])
