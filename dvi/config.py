@@ -286,6 +286,9 @@ class StreamConfig:
     schema_id: int = 0  # the id a schema registry gave the record schema (`dvi stream schema`), in every record; 0: none
     delivery_timeout_ms: int = 10000  # a record not acknowledged by then is dropped and counted
     session_timeout_ms: int = 6000  # consumer groups (group joins take about half of it)
+    # the longest a group member may go between two reads: a trainer step, gate and publish on a busy CPU can take
+    # minutes, and a member past this leaves its group (its next commit fails, its next read starts over from the last commit)
+    max_poll_interval_ms: int = 1800000
     replica_id: str | None = None  # null: <hostname>-<port> (dvi serve), <hostname>-<pid> (dvi generate)
     security: dict[str, Any] = field(default_factory=dict)  # passed to every Kafka client as is
     # control messages are signed (Ed25519, dvi.keys): the trainer's key publishes, the replicas' key gives verdicts
@@ -315,6 +318,8 @@ class StreamConfig:
                "an integer in [0, 2^31): a schema registry's id for the record schema, or 0")
         _check(self.delivery_timeout_ms >= 1000, "stream.delivery_timeout_ms", self.delivery_timeout_ms, "an integer >= 1000")
         _check(self.session_timeout_ms >= 1000, "stream.session_timeout_ms", self.session_timeout_ms, "an integer >= 1000")
+        _check(self.max_poll_interval_ms >= self.session_timeout_ms, "stream.max_poll_interval_ms", self.max_poll_interval_ms,
+               f"an integer >= stream.session_timeout_ms ({self.session_timeout_ms})")
         _check(self.replica_id is None or bool(str(self.replica_id).strip()), "stream.replica_id", self.replica_id, "null or a non-empty name")
         _check(self.data_dir is None or self.storage_engine is None, "stream.data_dir", self.data_dir,
                "null when stream.storage_engine is set (one place for the embedded broker's data)")

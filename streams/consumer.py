@@ -109,6 +109,7 @@ class DecisionConsumer:
                     auto_offset_reset="earliest" if from_beginning else "latest",
                     session_timeout_ms=cfg.session_timeout_ms,
                     heartbeat_interval_ms=max(100, cfg.session_timeout_ms // 6),
+                    max_poll_interval_ms=cfg.max_poll_interval_ms,
                     max_partition_fetch_bytes=max(1 << 20, 2 * cfg.max_record_bytes),
                     fetch_max_bytes=max(50 << 20, 4 * cfg.max_record_bytes),
                     bootstrap_timeout_ms=5000,

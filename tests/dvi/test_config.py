@@ -62,6 +62,12 @@ def test_checks_across_groups_name_both_values():
     assert load_config(["stream.topk=16", "serve.spec.topk_logprobs=16"]).stream.topk == 16
 
 
+def test_a_poll_interval_shorter_than_the_session_is_refused_naming_both():
+    with pytest.raises(DviError, match=r"stream.max_poll_interval_ms=5000.*>= stream.session_timeout_ms \(6000\)"):
+        load_config(["stream.max_poll_interval_ms=5000"])
+    assert load_config([]).stream.max_poll_interval_ms == 30 * 60 * 1000
+
+
 def test_conf_dir_is_the_checkouts():
     assert CONF_DIR == Path(__file__).resolve().parents[2] / "conf"
 

@@ -1,8 +1,13 @@
-"""A consumer group with manual commits: it stops and a new member resumes exactly after the last commit."""
+"""A consumer group with manual commits: it stops and a new member resumes exactly after the last commit; a member
+that reads less often than its poll interval leaves the group and cannot commit."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import pytest
+from kafka.errors import KafkaError
 
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
@@ -34,3 +39,25 @@ def test_group_resumes_after_last_commit(stream_cfg, make_record):
     assert set(ids(committed)) | set(ids(resumed)) == {r.record_id for r in records}
     for d in resumed:  # and at the same offsets
         assert (d.partition, d.offset) in {(u.partition, u.offset) for u in uncommitted}
+
+
+@pytest.mark.slow
+def test_a_member_that_reads_less_often_than_its_poll_interval_cannot_commit_and_a_longer_interval_can(stream_cfg, make_record):
+    """kafka-python makes a member leave its group when it has not polled for `max_poll_interval_ms`: its commit then
+    fails and its next read starts over from the last commit. A trainer step beside busy engines takes minutes, so the
+    trainer's consumer reads with `stream.max_poll_interval_ms` (30 minutes by default), not kafka-python's 5."""
+    with DecisionProducer(stream_cfg) as producer:
+        for i in range(8):
+            producer.submit(make_record(f"req-{i}", rounds=2, seed=i))
+        assert producer.flush(15)
+    short = replace(stream_cfg, session_timeout_ms=1000, max_poll_interval_ms=1500)
+    with DecisionConsumer(short, group_id="slow-step") as member:
+        assert len(member.poll_until(8, timeout_s=20)) == 8
+        time.sleep(4)  # a step longer than its poll interval
+        with pytest.raises(KafkaError):
+            member.commit()
+    with DecisionConsumer(replace(short, max_poll_interval_ms=8000), group_id="slow-step-2") as member:
+        assert len(member.poll_until(8, timeout_s=20)) == 8
+        time.sleep(4)  # the same step, within its poll interval
+        member.commit()
+        assert {tp: o for tp, o in member.committed().items() if o is not None} == member.positions()
