@@ -9,6 +9,15 @@ flat for 27 minutes. Two arenas is what `limit_arenas` sets, once, before the pr
 
 The variable MALLOC_ARENA_MAX, when set, is glibc's own setting and wins. Knows nothing about what runs in
 the process; on a C library without `mallopt` (musl, macOS) it does nothing.
+
+Freed memory also stays in the heap when it lies below memory still in use: glibc gives back only the top of a
+heap (and, once a large block served from mmap is freed, serves blocks up to that size from the heap too, so a
+training step's tensors land there). `dvi drafter distill` alone on 600 demo records, 60 steps: resident memory
+3,396 MiB (median of the first half, after two minutes) then 3,696 MiB (second half), still rising. With
+`release_free` (glibc's `malloc_trim`: every whole free page back to the system) after every step: 3,155 then
+3,108 MiB, its low points at about 2,000 MiB, for 6% more time per step (the pages freed are faulted in again);
+`dvi train` calls it after a step at most once a minute. (glibc's mmap threshold fixed at 128 KiB held it at
+2,100 MiB too, but took 1.7x as long per step.)
 """
 
 from __future__ import annotations
@@ -20,13 +29,29 @@ M_ARENA_MAX = -8  # glibc malloc.h
 ARENAS = 2
 
 
+def _libc(name: str):
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def limit_arenas(arenas: int = ARENAS) -> bool:
     """Cap glibc's malloc arenas at `arenas`; True when the cap was set by this call."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_ARENA_MAX, arenas) == 1
+
+
+def release_free() -> bool:
+    """Give every whole free page of the heaps back to the system (glibc's `malloc_trim(0)`); True when some was.
+    A few milliseconds; meant for a loop's quiet point, such as the end of a training step."""
+    trim = _libc("malloc_trim")
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim(0) == 1

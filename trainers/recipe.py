@@ -62,6 +62,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 from dvi import __version__, eagle3, store
+from dvi.alloc import release_free
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
@@ -77,6 +78,7 @@ log = logging.getLogger("dvi.trainer")
 decision = logging.getLogger("dvi.decision.trainer")  # one line per decision, shown at the CLI's default level
 
 COUNTERS_EVERY_S = 30.0  # the counters go to the tracker at least this often while the trainer runs
+RELEASE_EVERY_S = 60.0  # freed heap memory goes back to the system after a step at most this often (dvi.alloc)
 
 
 class PositionLM(torch.nn.Module):
@@ -316,7 +318,7 @@ class Trainer:
         self.first_gate: dict = {}  # the first gate check run in this process
         self.last_gate_step = self.state.step
         self.next_gate_at = time.monotonic() + (t.gate_every_s or math.inf)
-        self.counters_logged_at = time.monotonic()
+        self.counters_logged_at = self.released_at = time.monotonic()
         if last is None:
             self.checkpoint()  # step 0: there is always a complete checkpoint to roll back to
 
@@ -393,6 +395,9 @@ class Trainer:
                     published = self.gate_and_publish(why="session over" if session_over else "due")
                     if session_over:
                         self.trigger.end_session(time.monotonic(), published)
+                if time.monotonic() - self.released_at >= RELEASE_EVERY_S:  # what steps, checkpoints and gates freed
+                    release_free()
+                    self.released_at = time.monotonic()
             if self.offline and self.state.step > self.last_gate_step:  # offline: the last steps get a gate too
                 self.gate_and_publish(why="end of the offline run")
         finally:

@@ -1,4 +1,5 @@
-"""dvi.alloc against glibc itself: threads that allocate at once get arenas of their own, unless capped.
+"""dvi.alloc against glibc itself: threads that allocate at once get arenas of their own, unless capped; memory
+freed below a block still in use stays resident until `release_free`.
 
 Each case runs in a fresh interpreter (an arena, once made, stays for the life of the process) and counts the
 heaps that glibc's `malloc_info` reports after eight threads allocated side by side. Linux with glibc only."""
@@ -45,3 +46,30 @@ def test_the_cap_holds_threads_to_two_arenas():
 def test_malloc_arena_max_wins():
     out, n = heaps("cap", MALLOC_ARENA_MAX="1")
     assert "set False" in out and n == 1
+
+
+TRIM_PROBE = r"""
+import ctypes, sys
+from dvi.alloc import release_free
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+# where glibc's own thresholds end up once a training loop has freed its first large blocks: blocks up to 32 MiB
+# served from the heap, and the heap's top kept
+libc.mallopt(-3, 32 << 20); libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+blocks, pins = [], []
+for _ in range(200):  # 1 MiB blocks, each followed by a small one that stays in use: none of them is the heap's top
+    blocks.append(libc.malloc(1 << 20)); ctypes.memset(blocks[-1], 1, 1 << 20); pins.append(libc.malloc(64))
+for b in blocks: libc.free(b)
+before = rss()
+released = release_free()
+print("rss", before, rss(), released)
+"""
+
+
+def test_release_free_gives_pages_freed_below_a_live_block_back():
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, check=True).stdout
+    before, after, released = out.split()[1:]
+    assert int(before) >= 200 and int(before) - int(after) >= 150, out  # of the 200 MiB freed: glibc alone kept them
+    assert released == "True"
