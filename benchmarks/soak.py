@@ -42,7 +42,7 @@ check refused; after the supervisor's kill nothing it had started was left runni
 cache directory (home, /tmp and the work tree looked at).
 
 Run (alone on the machine): .venv/bin/python -m benchmarks.soak [--minutes 120] [--quick] [--out DIR] [overrides]
-`--quick`: 10 minutes, the five faults and the burst once each, a fault every 1.5 minutes (or as soon as the one
+`--quick`: 10 minutes, the five faults and the burst once each, a fault every 1.7 minutes (or as soon as the one
 before has recovered; the run goes on until the last has, at most 20 minutes).
 """
 
@@ -100,7 +100,7 @@ class Options:
 
     @classmethod
     def quick(cls, out: Path | None = None) -> Options:
-        return cls(minutes=10.0, fault_every_min=1.5, step_min=0.5, interval_s=10.0, warmup_min=2.0, drain_min=5.0,
+        return cls(minutes=10.0, fault_every_min=10.0 / (len(FAULTS) + 1), step_min=0.5, interval_s=10.0, warmup_min=2.0, drain_min=5.0,
                    recover_max_min=15.0, **({"out": out} if out else {}))
 
     def fault_at(self) -> list[tuple[float, str]]:
