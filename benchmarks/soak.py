@@ -42,7 +42,7 @@ check refused; after the supervisor's kill nothing it had started was left runni
 cache directory (home, /tmp and the work tree looked at).
 
 Run (alone on the machine): .venv/bin/python -m benchmarks.soak [--minutes 120] [--quick] [--out DIR] [overrides]
-`--quick`: 10 minutes, the five faults and the burst once each, a fault every 1.7 minutes (or as soon as the one
+`--quick`: 10 minutes, the five faults and the burst once each, a fault every 1.7 minutes (or, if later, once the one
 before has recovered; the run goes on until the last has, at most 20 minutes).
 """
 
@@ -153,23 +153,23 @@ def lives(rows: list[dict], span_s: float, warmup_s: float) -> list[dict]:
     the one before, kept for a rollback). Memory and descriptors are judged (`flatness`) where those samples span at
     least half of `span_s`; otherwise "rss" and "fds" are None. Ordered by name, then by when each life began."""
     seen: dict[tuple[str, int], list] = defaultdict(list)
-    warm_at: dict[int, float] = {}  # pid -> when its warm-up ends
-    serving: dict[int, tuple[float, str]] = {}  # a replica's server -> when it first served, and which drafter
-    swapped: dict[int, float] = {}  # a replica's server -> when it first served another drafter
+    warm_at: dict[tuple[str, int], float] = {}  # life -> when its warm-up ends
+    serving: dict[tuple[str, int], tuple[float, str]] = {}  # a replica's server -> when it first served, and which drafter
+    swapped: dict[tuple[str, int], float] = {}  # a replica's server -> when it first served another drafter
     for row in rows:
         for name, p in row["procs"].items():
-            pid = p["pid"]
-            seen[(name, pid)].append((row["t"], p["rss_mib"], p["fds"]))
+            life = (name, p["pid"])
+            seen[life].append((row["t"], p["rss_mib"], p["fds"]))
             if name not in REPLICA_OF:
-                warm_at.setdefault(pid, row["t"] + warmup_s)
+                warm_at.setdefault(life, row["t"] + warmup_s)
             elif (health := (row.get("replicas") or {}).get(REPLICA_OF[name])) is not None:
-                since, first = serving.setdefault(pid, (row["t"], health.get("version")))
+                since, first = serving.setdefault(life, (row["t"], health.get("version")))
                 if health.get("version") != first:
-                    swapped.setdefault(pid, row["t"])
-                warm_at[pid] = max(since + warmup_s, swapped.get(pid, -math.inf))
+                    swapped.setdefault(life, row["t"])
+                warm_at[life] = max(since + warmup_s, swapped.get(life, -math.inf))
     out = []
     for (name, pid), s in seen.items():
-        warm = [x for x in s if pid in warm_at and x[0] >= warm_at[pid]]
+        warm = [x for x in s if (name, pid) in warm_at and x[0] >= warm_at[(name, pid)]]
         mine = [x for x in warm if x[0] >= warm[-1][0] - span_s] if warm else []
         judged = bool(mine) and mine[-1][0] - mine[0][0] >= span_s / 2
         out.append({"name": name, "pid": pid, "first_t": s[0][0], "last_t": s[-1][0], "samples": len(mine),

@@ -8,16 +8,16 @@ trainer grew about 5 MiB per minute with glibc's default; with two arenas, its l
 flat for 27 minutes. Two arenas is what `limit_arenas` sets, once, before the process starts its threads.
 
 The variable MALLOC_ARENA_MAX, when set, is glibc's own setting and wins. Knows nothing about what runs in
-the process; on a C library without `mallopt` (musl, macOS) it does nothing.
+the process; on a C library without `mallopt` or `malloc_trim` (musl, macOS) each function does nothing.
 
 Freed memory also stays in the heap when it lies below memory still in use: glibc gives back only the top of a
 heap (and, once a large block served from mmap is freed, serves blocks up to that size from the heap too, so a
-training step's tensors land there). `dvi drafter distill` alone on 600 demo records, 60 steps: resident memory
-3,396 MiB (median of the first half, after two minutes) then 3,696 MiB (second half), still rising. With
-`release_free` (glibc's `malloc_trim`: every whole free page back to the system) after every step: 3,155 then
-3,108 MiB, its low points at about 2,000 MiB, for 6% more time per step (the pages freed are faulted in again);
-`dvi train` calls it after a step at most once a minute. (glibc's mmap threshold fixed at 128 KiB held it at
-2,100 MiB too, but took 1.7x as long per step.)
+training step's tensors land there). `dvi drafter distill` alone on 600 records of a soak's topic, 60 steps:
+resident memory 3,396 MiB (median of the first half, after two minutes) then 3,696 MiB (second half), still
+rising. With `release_free` (glibc's `malloc_trim`: every whole free page back to the system) after every step:
+3,155 then 3,108 MiB, its low points at about 2,000 MiB, for 6% more time per step (the pages freed are faulted
+in again). The trainer (`dvi train`, `dvi drafter distill`) calls it after a step at most once a minute. (glibc's
+mmap threshold fixed at 128 KiB held it at 2,100 MiB too, but took 1.7x as long per step.)
 """
 
 from __future__ import annotations

@@ -287,7 +287,8 @@ class StreamConfig:
     delivery_timeout_ms: int = 10000  # a record not acknowledged by then is dropped and counted
     session_timeout_ms: int = 6000  # consumer groups (group joins take about half of it)
     # the longest a group member may go between two reads: a trainer step, gate and publish on a busy CPU can take
-    # minutes, and a member past this leaves its group (its next commit fails, its next read starts over from the last commit)
+    # minutes, and a member past this leaves its group (its next commit fails, its next read starts over from the last commit);
+    # kafka-python also sends it as the group's rebalance timeout (how long a join may wait for a member still reading)
     max_poll_interval_ms: int = 1800000
     replica_id: str | None = None  # null: <hostname>-<port> (dvi serve), <hostname>-<pid> (dvi generate)
     security: dict[str, Any] = field(default_factory=dict)  # passed to every Kafka client as is

@@ -1,8 +1,9 @@
 """dvi.alloc against glibc itself: threads that allocate at once get arenas of their own, unless capped; memory
 freed below a block still in use stays resident until `release_free`.
 
-Each case runs in a fresh interpreter (an arena, once made, stays for the life of the process) and counts the
-heaps that glibc's `malloc_info` reports after eight threads allocated side by side. Linux with glibc only."""
+Each case runs in a fresh interpreter (an arena, once made, stays for the life of the process): the arena cases
+count the heaps that glibc's `malloc_info` reports after eight threads allocated side by side, the release case
+reads the interpreter's resident memory. Linux with glibc only."""
 
 from __future__ import annotations
 
@@ -49,12 +50,12 @@ def test_malloc_arena_max_wins():
 
 
 TRIM_PROBE = r"""
-import ctypes, sys
+import ctypes, os, sys
 from dvi.alloc import release_free
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
 # where glibc's own thresholds end up once a training loop has freed its first large blocks: blocks up to 32 MiB
 # served from the heap, and the heap's top kept
 libc.mallopt(-3, 32 << 20); libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD

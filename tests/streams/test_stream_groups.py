@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from kafka.errors import KafkaError
+from kafka.errors import CommitFailedError, RebalanceInProgressError
 
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
@@ -50,14 +50,14 @@ def test_a_member_that_reads_less_often_than_its_poll_interval_cannot_commit_and
         for i in range(8):
             producer.submit(make_record(f"req-{i}", rounds=2, seed=i))
         assert producer.flush(15)
-    short = replace(stream_cfg, session_timeout_ms=1000, max_poll_interval_ms=1500)
+    short = replace(stream_cfg, session_timeout_ms=3000, max_poll_interval_ms=3000)
     with DecisionConsumer(short, group_id="slow-step") as member:
         assert len(member.poll_until(8, timeout_s=20)) == 8
-        time.sleep(4)  # a step longer than its poll interval
-        with pytest.raises(KafkaError):
+        time.sleep(5)  # a step longer than its poll interval
+        with pytest.raises((CommitFailedError, RebalanceInProgressError)):
             member.commit()
-    with DecisionConsumer(replace(short, max_poll_interval_ms=8000), group_id="slow-step-2") as member:
+    with DecisionConsumer(replace(short, max_poll_interval_ms=20000), group_id="slow-step-2") as member:
         assert len(member.poll_until(8, timeout_s=20)) == 8
-        time.sleep(4)  # the same step, within its poll interval
+        time.sleep(5)  # the same step, within its poll interval
         member.commit()
         assert {tp: o for tp, o in member.committed().items() if o is not None} == member.positions()
