@@ -169,7 +169,7 @@ def lives(rows: list[dict], span_s: float, warmup_s: float) -> list[dict]:
                 warm_at[life] = max(since + warmup_s, swapped.get(life, -math.inf))
     out = []
     for (name, pid), s in seen.items():
-        warm = [x for x in s if (name, pid) in warm_at and x[0] >= warm_at[(name, pid)]]
+        warm = [x for x in s if x[0] >= warm_at.get((name, pid), math.inf)]
         mine = [x for x in warm if x[0] >= warm[-1][0] - span_s] if warm else []
         judged = bool(mine) and mine[-1][0] - mine[0][0] >= span_s / 2
         out.append({"name": name, "pid": pid, "first_t": s[0][0], "last_t": s[-1][0], "samples": len(mine),
@@ -185,11 +185,15 @@ def last_hour(end: float, warmup_s: float) -> float:
     return max(end - 3600, end / 2, warmup_s)
 
 
-def judged_lives(rows: list[dict], minutes: float, warmup_min: float) -> tuple[list[dict], list[str]]:
-    """`lives` of a run's rows over as long as its checked window (`last_hour`), and the names of which no life was
-    long enough to judge."""
-    end = max(minutes * 60, rows[-1]["t"] if rows else 0.0)  # a run goes on while a fault recovers
-    procs = lives(rows, end - last_hour(end, warmup_min * 60), warmup_min * 60)
+def run_end(rows: list[dict], minutes: float) -> float:
+    """When a run of `minutes` ended (seconds): later than planned while a fault was recovering."""
+    return max(minutes * 60, rows[-1]["t"] if rows else 0.0)
+
+
+def judged_lives(rows: list[dict], end: float, warmup_s: float) -> tuple[list[dict], list[str]]:
+    """`lives` of a run's rows over as long as its checked window (`last_hour` of a run ending at `end`), and the
+    names of which no life was long enough to judge."""
+    procs = lives(rows, end - last_hour(end, warmup_s), warmup_s)
     return procs, sorted({p["name"] for p in procs} - {p["name"] for p in procs if p["rss"] is not None})
 
 
@@ -698,7 +702,7 @@ class Soak:
 
     def summarize(self, traffic: Traffic, once: dict | None, dead: int | None, drained: dict, outside: list[str]) -> dict:
         opt = self.opt
-        end = max(opt.minutes * 60, self.rows[-1]["t"] if self.rows else 0.0)  # a run goes on while a fault recovers
+        end = run_end(self.rows, opt.minutes)
         # requests: failures are tolerated only at a replica that was down or being killed
         downs = []
         for f in self.faults:
@@ -712,7 +716,7 @@ class Soak:
             at_down = any(o.replica == r and o.start <= b and o.end >= a for r, a, b in downs)
             (tolerated if at_down else failed)[o.kind] += 1
         window = last_hour(end, opt.warmup_min * 60)
-        procs, unjudged = judged_lives(self.rows, opt.minutes, opt.warmup_min)  # each over the last hour of its life
+        procs, unjudged = judged_lives(self.rows, end, opt.warmup_min * 60)  # each over the last hour of its life
         # latency: the last hour (half) against the first one after warm-up
         ok = [o for o in traffic.outcomes if o.kind == "ok"]
         first = [o.end - o.start for o in ok if opt.warmup_min * 60 <= o.start < min(opt.warmup_min * 60 + 3600, window)]
@@ -960,8 +964,8 @@ def judge(path: Path) -> int:
     """The memory and descriptor checks of a run's soak.json, from its rows: the process table and the two verdicts."""
     saved = json.loads(path.read_text())
     options = saved.get("options", {})
-    procs, unjudged = judged_lives(saved["rows"], float(options.get("minutes", Options.minutes)),
-                                   float(options.get("warmup_min", Options.warmup_min)))
+    end = run_end(saved["rows"], float(options.get("minutes", Options.minutes)))
+    procs, unjudged = judged_lives(saved["rows"], end, 60 * float(options.get("warmup_min", Options.warmup_min)))
     lines = "\n".join(procs_table(procs, unjudged))
     verdicts = {k: all_flat(procs, k) for k in ("rss", "fds")}
     print(lines)
