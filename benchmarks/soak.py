@@ -8,7 +8,9 @@ read only). The two replicas share the machine as the README says replicas on on
 engine to its own half of the cores (`serve.vllm.cpu_bind`; unless the overrides name a binding): two engines pinned
 to the same cores starve one that restarts beside the other (`benchmarks.bench_restart`). The broker keeps its data
 on disk (`stream.data_dir` in the cache): a killed broker comes back with what it acknowledged, which is what "every
-acknowledged record is trained exactly once" is checked against.
+acknowledged record is trained exactly once" is checked against. It keeps the decision topic's records
+`--retention-hours` (0.5; the stack's default is a week): its store holds what that retention keeps, and is judged
+at that size, within the run.
 
 Traffic: chat and completion prompts of three domains (code, prose, qa; `benchmarks.workloads`), greedy and
 sampled, a third of them streamed, some clients hanging up after the first streamed chunk; the number of clients
@@ -32,7 +34,9 @@ on: the fault is recorded as never recovered and the run goes on. If the broker 
 final check starts it alone on the run's data (which holds what it acknowledged) to read the topic.
 
 Checked at the end (traffic stopped, the trainer given `--drain-min` to catch up), printed as a table and written
-to <out>/soak.md: every killed part came back; every record on the topic is in the trainer's ledger exactly once; no request failed but those in
+to <out>/soak.md: every killed part came back; every record on the topic is in the trainer's ledger exactly once (the
+topic as read at the end and as followed through the run, every 30 s, by a reader with no group: a retention shorter
+than the run, `stream.retention_hours`, removes records before the end); no request failed but those in
 flight at a killed replica (which got an error) or sent to one that was down; per process, each life of it (a part
 restarted is a new life), resident memory and descriptors flat over the last hour of that life after its warm-up
 (in a run under two hours: as long as half the run), judged where the life covers at least half of that: the
@@ -97,6 +101,9 @@ class Options:
     max_minutes: float | None = None  # how long a fault still recovering may stretch the run (None: twice `minutes`)
     recover_max_min: float = 20.0  # a part not back this long after its kill is given up on (recorded; the run goes on)
     outside_ignore: tuple[str, ...] = ()  # path prefixes the writes check leaves out (another program's on the host)
+    # the decision topic's retention (`stream.retention_hours`; the stack's default is a week): shorter than the run,
+    # so that the broker's store reaches the size it keeps within it (a week's growth is not seen in two hours)
+    retention_hours: float = 0.5
 
     @classmethod
     def quick(cls, out: Path | None = None) -> Options:
@@ -449,7 +456,8 @@ class Soak:
         if models.is_dir() and not (self.cache / "models").exists():
             (self.cache / "models").symlink_to(models, target_is_directory=True)
         os.environ["DVI_CACHE"] = str(self.cache)
-        self.overrides = [f"stream.data_dir={self.cache / 'broker'}", "trainer.log_every=1", *overrides]
+        self.overrides = [f"stream.data_dir={self.cache / 'broker'}", f"stream.retention_hours={opt.retention_hours}",
+                          "trainer.log_every=1", *overrides]
         self.cfg = load_config(self.overrides)
         self.binds = replica_binds(overrides, sorted(os.sched_getaffinity(0)))
         self.port2 = free_port()
@@ -573,6 +581,8 @@ class Soak:
         outside_before = outside_files(self.work)
         self.say(f"soak: {opt.minutes:g} minutes, faults at {[(round(t / 60, 1), f) for t, f in opt.fault_at()]} min; out {self.work}")
         self.up()
+        watch = TopicWatch(self.cfg.stream.bootstrap, self.cfg.stream.topic)
+        watch.start()
         os.environ[REGISTRY_ENV] = str(self.work / "r2.children")
         r2 = Supervisor([Part("r2", ["serve", f"serve.port={self.port2}", "stream.replica_id=r2", *self.binds["r2"]],
                               lambda _: http_ok(self.urls["r2"] + "/dvi/health"), 900)], self.overrides, self.cache / "logs",
@@ -631,6 +641,7 @@ class Soak:
             traffic.stop()
             self.rows.append(self.sample(traffic, last_sample))
             drained = self.drain()
+            watch.stop()
             r2.stop()
             self.down()  # the engines stopped: the final read has the machine (and the broker) to itself
             try:
@@ -641,12 +652,20 @@ class Soak:
                 topic_ids, dead = None, None
         finally:
             traffic.stop()
+            watch.stop()
             r2.stop()
             self.down()
             os.environ.pop(REGISTRY_ENV, None)
+        watched, vanished = watch.records(), []
+        self.final_broker.update(watched=len(watched), watch_reads=watch.reads, watch_errors=watch.errors)
+        if topic_ids is not None:  # what a retention removed before the end was seen by the watch
+            kept_s = None if self.cfg.stream.retention_hours is None else self.cfg.stream.retention_hours * 3600
+            topic_ids, vanished = merge_reads(watched, topic_ids, kept_s is not None and kept_s < self.now() + 600)
         ledger, offsets = read_ledger(self.cfg)
         outside = [p for p in outside_files(self.work, outside_before) if not p.startswith(opt.outside_ignore)]
         once = exactly_once(topic_ids, ledger, offsets) if topic_ids is not None else None
+        if once is not None:
+            once.update(vanished_n=len(vanished), vanished=[rid for _, _, rid in vanished[:20]])
         summary = self.summarize(traffic, once, dead, drained, outside)
         (self.work / "soak.json").write_text(json.dumps({"rows": self.rows, "faults": self.faults, "summary": summary,
                                                          "options": {k: str(v) for k, v in asdict(opt).items()},
@@ -730,7 +749,8 @@ class Soak:
         checks = {
             f"every killed part back (within {opt.recover_max_min:g} minutes)": not unrecovered(self.faults),
             "every record the trainer committed is in its ledger exactly once":
-                None if once is None else once["lost_n"] == 0 and once["twice_n"] == 0 and once["unknown_n"] == 0,
+                None if once is None else once["lost_n"] == 0 and once["twice_n"] == 0 and once["unknown_n"] == 0
+                and once.get("vanished_n", 0) == 0,
             "no request failed but at a killed replica": not failed,
             "memory flat (each process, the last hour of its life)": all_flat(procs, "rss"),
             "descriptors flat (each process, the last hour of its life)": all_flat(procs, "fds"),
@@ -775,6 +795,93 @@ def read_to_end(bootstrap: str, topic: str, deadline_s: float) -> list:
         return found
     finally:
         c.close()
+
+
+class TopicWatch:
+    """The decision topic as the run goes: every `every_s` seconds a reader with no group reads on from where it
+    stopped (from the beginning, the first time) and keeps the (partition, offset, record id) of every decodable record.
+    A retention shorter than the run (`stream.retention_hours`) removes records before the final read; what it removed
+    was seen here first, and the final check takes both. While the broker is down a read fails and is counted
+    (`errors`); the next one goes on from where the last stopped."""
+
+    IDLE_POLLS = 5  # a read ends after this many empty polls (a partition whose records all expired has none to give)
+
+    def __init__(self, bootstrap: str, topic: str, every_s: float = 30.0):
+        self.bootstrap, self.topic, self.every_s = bootstrap, topic, every_s
+        self.found: dict[tuple[int, int], str] = {}
+        self.next: dict[int, int] = {}  # partition -> the next offset to read
+        self.reads, self.errors = 0, 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="topic-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(180)
+
+    def records(self) -> list[tuple[int, int, str]]:
+        with self._lock:
+            return [(p, o, rid) for (p, o), rid in sorted(self.found.items())]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.read_once()
+            except Exception:  # the broker down or restarting (kafka-python's errors, OSError): the next read goes on
+                self.errors += 1
+
+    def read_once(self, deadline_s: float = 120.0) -> None:
+        from kafka import KafkaConsumer, TopicPartition
+
+        from dvi.records import decode
+
+        c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, request_timeout_ms=30000)
+        try:
+            tps = [TopicPartition(self.topic, p) for p in sorted(c.partitions_for_topic(self.topic) or [])]
+            c.assign(tps)
+            for tp in tps:
+                if tp.partition in self.next:
+                    c.seek(tp, self.next[tp.partition])
+                else:
+                    c.seek_to_beginning(tp)
+            end, idle, deadline = c.end_offsets(tps), 0, time.monotonic() + deadline_s
+            while idle < self.IDLE_POLLS and time.monotonic() < deadline and any(c.position(tp) < end[tp] for tp in tps):
+                batches = c.poll(timeout_ms=1000)
+                idle = 0 if batches else idle + 1
+                for batch in batches.values():
+                    for m in batch:
+                        try:
+                            rid = decode(m.value).record_id
+                        except Exception:  # hostile bytes: the trainer dead-letters them
+                            rid = None
+                        with self._lock:
+                            if rid is not None:
+                                self.found[(m.partition, m.offset)] = rid
+                            self.next[m.partition] = m.offset + 1
+            self.reads += 1
+        finally:
+            c.close()
+
+
+def merge_reads(watched: list[tuple[int, int, str]], final: list[tuple[int, int, str]],
+                retained: bool) -> tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]]:
+    """The topic for the final check from the watch's reads during the run and the final read (partition, offset,
+    record id): (records, vanished). A watched record the final read lacks is one a retention removed (`retained`)
+    when it lies below the final read's first offset in its partition (or the partition has none left), and is then
+    counted; any other is `vanished`: acknowledged, read, and gone, which nothing explains."""
+    first: dict[int, int] = {}
+    for p, o, _ in final:
+        first[p] = min(first.get(p, o), o)
+    have = {(p, o) for p, o, _ in final}
+    expired, vanished = [], []
+    for p, o, rid in sorted(watched):
+        if (p, o) not in have:
+            (expired if retained and o < first.get(p, math.inf) else vanished).append((p, o, rid))
+    return sorted(final + expired), vanished
 
 
 def read_topic(cfg, deadline_s: float = 1800) -> tuple[list[tuple[int, int, str]], int]:
@@ -858,8 +965,9 @@ def table(summary: dict) -> str:
     records = ("Records: the topic could not be read back: " + summary.get("final_broker", {}).get("error", "?") + "."
                if once is None else
                f"Records: {once['on_topic']} on the topic, {once['in_ledger']} in the ledger, {once['lost_n']} lost, "
-               f"{once['twice_n']} twice, {once['pending_n']} pending (past the committed offsets: the next start reads them); "
-               f"{summary['dead_lettered']} dead-lettered.")
+               f"{once['twice_n']} twice, {once['pending_n']} pending (past the committed offsets: the next start reads them)"
+               + (f", {once['vanished_n']} read during the run and gone at the end with no retention to explain it"
+                  if once.get("vanished_n") else "") + f"; {summary['dead_lettered']} dead-lettered.")
     lines += ["", f"{records} Requests: {summary['requests']}. "
               f"p99 latency first/last: {_fmt(summary['p99_s']['first'])} / {_fmt(summary['p99_s']['last'])} s. "
               f"{summary['published']} versions published; served {summary['served']}.", "",
@@ -921,6 +1029,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, default=None, help="the longest a recovering fault may stretch the run")
     p.add_argument("--recover-max-min", type=float, default=None,
                    help="a killed part not back within this many minutes is given up on, and the run goes on (20)")
+    p.add_argument("--retention-hours", type=float, default=None,
+                   help="how long the broker keeps the decision topic's records (0.5; an override stream.retention_hours=... wins)")
     p.add_argument("--quick", action="store_true", help="10 minutes, each fault once")
     p.add_argument("--judge", type=Path, default=None, metavar="SOAK_JSON",
                    help="run nothing: judge the memory and descriptors of every process life in a run's soak.json")
@@ -948,6 +1058,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.faults = tuple(args.faults.split(","))
     if args.max_minutes is not None:
         opt.max_minutes = args.max_minutes
+    if args.retention_hours is not None:
+        opt.retention_hours = args.retention_hours
     if args.drain_min is not None:
         opt.drain_min = args.drain_min
     if args.recover_max_min is not None:

@@ -270,6 +270,9 @@ class StreamConfig:
     port: int = 19092  # the embedded broker's port
     storage_engine: str | None = None  # embedded broker storage, e.g. s3://tansu/ (null: in memory)
     data_dir: str | None = None  # a durable embedded broker: its data as files in this folder (a local S3 store)
+    # how long a durable embedded broker keeps the decision topic's records (Kafka's retention.ms, by when a batch was
+    # written); null: for ever. Tansu's S3 engine keeps every batch, and the store's memory and each fetch grow with them
+    retention_hours: float | None = 168.0
     topic: str = "dvi.decisions"
     dlq_topic: str = "dvi.decisions.dlq"
     control_topic: str = "dvi.control"
@@ -325,8 +328,15 @@ class StreamConfig:
         _check(self.data_dir is None or self.storage_engine is None, "stream.data_dir", self.data_dir,
                "null when stream.storage_engine is set (one place for the embedded broker's data)")
         _check(self.data_dir is None or bool(str(self.data_dir).strip()), "stream.data_dir", self.data_dir, "null or a folder")
+        _check(self.retention_hours is None or (type(self.retention_hours) in (int, float) and 0 < self.retention_hours < 1e6),
+               "stream.retention_hours", self.retention_hours, "null (keep every record) or a number of hours in (0, 1e6)")
         unknown = sorted(set(self.security) - SECURITY_KEYS)
         _check(not unknown, "stream.security", unknown, f"only Kafka client security options ({', '.join(sorted(SECURITY_KEYS))})")
+
+    @property
+    def retain(self) -> tuple[str, float] | None:
+        """(topic, seconds): how long a durable embedded broker keeps the decision topic's records; None: for ever."""
+        return None if self.retention_hours is None else (self.topic, float(self.retention_hours) * 3600.0)
 
     @property
     def bootstrap(self) -> str:

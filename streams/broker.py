@@ -6,7 +6,9 @@ Storage is in memory unless a storage engine URL is given (e.g. `s3://tansu/`): 
 records and committed offsets when it stops. With a data folder (`stream.data_dir`) the broker is durable on one
 machine: a LocalBucket server (a small S3-compatible store, the `localbucket` package) keeps Tansu's topics, records
 and committed offsets as files in that folder, and they survive a broker killed with SIGKILL. That store answers only
-requests signed with a key pair made at each start and handed to Tansu in its environment (`streams.s3_store`). The same launcher serves `dvi broker`, the tests and the local
+requests signed with a key pair made at each start and handed to Tansu in its environment (`streams.s3_store`), and
+removes a topic's record batches once they are older than its retention (`retain`: Tansu's S3 engine never does).
+The same launcher serves `dvi broker`, the tests and the local
 all-in-one stack; external Kafka is just `stream.bootstrap_servers`. This module knows how to run the broker,
 not what goes through it; starting and stopping processes is dvi.procs. The binary runs only if its sha256 is the
 one pinned for this platform (`TANSU_SHA256`).
@@ -91,13 +93,21 @@ def kafka_answers(bootstrap: str) -> str | None:
 BUCKET = "dvi"  # the bucket of a durable embedded broker's local S3 store
 
 
+def records_glob(topic: str) -> str:
+    """Where Tansu's S3 engine keeps `topic`'s record batches, as a glob under the store's folder (one object per
+    batch, named by its base offset, beside the partition's watermark)."""
+    return f"{BUCKET}/clusters/*/topics/{topic}/partitions/*/records/*.batch"
+
+
 class LocalS3(ServerProcess):
     """The broker's store on 127.0.0.1 (a free port): LocalBucket serving `data_dir` behind SigV4 checks
-    (`streams.s3_store`), with a key pair made at every start, and the broker's bucket created."""
+    (`streams.s3_store`), with a key pair made at every start, and the broker's bucket created. `retain`: (topic,
+    seconds): that topic's batches are removed once last written more than that long ago."""
 
-    def __init__(self, data_dir: Path, startup_timeout_s: float = 15.0):
+    def __init__(self, data_dir: Path, startup_timeout_s: float = 15.0, retain: tuple[str, float] | None = None):
         self.data_dir = Path(data_dir)
         self.startup_timeout_s = startup_timeout_s
+        self.retain = retain
         self.port = free_port()
         self.access_key, self.secret = "", ""
 
@@ -125,6 +135,9 @@ class LocalS3(ServerProcess):
         self.access_key, self.secret = "dvi-" + secrets.token_hex(8), secrets.token_urlsafe(32)
         env = {**os.environ, s3_store.ACCESS_VAR: self.access_key, s3_store.SECRET_VAR: self.secret}
         cmd = [sys.executable, "-m", "streams.s3_store", str(self.data_dir), "--host", HOST, "--port", str(self.port)]
+        if self.retain is not None:
+            topic, seconds = self.retain
+            cmd += ["--expire", records_glob(topic), "--expire-after-s", str(seconds)]
         listing = self.endpoint + "/"
         self._launch("s3-store", cmd, lambda: http_ok(listing, headers=self._signed("GET", listing)), self.startup_timeout_s,
                      f"the local S3 store on {self.endpoint}", env=env)
@@ -146,24 +159,31 @@ class EmbeddedBroker(ServerProcess):
     """A Tansu broker process on 127.0.0.1:<port>; a context manager (start on enter, stop on exit).
 
     `data_dir`: keep the broker's data in that folder (a local S3 store it starts and stops with the broker;
-    `kill()` kills the broker only, as a crash would). Otherwise `storage_engine`, or memory.
+    `kill()` kills the broker only, as a crash would), and with `retain` (topic, seconds) that topic's records only
+    that long (as Kafka's retention.ms, but by when a batch's file was last written, not by record timestamps; a
+    partition's last batch stays). Otherwise `storage_engine`, or memory.
     """
 
     stop_signal = signal.SIGINT  # Tansu exits at once
 
     def __init__(self, port: int, storage_engine: str | None = None, startup_timeout_s: float = 15.0,
-                 data_dir: str | Path | None = None):
+                 data_dir: str | Path | None = None, retain: tuple[str, float] | None = None):
         if data_dir is not None and storage_engine is not None:
             raise DviError("give the embedded broker a data folder (stream.data_dir) or a storage engine "
                            "(stream.storage_engine), not both")
         self.port = port
         self.storage_engine = f"s3://{BUCKET}/" if data_dir is not None else storage_engine
         self.startup_timeout_s = startup_timeout_s
-        self._s3 = LocalS3(Path(data_dir), startup_timeout_s) if data_dir is not None else None
+        self._s3 = LocalS3(Path(data_dir), startup_timeout_s, retain) if data_dir is not None else None
 
     @property
     def bootstrap(self) -> str:
         return f"{HOST}:{self.port}"
+
+    @property
+    def store_pid(self) -> int | None:
+        """The pid of the local S3 store under a durable broker (None: none, or not running)."""
+        return None if self._s3 is None else self._s3.pid
 
     def start(self) -> EmbeddedBroker:
         """Launch the broker and return once it answers a metadata request (DviError otherwise)."""

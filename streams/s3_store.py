@@ -15,13 +15,24 @@ Listing: Tansu lists a partition's whole `records/` prefix on every fetch, to fi
 LocalBucket walks and sorts the whole bucket for every page of a listing, so a fetch cost grew with the size of every
 topic (10,000 records: about a second a fetch, a few records a second read back). Here a listing walks only the
 folder its prefix names (`prefix_root`) and pages with a binary search (`list_page`), and a listing asked again while
-its folders are unchanged (`folder_stamp`) is answered from memory (`Listings`); what it answers is LocalBucket's.
+its folders are unchanged (`folder_stamp`) is answered from memory (`Listings`, compressed: a listing's body
+grows with the partition); what it answers is LocalBucket's.
+
+Expiry: Tansu's S3 engine keeps every batch it is given (its DeleteRecords is not implemented), so the folder, each
+fetch's listing and LocalBucket's ETag cache (an entry per object, kept while the process lives) would grow for as
+long as the broker runs. `--expire GLOB --expire-after-s N` is an S3 lifecycle rule: every minute (or N/4 s) the
+store removes the objects whose path under its folder matches GLOB and that were last written more than N seconds
+ago, but never the last in its folder (`expire`), and their ETags from that cache. Which objects are Tansu's records,
+and that their names sort in the order they were written, is the caller's knowledge (`streams.broker.records_glob`).
+A listing or a read of an object removed meanwhile answers as S3 does for an object deleted then: the listing
+leaves it out, the read is a NoSuchKey.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import fnmatch
 import hashlib
 import hmac
 import logging
@@ -30,8 +41,9 @@ import re
 import sys
 import threading
 import time
+import zlib
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
@@ -47,6 +59,7 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _AUTH = re.compile(r"AWS4-HMAC-SHA256 Credential=([^,\s]+),\s*SignedHeaders=([a-z0-9;\-]+),\s*Signature=([0-9a-f]{64})")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 SETTLE_NS = 1_000_000_000  # a folder changed this recently is listed afresh (see `folder_stamp`)
+EXPIRE_EVERY_S = 60.0  # how often expiry looks for objects past their age (a quarter of a rule's age, if shorter)
 
 log = logging.getLogger("dvi.s3_store")
 
@@ -183,7 +196,8 @@ def folder_stamp(bucket_dir: Path, prefix: str, settle_ns: int = SETTLE_NS, now_
 class Listings:
     """The bodies of the newest listings answered, each with the folder stamp it was answered under: a listing
     asked again while its folders are unchanged is answered from here (Tansu lists a partition's records on every
-    fetch). At most `size` are kept, the least recently used dropped first."""
+    fetch). At most `size` are kept, the least recently used dropped first; each is kept compressed (a page of
+    1,000 keys is about 300 KB of XML, a tenth of that compressed)."""
 
     def __init__(self, size: int = 64):
         self.size, self._lock, self._bodies = size, threading.Lock(), OrderedDict()
@@ -196,13 +210,14 @@ class Listings:
             if found is None or found[0] != stamp:
                 return None
             self._bodies.move_to_end(key)
-            return found[1]
+        return zlib.decompress(found[1])
 
     def put(self, key: tuple, stamp: tuple | None, body: bytes) -> None:
         if stamp is None:
             return
+        packed = zlib.compress(body, 1)
         with self._lock:
-            self._bodies[key] = (stamp, body)
+            self._bodies[key] = (stamp, packed)
             self._bodies.move_to_end(key)
             while len(self._bodies) > self.size:
                 self._bodies.popitem(last=False)
@@ -237,6 +252,88 @@ def list_page(keys: list[tuple[str, Path]], prefix: str, delimiter: str, marker:
             contents.append((key, path))
             last_entry = "K:" + key
     return contents, common_prefixes, truncated, last_entry
+
+
+def expiry_rule(pattern: str) -> tuple[str, str]:
+    """An expiry glob split into (folders, names): the folders' glob under the store's folder and the glob of the
+    names in them. ValueError for a rule that names no file in a folder, or has an empty, `.`, `..` or `**` part."""
+    folders, _, names = pattern.rpartition("/")
+    if not folders or any(p in ("", ".", "..") or "**" in p for p in pattern.split("/")):
+        raise ValueError(f"an expiry glob must be folder/.../name with no empty, '.', '..' or '**' part: {pattern!r}")
+    return folders, names
+
+
+def leading_expired(names: list[str], mtime_ns: Callable[[str], int | None], now_ns: int, after_s: float) -> list[str]:
+    """Of a folder's `names` in the order they were written, those that expire: the leading run last written
+    (`mtime_ns`; None: gone) more than `after_s` seconds before `now_ns`, up to the first younger one (whose followers
+    are younger still: their times are not read), and never the last name (as Kafka never removes a partition's
+    active segment: a reader from the beginning still finds the end)."""
+    limit, out = now_ns - int(after_s * 1e9), []
+    for name in names[:-1]:
+        t = mtime_ns(name)
+        if t is None:
+            continue
+        if t >= limit:
+            break
+        out.append(name)
+    return out
+
+
+def expire(root: Path, pattern: str, after_s: float, forget: Callable[[Path], None] | None = None,
+           now_ns: int | None = None) -> list[Path]:
+    """One pass of an expiry rule: in each folder under `root` matching the rule's folders (`expiry_rule`), remove the
+    files matching its names that `leading_expired` names (names must sort in the order they were written, as
+    Tansu's zero-padded offsets do) and return them; `forget(path)` is called for each one removed."""
+    folders, names = expiry_rule(pattern)
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    removed = []
+    for folder in sorted(root.glob(folders)):
+        try:
+            listed = sorted(n for n in os.listdir(folder) if fnmatch.fnmatchcase(n, names))
+        except (NotADirectoryError, FileNotFoundError):
+            continue
+
+        def mtime_ns(name: str, folder: Path = folder) -> int | None:
+            try:
+                return (folder / name).stat().st_mtime_ns
+            except FileNotFoundError:
+                return None
+
+        for name in leading_expired(listed, mtime_ns, now_ns, after_s):
+            path = folder / name
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(path)
+            if forget is not None:
+                forget(path)
+    return removed
+
+
+def forget_etag(path: Path) -> None:
+    """Drop `path` from LocalBucket's ETag cache: an entry per object written or listed, which LocalBucket never drops
+    (not even on a DELETE)."""
+    import localbucket  # the `local` extra; imported only where the store runs
+
+    with localbucket._etag_lock:
+        localbucket._etag_cache.pop(str(path), None)
+
+
+def _expire_forever(root: Path, pattern: str, after_s: float) -> None:
+    """Expiry passes every EXPIRE_EVERY_S (a quarter of a shorter rule's age). Each pass forgets again the ETags of the
+    files the pass before removed: a listing that was reading one of them as it went may have cached it again."""
+    every, before = min(EXPIRE_EVERY_S, after_s / 4), []
+    while True:
+        time.sleep(every)
+        try:
+            for path in before:
+                forget_etag(path)
+            before = expire(root, pattern, after_s, forget_etag)
+            if before:
+                log.info("expired %d objects matching %s (last written over %g s ago)", len(before), pattern, after_s)
+        except Exception:  # noqa: BLE001 -- the store goes on serving; the next pass tries again
+            log.exception("an expiry pass of %s failed", pattern)
 
 
 def _handler(access_key: str, secret: str):
@@ -280,6 +377,29 @@ def _handler(access_key: str, secret: str):
             if self._xml is not None:
                 listings.put(key, stamp, self._xml)
 
+        def _add_list_entries(self, root, contents, common_prefixes, encode):
+            # LocalBucket's, but an object removed after the walk (by expiry) is left out, as S3 may leave out one
+            # deleted while it lists, instead of failing the listing
+            for key, path in contents:
+                try:
+                    stat, etag = path.stat(), localbucket.object_etag(path)
+                except FileNotFoundError:
+                    continue
+                item = ET.SubElement(root, "Contents")
+                localbucket.sub_element(item, "Key", encode(key))
+                localbucket.sub_element(item, "LastModified", localbucket.iso_timestamp(stat.st_mtime))
+                localbucket.sub_element(item, "ETag", f'"{etag}"')
+                localbucket.sub_element(item, "Size", str(stat.st_size))
+                localbucket.sub_element(item, "StorageClass", "STANDARD")
+            for common in common_prefixes:
+                localbucket.sub_element(ET.SubElement(root, "CommonPrefixes"), "Prefix", encode(common))
+
+        def _get(self, bucket: str, key: str, include_body: bool):
+            try:
+                super()._get(bucket, key, include_body)
+            except FileNotFoundError:  # removed by expiry between LocalBucket's open and its ETag: as if before
+                raise localbucket.S3Error(HTTPStatus.NOT_FOUND, "NoSuchKey", "The specified key does not exist.") from None
+
         def _send_xml(self, root):
             self._xml = ET.tostring(root, encoding="UTF-8", xml_declaration=True)
             self._send(HTTPStatus.OK, self._xml, {"Content-Type": "application/xml"})
@@ -299,15 +419,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("data_dir", type=Path)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--expire", metavar="GLOB", help="remove objects whose path under DATA_DIR matches GLOB ...")
+    parser.add_argument("--expire-after-s", type=float, metavar="N", help="... once last written more than N seconds ago")
     args = parser.parse_args(argv)
+    if (args.expire is None) != (args.expire_after_s is None) or (args.expire_after_s is not None and args.expire_after_s <= 0):
+        print("s3_store: --expire GLOB and --expire-after-s N (> 0) go together", file=sys.stderr)
+        return 2
+    if args.expire is not None:
+        try:
+            expiry_rule(args.expire)
+        except ValueError as e:
+            print(f"s3_store: --expire: {e}", file=sys.stderr)
+            return 2
     access_key, secret = os.environ.pop(ACCESS_VAR, ""), os.environ.pop(SECRET_VAR, "")
     if not access_key or not secret:
         print(f"s3_store: set {ACCESS_VAR} and {SECRET_VAR} in the environment", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)  # its refusals (WARNING) and what expiry removed (a line a pass at most)
     handler = _handler(access_key, secret)
     handler.data_root = args.data_dir.resolve()
     server = ThreadingHTTPServer((args.host, args.port), handler)
+    if args.expire:
+        threading.Thread(target=_expire_forever, args=(handler.data_root, args.expire, args.expire_after_s),
+                         name="expiry", daemon=True).start()
     try:
         server.serve_forever()
     except KeyboardInterrupt:

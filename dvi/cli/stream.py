@@ -39,10 +39,12 @@ def broker(args: argparse.Namespace) -> int:
     def ready(server: EmbeddedBroker) -> str:
         ensure_topics(cfg)
         topics = ", ".join(f"{t} ({n})" for t, n in stream_topics(cfg).items())
-        storage = (f"{cfg.data_dir} (durable)" if cfg.data_dir else cfg.storage_engine) or "memory (lost on stop)"
+        kept = f", {cfg.topic} kept {cfg.retention_hours:g} h" if cfg.retention_hours is not None else ""
+        storage = (f"{cfg.data_dir} (durable{kept})" if cfg.data_dir else cfg.storage_engine) or "memory (lost on stop)"
         return f"Tansu on {server.bootstrap}, storage {storage}, topics {topics}"
 
-    return run_foreground("broker", "the broker", EmbeddedBroker(cfg.port, cfg.storage_engine, data_dir=cfg.data_dir), ready, say=out)
+    return run_foreground("broker", "the broker", EmbeddedBroker(cfg.port, cfg.storage_engine, data_dir=cfg.data_dir,
+                                                                      retain=cfg.retain), ready, say=out)
 
 
 def summary(d: Delivered) -> str:

@@ -68,6 +68,22 @@ def test_a_poll_interval_shorter_than_the_session_is_refused_naming_both():
     assert load_config([]).stream.max_poll_interval_ms == 30 * 60 * 1000
 
 
+@pytest.mark.parametrize("bad, why", [("0", r"stream.retention_hours=0.0: expected null \(keep every record\) or a number of hours in \(0, 1e6\)"),
+                                      ("-1", r"stream.retention_hours=-1.0: expected null"),
+                                      ("1e7", r"stream.retention_hours=10000000.0: expected null"),
+                                      ("true", r"Value 'True' of type 'bool' could not be converted to Float"),
+                                      ("'a week'", r"Value 'a week' of type 'str' could not be converted to Float")])
+def test_a_retention_that_is_not_a_positive_number_of_hours_is_refused(bad, why):
+    with pytest.raises(DviError, match=why):
+        load_config([f"stream.retention_hours={bad}"])
+
+
+def test_the_retention_names_the_decision_topic_in_seconds():
+    assert load_config([]).stream.retain == ("dvi.decisions", 168 * 3600.0)
+    assert load_config(["stream.retention_hours=0.5", "stream.topic=d"]).stream.retain == ("d", 1800.0)
+    assert load_config(["stream.retention_hours=null"]).stream.retain is None
+
+
 def test_conf_dir_is_the_checkouts():
     assert CONF_DIR == Path(__file__).resolve().parents[2] / "conf"
 

@@ -1,18 +1,21 @@
 """Scenario 2, the durable broker: the embedded broker keeps its data in a folder (`stream.data_dir`: Tansu on a local
 S3-compatible store) and is killed with SIGKILL twice while the serving side's producer sends and a consumer group
 reads and commits. Every record the broker acknowledged is on the topic afterwards and reaches the group; the group's
-committed offsets survive the kills (a new member resumes after them, reading nothing twice)."""
+committed offsets survive the kills (a new member resumes after them, reading nothing twice). With a retention
+(`stream.retention_hours`), the decision topic's batches older than it leave the store's folder and reading goes on."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
+from kafka import KafkaProducer
 
 from dvi.config import StreamConfig
 from dvi.procs import free_port
-from streams.broker import EmbeddedBroker
+from streams.broker import EmbeddedBroker, records_glob
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
 from streams.topics import ensure_topics
@@ -87,5 +90,49 @@ def test_no_acknowledged_record_is_lost_across_two_broker_kills(stream_config, m
               f"(in flight at a kill, counted), {len(on_topic)} on the topic")
     finally:
         stop.set()
+        producer.close(timeout_s=0)
+        broker.stop()
+
+
+def test_records_past_the_retention_leave_the_store_and_reading_goes_on(stream_config, make_record, tmp_path):
+    """A two-minute retention of the decision topic (a pass every 30 s): two of its three batches made an hour old go
+    from the store's folder at the next pass; the third (young, and the partition's last) and the dead-letter topic's
+    stay. The group resumes after its commit; a reader with no group starts at the oldest record kept."""
+    port = free_port()
+    cfg: StreamConfig = stream_config(f"127.0.0.1:{port}", partitions=1, linger_ms=0)
+    data = tmp_path / "broker-data"
+    broker = EmbeddedBroker(port, data_dir=data, retain=(cfg.topic, 120.0)).start()
+
+    def batches(topic: str) -> list:
+        return sorted(data.glob(records_glob(topic)))
+
+    producer = DecisionProducer(cfg)
+    try:
+        ensure_topics(cfg)
+        for i in range(3):
+            producer.submit(make_record(f"old{i}", rounds=1, seed=i))
+            assert producer.flush(15)
+        raw = KafkaProducer(bootstrap_servers=cfg.bootstrap)
+        for body in (b"kept", b"kept too"):  # two batches: the partition's last is kept in any case
+            raw.send(cfg.dlq_topic, body).get(timeout=15)
+        raw.close()
+        with DecisionConsumer(cfg, group_id="g") as group:
+            assert [d.record.request_id for d in group.poll_until(3, timeout_s=30)] == ["old0", "old1", "old2"]
+            group.commit()
+        assert len(batches(cfg.topic)) == 3 and len(batches(cfg.dlq_topic)) == 2
+        hour_ago = time.time_ns() - 3600 * 10**9
+        for path in batches(cfg.topic)[:2] + batches(cfg.dlq_topic):
+            os.utime(path, ns=(hour_ago, hour_ago))
+        deadline = time.monotonic() + 60
+        while len(batches(cfg.topic)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert [p.name for p in batches(cfg.topic)] == [f"{2:020d}.batch"] and len(batches(cfg.dlq_topic)) == 2
+        producer.submit(make_record("new", rounds=1, seed=9))
+        assert producer.flush(15)
+        with DecisionConsumer(cfg, group_id="g") as group:
+            assert [d.record.request_id for d in group.poll_until(1, timeout_s=30)] == ["new"]
+        with DecisionConsumer(cfg, group_id=None) as fresh:
+            assert [d.record.request_id for d in fresh.poll_until(3, timeout_s=10)] == ["old2", "new"]
+    finally:
         producer.close(timeout_s=0)
         broker.stop()

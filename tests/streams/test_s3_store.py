@@ -219,3 +219,111 @@ def test_the_store_answers_a_listing_again_from_memory_until_its_folder_changes(
         store.request("PUT", f"/{BUCKET}/p/records/3", b"batch")
         fresh = listing()
         assert b"p/records/3" in fresh and b"p/records/2" not in fresh and b"p/records/1" in fresh
+
+
+def _leading_reference(names, times, now_ns, after_s):
+    """`leading_expired` spelled out: every name but the last, taken while old enough, skipping gone ones."""
+    out = []
+    for name in names[:-1]:
+        if times.get(name) is None:
+            continue
+        if (now_ns - times[name]) / 1e9 <= after_s:
+            break
+        out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("ages", [[100, 90, 61, 60, 1], [100, 100, 100], [5, 100, 100], [100, None, 100, 1], [100], []])
+def test_expiry_takes_the_leading_old_names_and_never_the_last(ages):
+    now = 10_000 * 10**9
+    names = [f"{i:020d}.batch" for i in range(len(ages))]
+    times = {n: None if a is None else now - a * 10**9 for n, a in zip(names, ages)}
+    read = []
+
+    def mtime(name):
+        read.append(name)
+        return times[name]
+
+    got = s3_store.leading_expired(names, mtime, now, 60)
+    assert got == _leading_reference(names, times, now, 60)
+    assert names[-1] not in got if names else got == []
+    assert len(read) <= len(got) + sum(a is None for a in ages) + 1  # no time read past the first young one
+
+
+def test_an_expiry_rule_names_files_in_folders():
+    assert s3_store.expiry_rule("dvi/clusters/*/topics/t/partitions/*/records/*.batch") == (
+        "dvi/clusters/*/topics/t/partitions/*/records", "*.batch")
+    for bad in ("*.batch", "a//b", "a/../b", "a/**/b", "./a/b", "a/b/"):
+        with pytest.raises(ValueError, match="expiry glob"):
+            s3_store.expiry_rule(bad)
+
+
+def test_expiry_removes_old_batches_and_forgets_their_etags(tmp_path):
+    """A pass over a tree like Tansu's: the topic's old batches go (and LocalBucket's cached ETag of each), up to the
+    first young one of each partition and never its last; the watermarks, other topics and uploads stay."""
+    import localbucket
+
+    _tree(tmp_path / "dvi")
+    parts = tmp_path / "dvi" / "clusters" / "c" / "topics" / "t" / "partitions"
+    old = time.time_ns() - 3600 * 10**9
+    everything = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    for path in everything:
+        os.utime(path, ns=(old, old))
+    young = parts / f"{1:010d}" / "records" / f"{21:020d}.batch"  # partition 1 stops at offset 21
+    os.utime(young, None)
+    for path in everything:
+        localbucket.object_etag(path)
+    gone = s3_store.expire(tmp_path, "dvi/clusters/*/topics/t/partitions/*/records/*.batch", 60, s3_store.forget_etag)
+    kept = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert sorted(gone) == sorted(set(everything) - set(kept))
+    batches = {p: sorted(q.name for q in (parts / f"{p:010d}" / "records").glob("*.batch")) for p in range(3)}
+    assert batches == {0: [f"{39:020d}.batch"], 1: [f"{o:020d}.batch" for o in range(21, 40, 3)], 2: [f"{39:020d}.batch"]}
+    assert all(p.suffix == ".batch" and "/topics/t/" in p.as_posix() for p in gone)
+    assert parts / f"{0:010d}" / "records" / ".localbucket-tmp" in kept
+    assert not [p for p in gone if str(p) in localbucket._etag_cache]
+    assert all(str(p) in localbucket._etag_cache for p in kept)
+
+
+def test_the_stores_own_etags_are_forgotten_and_a_removed_object_is_no_error(tmp_path):
+    """The handler itself, in this process: objects written and listed through it, expired, are gone from its ETag
+    cache (the keys are the ones it stored); a listing leaves out, and a read answers NoSuchKey for, an object
+    removed behind it."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    import localbucket
+
+    handler = s3_store._handler("k", "secret")
+    handler.data_root = (tmp_path / "data").resolve()
+    (handler.data_root / BUCKET).mkdir(parents=True)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def call(method: str, path: str, body: bytes = b"") -> bytes:
+        url = base + path
+        return local_post(url, body, method=method, headers=s3_store.sign("k", "secret", method, url,
+                                                                          {"host": url.split("/")[2]}, body))
+
+    try:
+        for i in range(4):
+            call("PUT", f"/{BUCKET}/p/records/{i:020d}.batch", b"batch%d" % i)
+        listing = call("GET", f"/{BUCKET}?list-type=2&prefix=p%2Frecords%2F")
+        assert listing.count(b"<Contents>") == 4
+        folder = handler.data_root / BUCKET / "p" / "records"
+        cached = {k for k in localbucket._etag_cache if k.startswith(str(folder))}
+        assert len(cached) == 4
+        gone = s3_store.expire(handler.data_root, f"{BUCKET}/p/records/*.batch", 60, s3_store.forget_etag,
+                               now_ns=time.time_ns() + 3600 * 10**9)
+        assert len(gone) == 3 and not {k for k in localbucket._etag_cache if k.startswith(str(folder))} - {str(folder / f"{3:020d}.batch")}
+        assert call("GET", f"/{BUCKET}?list-type=2&prefix=p%2Frecords%2F").count(b"<Contents>") == 1
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            call("GET", f"/{BUCKET}/p/records/{0:020d}.batch")
+        assert missing.value.code == 404
+        entries = [(f"p/records/{i:020d}.batch", folder / f"{i:020d}.batch") for i in (2, 3)]
+        root = s3_store.ET.Element("ListBucketResult")
+        handler._add_list_entries(None, root, entries, [], lambda k: k)  # the one at offset 2 is gone: left out
+        assert [e.findtext("Key") for e in root.iter("Contents")] == [f"p/records/{3:020d}.batch"]
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -72,7 +72,7 @@ def test_broker_command_runs_until_sigterm(stream_config, durable, tmp_path):
     try:
         first = proc.stdout.readline()  # blocks until the broker is ready (or dvi exits)
         assert f"Tansu on 127.0.0.1:{port}" in first, first + proc.stderr.read() if proc.poll() is not None else first
-        assert ("(durable)" in first) == durable and ("memory (lost on stop)" in first) == (not durable), first
+        assert (f"(durable, {cfg.topic} kept 168 h)" in first) == durable and ("memory (lost on stop)" in first) == (not durable), first
         admin = KafkaAdminClient(bootstrap_servers=f"127.0.0.1:{port}")
         topics = {t["name"]: len(t["partitions"]) for t in admin.describe_topics([cfg.topic, cfg.dlq_topic, cfg.control_topic])}
         admin.close()
