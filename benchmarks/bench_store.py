@@ -93,12 +93,12 @@ def run(args) -> dict:
         stop.set()
         broker.stop()
         shutil.rmtree(data, ignore_errors=True)
-    first, last = samples[len(samples) // 2], samples[-1]
+    half = samples[len(samples) // 2:]
     return {"batches": args.batches, "partitions": args.partitions, "record_bytes": args.record_bytes,
             "retention_s": args.retention_s, "rate": args.rate,
             "seconds": samples[-1]["s"], "read": counts["read"],
-            "store_mib": {"start": samples[0]["store_mib"], "half": first["store_mib"], "end": last["store_mib"],
-                          "median_second_half": statistics.median(s["store_mib"] for s in samples[len(samples) // 2:])},
+            "store_mib": {"start": samples[0]["store_mib"], "half": half[0]["store_mib"], "end": samples[-1]["store_mib"],
+                          "median_second_half": statistics.median(s["store_mib"] for s in half)},
             "store_mib_per_1000_batches": growth_per_1000(samples), "samples": samples}
 
 

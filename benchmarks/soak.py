@@ -837,8 +837,6 @@ class TopicWatch:
     def read_once(self, deadline_s: float = 120.0) -> None:
         from kafka import KafkaConsumer, TopicPartition
 
-        from dvi.records import decode
-
         c = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, request_timeout_ms=30000)
         try:
             tps = [TopicPartition(self.topic, p) for p in sorted(c.partitions_for_topic(self.topic) or [])]
@@ -854,10 +852,7 @@ class TopicWatch:
                 idle = 0 if batches else idle + 1
                 for batch in batches.values():
                     for m in batch:
-                        try:
-                            rid = decode(m.value).record_id
-                        except Exception:  # hostile bytes: the trainer dead-letters them
-                            rid = None
+                        rid = record_id(m.value)
                         with self._lock:
                             if rid is not None:
                                 self.found[(m.partition, m.offset)] = rid
@@ -884,17 +879,21 @@ def merge_reads(watched: list[tuple[int, int, str]], final: list[tuple[int, int,
     return sorted(final + expired), vanished
 
 
+def record_id(value: bytes) -> str | None:
+    """The id of an encoded decision record; None for bytes that are not one (hostile: the trainer dead-letters them)."""
+    from dvi.records import decode
+
+    try:
+        return decode(value).record_id
+    except Exception:
+        return None
+
+
 def read_topic(cfg, deadline_s: float = 1800) -> tuple[list[tuple[int, int, str]], int]:
     """(partition, offset, record id) of every decodable record on the decision topic, and how many messages the
     dead-letter topic holds."""
-    from dvi.records import decode
-
-    found = []
-    for m in read_to_end(cfg.stream.bootstrap, cfg.stream.topic, deadline_s):
-        try:
-            found.append((m.partition, m.offset, decode(m.value).record_id))
-        except Exception:  # hostile bytes: the trainer dead-letters them
-            continue
+    found = [(m.partition, m.offset, rid) for m in read_to_end(cfg.stream.bootstrap, cfg.stream.topic, deadline_s)
+             if (rid := record_id(m.value)) is not None]
     return found, len(read_to_end(cfg.stream.bootstrap, cfg.stream.dlq_topic, deadline_s))
 
 
