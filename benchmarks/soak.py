@@ -271,6 +271,19 @@ def usage(pid: int, apart: frozenset[int] = frozenset()) -> tuple[float, int] | 
     return (rss, fds) if alive else None
 
 
+def proc_brief(pid: int) -> dict | None:
+    """What the kernel says of `pid`: its command, state, the CPUs it may run on, seconds its main thread ran on one and
+    waited for one (/proc/<pid>/schedstat); None when it is gone."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        ran_ns, waited_ns, _ = map(int, Path(f"/proc/{pid}/schedstat").read_text().split())
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, ValueError):
+        return None
+    return {"pid": pid, "cmd": cmd[:160], "state": status.get("State", "").strip(), "cpus": status.get("Cpus_allowed_list", "").strip(),
+            "ran_s": round(ran_ns / 1e9, 1), "waited_s": round(waited_ns / 1e9, 1)}
+
+
 def registry(folder: Path) -> dict[str, dict]:
     """The processes a supervisor recorded (`dvi.procs`), by name ("serve", "broker/tansu": a part's own children
     under the part's name)."""
@@ -474,15 +487,38 @@ class Soak:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def up(self) -> None:
-        """`dvi up --detach` on the soak's cache (a `dvi up` killed before has what it left stopped first)."""
-        r = subprocess.run([sys.executable, "-m", "dvi.cli", "up", "--detach", *self.overrides, *self.binds["r1"]],
-                           capture_output=True, text=True, timeout=1200, env={**os.environ, REGISTRY_ENV: ""})
-        for line in r.stdout.splitlines():
+    def up(self, seen: dict | None = None) -> None:
+        """`dvi up --detach` on the soak's cache (a `dvi up` killed before has what it left stopped first). With `seen`,
+        what the kernel says of its processes while it starts (`proc_brief`, the last few looks, every 30 s) and the
+        CPUs this thread (whose affinity its child inherits) may run on go there: a start that does not get going says
+        why."""
+        if seen is not None:
+            seen.update(caller_cpus=sorted(os.sched_getaffinity(0)), looks=[])
+        proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", "--detach", *self.overrides, *self.binds["r1"]],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, REGISTRY_ENV: ""})
+        seen_out: list[str] = []
+        reader = threading.Thread(target=lambda: seen_out.append(proc.stdout.read()), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 1200
+        while proc.poll() is None and time.monotonic() < deadline:
+            if seen is not None:
+                seen["looks"] = [*seen["looks"][-4:], {"t": round(self.now(), 1),
+                                                       "procs": [b for q in tree(proc.pid) if (b := proc_brief(q))]}]
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(30)
+        stdout = "".join(seen_out)
+        for line in stdout.splitlines():
             if "stopped what an earlier" in line or "detached" in line:
                 self.say(f"soak: {line}")
-        if r.returncode:
-            raise RuntimeError(f"dvi up --detach failed ({r.returncode}): {r.stdout[-2000:]}{r.stderr[-2000:]}")
+        if proc.returncode:
+            raise RuntimeError(f"dvi up --detach failed ({proc.returncode}): {stdout[-2000:]}")
 
     def health(self, name: str) -> dict | None:
         try:
@@ -676,9 +712,10 @@ class Soak:
 
     def restart_up(self, killed: dict) -> None:
         """A new `dvi up --detach` after the supervisor's kill; its failure is recorded in `killed`, not raised."""
+        killed["restart_seen"] = {}
         try:
-            self.up()
-        except (RuntimeError, subprocess.SubprocessError) as e:
+            self.up(killed["restart_seen"])
+        except (RuntimeError, subprocess.SubprocessError, OSError) as e:
             killed["restart_error"] = str(e).splitlines()[0][:300]
 
     def given_up(self, active: dict) -> str | None:
@@ -773,10 +810,21 @@ def left_running(before: dict[str, tuple[int, str]]) -> list[str]:
     return [f"{name} (pid {pid})" for name, (pid, start) in before.items() if start_time(pid) == start]
 
 
+def pending(c, tps: list, listed: dict, ends: dict) -> bool:
+    """Whether a read of partitions `tps` by consumer `c` has more to read. A partition's end is the high watermark of
+    its first fetch (or the end offset `listed` before the read, when that is higher), recorded in `ends` and kept for
+    the read: Tansu's S3 engine answers a ListOffsets for the latest offset with one far behind what it holds (1 for a
+    partition of five single-record batches, whose fetches say 5), so the listed end offsets alone stop a read early."""
+    for tp in tps:
+        if tp not in ends and (high := c.highwater(tp)) is not None:
+            ends[tp] = max(high, listed[tp])
+    return any(tp not in ends or c.position(tp) < ends[tp] for tp in tps)
+
+
 def read_to_end(bootstrap: str, topic: str, deadline_s: float) -> list:
-    """Every message of `topic`, read from the beginning up to the end offsets it had when the read began (not until
-    an idle timeout: a loaded broker can take longer than any to answer a fetch). Raises TimeoutError when that is
-    not done within `deadline_s`, naming how far each partition got."""
+    """Every message of `topic`, read from the beginning up to the end each partition had when the read reached it
+    (`pending`; not until an idle timeout: a loaded broker can take longer than any to answer a fetch). Raises
+    TimeoutError when that is not done within `deadline_s`, naming how far each partition got."""
     from kafka import KafkaConsumer, TopicPartition
 
     c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_bytes=8 << 20,
@@ -785,13 +833,14 @@ def read_to_end(bootstrap: str, topic: str, deadline_s: float) -> list:
         tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic) or []]
         c.assign(tps)
         c.seek_to_beginning(*tps)
-        end, found, deadline = c.end_offsets(tps), [], time.monotonic() + deadline_s
-        while any(c.position(tp) < end[tp] for tp in tps):
+        listed, ends, found, deadline = c.end_offsets(tps), {}, [], time.monotonic() + deadline_s
+        while pending(c, tps, listed, ends):
             if time.monotonic() > deadline:
-                at = {tp.partition: f"{c.position(tp)}/{end[tp]}" for tp in tps}
+                at = {tp.partition: f"{c.position(tp)}/{ends.get(tp, listed[tp])}" for tp in tps}
                 raise TimeoutError(f"{topic} not read to its end offsets within {deadline_s:g} s: {at}")
-            for batch in c.poll(timeout_ms=1000).values():
-                found += [m for m in batch if m.offset < end[TopicPartition(m.topic, m.partition)]]
+            for tp, batch in c.poll(timeout_ms=1000).items():
+                pending(c, tps, listed, ends)  # this fetch's high watermark, for a partition read the first time
+                found += [m for m in batch if m.offset < ends.get(tp, math.inf)]
         return found
     finally:
         c.close()
@@ -846,8 +895,8 @@ class TopicWatch:
                     c.seek(tp, self.next[tp.partition])
                 else:
                     c.seek_to_beginning(tp)
-            end, idle, deadline = c.end_offsets(tps), 0, time.monotonic() + deadline_s
-            while idle < self.IDLE_POLLS and time.monotonic() < deadline and any(c.position(tp) < end[tp] for tp in tps):
+            listed, ends, idle, deadline = c.end_offsets(tps), {}, 0, time.monotonic() + deadline_s
+            while idle < self.IDLE_POLLS and time.monotonic() < deadline and pending(c, tps, listed, ends):
                 batches = c.poll(timeout_ms=1000)
                 idle = 0 if batches else idle + 1
                 for batch in batches.values():

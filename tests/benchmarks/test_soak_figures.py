@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +18,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from benchmarks.bench_restart import binds, halves
 from benchmarks.soak import (FAULTS, Options, all_flat, exactly_once, flatness, hostile_burst, is_flat, lives, percentile,
-                             main, read_to_end, registry, replica_binds, slope_per_min, table, tree, unrecovered, usage)
+                             main, proc_brief, read_to_end, registry, replica_binds, slope_per_min, table, tree, unrecovered, usage)
 from dvi import control, keys
 
 
@@ -128,6 +130,20 @@ def test_registry_names_children_under_their_part_and_usage_reads_the_process_tr
     rss, fds = usage(me)
     assert rss > 10 and fds >= 3
     assert usage(2 ** 22 + 7) is None  # above pid_max: no such process
+
+
+def test_proc_brief_says_what_a_process_runs_and_where_it_may():
+    core = min(os.sched_getaffinity(0))
+    child = subprocess.Popen(["sleep", "30"], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    try:
+        time.sleep(0.5)
+        brief = proc_brief(child.pid)
+        assert brief["cmd"].startswith("sleep 30") and brief["state"].startswith("S")
+        assert brief["cpus"] == str(core) and brief["ran_s"] >= 0 and brief["waited_s"] >= 0
+        assert proc_brief(os.getpid())["cpus"] != "" and proc_brief(2 ** 22 + 7) is None
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_part_that_never_came_back_fails_its_check_and_the_table_says_why():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from kafka import KafkaAdminClient, KafkaProducer
 
-from dvi.procs import free_port
+from dvi.procs import REGISTRY_ENV, free_port, stop_leftovers
 from dvi.records import encode
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
@@ -64,10 +65,11 @@ def test_broker_command_runs_until_sigterm(stream_config, durable, tmp_path):
     port = free_port()
     cfg = stream_config(f"127.0.0.1:{port}")
     data = [f"stream.data_dir={tmp_path / 'broker'}"] if durable else []
+    children = tmp_path / "children"  # what `dvi broker` spawns is recorded there (dvi.procs) until it stops it
     proc = subprocess.Popen(
         [sys.executable, "-m", "dvi.cli", "broker", f"stream.port={port}", f"stream.topic={cfg.topic}",
          f"stream.dlq_topic={cfg.dlq_topic}", f"stream.control_topic={cfg.control_topic}", "stream.partitions=2", *data],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, REGISTRY_ENV: str(children)},
     )
     try:
         first = proc.stdout.readline()  # blocks until the broker is ready (or dvi exits)
@@ -77,21 +79,24 @@ def test_broker_command_runs_until_sigterm(stream_config, durable, tmp_path):
         topics = {t["name"]: len(t["partitions"]) for t in admin.describe_topics([cfg.topic, cfg.dlq_topic, cfg.control_topic])}
         admin.close()
         assert topics == {cfg.topic: 2, cfg.dlq_topic: 1, cfg.control_topic: 1}
+        assert len(list(children.glob("*.json"))) == (2 if durable else 1)  # Tansu (and the S3 store), recorded
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
         assert "stopped" in proc.stdout.read()
+        assert not list(children.glob("*.json"))  # what it spawned, stopped and forgotten
+        deadline = time.monotonic() + 5  # the Tansu child is gone with it: the port is free again
+        while time.monotonic() < deadline and not _free(port):
+            time.sleep(0.05)
+        assert _free(port)
+        if durable:  # the topics are files in the folder, and no S3 store process is left behind
+            assert any((tmp_path / "broker").rglob("*")), "nothing was written to stream.data_dir"
+            left = [cmd for cmd in map(_cmdline, Path("/proc").glob("[0-9]*/cmdline")) if f"streams.s3_store {tmp_path / 'broker'} " in cmd + " "]
+            assert not left, left
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    deadline = time.monotonic() + 5  # the Tansu child is gone with it: the port is free again
-    while time.monotonic() < deadline and not _free(port):
-        time.sleep(0.05)
-    assert _free(port)
-    if durable:  # the topics are files in the folder, and no S3 store process is left behind
-        assert any((tmp_path / "broker").rglob("*")), "nothing was written to stream.data_dir"
-        left = [cmd for cmd in map(_cmdline, Path("/proc").glob("[0-9]*/cmdline")) if f"streams.s3_store {tmp_path / 'broker'} " in cmd + " "]
-        assert not left, left
+        stop_leftovers(children)  # after a failure above, the Tansu and S3 store it left too
 
 
 def _free(port: int) -> bool:
