@@ -609,7 +609,8 @@ class Soak:
         except Exception as e:  # a view for the record only: MLflow may be the part that is down
             return {"trainer": f"unreadable ({type(e).__name__})"}
         metrics = (view.get("trainer") or {}).get("metrics") or {}
-        keep = ("count/trained", "count/held_out", "count/skipped", "count/duplicates", "count/dead_lettered", "consumer_lag")
+        keep = ("count/trained", "count/held_out", "count/skipped", "count/duplicates", "count/dead_lettered", "consumer_lag",
+                "buffer/pending", "buffer/pending_mb", "buffer/replay_mb", "buffer/holdout_mb")  # beside the trainer's memory
         return {"trainer": {k: metrics[k]["value"] for k in keep if k in metrics} or view.get("error")}
 
     def run(self) -> dict:

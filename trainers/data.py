@@ -396,6 +396,10 @@ class Buffer:
     def pending_positions(self) -> int:
         return sum(i.example.positions for i in self.pending)
 
+    def pending_nbytes(self) -> int:
+        """The memory the arrays of the fresh records waiting hold."""
+        return sum(i.example.nbytes for i in self.pending)
+
     def take(self, batch_tokens: int, version_age) -> tuple[list[Item], list[Example], list[float]]:
         """Fresh items (oldest first) filling (1 - replay_share) of `batch_tokens` positions, then replayed
         examples for the rest, all with the teacher width of the oldest fresh item (a batch never mixes widths).

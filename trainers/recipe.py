@@ -635,6 +635,7 @@ class Trainer:
             "holdout/records": len(self.buffer.holdout), "holdout/needed": t.gate_min_records,
             "gate/next_in_s": max(0.0, next_in), "gate/next_step": (self.state.step // t.gate_every + 1) * t.gate_every,
             "buffer/replay_mb": self.buffer.replay.nbytes / (1 << 20), "buffer/holdout_mb": self.buffer.holdout.nbytes / (1 << 20),
+            "buffer/pending": len(self.buffer.pending), "buffer/pending_mb": self.buffer.pending_nbytes() / (1 << 20),
             **system_metrics(self._process, next(self.student.module.parameters()).device), **self._source_counts(),
         }, step=self.state.step)
 

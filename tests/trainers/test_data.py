@@ -155,6 +155,7 @@ def test_buffer_holds_out_a_share_and_skips_the_oldest_when_full(make_record):
     dropped = [d.offset for _, d in fates if d is not None]
     assert dropped == [0, 1, 2, 4, 5]  # 9 queued, 4 fit
     assert [i.offset for i in buf.pending] == [6, 8, 9, 10]
+    assert buf.pending_nbytes() == sum(i.example.nbytes for i in buf.pending) > 0
 
 
 def test_buffer_holds_out_the_first_records_then_a_share(make_record):
