@@ -410,6 +410,23 @@ class Traffic:
 # The hostile burst.
 
 
+def send_acked(producer, topic: str, value: bytes, headers=None, tries: int = 5) -> str | None:
+    """Send one message and wait for the broker's acknowledgement, again (up to `tries`) after an error the broker
+    answered: the durable broker answers some produces with UnknownError, which the replicas' producers count and send
+    again (`records.errors` in the rows). None once acknowledged, else the last error's name."""
+    from kafka.errors import KafkaError
+
+    last = None
+    for attempt in range(tries):
+        try:
+            producer.send(topic, value, headers=headers).get(timeout=30)
+            return None
+        except KafkaError as e:
+            last = type(e).__name__
+            time.sleep(attempt + 1)
+    return last
+
+
 def hostile_burst(cfg, urls: list[str]) -> dict:
     """Malformed, oversized and compressed-bomb records on the decision topic; an unsigned, a forged and a replayed
     control message; abusive HTTP to each replica. Returns what was sent and what each HTTP request got."""
@@ -419,7 +436,7 @@ def hostile_burst(cfg, urls: list[str]) -> dict:
     from dvi import control, keys, records_v1
     from dvi.records import READS
 
-    sent: dict = {"records": 0, "control": 0, "http": Counter()}
+    sent: dict = {"records": 0, "control": 0, "not acknowledged": Counter(), "http": Counter()}
     producer = KafkaProducer(bootstrap_servers=cfg.stream.bootstrap, max_request_size=4 << 20)
     try:
         v1 = [("content-type", READS[1].encode())]
@@ -427,16 +444,20 @@ def hostile_burst(cfg, urls: list[str]) -> dict:
         bomb = struct.pack("<4sHHI", records_v1.MAGIC, 1, 0, len(payload)) + zlib.compress(payload, 9)
         for value, headers in [(b"\x00garbage", None), (os.urandom(3000), v1), (bomb, v1), (b"{" * (900 << 10), None),
                                (struct.pack("<4sHHI", records_v1.MAGIC, 1, 0, 1 << 31) + b"x" * 64, v1)]:
-            producer.send(cfg.stream.topic, value, headers=headers).get(timeout=30)
-            sent["records"] += 1
+            if (error := send_acked(producer, cfg.stream.topic, value, headers)) is None:
+                sent["records"] += 1
+            else:
+                sent["not acknowledged"][error] += 1
         # the newest signed control message, sent again: a replay
         signed = [m.value for m in read_to_end(cfg.stream.bootstrap, cfg.stream.control_topic, 120)
                   if b'"signature"' in m.value]  # a publish, or a replica's verdict
         msg = control.DrafterPublished(version=HOSTILE_VERSION, uri="/etc", sha256="0" * 64)
         forged_keys = keys.Keys(signing={"trainer": Ed25519PrivateKey.generate()})  # a trainer key no replica trusts
         for data in [control.encode(msg), control.encode(msg, forged_keys), *signed[-1:]]:
-            producer.send(cfg.stream.control_topic, data).get(timeout=30)
-            sent["control"] += 1
+            if (error := send_acked(producer, cfg.stream.control_topic, data)) is None:
+                sent["control"] += 1
+            else:
+                sent["not acknowledged"][error] += 1
         sent["replayed"] = len(signed[-1:])
     finally:
         producer.close(timeout=10)
@@ -451,7 +472,7 @@ def hostile_burst(cfg, urls: list[str]) -> dict:
                 sent["http"][f"{path[:20]} -> {r.status_code}"] += 1
             except requests.RequestException as e:
                 sent["http"][f"{path[:20]} -> {type(e).__name__}"] += 1
-    sent["http"] = dict(sent["http"])
+    sent["http"], sent["not acknowledged"] = dict(sent["http"]), dict(sent["not acknowledged"])
     return sent
 
 
@@ -657,7 +678,10 @@ class Soak:
                 if active is None and schedule and t >= schedule[0][0]:
                     _, fault = schedule.pop(0)
                     if fault == "hostile":
-                        self.hostile = hostile_burst(self.cfg, list(self.urls.values()))
+                        try:
+                            self.hostile = hostile_burst(self.cfg, list(self.urls.values()))
+                        except Exception as e:  # the burst could not be sent (the broker refusing it): said, and the run goes on
+                            self.hostile = {"error": f"{type(e).__name__}: {e}"[:300]}
                         self.faults.append({"t": round(t, 1), "fault": "hostile", **self.hostile})
                         self.say(f"soak: hostile burst at {t / 60:.1f} min: {self.hostile}")
                     else:
