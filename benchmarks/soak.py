@@ -257,18 +257,20 @@ def tree(pid: int, apart: frozenset[int] = frozenset()) -> list[int]:
     return out
 
 
-def usage(pid: int, apart: frozenset[int] = frozenset()) -> tuple[float, int] | None:
-    """Resident MiB and open descriptors of `pid`'s tree (`tree`); None when it is gone."""
-    rss, fds, alive = 0.0, 0, False
+def usage(pid: int, apart: frozenset[int] = frozenset()) -> tuple[float, int, float] | None:
+    """Resident MiB, open descriptors and the resident MiB backed by files or shared memory (mapped model and weight
+    files, vLLM's shared buffers; the rest is the heaps') of `pid`'s tree (`tree`); None when it is gone."""
+    rss, fds, shared, alive = 0.0, 0, 0.0, False
+    page_mib = os.sysconf("SC_PAGE_SIZE") / (1 << 20)
     for p in tree(pid, apart):
         try:
             with open(f"/proc/{p}/statm") as f:
-                rss += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+                _, resident, backed, *_ = map(int, f.read().split())
             fds += len(os.listdir(f"/proc/{p}/fd"))
-            alive = True
+            rss, shared, alive = rss + resident * page_mib, shared + backed * page_mib, True
         except OSError:
             continue
-    return (rss, fds) if alive else None
+    return (rss, fds, shared) if alive else None
 
 
 def proc_brief(pid: int) -> dict | None:
@@ -594,7 +596,7 @@ class Soak:
         recorded = frozenset(e["pid"] for e in named.values())  # each counted on its own, with what it started unrecorded
         for name, e in named.items():
             if (u := usage(e["pid"], recorded)) is not None:
-                procs[name] = {"pid": e["pid"], "rss_mib": round(u[0], 1), "fds": u[1]}
+                procs[name] = {"pid": e["pid"], "rss_mib": round(u[0], 1), "fds": u[1], "file_mib": round(u[2], 1)}
         with traffic._lock:
             window = [o for o in traffic.outcomes if since <= o.end < t]
         lat = [o.end - o.start for o in window if o.kind == "ok"]
