@@ -520,23 +520,19 @@ class Soak:
         proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", "--detach", *self.overrides, *self.binds["r1"]],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, REGISTRY_ENV: ""})
-        seen_out: list[str] = []
-        reader = threading.Thread(target=lambda: seen_out.append(proc.stdout.read()), daemon=True)
-        reader.start()
         deadline = time.monotonic() + 1200
-        while proc.poll() is None and time.monotonic() < deadline:
+        while True:
             if seen is not None:
                 seen["looks"] = [*seen["looks"][-4:], {"t": round(self.now(), 1),
                                                        "procs": [b for q in tree(proc.pid) if (b := proc_brief(q))]}]
             try:
-                proc.wait(30)
+                stdout, _ = proc.communicate(timeout=30)  # goes on collecting the output where a timed-out one stopped
+                break
             except subprocess.TimeoutExpired:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        reader.join(30)
-        stdout = "".join(seen_out)
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    stdout, _ = proc.communicate()
+                    break
         for line in stdout.splitlines():
             if "stopped what an earlier" in line or "detached" in line:
                 self.say(f"soak: {line}")
@@ -865,8 +861,7 @@ def read_to_end(bootstrap: str, topic: str, deadline_s: float) -> list:
             if time.monotonic() > deadline:
                 at = {tp.partition: f"{c.position(tp)}/{ends.get(tp, listed[tp])}" for tp in tps}
                 raise TimeoutError(f"{topic} not read to its end offsets within {deadline_s:g} s: {at}")
-            for tp, batch in c.poll(timeout_ms=1000).items():
-                pending(c, tps, listed, ends)  # this fetch's high watermark, for a partition read the first time
+            for tp, batch in c.poll(timeout_ms=1000).items():  # a partition's first fetch lies below the end it sets
                 found += [m for m in batch if m.offset < ends.get(tp, math.inf)]
         return found
     finally:
