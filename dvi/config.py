@@ -191,8 +191,8 @@ class VllmConfig:
     prefix_caching: bool = False
     # the CPU cores vLLM's worker pins its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND; vLLM's own server, the default
     # engine): auto, every core, one thread each (vLLM's default: the fastest for a replica alone on its machine);
-    # a list such as "0" or "0-3,8": these cores only (several replicas on one machine: each its own cores); nobind:
-    # unpinned. Two engines pinned to one core starve each other (dvi.hardware.shared_cores)
+    # a list such as "0" or "0-3,8": these cores only, for every process of the replica (several replicas on one
+    # machine: each its own cores); nobind: unpinned. Two engines pinned to one core starve each other (dvi.hardware.shared_cores)
     cpu_bind: str = "auto"
 
     def __post_init__(self) -> None:

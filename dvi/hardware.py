@@ -9,7 +9,10 @@
   onto cores where another vLLM engine is pinned already is told so (`shared_cores`): vLLM's CPU worker pins its
   OpenMP threads, one per core, from the moment its process starts, and a pinned engine that is busy starves
   whatever else is pinned beside it (a replica restarting beside a loaded one on this 2-core machine was not up
-  after 600 s, and came up in 89 s on a core of its own: `benchmarks.bench_restart`).
+  after 600 s, and came up in 89 s on a core of its own: `benchmarks.bench_restart`);
+- a replica given cores of its own runs on them alone, every process of it (`replica_cores`): `import torch` visits
+  each core the process may use (MKL's core count pins the thread to each in turn), and a restarted replica's engine
+  process, caught on the other replica's busy pinned core in that visit, did not run again for minutes.
 
 Each answer comes with the reason, for `dvi config show` and the start-up banners. This module imports neither torch
 nor vLLM unless it must (a CPU's flags are read from /proc/cpuinfo where there is one), so a light command can ask.
@@ -131,6 +134,13 @@ def bound_cores(bind: str) -> frozenset[int]:
         raise DviError(f"serve.vllm.cpu_bind={bind!r} names cores {_cores(cores - usable)}, which this process may not run "
                        f"on: it may run on {_cores(usable)}")
     return cores
+
+
+def replica_cores(bind: str, cores: frozenset[int]) -> frozenset[int] | None:
+    """The cores every process of a replica started with `serve.vllm.cpu_bind=bind` may run on, given the cores its
+    engine pins (`bound_cores`): those, for a list of cores (the replica owns them, as `taskset` would say); None (no
+    narrowing) for auto and nobind."""
+    return None if bind in ("auto", "nobind") else cores
 
 
 def pinned_engines(proc: Path = Path("/proc"), online: int | None = None) -> dict[int, frozenset[int]]:

@@ -23,7 +23,7 @@ from dvi.cli import vllm_server
 from dvi.cli.output import out
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
-from dvi.hardware import bound_cores, pick_dtype, pick_engine, pinned_engines, shared_cores
+from dvi.hardware import bound_cores, pick_dtype, pick_engine, pinned_engines, replica_cores, shared_cores
 from dvi.models import encode_prompt, end_ids, resolve_device
 from dvi.pairs import pair_dirs, resolve_pair
 from dvi.procs import default_replica_id, free_port
@@ -168,5 +168,7 @@ def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
         f"{drafter_dir.name if drafter_dir else None}, replica {cfg.stream.replica_id}; the loop's view at {url}/dvi/health); "
         "Ctrl-C stops it", flush=True)
     sys.stderr.flush()
+    if (own := replica_cores(cfg.serve.vllm.cpu_bind, pinned)) is not None:
+        os.sched_setaffinity(0, own)  # inherited by vLLM's engine and worker processes: none visits another replica's cores
     os.execve(cmd[0], cmd, env)
     return 1  # not reached

@@ -1,11 +1,14 @@
 """serve.vllm.cpu_bind: the cores vLLM's worker pins its threads to, checked against this machine and against the vLLM
-engines already pinned on it (dvi.hardware), and handed to vLLM's server (dvi.cli.vllm_server)."""
+engines already pinned on it (dvi.hardware), handed to vLLM's server (dvi.cli.vllm_server), and, for a list of cores,
+the only cores every process of the replica runs on (`dvi serve`, the real demo target, a real broker)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,8 @@ import pytest
 from dvi.cli import vllm_server
 from dvi.config import VllmConfig, load_config
 from dvi.errors import DviError
-from dvi.hardware import VLLM_WORKER, bound_cores, parse_cores, pinned_engines, shared_cores
+from dvi.hardware import VLLM_WORKER, bound_cores, parse_cores, pinned_engines, replica_cores, shared_cores
+from dvi.procs import free_port
 
 PINNED_WORKER = f"""
 import os, sys, time
@@ -100,3 +104,49 @@ def test_pinning_onto_a_core_another_engine_holds_is_named_with_the_free_cores()
     assert shared_cores("auto", usable, {}, usable) is None
     full = shared_cores("1", parse_cores("1"), {123: frozenset({0}), 124: frozenset({1, 2, 3})}, usable)
     assert "pid 124 on 1" in full and "pid 123" not in full and "no core is free of a pinned engine" in full
+
+
+def test_a_replica_with_cores_of_its_own_is_narrowed_to_them_and_auto_or_nobind_to_nothing():
+    assert replica_cores("1", frozenset({1})) == {1}
+    assert replica_cores("0-3,8", frozenset({0, 1, 2, 3, 8})) == {0, 1, 2, 3, 8}
+    assert replica_cores("auto", frozenset({0, 1})) is None
+    assert replica_cores("nobind", frozenset()) is None
+
+
+def session_cores(sid: int) -> dict[int, tuple[str, set[str]]]:
+    """Every process in session `sid`: its name (/proc comm) and the allowed cores of each of its threads, by pid."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or os.getsid(int(entry.name)) != sid:
+                continue
+            lists = {line.split(":", 1)[1].strip() for task in (entry / "task").iterdir()
+                     for line in (task / "status").read_text().splitlines() if line.startswith("Cpus_allowed_list:")}
+            found[int(entry.name)] = ((entry / "comm").read_text().strip(), lists)
+        except OSError:  # ended while read
+            continue
+    return found
+
+
+@pytest.mark.real_model
+def test_every_process_of_a_replica_given_a_core_runs_on_that_core_alone(stream_cfg, tmp_path):
+    """`dvi serve serve.vllm.cpu_bind=<core>` (vLLM's own server): the server, its engine process and its worker are
+    allowed that core alone, every thread of them (`import torch` in a process allowed more cores visits each in turn)."""
+    core = str(max(os.sched_getaffinity(0)))
+    cmd = [sys.executable, "-m", "dvi.cli", "serve", "serve.engine=vllm-server", f"serve.vllm.cpu_bind={core}",
+           f"serve.port={free_port()}", "tracking.enabled=false", f"stream.bootstrap_servers={stream_cfg.bootstrap}",
+           f"stream.topic={stream_cfg.topic}", f"stream.dlq_topic={stream_cfg.dlq_topic}",
+           f"stream.control_topic={stream_cfg.control_topic}", f"serve.swap.store={tmp_path / 'store'}", "stream.replica_id=bound"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
+    try:
+        deadline, seen = time.monotonic() + 600, {}
+        while not any(name == VLLM_WORKER for name, _ in seen.values()):  # the last of the processes vLLM starts
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, f"no vLLM worker within 600 s; the session held {seen}"
+            time.sleep(0.5)
+            seen = session_cores(proc.pid)
+        assert len(seen) >= 3, seen  # the server, its engine process, the worker (and any helper they started)
+        assert all(lists == {core} for _, lists in seen.values()), seen
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
