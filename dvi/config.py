@@ -45,6 +45,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("DVI_CACHE", Path.home() / ".cache" / "dvi"))
 
 
+def cache_dir(model) -> Path:
+    """The cache of a `ModelConfig`: `model.cache_dir`, or $DVI_CACHE (default ~/.cache/dvi)."""
+    return Path(model.cache_dir).expanduser() if model.cache_dir else default_cache_dir()
+
+
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path): vLLM's engine makes its sockets in the temporary folder
 
 

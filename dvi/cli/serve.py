@@ -23,7 +23,7 @@ from dvi.cli import vllm_server
 from dvi.cli.output import out
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
-from dvi.hardware import bound_cores, pick_dtype, pick_engine, pinned_engines, replica_cores, shared_cores
+from dvi.hardware import bound_cores, pick_dtype, pick_engine, pinned_engines, shared_cores
 from dvi.models import encode_prompt, end_ids, resolve_device
 from dvi.pairs import pair_dirs, resolve_pair
 from dvi.procs import default_replica_id, free_port
@@ -152,7 +152,7 @@ def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
     """serve.engine=vllm-server (auto, where vLLM is installed): this process becomes vLLM's own OpenAI server on the
     configured pair (`dvi.cli.vllm_server`), dvi's loop in it as its plugin (`dvi.cli.vllm_plugin`): its signals, exit
     status and processes are vLLM's (a supervisor that stops or kills this process stops the server)."""
-    pinned = bound_cores(cfg.serve.vllm.cpu_bind)  # DviError where it names a core this process may not run on
+    pinned = bound_cores(cfg.serve.vllm.cpu_bind)  # a replica with cores of its own runs on them alone (dvi.cli.args.serve)
     target_dir, drafter_dir = pair_dirs(cfg.model, with_drafter=not args.no_draft)
     dtype = pick_dtype(cfg.model.dtype, resolve_device(cfg.model.device).type)
     loop_port = free_port()
@@ -168,7 +168,5 @@ def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
         f"{drafter_dir.name if drafter_dir else None}, replica {cfg.stream.replica_id}; the loop's view at {url}/dvi/health); "
         "Ctrl-C stops it", flush=True)
     sys.stderr.flush()
-    if (own := replica_cores(cfg.serve.vllm.cpu_bind, pinned)) is not None:
-        os.sched_setaffinity(0, own)  # inherited by vLLM's engine and worker processes: none visits another replica's cores
     os.execve(cmd[0], cmd, env)
     return 1  # not reached

@@ -33,11 +33,9 @@ from pathlib import Path
 from typing import Callable
 
 from dvi.cli.output import out
-from dvi.config import load_config, overrides_of
+from dvi.config import cache_dir, load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
-from dvi.models import cache_dir, resolve_device, resolve_dtype
-from dvi.pairs import pair_dirs
 from dvi.procs import REGISTRY_ENV, Child, http_ok, port_in_use, sigterm_interrupts, spawn, start_time, stop_leftovers, wait_ready
 from dvi.tracking import find_experiment_link, local_login
 
@@ -301,6 +299,21 @@ def down(args: argparse.Namespace) -> int:
     return 0
 
 
+def prepare_pair(overrides: list[str]) -> tuple[str, str]:
+    """The configured pair's directories, fetched and built once before two parts race to do it, and its dtype checked
+    on its device (one clear line here, not a restart loop of parts): `dvi models fetch --pair` in a child process.
+    This process never loads torch (a supervisor stays small, and torch's import visits every core the process may
+    use, `dvi.hardware`); DviError with the child's reason."""
+    proc = subprocess.run([sys.executable, "-m", "dvi.cli", "models", "fetch", "--pair", *overrides], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True)
+    lines = proc.stdout.splitlines()
+    if proc.returncode != 0 or len(lines) < 2:
+        said = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+        reason = said[-1].removeprefix("dvi: error: ")
+        raise DviError(f"the model pair could not be prepared (dvi models fetch --pair): {reason}")
+    return lines[-2], lines[-1]
+
+
 def up(args: argparse.Namespace) -> int:
     overrides = overrides_of(args)
     cfg = load_config(overrides)
@@ -314,9 +327,8 @@ def up(args: argparse.Namespace) -> int:
     if args.detach:
         return detach(args, cache)
     if any(p.name in ("serve", "train") for p in parts):
-        resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))  # one clear line here, not a restart loop of parts
         out("dvi up: preparing the model pair (a first run fetches and converts it: minutes)", flush=True)
-        target, drafter = pair_dirs(cfg.model)  # fetched and built once, before two parts race to do it
+        target, drafter = prepare_pair(overrides)
         out(f"dvi up: target {target}, drafter {drafter}", flush=True)
     os.environ[REGISTRY_ENV] = str(children_dir(cache))  # every process the stack spawns, recorded until stopped
     supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: out(line, flush=True))

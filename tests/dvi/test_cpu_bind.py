@@ -113,6 +113,28 @@ def test_a_replica_with_cores_of_its_own_is_narrowed_to_them_and_auto_or_nobind_
     assert replica_cores("nobind", frozenset()) is None
 
 
+NARROWED = """
+import argparse, os, sys
+from dvi.cli import args
+args.serve(argparse.Namespace(overrides=sys.argv[1:]))
+print(sorted(os.sched_getaffinity(0)), "torch" in sys.modules)
+"""
+
+
+def test_dvi_serve_is_narrowed_to_its_cores_before_torch_loads():
+    """`dvi serve`'s command-line check (dvi.cli.args.serve) narrows the process to the replica's cores for vLLM's
+    own server, before any import of torch; nothing for auto, nor for dvi's engine (serve.vllm.cpu_bind is vLLM's)."""
+    usable = sorted(os.sched_getaffinity(0))
+
+    def narrowed(*overrides: str) -> str:
+        return subprocess.run([sys.executable, "-c", NARROWED, *overrides], capture_output=True, text=True, check=True,
+                              timeout=120).stdout.strip()
+
+    assert narrowed("serve.engine=vllm-server", f"serve.vllm.cpu_bind={usable[-1]}") == f"[{usable[-1]}] False"
+    assert narrowed("serve.engine=vllm-server") == f"{usable} False"
+    assert narrowed("serve.engine=dvi", f"serve.vllm.cpu_bind={usable[-1]}") == f"{usable} False"
+
+
 def session_cores(sid: int) -> dict[int, tuple[str, set[str]]]:
     """Every process in session `sid`: its name (/proc comm) and the allowed cores of each of its threads, by pid."""
     found = {}

@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from dvi import mlflow_view
-from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, Part, Supervisor, next_backoff, plan
+from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, Part, Supervisor, next_backoff, plan, prepare_pair
 from dvi.config import load_config
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
@@ -101,6 +101,11 @@ def _registry(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in folder.glob("*.json")]
 
 
+def test_a_pair_that_cannot_be_prepared_is_one_line_naming_the_setting():
+    with pytest.raises(DviError, match=r"the model pair could not be prepared \(dvi models fetch --pair\): .*model\.dtype"):
+        prepare_pair(["model.dtype=int8"])
+
+
 def test_a_part_stopped_for_not_coming_back_in_time_has_its_own_leftovers_stopped_and_nothing_else(tmp_path, monkeypatch):
     """A restarted part that is not ready within its time is stopped and started again; what it left running is
     stopped with it, and every other part, with what it started, keeps running."""
@@ -163,6 +168,8 @@ def test_dvi_up_answers_restarts_a_killed_part_and_stops_everything(demo_target_
     try:
         out.wait_for("Ctrl-C stops everything", 600)
         assert any(f"API     http://127.0.0.1:{api}/v1" in line for line in out.lines), out.lines
+        # the supervisor itself never loads torch (the pair is prepared in a child: dvi.cli.up.prepare_pair)
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
         for part in ("broker", "mlflow", "serve", "train"):
             assert (tmp_path / "cache" / "logs" / f"{part}.log").exists()
 
