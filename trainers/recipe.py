@@ -81,6 +81,14 @@ COUNTERS_EVERY_S = 30.0  # the counters go to the tracker at least this often wh
 RELEASE_EVERY_S = 60.0  # freed heap memory goes back to the system after a step at most this often (dvi.alloc)
 
 
+def release_due(step: int, released_step: int, now: float, released_at: float) -> bool:
+    """Whether the loop gives freed heap memory back now (`dvi.alloc.release_free`): a step ran since the last release
+    (at step `released_step`, time `released_at`), and that was RELEASE_EVERY_S ago or more. Checked on every turn of
+    the loop, stepping or idle: a trainer that goes idle after a step gives that step's memory back too, instead of
+    holding it for as long as it idles."""
+    return step != released_step and now - released_at >= RELEASE_EVERY_S
+
+
 class PositionLM(torch.nn.Module):
     """A causal LM whose forward returns logits only at the teacher positions: [P, N].
 
@@ -319,6 +327,7 @@ class Trainer:
         self.last_gate_step = self.state.step
         self.next_gate_at = time.monotonic() + (t.gate_every_s or math.inf)
         self.counters_logged_at = self.released_at = time.monotonic()
+        self.released_step = self.state.step
         if last is None:
             self.checkpoint()  # step 0: there is always a complete checkpoint to roll back to
 
@@ -383,6 +392,9 @@ class Trainer:
                 stop, go = self._agree(self._should_stop(), self.trigger.active(now), self._batch_ready(now))
                 if stop:
                     break
+                if release_due(self.state.step, self.released_step, time.monotonic(), self.released_at):
+                    release_free()  # what steps, checkpoints and gates freed
+                    self.released_at, self.released_step = time.monotonic(), self.state.step
                 if not go:
                     continue
                 self.step()
@@ -395,9 +407,6 @@ class Trainer:
                     published = self.gate_and_publish(why="session over" if session_over else "due")
                     if session_over:
                         self.trigger.end_session(time.monotonic(), published)
-                if time.monotonic() - self.released_at >= RELEASE_EVERY_S:  # what steps, checkpoints and gates freed
-                    release_free()
-                    self.released_at = time.monotonic()
             if self.offline and self.state.step > self.last_gate_step:  # offline: the last steps get a gate too
                 self.gate_and_publish(why="end of the offline run")
         finally:
