@@ -15,8 +15,9 @@ For each binding scheme, in turn and alone on the machine:
 3. once B is up, both serve `--clients` clients each for `--window-s`: the two replicas' tokens/s together.
 
 The schemes: `auto` (both replicas vLLM's default: every core, each replica's first thread on the first core),
-`split` (each replica its own half of the cores, `serve.vllm.cpu_bind=0` and `=1` on 2 cores), `nobind` (no
-pinning). Every number comes from the same run, so the schemes compare as ratios.
+`split` (each replica its own half of the cores, `serve.vllm.cpu_bind=0` and `=1` on 2 cores: vLLM pins the
+worker's threads; `dvi serve` since narrows every process of such a replica to its cores as well, which this benchmark
+does not), `nobind` (no pinning). Every number comes from the same run, so the schemes compare as ratios.
 
 Run (alone on the machine, from the checkout root): .venv/bin/python -m benchmarks.bench_restart [--json PATH]
 """

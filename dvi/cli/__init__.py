@@ -131,8 +131,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("mlflow",), "run the local MLflow server (SQLite + local artifacts) on 127.0.0.1:tracking.port", "tracking:mlflow"),
     Command(("train",), "the online distillation trainer (DeepSpeed), fed by the decision stream", "train:train"),
     Command(("retrain",), "ask running trainers for a training session (control topic)", "train:retrain", _retrain),
-    Command(("models", "fetch"), "fetch and convert the demo target (or import a local GGUF file) into the model cache",
-            "models:fetch", _fetch),
+    Command(("models", "fetch"), "fetch and convert the demo target (or import a local GGUF file) into the model cache; "
+            "--pair: the configured target and drafter", "models:fetch", _fetch, check="args:config"),
     Command(("drafter", "init"), "build a drafter from the target's first layers", "models:drafter_init", _drafter_init),
     Command(("drafter", "distill"), "distill the drafter offline from every record on the decisions topic, then publish",
             "train:distill", _distill),

@@ -47,8 +47,10 @@ def config(args: argparse.Namespace) -> DviConfig:
 def serve(args: argparse.Namespace) -> DviConfig:
     """`dvi serve`'s config, checked with the cores it names (`dvi.hardware.bound_cores`). A replica on vLLM's own
     server given cores of its own (`replica_cores`) runs on them alone from here on, this process and every one it
-    starts: torch is not loaded yet, and its import visits every core the process may use."""
+    starts: torch is not loaded yet, and its import visits every core the process may use. The cores the process
+    could use before are kept in `args.usable_cores`."""
     cfg = config(args)
+    args.usable_cores = bound_cores("auto")  # before narrowing: what `dvi serve` may advise a replica to take
     if pick_engine(cfg.serve.engine).value != "vllm-server":
         return cfg
     bind = cfg.serve.vllm.cpu_bind

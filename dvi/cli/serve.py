@@ -161,7 +161,8 @@ def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
     cmd = vllm_server.command(cfg, target_dir, drafter_dir, dtype.value)
     url = f"http://{cfg.serve.host}:{cfg.serve.port}"
     out(f"dvi serve: engine {pick_engine(cfg.serve.engine)}, dtype {dtype}", flush=True)
-    clash = shared_cores(cfg.serve.vllm.cpu_bind, pinned, pinned_engines(), bound_cores("auto"))
+    usable = getattr(args, "usable_cores", None) or bound_cores("auto")  # this process's cores before dvi.cli.args.serve
+    clash = shared_cores(cfg.serve.vllm.cpu_bind, pinned, pinned_engines(), usable)
     if clash:
         out(f"dvi serve: warning: {clash}", flush=True)
     out(f"dvi serve: {url}/v1 once vLLM's server is up (model {cfg.serve.served_model_name or target_dir.name}, drafter "

@@ -299,18 +299,30 @@ def down(args: argparse.Namespace) -> int:
     return 0
 
 
-def prepare_pair(overrides: list[str]) -> tuple[str, str]:
-    """The configured pair's directories, fetched and built once before two parts race to do it, and its dtype checked
-    on its device (one clear line here, not a restart loop of parts): `dvi models fetch --pair` in a child process.
-    This process never loads torch (a supervisor stays small, and torch's import visits every core the process may
-    use, `dvi.hardware`); DviError with the child's reason."""
-    proc = subprocess.run([sys.executable, "-m", "dvi.cli", "models", "fetch", "--pair", *overrides], stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True)
-    lines = proc.stdout.splitlines()
-    if proc.returncode != 0 or len(lines) < 2:
-        said = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
-        reason = said[-1].removeprefix("dvi: error: ")
-        raise DviError(f"the model pair could not be prepared (dvi models fetch --pair): {reason}")
+def prepare_pair(overrides: list[str], verbose: bool = False) -> tuple[str, str]:
+    """The configured pair's directories, fetched and built once before two parts race to do it, and its device and
+    dtype checked (one clear line here, not a restart loop of parts): `dvi models fetch --pair` in a child process,
+    whose waits and warnings pass through as they come. This process never loads torch (a supervisor stays small, and
+    torch's import visits every core the process may use, `dvi.hardware`). DviError with the child's reason; Ctrl-C
+    or SIGTERM stops the child too."""
+    cmd = [sys.executable, "-m", "dvi.cli", *(["-v"] if verbose else []), "models", "fetch", "--pair", *overrides]
+    reason = None
+    with sigterm_interrupts():
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            for line in proc.stderr:  # until the child ends; its stdout is the two directories, nothing more
+                if line.startswith("dvi: error: "):
+                    reason = line.removeprefix("dvi: error: ").strip()
+                else:
+                    sys.stderr.write(line)
+            lines, code = proc.stdout.read().splitlines(), proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if code != 0 or len(lines) < 2:
+        said = reason or (f"exit status {code}" if code else f"it printed {lines!r}, not the two directories")
+        raise DviError(f"the model pair could not be prepared (dvi models fetch --pair): {said}")
     return lines[-2], lines[-1]
 
 
@@ -328,7 +340,7 @@ def up(args: argparse.Namespace) -> int:
         return detach(args, cache)
     if any(p.name in ("serve", "train") for p in parts):
         out("dvi up: preparing the model pair (a first run fetches and converts it: minutes)", flush=True)
-        target, drafter = prepare_pair(overrides)
+        target, drafter = prepare_pair(overrides, verbose=args.verbose)
         out(f"dvi up: target {target}, drafter {drafter}", flush=True)
     os.environ[REGISTRY_ENV] = str(children_dir(cache))  # every process the stack spawns, recorded until stopped
     supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: out(line, flush=True))

@@ -125,6 +125,7 @@ def test_dvi_serve_is_narrowed_to_its_cores_before_torch_loads():
     """`dvi serve`'s command-line check (dvi.cli.args.serve) narrows the process to the replica's cores for vLLM's
     own server, before any import of torch; nothing for auto, nor for dvi's engine (serve.vllm.cpu_bind is vLLM's)."""
     usable = sorted(os.sched_getaffinity(0))
+    assert len(usable) >= 2, "narrowing means something only for a process allowed two cores or more"
 
     def narrowed(*overrides: str) -> str:
         return subprocess.run([sys.executable, "-c", NARROWED, *overrides], capture_output=True, text=True, check=True,
@@ -150,6 +151,8 @@ def session_cores(sid: int) -> dict[int, tuple[str, set[str]]]:
     return found
 
 
+@pytest.mark.slow
+@pytest.mark.broker
 @pytest.mark.real_model
 def test_every_process_of_a_replica_given_a_core_runs_on_that_core_alone(stream_cfg, tmp_path):
     """`dvi serve serve.vllm.cpu_bind=<core>` (vLLM's own server): the server, its engine process and its worker are

@@ -35,7 +35,7 @@ from streams.control import send as control_send
 from streams.producer import DecisionProducer
 from trainers import checkpoint
 from trainers.data import Fate
-from trainers.recipe import RELEASE_EVERY_S, Trainer, release_due
+from trainers.recipe import Trainer
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -632,9 +632,3 @@ def test_one_non_finite_value_in_any_parameter_is_found():
             model[1].bias[1] = value
         assert not _params_finite(model)
 
-
-def test_freed_memory_goes_back_after_a_step_at_most_once_a_minute_also_when_the_loop_then_idles():
-    t0 = 1000.0
-    assert not release_due(5, 5, t0 + 10 * RELEASE_EVERY_S, t0)  # no step since the last release: nothing new freed
-    assert not release_due(6, 5, t0 + RELEASE_EVERY_S / 2, t0)  # too soon
-    assert release_due(6, 5, t0 + RELEASE_EVERY_S, t0)  # a step since, a minute on: also on an idle turn of the loop
