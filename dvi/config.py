@@ -402,6 +402,10 @@ class TrainerConfig:
     holdout_mb: float = 128.0  # and at most this many MiB of them
     gate_every: int = 50  # optimizer steps between gate checks
     gate_every_s: float | None = 60.0  # and a gate check this often (if a step was taken since the last); null: steps only
+    # the most of the trainer's time timed gate checks may take: a check that took t seconds is followed by the next
+    # timed one t / share seconds after it started at the earliest (a gate runs both drafters, and for EAGLE-3 the
+    # target, over every held-out record: minutes on a small CPU once the held-out set is full)
+    gate_max_share: float = 0.25
     gate_min_records: int = 4  # held-out records needed before a gate check
     min_gain: float = 0.02  # a candidate must beat the serving drafter's estimated acceptance by more than this
     checkpoint_every: int = 25  # optimizer steps between checkpoints (offsets are committed after each)
@@ -447,6 +451,7 @@ class TrainerConfig:
                "sizes > 0 MiB")
         _check(self.gate_every >= 1, "trainer.gate_every", self.gate_every, "an integer >= 1")
         _check(self.gate_every_s is None or self.gate_every_s > 0, "trainer.gate_every_s", self.gate_every_s, "null or > 0 seconds")
+        _check(0 < self.gate_max_share <= 1, "trainer.gate_max_share", self.gate_max_share, "in (0, 1]")
         _check(self.holdout_first >= 0, "trainer.holdout_first", self.holdout_first, "an integer >= 0")
         _check(self.gate_min_records >= 1, "trainer.gate_min_records", self.gate_min_records, "an integer >= 1")
         _check(self.checkpoint_every >= 1, "trainer.checkpoint_every", self.checkpoint_every, "an integer >= 1")

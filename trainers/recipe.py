@@ -22,7 +22,7 @@
   committable offsets and the lineage is written atomically (`trainers.checkpoint`); only then are the offsets
   committed, so a crash re-reads exactly the records the last checkpoint does not cover;
 - gate and publish: every `trainer.gate_every` steps, every `trainer.gate_every_s` seconds in which a step was
-  taken, at the end of a triggered session and at once on a retrain request under the continuous trigger, the
+  taken (spaced further where the checks would take more than `trainer.gate_max_share` of the time), at the end of a triggered session and at once on a retrain request under the continuous trigger, the
   candidate's expected acceptance on held-out records is compared with the baseline's (the first
   `trainer.holdout_first` records are all held out, so the first gate can run within minutes); only a better candidate is written
   to the model store (`dvi.store`), registered in MLflow (alias `candidate`, through the tracker it is handed)
@@ -79,6 +79,13 @@ decision = logging.getLogger("dvi.decision.trainer")  # one line per decision, s
 
 COUNTERS_EVERY_S = 30.0  # the counters go to the tracker at least this often while the trainer runs
 RELEASE_EVERY_S = 60.0  # freed heap memory goes back to the system after a step at most this often (dvi.alloc)
+
+
+def next_gate_in(every_s: float, took_s: float, max_share: float) -> float:
+    """Seconds from the start of a gate check that took `took_s` to the start of the next timed one: `every_s`, or
+    longer where checks that slow would otherwise take more than `max_share` of the trainer's time
+    (trainer.gate_max_share)."""
+    return max(every_s, took_s / max_share)
 
 
 def release_due(step: int, released_step: int, now: float, released_at: float) -> bool:
@@ -724,12 +731,15 @@ class Trainer:
         Every rank calls it: rank 0 gates and writes the version, the others follow its lineage. `why` names what
         asked for the gate in its log line; the counters go to the tracker afterwards."""
         self.last_gate_step = self.state.step
+        started = time.monotonic()
         if self.tcfg.gate_every_s:
-            self.next_gate_at = time.monotonic() + self.tcfg.gate_every_s
+            self.next_gate_at = started + self.tcfg.gate_every_s
         if not self.checkpoint_ok:  # a version published now could not be resumed from after a crash
             decision.warning("gate at step %d (%s): not run: the last checkpoint failed", self.state.step, why)
             return False
         gate = self._gate(why) if self.rank == 0 else None
+        if self.tcfg.gate_every_s:  # a slow check (a full held-out set) spaces the next ones out
+            self.next_gate_at = started + next_gate_in(self.tcfg.gate_every_s, time.monotonic() - started, self.tcfg.gate_max_share)
         gate = self._from_rank0(gate)
         published = gate is not None and self.publish(gate)
         self.log_counters()

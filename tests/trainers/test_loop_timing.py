@@ -1,0 +1,22 @@
+"""The trainer loop's timing decisions, as pure logic on an explicit clock: when it gives freed heap memory back to the
+system (`trainers.recipe.release_due`; the release itself, glibc's `malloc_trim`, is tested against glibc in
+tests/dvi/test_alloc.py) and how far apart slow gate checks are spaced (`next_gate_in`)."""
+
+from __future__ import annotations
+
+from trainers.recipe import RELEASE_EVERY_S, next_gate_in, release_due
+
+
+def test_freed_memory_goes_back_after_a_step_at_most_once_a_minute_also_when_the_loop_then_idles():
+    t0 = 1000.0
+    assert not release_due(5, 5, t0 + 10 * RELEASE_EVERY_S, t0)  # no step since the last release: nothing new freed
+    assert not release_due(6, 5, t0 + RELEASE_EVERY_S / 2, t0)  # too soon
+    assert release_due(6, 5, t0 + RELEASE_EVERY_S, t0)  # a step since, a minute on: also on an idle turn of the loop
+
+
+def test_a_slow_gate_check_spaces_the_next_so_checks_take_at_most_their_share_of_the_time():
+    assert next_gate_in(60.0, 2.0, 0.25) == 60.0  # a quick check: every gate_every_s
+    assert next_gate_in(60.0, 180.0, 0.25) == 720.0  # a 3-minute check: the next starts 12 minutes after it began
+    took, share = 180.0, 0.25
+    assert took / next_gate_in(60.0, took, share) <= share
+    assert next_gate_in(60.0, 180.0, 1.0) == 180.0  # share 1: back to back, as before the share existed
