@@ -22,8 +22,9 @@
   committable offsets and the lineage is written atomically (`trainers.checkpoint`); only then are the offsets
   committed, so a crash re-reads exactly the records the last checkpoint does not cover;
 - gate and publish: every `trainer.gate_every` steps, every `trainer.gate_every_s` seconds in which a step was
-  taken (spaced further where the checks would take more than `trainer.gate_max_share` of the time), at the end of a triggered session and at once on a retrain request under the continuous trigger, the
-  candidate's expected acceptance on held-out records is compared with the baseline's (the first
+  taken (spaced further where the checks would take more than `trainer.gate_max_share` of the time), at the end
+  of a triggered session and at once on a retrain request under the continuous trigger, the candidate's
+  expected acceptance on held-out records is compared with the baseline's (the first
   `trainer.holdout_first` records are all held out, so the first gate can run within minutes); only a better candidate is written
   to the model store (`dvi.store`), registered in MLflow (alias `candidate`, through the tracker it is handed)
   and announced as a `dvi.control.DrafterPublished` through the publisher it is handed. `Trainer.published`
