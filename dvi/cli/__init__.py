@@ -224,13 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         run = getattr(importlib.import_module(f"dvi.cli.{module}"), function)
         return int(run(args) or 0)
     except DviError as e:
-        print(f"dvi: error: {e}", file=sys.stderr)
+        print(f"{output.ERROR_PREFIX}{e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
         extra = EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:
             raise
-        print(f"dvi: error: this command needs {e.name}, which the base install leaves out: pip install 'dvi[{extra}]'",
+        print(f"{output.ERROR_PREFIX}this command needs {e.name}, which the base install leaves out: pip install 'dvi[{extra}]'",
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:

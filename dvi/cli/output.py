@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+ERROR_PREFIX = "dvi: error: "  # how a command's error starts on stderr (dvi.cli.main), as a parent reads it back
+
 _stream: TextIO = sys.stdout
 
 

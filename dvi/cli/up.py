@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dvi.cli.output import out
+from dvi.cli.output import ERROR_PREFIX, out
 from dvi.config import cache_dir, load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
@@ -311,8 +311,8 @@ def prepare_pair(overrides: list[str], verbose: bool = False) -> tuple[str, str]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             for line in proc.stderr:  # until the child ends; its stdout is the two directories, nothing more
-                if line.startswith("dvi: error: "):
-                    reason = line.removeprefix("dvi: error: ").strip()
+                if line.startswith(ERROR_PREFIX):
+                    reason = line.removeprefix(ERROR_PREFIX).strip()
                 else:
                     sys.stderr.write(line)
             lines, code = proc.stdout.read().splitlines(), proc.wait()
