@@ -25,7 +25,9 @@
   taken (spaced further where the checks would take more than `trainer.gate_max_share` of the time), at the end
   of a triggered session and at once on a retrain request under the continuous trigger, the candidate's
   expected acceptance on held-out records is compared with the baseline's (the first
-  `trainer.holdout_first` records are all held out, so the first gate can run within minutes); only a better candidate is written
+  `trainer.holdout_first` records are all held out, so the first gate can run within minutes; the baseline's
+  figures are kept per record while it serves, so a check evaluates it on the records new to the held-out set
+  only); only a better candidate is written
   to the model store (`dvi.store`), registered in MLflow (alias `candidate`, through the tracker it is handed)
   and announced as a `dvi.control.DrafterPublished` through the publisher it is handed. `Trainer.published`
   lists the versions published in this run.
@@ -56,6 +58,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import torch
@@ -70,9 +73,11 @@ from dvi.errors import DviError
 from dvi.models import cache_dir, resolve_device, resolve_dtype
 from dvi.pairs import load_any_drafter, resolve_pair
 from dvi.records import DecisionRecord, Delivered
+from dvi.speculative import expected_acceptance
 from trainers import checkpoint, ds
 from trainers.data import Ahead, Batch, Buffer, Example, Fate, Item, Ledger, Offsets, collate, example_from_record
-from trainers.losses import Teacher, kl_reward_weights, position_loss, teacher_from_logits, teacher_from_topk
+from trainers.losses import (Teacher, kl_reward_weights, position_loss, student_log_probs, teacher_from_logits,
+                             teacher_from_topk)
 from trainers.triggers import Trigger
 
 log = logging.getLogger("dvi.trainer")
@@ -209,6 +214,14 @@ class State:
     counters: Counters = field(default_factory=Counters)
 
 
+class Figures(NamedTuple):
+    """One held-out record's gate figures for one drafter: sums over its teacher positions, and their number."""
+
+    acceptance: float
+    greedy: float
+    positions: int
+
+
 def teacher_for(batch: Batch, vocab_size: int, vocab_map: torch.Tensor | None, teacher_lm: PositionLM | None) -> Teacher:
     """The batch's teacher: the logged top-k, or the full distribution of `teacher_lm` (the trainer's copy of
     the target)."""
@@ -220,28 +233,45 @@ def teacher_for(batch: Batch, vocab_size: int, vocab_map: torch.Tensor | None, t
         return teacher_from_logits(teacher_lm(batch.input_ids, batch.attention_mask, batch.rows, batch.cols), vocab_map)
 
 
-def evaluate(student: PositionLM, examples: list[Example], vocab_size: int, vocab_map, teacher_lm: PositionLM | None,
-             batch_tokens: int) -> dict[str, float]:
-    """Expected acceptance (sum over tokens of min(p, q), the speculative engine's measure) and the greedy match rate
-    (argmax q = argmax p) of `student` (a candidate or the baseline) on `examples`, averaged over their teacher
-    positions; `teacher_lm` as in `teacher_for`."""
-    totals = {"acceptance": 0.0, "greedy": 0.0}
-    positions = 0
+def evaluate_each(student: PositionLM, examples: list[Example], vocab_size: int, vocab_map, teacher_lm: PositionLM | None,
+                  batch_tokens: int) -> list[Figures]:
+    """Per example, in their order: the sums over its teacher positions of `student`'s expected acceptance (sum over
+    tokens of min(p, q), the speculative engine's measure) and greedy match (argmax q = argmax p), and the number of
+    positions; `teacher_lm` as in `teacher_for`. An example's figures do not depend on the examples batched with it
+    (up to float rounding), so they can be kept while its student is."""
+    each: dict[int, Figures] = {}  # by the example's index in `examples` (chunks group them by teacher width)
+    index = {id(e): i for i, e in enumerate(examples)}
     device = next(student.parameters()).device
     with torch.no_grad():
         for group in chunks(examples, batch_tokens):
             batch = collate(group).to(device)
             teacher = teacher_for(batch, vocab_size, vocab_map, teacher_lm)
             logits = student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
-            _, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged)
+            accepted = expected_acceptance(teacher.probs.float(), student_log_probs(logits).exp())  # [P]
             best = logits.argmax(-1) if vocab_map is None else vocab_map[logits.argmax(-1)]
             teacher_best = batch.topk_ids[:, 0] if batch.topk_ids is not None else (
                 teacher.probs.argmax(-1) if vocab_map is None else vocab_map[teacher.probs.argmax(-1)])
-            n = batch.positions
-            totals["acceptance"] += metrics["acceptance"] * n
-            totals["greedy"] += float((best == teacher_best).float().sum())
-            positions += n
-    return {k: v / max(positions, 1) for k, v in totals.items()}
+            per_row = torch.zeros(2, len(group), dtype=torch.float64, device=accepted.device)
+            per_row[0].index_add_(0, batch.rows, accepted.double())
+            per_row[1].index_add_(0, batch.rows, (best == teacher_best).double())
+            for e, (acceptance, greedy) in zip(group, per_row.T.tolist(), strict=True):  # one host sync per batch
+                each[index[id(e)]] = Figures(acceptance, greedy, e.positions)
+    return [each[i] for i in range(len(examples))]
+
+
+def pooled(figures) -> dict[str, float]:
+    """Expected acceptance and greedy match rate averaged over every teacher position of `figures` (`Figures`)."""
+    figures = list(figures)
+    positions = max(sum(f.positions for f in figures), 1)
+    return {"acceptance": sum(f.acceptance for f in figures) / positions,
+            "greedy": sum(f.greedy for f in figures) / positions}
+
+
+def evaluate(student: PositionLM, examples: list[Example], vocab_size: int, vocab_map, teacher_lm: PositionLM | None,
+             batch_tokens: int) -> dict[str, float]:
+    """Expected acceptance and greedy match rate of `student` (a candidate or the baseline) on `examples`, averaged
+    over their teacher positions (`evaluate_each`, pooled)."""
+    return pooled(evaluate_each(student, examples, vocab_size, vocab_map, teacher_lm, batch_tokens))
 
 
 def chunks(examples: list[Example], tokens: int):
@@ -317,7 +347,6 @@ class Trainer:
             self._restore(saved)
             log.info("resumed from %s at step %d (%d records in the ledger)", last, self.state.step, len(self.ledger))
         self.baseline = self._baseline_model()
-        self._baseline_eval: tuple | None = None  # (the baseline, the held-out record ids, its gate figures)
 
         t = self.tcfg
         self.buffer = Buffer(t.pending_size, t.replay_size, t.holdout_size, t.replay_share, t.holdout_share,
@@ -363,8 +392,11 @@ class Trainer:
         return Eagle3PositionLM(model, self.features_target) if self.eagle3 else PositionLM(model)
 
     def _baseline_model(self) -> PositionLM:
-        """A frozen copy of the drafter now serving (the gate's baseline), read from its directory."""
-        drafter = load_any_drafter(self.state.serving_dir, self.vocab_size, target=self.target if self.eagle3 else None)
+        """A frozen copy of the drafter now serving (the gate's baseline), read from its directory onto the device and
+        into the dtype of the drafter being trained, beside which the gate runs it."""
+        like = next(self.student.module.parameters())
+        drafter = load_any_drafter(self.state.serving_dir, self.vocab_size, dtype=like.dtype, device=like.device,
+                                   target=self.target if self.eagle3 else None)
         return self._position_lm(drafter.model.eval()).requires_grad_(False)
 
     def version_age(self, version: str | None) -> int | None:
@@ -756,13 +788,7 @@ class Trainer:
             return None
         self.state.counters.gates += 1
         cand = evaluate(self.student.module, holdout, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens)
-        # the baseline's figures stand while it and the held-out records do (a gate of an EAGLE-3 drafter runs the target)
-        ids = tuple(e.record_id for e in holdout)
-        cached = self._baseline_eval
-        if cached is None or cached[0] is not self.baseline or cached[1] != ids:
-            cached = self._baseline_eval = (self.baseline, ids, evaluate(self.baseline, holdout, self.vocab_size, self.vocab_map,
-                                                                         self.teacher_lm, self.tcfg.batch_tokens))
-        base = cached[2]
+        base = pooled(self._baseline_figures(holdout))
         gate = {"candidate_acceptance": cand["acceptance"], "serving_acceptance": base["acceptance"],
                 "candidate_greedy": cand["greedy"], "serving_greedy": base["greedy"], "holdout_records": len(holdout)}
         passed = cand["acceptance"] > base["acceptance"] + self.tcfg.min_gain and _params_finite(self.student.module)
@@ -781,6 +807,27 @@ class Trainer:
             return None
         decision.info("%s: passed: %s", at, figures)
         return gate
+
+    @property
+    def baseline(self) -> PositionLM:
+        """A frozen copy of the drafter now serving: the gate's baseline."""
+        return self._baseline
+
+    @baseline.setter
+    def baseline(self, model: PositionLM) -> None:
+        self._baseline, self._baseline_each = model, {}  # the old one's figures go with it
+
+    def _baseline_figures(self, holdout: list[Example]) -> list[Figures]:
+        """The baseline's figures on each held-out record. A record's stand while the baseline does: only records new
+        to the held-out set are evaluated (a gate of an EAGLE-3 drafter runs the target on them), and those that
+        left it are forgotten."""
+        known = self._baseline_each
+        new = [e for e in holdout if e.record_id not in known]
+        if new:
+            figures = evaluate_each(self.baseline, new, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens)
+            known.update((e.record_id, f) for e, f in zip(new, figures, strict=True))
+        self._baseline_each = {e.record_id: known[e.record_id] for e in holdout}
+        return [known[e.record_id] for e in holdout]
 
     def publish(self, gate: dict) -> bool:
         """Write the candidate as a new version (rank 0: store, registry, publisher); every rank then takes it as the

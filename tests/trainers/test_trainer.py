@@ -34,7 +34,7 @@ from streams.control import ControlReader
 from streams.control import send as control_send
 from streams.producer import DecisionProducer
 from trainers import checkpoint
-from trainers.data import Fate
+from trainers.data import Fate, Kept
 from trainers.recipe import Trainer
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -86,6 +86,14 @@ def run_trainer(cfg: DviConfig, **kw) -> Trainer:
     finally:
         source.close()
     return trainer
+
+
+def held_out(trainer: Trainer, source, n: int) -> list:
+    """Ingest what `source` reads until `trainer` holds out `n` records (30 s at most); its held-out records."""
+    deadline = time.monotonic() + 30
+    while len(trainer.buffer.holdout) < n and time.monotonic() < deadline:
+        trainer.ingest(source.poll(0.5))
+    return list(trainer.buffer.holdout)
 
 
 def last_state(cfg: DviConfig) -> dict:
@@ -375,6 +383,62 @@ def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_reco
             assert torch.equal(a, b)
 
 
+def test_gate_evaluates_the_baseline_only_on_records_new_to_the_held_out_set(stream_cfg, tiny_dirs, tiny_records, tmp_path,
+                                                                             monkeypatch):
+    """The baseline's figures are kept per record while it serves: a check evaluates it on the held-out records it
+    has not seen, forgets those that left, starts over for a new baseline, and its pooled figures equal evaluating
+    the baseline on the whole held-out set afresh. Per-record figures do not depend on the batch around them."""
+    from trainers import recipe
+
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, holdout_share=0.5, gate_min_records=4, min_gain=1.0)
+    produce(stream_cfg, tiny_records)
+    with DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id, from_beginning=True) as source:
+        trainer = Trainer(cfg, source)
+        held = held_out(trainer, source, 6)
+    assert len(held) >= 6
+    args = (VOCAB, trainer.vocab_map, trainer.teacher_lm, cfg.trainer.batch_tokens)
+
+    # per record: the same figures batched together as each alone, and pooled as `evaluate` pools them
+    together = recipe.evaluate_each(trainer.baseline, held, *args)
+    for e, kept in zip(held, together, strict=True):
+        (alone,) = recipe.evaluate_each(trainer.baseline, [e], *args)
+        assert alone.positions == kept.positions == e.positions
+        assert alone.acceptance == pytest.approx(kept.acceptance, rel=1e-4, abs=1e-5)
+        assert abs(alone.greedy - kept.greedy) <= 1  # a near-tie may break the other way in another batch shape
+    assert recipe.pooled(together) == pytest.approx(recipe.evaluate(trainer.baseline, held, *args))
+    expected = recipe.pooled(together[1:6])["acceptance"]  # the baseline on held[1:6], evaluated afresh
+
+    seen: list[list[str]] = []  # the record ids each evaluation of the baseline ran on
+    each = recipe.evaluate_each
+
+    def counted(student, examples, *rest):
+        if student is trainer.baseline:
+            seen.append([e.record_id for e in examples])
+        return each(student, examples, *rest)
+
+    monkeypatch.setattr(recipe, "evaluate_each", counted)
+
+    def gate_on(examples) -> float:
+        trainer.buffer.holdout = Kept(len(examples), 1 << 62)
+        trainer.buffer.holdout.extend(examples)
+        assert trainer.gate_and_publish() is False  # min_gain 1: refused, the baseline stays
+        return trainer.last_gate["serving_acceptance"]
+
+    first = gate_on(held[:4])
+    assert seen == [[e.record_id for e in held[:4]]]
+    assert gate_on(held[:4]) == first and len(seen) == 1  # nothing new: the kept figures
+    moved = gate_on(held[1:6])  # held[0] left, held[4:6] arrived
+    assert seen[1:] == [[e.record_id for e in held[4:6]]]
+    assert moved == pytest.approx(expected, rel=1e-4)
+    assert set(trainer._baseline_each) == {e.record_id for e in held[1:6]}
+
+    trainer.baseline = copy.deepcopy(trainer.baseline)  # a new serving drafter: every record evaluated again
+    gate_on(held[1:6])
+    assert seen[2:] == [[e.record_id for e in held[1:6]]]
+    assert trainer.state.counters.gates == 4 and trainer.state.counters.refused == 4
+    trainer.close()
+
+
 def test_non_finite_weights_roll_back_and_are_never_checkpointed_or_published(stream_cfg, tiny_dirs, tiny_records, tmp_path):
     cfg = config(stream_cfg, tiny_dirs, tmp_path, holdout_share=0.25, gate_min_records=2, max_steps=2)
     produce(stream_cfg, tiny_records)
@@ -420,10 +484,7 @@ def test_training_on_demo_records_raises_held_out_acceptance(stream_cfg, demo_ta
     cfg = replace(cfg, model=replace(cfg.model, threads=2))
     with DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id, from_beginning=True) as source:
         trainer = Trainer(cfg, source)
-        deadline = time.monotonic() + 30
-        while len(trainer.buffer.holdout) < 3 and time.monotonic() < deadline:
-            trainer.ingest(source.poll(0.5))
-        holdout = list(trainer.buffer.holdout)
+        holdout = held_out(trainer, source, 3)
         args = (VOCAB, None, trainer.teacher_lm, 512)
         before = evaluate(trainer.student.module, holdout, *args)
         trainer.run()
