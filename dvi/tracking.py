@@ -26,6 +26,8 @@ user set MLFLOW_HTTP_REQUEST_* variables) so a dead server costs the thread seco
 `loop_view` answers `dvi status` (the newest trainer run, the registered versions and their aliases) over MLflow's
 REST API with plain urllib (`rest`), so that `dvi status` answers in well under 2 s. The mlflow package is imported
 where it is first used, not at the top: it takes seconds to import, and a process with tracking off never needs it.
+MLflow's usage telemetry is off (MLFLOW_DISABLE_TELEMETRY, unless the environment sets it): it would report out and
+write under the home directory.
 
 This module is dvi's one MLflow client. It knows MLflow, not training or serving: what the metrics mean, when to
 log and what a drafter version holds are its callers' business.
@@ -85,6 +87,9 @@ _logins: dict[Path, tuple[str, str]] = {}  # the login files this process took i
 # the MLflow client's defaults (7 retries with backoff, 120 s timeout) would stall the thread for minutes
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 _IDLE_S = 0.5  # how often the thread looks for new points when all is sent
+# importing mlflow starts its usage telemetry (reports sent out, an id written to ~/.config/mlflow) unless this is set:
+# off in every process that imports this module, before any import of mlflow here (a user's own setting stands)
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
 def bounded_http() -> None:

@@ -356,3 +356,31 @@ def test_without_the_variables_the_local_server_makes_a_login_that_every_dvi_par
         LocalMlflow(tmp_path / "mlflow", port, auth=True).start()
     assert not port_in_use(port)
     assert TrackingConfig(uri="http://mlflow:5000").auth and local_login(TrackingConfig(uri="http://mlflow:5000")) is None
+
+
+def test_a_dvi_process_sends_no_mlflow_telemetry_and_writes_nothing_under_home(tmp_path):
+    """MLflow's client starts usage telemetry on import (reports sent out, an installation id written under
+    ~/.config) unless MLFLOW_DISABLE_TELEMETRY is set; a process that imports mlflow through dvi has it off. Run in a
+    child without the variables that make MLflow skip telemetry by itself (pytest's, CI's)."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    home.mkdir()
+    skips = {"MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "XDG_CONFIG_HOME", "PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "CI",
+             "CIRCLECI", "GITLAB_CI", "JENKINS_URL", "TRAVIS", "TF_BUILD", "BITBUCKET_BUILD_NUMBER", "CODEBUILD_BUILD_ARN",
+             "BUILDKITE", "TEAMCITY_VERSION", "CLOUD_RUN_EXECUTION", "RUNBOT_HOST_URL", "RUNBOT_BUILD_NAME", "RUNBOT_WORKER_ID"}
+    env = {k: v for k, v in os.environ.items() if k not in skips}  # mlflow.telemetry.utils: each of these turns it off
+    env["HOME"] = str(home)
+    probe = ("import dvi.tracking, mlflow\n"
+             "from mlflow.telemetry.client import get_telemetry_client\n"
+             "print(get_telemetry_client() is None)\n")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout + out.stderr
+    assert not list(home.rglob("*")), sorted(home.rglob("*"))
+
+    # the reference: without dvi's setting, the same child starts MLflow's telemetry and writes its id under home
+    plain = subprocess.run([sys.executable, "-c", probe.replace("import dvi.tracking, mlflow", "import mlflow")],
+                           env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert plain.stdout.strip().splitlines()[-1] == "False", plain.stdout + plain.stderr
+    assert (home / ".config" / "mlflow" / "telemetry.json").is_file()
