@@ -239,11 +239,11 @@ def evaluate_each(student: PositionLM, examples: list[Example], vocab_size: int,
     tokens of min(p, q), the speculative engine's measure) and greedy match (argmax q = argmax p), and the number of
     positions; `teacher_lm` as in `teacher_for`. An example's figures do not depend on the examples batched with it
     (up to float rounding), so they can be kept while its student is."""
-    each: dict[int, Figures] = {}  # by the example's index in `examples` (chunks group them by teacher width)
-    index = {id(e): i for i, e in enumerate(examples)}
+    each: list[Figures | None] = [None] * len(examples)  # every index is filled: chunks cover every example
     device = next(student.parameters()).device
     with torch.no_grad():
-        for group in chunks(examples, batch_tokens):
+        for at in chunk_indices(examples, batch_tokens):
+            group = [examples[i] for i in at]
             batch = collate(group).to(device)
             teacher = teacher_for(batch, vocab_size, vocab_map, teacher_lm)
             logits = student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
@@ -254,9 +254,9 @@ def evaluate_each(student: PositionLM, examples: list[Example], vocab_size: int,
             per_row = torch.zeros(2, len(group), dtype=torch.float64, device=accepted.device)
             per_row[0].index_add_(0, batch.rows, accepted.double())
             per_row[1].index_add_(0, batch.rows, (best == teacher_best).double())
-            for e, (acceptance, greedy) in zip(group, per_row.T.tolist(), strict=True):  # one host sync per batch
-                each[index[id(e)]] = Figures(acceptance, greedy, e.positions)
-    return [each[i] for i in range(len(examples))]
+            for i, (acceptance, greedy) in zip(at, per_row.T.tolist(), strict=True):  # one host sync per batch
+                each[i] = Figures(acceptance, greedy, examples[i].positions)
+    return each
 
 
 def pooled(figures) -> dict[str, float]:
@@ -276,17 +276,23 @@ def evaluate(student: PositionLM, examples: list[Example], vocab_size: int, voca
 
 def chunks(examples: list[Example], tokens: int):
     """Groups of examples with the same teacher width and at most about `tokens` positions each."""
-    by_width: dict[int, list[Example]] = {}
-    for e in examples:
-        by_width.setdefault(0 if e.topk_ids is None else e.topk_ids.shape[1], []).append(e)
+    for at in chunk_indices(examples, tokens):
+        yield [examples[i] for i in at]
+
+
+def chunk_indices(examples: list[Example], tokens: int):
+    """`chunks` as the indices of its examples in `examples`."""
+    by_width: dict[int, list[int]] = {}
+    for i, e in enumerate(examples):
+        by_width.setdefault(0 if e.topk_ids is None else e.topk_ids.shape[1], []).append(i)
     for group in by_width.values():
         chunk, used = [], 0
-        for e in group:
-            if chunk and used + e.positions > tokens:
+        for i in group:
+            if chunk and used + examples[i].positions > tokens:
                 yield chunk
                 chunk, used = [], 0
-            chunk.append(e)
-            used += e.positions
+            chunk.append(i)
+            used += examples[i].positions
         if chunk:
             yield chunk
 
