@@ -271,21 +271,24 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> lis
     where the contents go; the rendered text is then split at the template's own special tokens only (as the
     tokenizer splits it at every special token) and the text between them tokenized with special tokens split.
     A conversation without special tokens in its contents gets exactly the template's ids. If the template
-    changes contents so the placeholders cannot be found, the conversation is encoded as the template does,
-    unless a content holds a special token's text: then it is refused (DviError)."""
+    changes contents (the placeholders cannot be found, or the contents put in their places do not give the text
+    the template renders from the conversation itself), the conversation is encoded as the template does, unless
+    a content holds a special token's text: then it is refused (DviError)."""
     nonce = os.urandom(6).hex()
-    marks = [f"DVIMSG{i}X{nonce}" for i in range(len(messages))]
+    marks = [f"DviMsg{i}x{nonce}" for i in range(len(messages))]  # mixed case: `upper` and `lower` both change it
     rendered = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
                                              add_generation_prompt=True, tokenize=False)
-    pieces = re.split(f"(DVIMSG\\d+X{nonce})", rendered)
-    if sorted(pieces[1::2]) != sorted(marks):  # the template dropped, repeated or changed a content
+    pieces = re.split(f"(DviMsg\\d+x{nonce})", rendered)
+    content = {mark: m["content"] for m, mark in zip(messages, marks)}
+    placed = "".join(content.get(piece, piece) for piece in pieces)
+    as_rendered = placed == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if sorted(pieces[1::2]) != sorted(marks) or not as_rendered:  # the template dropped, repeated or changed a content
         specials = [t for t in tokenizer.all_special_tokens if any(t in m["content"] for m in messages)]
         if specials:
             raise DviError(f"message content holds special tokens {specials[:3]} and this chat template transforms "
                            "contents, so they cannot be encoded as text: remove them")
         enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-    content = {mark: m["content"] for m, mark in zip(messages, marks)}
     special = re.compile("|".join(re.escape(t) for t in sorted(tokenizer.all_special_tokens, key=len, reverse=True)))
     ids: list[int] = []
     text = ""  # since the last special token of the template: template text and contents

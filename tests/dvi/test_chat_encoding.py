@@ -3,6 +3,8 @@ tokens written in a message's content encoded as text, so no message can close i
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dvi.errors import DviError
@@ -45,10 +47,19 @@ def test_special_tokens_in_content_are_text_and_open_no_turn(tok):
     assert tok.decode(ids) == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # same text
 
 
-def test_a_template_that_changes_contents_falls_back_or_refuses(tok, monkeypatch):
-    shouting = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
-    monkeypatch.setattr(tok, "chat_template", shouting)
-    benign = [{"role": "user", "content": "say hi"}]
+SHOUTING = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+ESCAPING = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | replace('<', '&lt;') }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("template, nonce", [(SHOUTING, None), (SHOUTING, bytes(6)), (ESCAPING, None)],
+                         ids=["upper", "upper-digit-nonce", "escaping"])
+def test_a_template_that_changes_contents_falls_back_or_refuses(tok, monkeypatch, template, nonce):
+    """Whether or not the change touches the placeholders: `upper` leaves one of only digits as it was (a nonce of
+    zero bytes is all digits), and an escaping filter changes a content's '<' but never a placeholder."""
+    monkeypatch.setattr(tok, "chat_template", template)
+    if nonce is not None:
+        monkeypatch.setattr(os, "urandom", lambda n: nonce[:n])
+    benign = [{"role": "user", "content": "say hi <b>"}]
     assert encode_chat(tok, benign) == template_ids(tok, benign)
     with pytest.raises(DviError, match="special tokens"):
         encode_chat(tok, [{"role": "user", "content": INJECTION}])
