@@ -380,6 +380,10 @@ class TrainerConfig:
     replay_size: int = 4096  # records kept for replay (oldest evicted)
     replay_mb: float = 512.0  # and at most this many MiB of them (oldest evicted): long records cannot fill memory
     pending_size: int = 4096  # fresh records waiting to be trained (oldest skipped, counted, when full)
+    # fresh records waiting longer than this since they were logged are skipped (counted as expired): a waiting record
+    # holds its partition's committed offset back, and must be done before the stream's retention removes it; null:
+    # half of stream.retention_hours (no limit when that is null)
+    pending_max_age_s: float | None = None
     replay_when_idle: bool = False  # with no fresh record waiting, keep stepping on replayed ones (offline epochs)
     version_decay: float = 0.5  # replay weight per drafter version behind the serving one
     max_version_age: int = 4  # records from drafters this many versions back (or unknown ones) are dropped
@@ -409,6 +413,9 @@ class TrainerConfig:
     gate_min_records: int = 4  # held-out records needed before a gate check
     min_gain: float = 0.02  # a candidate must beat the serving drafter's estimated acceptance by more than this
     checkpoint_every: int = 25  # optimizer steps between checkpoints (offsets are committed after each)
+    # and a checkpoint this often when there is something new to commit (records done without a step: held out,
+    # skipped, expired); null: by steps only
+    checkpoint_every_s: float | None = 300.0
     keep_checkpoints: int = 2
     ledger_size: int = 1_000_000  # record ids remembered for deduplication
     # stopping (offline runs, tests); null: run until stopped
@@ -455,6 +462,10 @@ class TrainerConfig:
         _check(self.holdout_first >= 0, "trainer.holdout_first", self.holdout_first, "an integer >= 0")
         _check(self.gate_min_records >= 1, "trainer.gate_min_records", self.gate_min_records, "an integer >= 1")
         _check(self.checkpoint_every >= 1, "trainer.checkpoint_every", self.checkpoint_every, "an integer >= 1")
+        _check(self.checkpoint_every_s is None or self.checkpoint_every_s > 0, "trainer.checkpoint_every_s",
+               self.checkpoint_every_s, "null or > 0 seconds")
+        _check(self.pending_max_age_s is None or self.pending_max_age_s > 0, "trainer.pending_max_age_s",
+               self.pending_max_age_s, "null or > 0 seconds")
         _check(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, "an integer >= 1")
         _check(self.ledger_size >= 1000, "trainer.ledger_size", self.ledger_size, "an integer >= 1000")
         _check(self.max_steps is None or self.max_steps >= 1, "trainer.max_steps", self.max_steps, "null or >= 1")

@@ -1,7 +1,8 @@
 """Training checkpoints that are never torn: DeepSpeed's state plus the trainer's own, sealed on disk.
 
 This module owns the files under the trainer's run directory. A checkpoint is the directory
-`<root>/step-<08d>/` holding DeepSpeed's files (weights, optimizer, ZeRO shards), `dvi_state.json` (the
+`<root>/step-<08d>/` (`step-<08d>-<n>/` for the n-th save of the same step again, e.g. a checkpoint due by
+time while no step was taken: checkpoints order by step, then n) holding DeepSpeed's files (weights, optimizer, ZeRO shards), `dvi_state.json` (the
 trainer's JSON-able `state`), `MANIFEST.json` (relative path -> sha256 and size of every other file) and,
 written last, the completion marker `COMPLETE` (step, the manifest's sha256, ZeRO stage, world size). It
 knows DeepSpeed and files; it does not know what `state` holds (record-id ledger, consumer offsets, lineage
@@ -49,12 +50,13 @@ DEEPSPEED_GLOBALS = [LossScaler, ZeroStageEnum, importlib.import_module("deepspe
 STATE = "dvi_state.json"
 MANIFEST = "MANIFEST.json"
 MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"step-(\d{8,})")
+_STEP_DIR = re.compile(r"step-(\d{8,})(?:-(\d+))?")
 _TMP = ".tmp-"
 
 
-def step_tag(step: int) -> str:
-    return f"step-{step:08d}"
+def step_tag(step: int, again: int = 0) -> str:
+    """The directory name of step `step`'s checkpoint, the `again`-th save of that step after the first."""
+    return f"step-{step:08d}" + (f"-{again}" if again else "")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,10 +68,11 @@ def save(engine: DeepSpeedEngine, root: Path, step: int, state: dict, *, keep: i
     prune to the `keep` newest complete checkpoints, the new one always among them. Every rank calls it.
 
     The new checkpoint becomes the newest: step directories with a higher step (an abandoned timeline,
-    e.g. corrupt ones that `latest` skipped) are removed, as are torn ones.
+    e.g. corrupt ones that `latest` skipped) are removed, as are torn ones. A step saved again gets a new name
+    (`step-<08d>-<n>`), so the checkpoint it follows stands until the new one is complete.
     """
     root = Path(root)
-    tag = step_tag(step)
+    tag = step_tag(step, _agains(root, step))
     tmp = root / f"{_TMP}{tag}"
     final = root / tag
     # serialised first: a state that is not JSON-able fails before anything is written
@@ -110,13 +113,15 @@ def _seal(ckpt: Path, state_bytes: bytes) -> str:
     return hashlib.sha256(manifest).hexdigest()
 
 
+def _agains(root: Path, step: int) -> int:
+    """How many times `step` was saved before under `root` (0: never): the next save's `again`. Every rank sees
+    the same directory: the last save ended in a barrier after its pruning."""
+    found = [again for (s, again), _ in _step_dirs(root) if s == step] if root.is_dir() else []
+    return max(found) + 1 if found else 0
+
+
 def _install(tmp: Path, tag: str, final: Path) -> None:
-    """Rename the sealed `tmp/tag` to `final` (replacing a directory of the same step) and drop `tmp`."""
-    if final.exists():  # the same step saved again (a restart from an older checkpoint): move the old one aside
-        aside = final.parent / f"{_TMP}{tag}-replaced"
-        _remove(aside)
-        os.rename(final, aside)
-        _remove(aside)
+    """Rename the sealed `tmp/tag` to `final` and drop `tmp`."""
     os.rename(tmp / tag, final)
     fsync_path(final.parent)
     _remove(tmp)  # whatever DeepSpeed put beside the tag directory (zero_to_fp32.py)
@@ -247,14 +252,16 @@ def _weights_only(engine: DeepSpeedEngine) -> Iterator[None]:
 # files and ranks
 
 
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step directory under `root`, oldest first."""
+def _step_dirs(root: Path) -> list[tuple[tuple[int, int], Path]]:
+    """((step, again), path) of every step directory under `root`, oldest first."""
     found = [(_step_of(p), p) for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir()]
     return sorted(found)
 
 
-def _step_of(path: Path) -> int:
-    return int(_STEP_DIR.fullmatch(path.name).group(1))
+def _step_of(path: Path) -> tuple[int, int]:
+    """(step, again): the order of checkpoints."""
+    m = _STEP_DIR.fullmatch(path.name)
+    return int(m.group(1)), int(m.group(2) or 0)
 
 
 def _remove(path: Path) -> None:

@@ -316,11 +316,20 @@ class Offsets:
 # The buffer.
 
 
+def pending_age_limit(max_age_s: float | None, retention_hours: float | None) -> float | None:
+    """Seconds a fresh record may wait in the queue: `trainer.pending_max_age_s`, or by default half of
+    `stream.retention_hours` (the other half leaves room for the checkpoint that commits it); None: no limit."""
+    if max_age_s is not None:
+        return float(max_age_s)
+    return None if retention_hours is None else float(retention_hours) * 3600.0 / 2
+
+
 @dataclass
 class Item:
     example: Example
     partition: object
     offset: int
+    time: float = 0.0  # unix seconds when its record was logged (0: unknown, never expires)
 
 
 class Kept:
@@ -392,6 +401,15 @@ class Buffer:
         self.pending.append(item)
         dropped = self.pending.popleft() if len(self.pending) > self.pending_size else None
         return None, dropped
+
+    def expire(self, before: float) -> list[Item]:
+        """Take the fresh items logged before unix time `before` out of the queue, in queue order. The whole queue is
+        looked at: it is in arrival order, and a fetch from several partitions can put an old record behind a new one."""
+        if not any(0 < item.time < before for item in self.pending):
+            return []
+        expired = [item for item in self.pending if 0 < item.time < before]
+        self.pending = deque(item for item in self.pending if not 0 < item.time < before)
+        return expired
 
     def pending_positions(self) -> int:
         return sum(i.example.positions for i in self.pending)

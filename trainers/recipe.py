@@ -18,9 +18,12 @@
   teacher + the DVI reward term on the KL-to-reward schedule). A non-finite loss skips the batch (counted). On a
   GPU (`trainer.batch_ahead`) the next batch is taken and built on a thread while the step runs (`trainers.data.Ahead`);
   its records stay in flight, uncommitted, until it is trained;
-- checkpoint: every `trainer.checkpoint_every` steps, a DeepSpeed checkpoint holding the ledger, the
-  committable offsets and the lineage is written atomically (`trainers.checkpoint`); only then are the offsets
-  committed, so a crash re-reads exactly the records the last checkpoint does not cover;
+- checkpoint: every `trainer.checkpoint_every` steps, and every `trainer.checkpoint_every_s` seconds while records
+  were done without a step (held out, skipped), a DeepSpeed checkpoint holding the ledger, the committable offsets
+  and the lineage is written atomically (`trainers.checkpoint`); only then are the offsets committed, so a crash
+  re-reads exactly the records the last checkpoint does not cover. A fresh record waits in the queue at most
+  `trainer.pending_max_age_s` (by default half the stream's retention) and is then skipped: a waiting record holds
+  its partition's committed offset back, and a restart must never resume from offsets the broker has removed;
 - gate and publish: every `trainer.gate_every` steps, every `trainer.gate_every_s` seconds in which a step was
   taken (spaced further where the checks would take more than `trainer.gate_max_share` of the time), at the end
   of a triggered session and at once on a retrain request under the continuous trigger, the candidate's
@@ -75,7 +78,8 @@ from dvi.pairs import load_any_drafter, resolve_pair
 from dvi.records import DecisionRecord, Delivered
 from dvi.speculative import expected_acceptance
 from trainers import checkpoint, ds
-from trainers.data import Ahead, Batch, Buffer, Example, Fate, Item, Ledger, Offsets, collate, example_from_record
+from trainers.data import (Ahead, Batch, Buffer, Example, Fate, Item, Ledger, Offsets, collate, example_from_record,
+                           pending_age_limit)
 from trainers.losses import (Teacher, kl_reward_weights, position_loss, student_log_probs, teacher_from_logits,
                              teacher_from_topk)
 from trainers.triggers import Trigger
@@ -191,7 +195,8 @@ class Counters:
     foreign: int = 0  # records for another target vocabulary or without generated tokens
     trained: int = 0
     held_out: int = 0
-    skipped: int = 0  # fresh records dropped from a full queue
+    skipped: int = 0  # fresh records dropped without training: from a full queue, or expired
+    expired: int = 0  # of those, the records that waited longer than trainer.pending_max_age_s
     nonfinite: int = 0  # batches skipped for a non-finite loss
     published: int = 0
     refused: int = 0  # gate checks the candidate lost
@@ -364,6 +369,11 @@ class Trainer:
         self.stop_requested = False
         self.started_at = self.last_record_at = time.monotonic()
         self.last_checkpoint_step = self.state.step
+        self.checkpointed_at = time.monotonic()
+        self.committed: dict = {}  # the offsets the last checkpoint committed (a time checkpoint is due when they moved)
+        self.pending_max_age_s = pending_age_limit(t.pending_max_age_s, cfg.stream.retention_hours)
+        self.expired_since_log = 0
+        self.expired_logged_at = 0.0
         self.checkpoint_ok = True  # the last checkpoint written (or resumed from) is complete
         self.last_gate: dict = {}  # the last gate check: step, time, outcome and figures (for the tracker and status)
         self.first_gate: dict = {}  # the first gate check run in this process
@@ -422,6 +432,7 @@ class Trainer:
         try:
             while True:
                 self.ingest(self.source.poll(timeout_s=0.5))
+                self._expire()
                 for where in self.source.take_resets() if hasattr(self.source, "take_resets") else ():
                     self.offsets.forget(where)
                 if not getattr(self.source, "assigned", True):  # still joining its group: not idle yet
@@ -435,9 +446,12 @@ class Trainer:
                     self.gate_and_publish(why="retrain requested")
                 if time.monotonic() - self.counters_logged_at >= COUNTERS_EVERY_S:
                     self.log_counters()
-                stop, go = self._agree(self._should_stop(), self.trigger.active(now), self._batch_ready(now))
+                stop, go, due = self._agree(self._should_stop(), self.trigger.active(now), self._batch_ready(now),
+                                            self._checkpoint_due(now))
                 if stop:
                     break
+                if due:  # records were done without a step (held out, skipped): commit them by time
+                    self.checkpoint()
                 if release_due(self.state.step, self.released_step, time.monotonic(), self.released_at):
                     release_free()  # what steps, checkpoints and gates freed
                     self.released_at, self.released_step = time.monotonic(), self.state.step
@@ -461,16 +475,32 @@ class Trainer:
             self.close()
         return self.state.counters
 
-    def _agree(self, stop: bool, active: bool, ready: bool) -> tuple[bool, bool]:
-        """(stop, step) agreed by every rank, one collective per loop: the trainers stop when every rank would
-        stop (a rank that is done idles until the others are), rank 0's trigger decides whether they are active,
-        and they step when any rank has a batch (the others join with a zero gradient: DeepSpeed's gradient
-        all-reduce needs every rank in every step)."""
+    def _agree(self, stop: bool, active: bool, ready: bool, due: tuple[bool, bool]) -> tuple[bool, bool, bool]:
+        """(stop, step, checkpoint) agreed by every rank, one collective per loop: the trainers stop when every rank
+        would stop (a rank that is done idles until the others are), rank 0's trigger decides whether they are
+        active, and they step when any rank has a batch (the others join with a zero gradient: DeepSpeed's
+        gradient all-reduce needs every rank in every step); a checkpoint by time is due when rank 0's clock says
+        so and any rank has offsets to commit (`due`: (time, offsets))."""
         if self.world == 1:
-            return stop, active and ready
-        flags = torch.tensor([-float(stop), float(active) if self.rank == 0 else 0.0, float(ready)])
+            return stop, active and ready, all(due)
+        flags = torch.tensor([-float(stop), float(active) if self.rank == 0 else 0.0, float(ready),
+                              float(due[0]) if self.rank == 0 else 0.0, float(due[1])])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0] < 0), bool(flags[1] > 0) and bool(flags[2] > 0)
+        return bool(flags[0] < 0), bool(flags[1] > 0) and bool(flags[2] > 0), bool(flags[3] > 0) and bool(flags[4] > 0)
+
+    def _checkpoint_due(self, now: float) -> tuple[bool, bool]:
+        """(the time for a checkpoint by time has come, this rank has offsets the last checkpoint did not commit)."""
+        every = self.tcfg.checkpoint_every_s
+        if every is None or now - self.checkpointed_at < every:
+            return False, False
+        return True, self._uncommitted()
+
+    def _uncommitted(self) -> bool:
+        """Whether a checkpoint now would commit offsets the last one did not."""
+        return self._committable() != self.committed
+
+    def _committable(self) -> dict:
+        return self.offsets.committable({(tp[0], tp[1]): off for tp, off in self.source.positions().items()})
 
     def _all(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on every rank."""
@@ -543,13 +573,29 @@ class Trainer:
                                "set trainer.teacher=auto so the trainer recomputes them with the target")
             self.offsets.consumed(where, d.offset)
             self.inflight.add(record.record_id)
-            fate, dropped = self.buffer.add(Item(example, where, d.offset))
+            fate, dropped = self.buffer.add(Item(example, where, d.offset, record.time))
             if fate == Fate.HELD_OUT:
                 self._done(example.record_id, where, d.offset, Fate.HELD_OUT)
                 c.held_out += 1
             if dropped is not None:
                 self._done(dropped.example.record_id, dropped.partition, dropped.offset, Fate.SKIPPED)
                 c.skipped += 1
+
+    def _expire(self) -> None:
+        """Skip the fresh records that have waited longer than the age limit (`pending_age_limit`)."""
+        if self.pending_max_age_s is None:
+            return
+        expired = self.buffer.expire(time.time() - self.pending_max_age_s)
+        for item in expired:
+            self._done(item.example.record_id, item.partition, item.offset, Fate.SKIPPED)
+        self.state.counters.skipped += len(expired)
+        self.state.counters.expired += len(expired)
+        self.expired_since_log += len(expired)
+        if self.expired_since_log and time.monotonic() - self.expired_logged_at >= 60.0:
+            log.warning("%d fresh records waited longer than %.0f s (trainer.pending_max_age_s; by default half of "
+                        "stream.retention_hours) and were skipped untrained: the trainer is behind the stream",
+                        self.expired_since_log, self.pending_max_age_s)
+            self.expired_since_log, self.expired_logged_at = 0, time.monotonic()
 
     def _foreign(self, record: DecisionRecord) -> str | None:
         """Why a valid record is of no use to this trainer (another target vocabulary, no generated tokens), or None."""
@@ -735,7 +781,7 @@ class Trainer:
         if not _params_finite(self.student.module):
             raise DviError(f"step {self.state.step}: the drafter's weights are not finite; not checkpointing them "
                            "(restart resumes from the last complete checkpoint)")
-        committable = self.offsets.committable({(tp[0], tp[1]): off for tp, off in self.source.positions().items()})
+        committable = self._committable()
         s = self.state
         self.checkpoint_ok = False
         ranks = self._gathered({"counters": s.counters.to_dict(), "ledger": self.ledger.entries(),
@@ -754,13 +800,15 @@ class Trainer:
                 self.tracker.log_metrics({"count/checkpoint_failures": s.counters.checkpoint_failures}, step=s.step)
             return None
         self.checkpoint_ok = True
-        self.last_checkpoint_step = s.step
+        self.last_checkpoint_step, self.checkpointed_at = s.step, time.monotonic()
         if committable and self.source.group_id is not None:
             try:
                 self.source.commit(committable)
             except Exception as e:  # broker down: the checkpoint stands; redelivered records meet the ledger
                 log.warning("checkpoint %s is complete but committing its offsets failed (%s: %s); they are "
                             "committed with the next checkpoint", path.name, type(e).__name__, e)
+                return path
+        self.committed = committable
         return path
 
     # -- gate and publish ------------------------------------------------------------------------
@@ -887,7 +935,8 @@ class Trainer:
 
     def close(self) -> None:
         self.ahead.close()  # a batch built ahead is not trained: its records stay uncommitted and are read again
-        if self.state.step > self.last_checkpoint_step:
+        stepped, uncommitted = self.state.step > self.last_checkpoint_step, not self._all(not self._uncommitted())
+        if stepped or uncommitted:  # what was trained, held out or skipped since the last checkpoint is committed
             try:
                 self.checkpoint()
             except DviError as e:

@@ -280,7 +280,7 @@ KILLED_SAVE = textwrap.dedent(
     from trainers import checkpoint
     from trainers.ds import build_engine
 
-    root, pause_before = sys.argv[1], sys.argv[2]
+    root, pause_before, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
     def pause(*args, **kwargs):
         print("PAUSED", flush=True)
         time.sleep(600)
@@ -288,16 +288,16 @@ KILLED_SAVE = textwrap.dedent(
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2)
     engine = build_engine(LlamaForCausalLM(config), TrainerConfig())
-    checkpoint.save(engine, root, 3, {"step": 3}, keep=5)
+    checkpoint.save(engine, root, step, {"step": step}, keep=5)
     """
 )
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def save_and_kill(root: Path, pause_before: str) -> None:
-    """Run a save of step 3 in a fresh process, SIGKILL it as it reaches `checkpoint.<pause_before>`."""
+def save_and_kill(root: Path, pause_before: str, step: int = 3) -> None:
+    """Run a save of `step` in a fresh process, SIGKILL it as it reaches `checkpoint.<pause_before>`."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}  # the child makes its own world of one
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(root), pause_before], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(root), pause_before, str(step)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     try:
@@ -334,12 +334,23 @@ def test_sigkill_before_the_marker_leaves_the_previous_checkpoint(saved_run, tmp
     assert f"{root / step_tag(3)}: no completion marker" in caplog.text
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("pause_before", ["_install", "_write_marker"])
+def test_sigkill_while_a_step_is_saved_again_leaves_its_first_save(saved_run, tmp_path, pause_before):
+    """Step 2 saved again (a checkpoint due by time, no step taken since) goes beside the first save of step 2,
+    which stands whole until the new one is complete."""
+    root = copy_run(saved_run, tmp_path)
+    save_and_kill(root, pause_before, step=2)
+    assert latest(root) == root / step_tag(2) and verify(root / step_tag(2)) is None
+    assert not (root / step_tag(2, 1) / MARKER).exists()  # the second save: never renamed into place, or unmarked
+
+
 # ----------------------------------------------------------------------------------------------
 # pruning
 
 
 def steps_in(root: Path) -> list[int]:
-    return sorted(int(p.name.removeprefix("step-")) for p in root.glob("step-*"))
+    return sorted(int(p.name.removeprefix("step-").split("-")[0]) for p in root.glob("step-*"))
 
 
 def test_pruning_keeps_the_newest_n(ds_world, make_tiny_llama, one_thread, tmp_path):
@@ -350,9 +361,14 @@ def test_pruning_keeps_the_newest_n(ds_world, make_tiny_llama, one_thread, tmp_p
     (tmp_path / step_tag(5) / MARKER).unlink()  # torn: never counted among the kept, removed by the next save
     save(engine, tmp_path, 6, {}, keep=3)
     assert steps_in(tmp_path) == [3, 4, 6]
-    save(engine, tmp_path, 6, {"again": True}, keep=1)  # the same step again replaces it
-    assert steps_in(tmp_path) == [6] and load(engine, tmp_path / step_tag(6)) == {"again": True}
-    assert [p.name for p in tmp_path.iterdir()] == [step_tag(6)]
+    again = save(engine, tmp_path, 6, {"again": True}, keep=1)  # the same step again: a new name, then the old goes
+    assert again.name == step_tag(6, 1) == "step-00000006-1" and latest(tmp_path) == again
+    assert load(engine, again) == {"again": True} and [p.name for p in tmp_path.iterdir()] == [again.name]
+    third = save(engine, tmp_path, 6, {"third": True}, keep=2)
+    assert third.name == step_tag(6, 2) and latest(tmp_path) == third
+    assert sorted(p.name for p in tmp_path.iterdir()) == [again.name, third.name]
+    assert save(engine, tmp_path, 7, {}, keep=2).name == step_tag(7) and steps_in(tmp_path) == [6, 7]
+
 
 
 def test_a_save_behind_newer_checkpoints_removes_them(ds_world, make_tiny_llama, tmp_path):
@@ -360,8 +376,9 @@ def test_a_save_behind_newer_checkpoints_removes_them(ds_world, make_tiny_llama,
     engine = make_engine(make_tiny_llama)
     for step in (1, 2):
         save(engine, tmp_path, step, {}, keep=3)
-    save(engine, tmp_path, 1, {"resumed": True}, keep=3)
-    assert steps_in(tmp_path) == [1] and verify(tmp_path / step_tag(1)) is None
+    resumed = save(engine, tmp_path, 1, {"resumed": True}, keep=3)
+    assert steps_in(tmp_path) == [1, 1] and latest(tmp_path) == resumed == tmp_path / step_tag(1, 1)
+    assert load(engine, resumed) == {"resumed": True}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dvi.records import Delivered
-from trainers.data import Ahead, Buffer, Fate, FileSource, Item, Ledger, Offsets, collate, example_from_record
+from trainers.data import (Ahead, Buffer, Fate, FileSource, Item, Ledger, Offsets, collate, example_from_record,
+                           pending_age_limit)
 
 
 def reference_positions(record):
@@ -144,6 +145,24 @@ def test_offsets_of_a_lost_log_are_forgotten():
 
 def _items(make_record, n, **kw):
     return [Item(example_from_record(make_record(rounds=2, k=1, seed=i, **kw), 10_000), "p", i) for i in range(n)]
+
+
+def test_expire_takes_every_queued_item_logged_before_the_limit_wherever_it_waits(make_record):
+    buf = Buffer(100, 8, 8, 0.0, 0.0, 0.5, 2)
+    times = [100.0, 300.0, 150.0, 0.0, 199.0, 200.0]  # 0: a time unknown, never expired
+    for item, t in zip(_items(make_record, len(times)), times):
+        item.time = t
+        buf.add(item)
+    assert buf.expire(before=50.0) == []
+    assert [i.offset for i in buf.expire(before=200.0)] == [0, 2, 4]  # the one behind a newer record too
+    assert [i.offset for i in buf.pending] == [1, 3, 5] and buf.expire(before=200.0) == []
+    assert [i.offset for i in buf.expire(before=1e12)] == [1, 5] and [i.offset for i in buf.pending] == [3]
+
+
+def test_the_queue_age_limit_is_set_or_half_the_retention():
+    assert pending_age_limit(90.0, 168.0) == 90.0
+    assert pending_age_limit(None, 0.5) == 900.0 and pending_age_limit(None, 168.0) == 84 * 3600.0
+    assert pending_age_limit(None, None) is None
 
 
 def test_buffer_holds_out_a_share_and_skips_the_oldest_when_full(make_record):

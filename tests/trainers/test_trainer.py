@@ -186,6 +186,44 @@ def test_kill_9_and_restart_trains_every_acked_record_exactly_once(stream_cfg, t
     assert committed(cfg) == end_offsets(cfg)
 
 
+def test_records_waiting_past_the_age_limit_are_skipped_and_committed_without_a_step(stream_cfg, tiny_dirs, tiny_records,
+                                                                                      tmp_path):
+    """A trainer that takes no step (trigger=manual, no retrain asked for) still gets the records of its queue that
+    were logged longer ago than trainer.pending_max_age_s done (skipped, ledgered, counted as expired), and a
+    checkpoint by time (trainer.checkpoint_every_s) commits them at step 0; fresher records wait. Without both, a
+    queue that outlives the stream's retention holds its partitions' committed offsets on records the broker has
+    removed, and a restart reads on from the oldest left: the records between are never ledgered."""
+    import threading
+
+    from dvi.config import TriggerConfig
+
+    old = [replace(r, time=time.time() - 3600.0) for r in tiny_records[:16]]
+    fresh = tiny_records[16:]
+    produce(stream_cfg, old)
+    produce(stream_cfg, fresh)  # after every old one is acknowledged: in each partition the old records come first
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, pending_max_age_s=600.0, checkpoint_every_s=1.0, idle_exit_s=None)
+    cfg = replace(cfg, trigger=TriggerConfig(kind="manual"))
+    with DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id, from_beginning=True) as source:
+        trainer = Trainer(cfg, source)
+        thread = threading.Thread(target=trainer.run)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 90
+            while sum(o or 0 for o in committed(cfg).values()) < len(old) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            c, state = trainer.state.counters, last_state(cfg)
+            assert sum(o or 0 for o in committed(cfg).values()) == len(old)  # the old ones, up to the first fresh one
+            assert trainer.state.step == 0 == state["step"] and c.trained == 0
+            assert (c.records, c.expired, c.skipped, len(trainer.buffer.pending)) == (len(tiny_records), len(old), len(old), len(fresh))
+            ledger = dict(state["ledger"])
+            assert {r.record_id: ledger.get(r.record_id) for r in old} == {r.record_id: Fate.SKIPPED for r in old}
+            assert not any(r.record_id in ledger for r in fresh) and state["counters"]["expired"] == len(old)
+        finally:
+            trainer.stop_requested = True
+            thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
 @pytest.mark.faults
 def test_three_kill_9s_one_mid_checkpoint_lose_nothing_and_never_publish_a_torn_drafter(stream_cfg, tiny_dirs, tmp_path):
     """Fault scenario 1: the trainer is SIGKILLed three times while it trains and publishes, the second time while
