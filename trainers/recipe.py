@@ -798,6 +798,7 @@ class Trainer:
                       s.step, type(e).__name__, str(e).splitlines()[0] if str(e) else "", checkpoint.latest(self.run_dir, clean=False))
             if self.tracker is not None:
                 self.tracker.log_metrics({"count/checkpoint_failures": s.counters.checkpoint_failures}, step=s.step)
+            self.checkpointed_at = time.monotonic()  # a checkpoint by time is tried again checkpoint_every_s later
             return None
         self.checkpoint_ok = True
         self.last_checkpoint_step, self.checkpointed_at = s.step, time.monotonic()

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -76,6 +77,10 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_nothing_is_published(small
         caplog.set_level(logging.ERROR, logger="dvi.trainer")
         assert trainer.checkpoint() is None  # reported, not raised: the trainer keeps running
         assert trainer.state.counters.checkpoint_failures == 1
+        # a checkpoint by time is tried again trainer.checkpoint_every_s after the failure, not on the next turn
+        every = cfg.trainer.checkpoint_every_s
+        assert trainer._checkpoint_due(time.monotonic()) == (False, False)
+        assert trainer._checkpoint_due(time.monotonic() + every) == (True, True)
         assert any("could not be written" in r.getMessage() and good.name in r.getMessage() for r in caplog.records)
         # the previous checkpoint is the newest complete one and loads; the failed one left nothing behind
         assert checkpoint.latest(Path(cfg.trainer.run_dir), clean=False) == good
