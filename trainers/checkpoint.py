@@ -2,11 +2,11 @@
 
 This module owns the files under the trainer's run directory. A checkpoint is the directory
 `<root>/step-<08d>/` (`step-<08d>-<n>/` for the n-th save of the same step again, e.g. a checkpoint due by
-time while no step was taken: checkpoints order by step, then n) holding DeepSpeed's files (weights, optimizer, ZeRO shards), `dvi_state.json` (the
-trainer's JSON-able `state`), `MANIFEST.json` (relative path -> sha256 and size of every other file) and,
-written last, the completion marker `COMPLETE` (step, the manifest's sha256, ZeRO stage, world size). It
-knows DeepSpeed and files; it does not know what `state` holds (record-id ledger, consumer offsets, lineage
-are the trainer's), nor records or Kafka.
+time while no step was taken: checkpoints order by step, then n) holding DeepSpeed's files (weights,
+optimizer, ZeRO shards), `dvi_state.json` (the trainer's JSON-able `state`), `MANIFEST.json` (relative path
+-> sha256 and size of every other file) and, written last, the completion marker `COMPLETE` (step, the
+manifest's sha256, ZeRO stage, world size). It knows DeepSpeed and files; it does not know what `state`
+holds (record-id ledger, consumer offsets, lineage are the trainer's), nor records or Kafka.
 
 How a save stays atomic: DeepSpeed writes into `<root>/.tmp-<tag>/`; every file is
 hashed and fsynced, the manifest written, the directory renamed into place and fsynced, and only then the

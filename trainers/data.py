@@ -403,12 +403,15 @@ class Buffer:
         return None, dropped
 
     def expire(self, before: float) -> list[Item]:
-        """Take the fresh items logged before unix time `before` out of the queue, in queue order. The whole queue is
-        looked at: it is in arrival order, and a fetch from several partitions can put an old record behind a new one."""
-        if not any(0 < item.time < before for item in self.pending):
+        """Take the fresh items logged before unix time `before` out of the queue, in queue order. The whole queue
+        is looked at: it is in arrival order, and a fetch from several partitions can put an old record behind a
+        new one."""
+        if not any(0 < item.time < before for item in self.pending):  # the usual turn: nothing to take, nothing built
             return []
-        expired = [item for item in self.pending if 0 < item.time < before]
-        self.pending = deque(item for item in self.pending if not 0 < item.time < before)
+        expired, kept = [], deque()
+        for item in self.pending:
+            (expired if 0 < item.time < before else kept).append(item)
+        self.pending = kept
         return expired
 
     def pending_positions(self) -> int:
