@@ -629,7 +629,8 @@ class Soak:
             return {"trainer": f"unreadable ({type(e).__name__})"}
         metrics = (view.get("trainer") or {}).get("metrics") or {}
         keep = ("count/trained", "count/held_out", "count/skipped", "count/duplicates", "count/dead_lettered", "consumer_lag",
-                "buffer/pending", "buffer/pending_mb", "buffer/replay_mb", "buffer/holdout_mb")  # beside the trainer's memory
+                "buffer/pending", "buffer/pending_mb", "buffer/replay_mb", "buffer/holdout_mb",  # beside the trainer's memory
+                "system/heap_in_use_mb", "system/heap_free_mb", "system/heap_mmap_mb", "system/py_blocks")  # kept, or fragments
         return {"trainer": {k: metrics[k]["value"] for k in keep if k in metrics} or view.get("error")}
 
     def run(self) -> dict:

@@ -19,12 +19,16 @@ rising. With `release_free` (glibc's `malloc_trim`: every whole free page back t
 in again). The trainer (`dvi train`, `dvi drafter distill`) calls it after a step at most once a minute,
 and on an idle turn of its loop after a step (`trainers.recipe.release_due`). (glibc's
 mmap threshold fixed at 128 KiB held it at 2,100 MiB too, but took 1.7x as long per step.)
+
+`heap_figures` tells the two apart in a running process: memory the program keeps, or fragments the heap keeps
+(the trainer logs them to MLflow as `system/heap_*`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 M_ARENA_MAX = -8  # glibc malloc.h
 ARENAS = 2
@@ -56,3 +60,25 @@ def release_free() -> bool:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim(0) == 1
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_figures() -> dict[str, float] | None:
+    """Where the process's C heap stands, in MiB (glibc's `mallinfo2`, over every arena): `in_use` (blocks handed out
+    and not freed, the heaps' and mmap's), `free` (freed blocks the heaps still hold: fragments below memory in use,
+    until `release_free` gives whole pages of them back), `mmap` (the part of `in_use` served by mmap: blocks of 128
+    KiB and more, at first), and `py_blocks`, the interpreter's own allocated objects (its small-object arenas lie
+    outside the C heap). Resident memory that rises with `in_use` is memory kept by the program; with `free`, heap
+    fragmentation. None on a C library without `mallinfo2` (glibc before 2.33, musl, macOS). Locks each arena for a
+    moment: meant for a metrics interval, not a hot loop."""
+    info = _libc("mallinfo2")
+    if info is None:
+        return None
+    info.argtypes, info.restype = [], _Mallinfo2
+    m, mib = info(), float(1 << 20)
+    return {"in_use": (m.uordblks + m.hblkhd) / mib, "free": m.fordblks / mib, "mmap": m.hblkhd / mib,
+            "py_blocks": float(sys.getallocatedblocks())}

@@ -69,7 +69,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 from dvi import __version__, eagle3, store
-from dvi.alloc import release_free
+from dvi.alloc import heap_figures, release_free
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
@@ -967,9 +967,14 @@ def _params_finite(module: torch.nn.Module) -> bool:
 
 def system_metrics(process: psutil.Process, device: torch.device) -> dict[str, float]:
     """The trainer process's system figures for MLflow (`system/*`): CPU (percent of one core, since the last call),
-    resident memory, the host's memory in use and, on CUDA, the memory PyTorch holds."""
+    resident memory, the C heap's memory in use and free (`dvi.alloc.heap_figures`), the host's memory in use and, on
+    CUDA, the memory PyTorch holds."""
     out = {"system/cpu_percent": process.cpu_percent(), "system/rss_mb": process.memory_info().rss / (1 << 20),
            "system/memory_percent": psutil.virtual_memory().percent}
+    heap = heap_figures()
+    if heap is not None:
+        out.update({"system/heap_in_use_mb": heap["in_use"], "system/heap_free_mb": heap["free"],
+                    "system/heap_mmap_mb": heap["mmap"], "system/py_blocks": heap["py_blocks"]})
     if device.type == "cuda":
         out["system/gpu_memory_allocated_mb"] = torch.cuda.memory_allocated(device) / (1 << 20)
         out["system/gpu_memory_reserved_mb"] = torch.cuda.memory_reserved(device) / (1 << 20)

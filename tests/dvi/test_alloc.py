@@ -74,3 +74,30 @@ def test_release_free_gives_pages_freed_below_a_live_block_back():
     before, after, released = out.split()[1:]
     assert int(before) >= 200 and int(before) - int(after) >= 150, out  # of the 200 MiB freed: glibc alone kept them
     assert released == "True"
+
+
+FIGURES_PROBE = r"""
+import ctypes, json
+from dvi.alloc import heap_figures
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+seen = {"start": heap_figures()}
+blocks = [libc.malloc(64 << 10) for _ in range(400)]  # 64 KiB blocks, from the heap
+seen["small"] = heap_figures()
+for b in blocks[::2]: libc.free(b)  # every other one: each freed block lies between two still in use
+seen["freed"] = heap_figures()
+big = libc.malloc(8 << 20)  # over the mmap threshold: its own mapping
+seen["big"] = heap_figures()
+print(json.dumps(seen))
+"""
+
+
+def test_heap_figures_tell_memory_in_use_from_freed_fragments():
+    import json
+    out = subprocess.run([sys.executable, "-c", FIGURES_PROBE], capture_output=True, text=True, check=True).stdout
+    seen = json.loads(out)
+    start, small, freed, big = seen["start"], seen["small"], seen["freed"], seen["big"]
+    assert small["in_use"] - start["in_use"] >= 25, seen  # 400 x 64 KiB = 25 MiB handed out
+    assert small["in_use"] - freed["in_use"] >= 12 and freed["free"] - small["free"] >= 12, seen  # now fragments
+    assert big["mmap"] - freed["mmap"] >= 8 and big["in_use"] - freed["in_use"] >= 8, seen
+    assert start["py_blocks"] > 0
