@@ -7,7 +7,9 @@ error (`dvi.origin.topic`, `dvi.origin.partition`, `dvi.origin.offset`, `dvi.err
 `dvi.error.message`), and is counted.
 
 Offsets are committed only when the caller says so (`commit()`), e.g. once the records are inside a durable
-checkpoint; the dead-letter producer is flushed first, so a committed bad record is in the dead-letter topic.
+checkpoint; the dead-letter producer is flushed first, so a committed bad record is in the dead-letter topic. That
+producer is opened with the consumer, not at the first bad record: a long-running reader holds the same descriptors
+from its start.
 Without a group id the consumer reads all partitions of the topic directly (no group, no commits).
 
 A partition whose log now ends before the consumer's position has been lost and begun again (a broker that keeps
@@ -130,6 +132,12 @@ class DecisionConsumer:
                 self._consumer.seek_to_beginning(*tps)
             else:
                 self._consumer.seek_to_end(*tps)
+        if dead_letter:
+            try:
+                self._open_dead_letters()
+            except Exception as e:  # the consumer reads on; the first record to dead-letter tries again
+                log.warning("cannot open the dead-letter producer for %s yet (%s: %s); will try again at the first "
+                            "invalid record", self.dlq_topic, type(e).__name__, e)
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -286,18 +294,7 @@ class DecisionConsumer:
         )
         headers = [(k, v.encode() if isinstance(v, str) else v) for k, v in headers]
         try:
-            if self._dlq is None:
-                self._dlq = KafkaProducer(
-                    **client_options(
-                        self.cfg,
-                        KafkaProducer,
-                        client_id="dvi-dlq",
-                        acks="all",
-                        enable_idempotence=False,  # low volume; survives a memory broker restart
-                        max_request_size=max(1 << 20, 2 * self.cfg.max_record_bytes + 65536),
-                        bootstrap_timeout_ms=10000,
-                    )
-                )
+            self._open_dead_letters()
             value, cap = m.value, 2 * self.cfg.max_record_bytes
             if value is not None and len(value) > cap:  # keep the evidence, within what a producer may send
                 headers.append(("dvi.value.truncated", str(len(value)).encode()))
@@ -306,6 +303,24 @@ class DecisionConsumer:
         except Exception as e:
             self._dlq_errors += 1
             log.error("cannot dead-letter %s[%d]@%d to %s (%s); skipping it", m.topic, m.partition, m.offset, self.dlq_topic, e)
+
+    def _open_dead_letters(self) -> None:
+        """The dead-letter producer, made once. The consumer makes it as it starts, so that its selector, wake-up pipe
+        and bootstrap connection are held from then on, as long as the consumer's (the first bad record opens only the
+        connection to its partition's leader), and a broker that refuses it is seen then; if it could not be made, the
+        first record to dead-letter tries again."""
+        if self._dlq is None:
+            self._dlq = KafkaProducer(
+                **client_options(
+                    self.cfg,
+                    KafkaProducer,
+                    client_id="dvi-dlq",
+                    acks="all",
+                    enable_idempotence=False,  # low volume; survives a memory broker restart
+                    max_request_size=max(1 << 20, 2 * self.cfg.max_record_bytes + 65536),
+                    bootstrap_timeout_ms=10000,
+                )
+            )
 
     def flush_dead_letters(self, timeout_s: float = 10.0) -> None:
         if self._dlq is None:

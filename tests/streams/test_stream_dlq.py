@@ -92,3 +92,24 @@ def test_records_carry_schema_headers_and_a_foreign_schema_or_content_type_is_re
         got = c.poll_until(4, timeout_s=15)
     assert sorted(d.key for d in got) == [b"ok-0", b"ok-1", b"v1.0", b"v2.7"]  # a newer minor version and schema 1 are read
     assert c.stats.invalid == 2
+
+
+def test_the_dead_letter_producer_is_opened_with_the_consumer_not_at_the_first_bad_record(stream_cfg, make_record):
+    import psutil
+
+    raw = KafkaProducer(bootstrap_servers=stream_cfg.bootstrap)
+    raw.send(stream_cfg.topic, key=b"a", value=encode(make_record("a", rounds=1)), partition=0).get(timeout=10)
+    with DecisionConsumer(dataclasses.replace(stream_cfg), group_id="dlq-at-start") as c:
+        assert [d.key for d in c.poll_until(1, timeout_s=20)] == [b"a"]  # joined, fetching: its connections are made
+        before = psutil.Process().num_fds()
+        raw.send(stream_cfg.topic, key=b"junk", value=b"junk", partition=0)
+        raw.send(stream_cfg.topic, key=b"b", value=encode(make_record("b", rounds=1)), partition=0).get(timeout=10)
+        assert [d.key for d in c.poll_until(1, timeout_s=20)] == [b"b"]
+        c.flush_dead_letters()
+        after = psutil.Process().num_fds()
+        assert (c.stats.invalid, c.stats.dead_lettered, c.stats.dlq_errors) == (1, 1, 0)
+    raw.close()
+    # a long-running consumer's descriptors do not step up at its first bad record: the producer's selector, wake-up
+    # pipe and bootstrap connection were made with the consumer (4 more here when made then); one connection to the
+    # partition's leader is opened by the first send
+    assert after - before <= 1
