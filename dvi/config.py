@@ -424,6 +424,10 @@ class TrainerConfig:
     idle_exit_s: float | None = None  # stop after this long without a fresh record
     seed: int = 0
     log_every: int = 10
+    # the CPU cores the trainer (`dvi train`, `dvi drafter distill`) runs on: auto, every core it may use; a list such as
+    # "1" or "2-3": these alone, its torch threads one per core. On a machine without a GPU, a trainer beside serving
+    # replicas takes whatever cores they leave it: give each its own (serve.vllm.cpu_bind for the replicas)
+    cpu_bind: str = "auto"
 
     def __post_init__(self) -> None:
         _check(bool(self.group_id), "trainer.group_id", self.group_id, "a consumer group name")
@@ -454,6 +458,8 @@ class TrainerConfig:
         _check(self.eagle3_ttt_steps >= 1, "trainer.eagle3_ttt_steps", self.eagle3_ttt_steps, "an integer >= 1")
         _check(0 <= self.holdout_share < 1, "trainer.holdout_share", self.holdout_share, "in [0, 1)")
         _check(self.holdout_size >= 1, "trainer.holdout_size", self.holdout_size, "an integer >= 1")
+        _check(self.cpu_bind == "auto" or CORE_LIST.fullmatch(self.cpu_bind) is not None, "trainer.cpu_bind", self.cpu_bind,
+               'auto or a list of cores such as "1" or "2-3"')
         _check(self.replay_mb > 0 and self.holdout_mb > 0, "trainer.replay_mb/holdout_mb", (self.replay_mb, self.holdout_mb),
                "sizes > 0 MiB")
         _check(self.gate_every >= 1, "trainer.gate_every", self.gate_every, "an integer >= 1")

@@ -121,9 +121,10 @@ def parse_cores(spec: str) -> frozenset[int]:
     return frozenset(out)
 
 
-def bound_cores(bind: str) -> frozenset[int]:
-    """The cores an engine started with `serve.vllm.cpu_bind=bind` pins its threads to: every core this process may run
-    on for auto, none for nobind, else the listed ones; DviError where one of those is not a core this process may use."""
+def bound_cores(bind: str, key: str = "serve.vllm.cpu_bind") -> frozenset[int]:
+    """The cores an engine started with `serve.vllm.cpu_bind=bind` pins its threads to (or a process given `key=bind`
+    runs on): every core this process may run on for auto, none for nobind, else the listed ones; DviError where one
+    of those is not a core this process may use."""
     usable = frozenset(os.sched_getaffinity(0))
     if bind == "nobind":
         return frozenset()
@@ -131,8 +132,8 @@ def bound_cores(bind: str) -> frozenset[int]:
         return usable
     cores = parse_cores(bind)
     if not cores <= usable:
-        raise DviError(f"serve.vllm.cpu_bind={bind!r} names cores {_cores(cores - usable)}, which this process may not run "
-                       f"on: it may run on {_cores(usable)}")
+        raise DviError(f"{key}={bind!r} names cores {core_list(cores - usable)}, which this process may not run "
+                       f"on: it may run on {core_list(usable)}")
     return cores
 
 
@@ -178,14 +179,14 @@ def shared_cores(bind: str, mine: frozenset[int], engines: dict[int, frozenset[i
         return None
     taken = frozenset().union(*engines.values())
     free = usable - taken
-    where = ", ".join(f"pid {pid} on {_cores(cores)}" for pid, cores in clash.items())
-    advice = (f"give each replica cores of its own (serve.vllm.cpu_bind={_cores(free)} is free here)" if free else
+    where = ", ".join(f"pid {pid} on {core_list(cores)}" for pid, cores in clash.items())
+    advice = (f"give each replica cores of its own (serve.vllm.cpu_bind={core_list(free)} is free here)" if free else
               "no core is free of a pinned engine here: give each replica cores of its own, or serve.vllm.cpu_bind=nobind")
-    return (f"serve.vllm.cpu_bind={bind} pins this replica's engine to cores {_cores(mine)}, where another vLLM engine is "
+    return (f"serve.vllm.cpu_bind={bind} pins this replica's engine to cores {core_list(mine)}, where another vLLM engine is "
             f"pinned already ({where}): two engines pinned to one core starve each other's start and steps; {advice}")
 
 
-def _cores(cores) -> str:
+def core_list(cores) -> str:
     """Cores as Linux lists them: "0-3,8"."""
     ids, runs = sorted(cores), []
     for c in ids:
@@ -194,3 +195,15 @@ def _cores(cores) -> str:
         else:
             runs.append([c, c])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def split_cores(usable: frozenset[int], trainer: str) -> tuple[str, str]:
+    """The cores of a machine shared by serving and a trainer: (serving's, the trainer's) as core lists, the trainer
+    given `trainer` (a core list) and serving every other one of `usable`. DviError where `trainer` names a core not
+    usable, or leaves serving none."""
+    mine = parse_cores(trainer)
+    if not mine <= usable:
+        raise DviError(f"trainer cores {trainer!r}: {core_list(mine - usable)} not among the usable {core_list(usable)}")
+    if not usable - mine:
+        raise DviError(f"trainer cores {trainer!r} leave serving no core of {core_list(usable)}")
+    return core_list(usable - mine), core_list(mine)

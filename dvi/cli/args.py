@@ -1,7 +1,7 @@
 """A command line checked before any heavy library loads: a mistake is answered in a second, not after the seconds that
 importing torch, transformers and Kafka's client take (`Command.check` in the command table, then the command itself
 reads its settings from here). It knows the config and the options; it loads no model and opens no connection. `dvi
-serve` given cores of its own is narrowed to them here, before torch loads (`serve`)."""
+serve` given cores of its own is narrowed to them here, before torch loads (`serve`), and so is the trainer (`train`)."""
 
 from __future__ import annotations
 
@@ -56,4 +56,16 @@ def serve(args: argparse.Namespace) -> DviConfig:
     bind = cfg.serve.vllm.cpu_bind
     if (own := replica_cores(bind, bound_cores(bind))) is not None:  # bound_cores: DviError for a core not ours
         os.sched_setaffinity(0, own)
+    return cfg
+
+
+def train(args: argparse.Namespace) -> DviConfig:
+    """`dvi train`'s and `dvi drafter distill`'s config, checked; given cores of their own (`trainer.cpu_bind`), the
+    process runs on them alone from here on, with one torch thread per core: torch is not loaded yet, and sizes its
+    thread pool from the cores the process may use."""
+    cfg = config(args)
+    if cfg.trainer.cpu_bind != "auto":
+        cores = bound_cores(cfg.trainer.cpu_bind, "trainer.cpu_bind")  # DviError for a core not ours
+        os.sched_setaffinity(0, cores)
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(cores)))  # where the user set none
     return cfg

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dvi.cli import vllm_server
-from dvi.config import VllmConfig, load_config
+from dvi.config import TrainerConfig, VllmConfig, load_config
 from dvi.errors import DviError
 from dvi.hardware import VLLM_WORKER, bound_cores, parse_cores, pinned_engines, replica_cores, shared_cores
 from dvi.procs import free_port
@@ -175,3 +175,52 @@ def test_every_process_of_a_replica_given_a_core_runs_on_that_core_alone(stream_
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# trainer.cpu_bind: the cores the trainer runs on (dvi.cli.args.train, before torch loads)
+
+TRAINER_CHECK = r"""
+import argparse, os, sys
+from dvi.cli import args
+cfg = args.train(argparse.Namespace(overrides=sys.argv[1:]))
+import torch
+print(cfg.trainer.cpu_bind, sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize("value", ["auto", "1", "0-1", "1,3"])
+def test_the_trainers_cores_are_auto_or_a_core_list(value):
+    assert TrainerConfig(cpu_bind=value).cpu_bind == value
+
+
+@pytest.mark.parametrize("value", ["nobind", "all", "1-", " 0", ""])
+def test_anything_else_for_the_trainers_cores_is_refused(value):
+    with pytest.raises(DviError, match=r"trainer\.cpu_bind=.*expected auto or a list of cores"):
+        TrainerConfig(cpu_bind=value)
+
+
+def test_a_trainer_given_a_core_runs_on_it_alone_with_one_torch_thread():
+    usable = sorted(os.sched_getaffinity(0))
+    assert len(usable) >= 2, "a core of its own means something only on a machine with two cores or more"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    run = lambda *overrides: subprocess.run([sys.executable, "-c", TRAINER_CHECK, *overrides], env=env,  # noqa: E731
+                                            capture_output=True, text=True)
+    pinned = run(f"trainer.cpu_bind={usable[-1]}")
+    assert pinned.returncode == 0, pinned.stderr
+    assert pinned.stdout.split(None, 1) == [str(usable[-1]), f"[{usable[-1]}] 1\n"]
+    free = run()
+    assert free.returncode == 0 and free.stdout.startswith(f"auto {usable} "), free.stderr
+    missing = run(f"trainer.cpu_bind={usable[-1] + 1}")
+    assert missing.returncode != 0 and f"trainer.cpu_bind='{usable[-1] + 1}' names cores" in missing.stderr
+
+
+def test_a_machine_split_between_serving_and_a_trainer():
+    from dvi.hardware import core_list, split_cores
+
+    assert core_list({0, 1, 2, 3, 8}) == "0-3,8" and core_list({5}) == "5"
+    assert split_cores(frozenset({0, 1}), "1") == ("0", "1")
+    assert split_cores(frozenset(range(8)), "6-7") == ("0-5", "6-7")
+    with pytest.raises(DviError, match="not among the usable"):
+        split_cores(frozenset({0, 1}), "2")
+    with pytest.raises(DviError, match="leave serving no core"):
+        split_cores(frozenset({0, 1}), "0-1")
