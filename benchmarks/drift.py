@@ -13,7 +13,9 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    hot-swaps in. `--stack` picks what serves: `dvi` (`+experiment=drift`: dvi's engine, fixed K, a drafter over the
    8,192 most frequent tokens, `plain` is `dvi serve --no-draft`) or `vllm` (`+experiment=drift_vllm`, the default
    stack: vLLM's engine in dvi's server at the model's dtype, compiled, adaptive K, the drafter's full head, and
-   `plain` is plain vLLM's own OpenAI server at the same settings, as a vLLM user runs it);
+   `plain` is plain vLLM's own OpenAI server at the same settings, as a vLLM user runs it); with `--trainer-cores`
+   (the vllm stack) the trainer runs on those cores alone (`trainer.cpu_bind`) and the three servers on the others
+   (`serve.vllm.cpu_bind`, and plain vLLM's server likewise), as on a machine whose trainer has a device of its own;
 4. replay: the schedule (A -> B -> C -> A by default) of `live` prompts from `benchmarks.workloads`, each prompt
    sent to `online` and `frozen` at once (and to `plain` every few prompts) through the HTTP API, each phase lasting
    a budget of the online replica's verification rounds;
@@ -52,7 +54,7 @@ from dvi.cli.up import Part, Supervisor, banner, plan
 from dvi.config import flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
 from dvi.errors import DviError
-from dvi.hardware import pick_dtype
+from dvi.hardware import bound_cores, pick_dtype, split_cores
 from dvi.models import encode_prompt
 from dvi.pairs import pair_dirs, resolve_pair
 from dvi.procs import free_port, http_ok, local_post
@@ -329,6 +331,7 @@ class Options:
     window: int = 300  # rounds of the trailing acceptance window (level and recovery)
     seed: int = 0
     stack: str = "dvi"  # what serves (STACKS): dvi's engine, or vLLM's with plain vLLM as the target-only side
+    trainer_cores: str | None = None  # vllm stack: the trainer on these cores, every server on the others (None: all share)
     out: Path = Path("outputs/drift")
 
     def budgets(self) -> list[int]:
@@ -500,23 +503,32 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
         ports = {side: free_port() for side in SIDES}
         urls = {side: f"http://{cfg.serve.host}:{port}" for side, port in ports.items()}
 
+        serving_cores = trainer_cores = None
+        if opt.trainer_cores is not None:  # the trainer on cores of its own, the three servers on the rest
+            serving_cores, trainer_cores = split_cores(bound_cores("auto"), opt.trainer_cores)
+            say(f"drift: the servers on cores {serving_cores}, the trainer on {trainer_cores}")
+        pinned = [f"serve.vllm.cpu_bind={serving_cores}"] if serving_cores else []
+
         def replica(side: str, *extra: str) -> Part:
-            return Part(side, ["serve", *extra, f"serve.port={ports[side]}", f"stream.replica_id={side}"],
+            return Part(side, ["serve", *extra, *pinned, f"serve.port={ports[side]}", f"stream.replica_id={side}"],
                         lambda _: http_ok(f"{urls[side]}/health"), 300)
 
         parts = [replica("online"), replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false")]
         models, plain = {}, None
         if opt.stack == "dvi":
             parts.append(replica("plain", "--no-draft", "serve.swap.enabled=false", "serve.log_decisions=false"))
-        parts.append(Part("train", ["train", f"model.drafter={store.default_root(cfg) / version}", f"trainer.run_dir={work / 'trainer'}"],
+        parts.append(Part("train", ["train", f"model.drafter={store.default_root(cfg) / version}", f"trainer.run_dir={work / 'trainer'}",
+                                    *([f"trainer.cpu_bind={trainer_cores}"] if trainer_cores else [])],
                           banner("dvi train:"), 300))
         services = Supervisor(parts, common, work / "logs", say=say)
         try:
             if opt.stack == "vllm":  # the peer: plain vLLM's own server at the same dtype, compiled, no drafter
                 target_dir, _ = pair_dirs(cfg.model, False)
                 dtype = pick_dtype(cfg.model.dtype, "cpu").value
-                peer = Server("plain-vllm", plain_vllm(target_dir, dtype), {**server_env(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-                              str(target_dir), "vllm")
+                env, cmd = {**server_env(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, plain_vllm(target_dir, dtype)
+                if serving_cores:  # on the replicas' cores, as a replica given serve.vllm.cpu_bind runs: every process
+                    env["VLLM_CPU_OMP_THREADS_BIND"], cmd = serving_cores, ["taskset", "-c", serving_cores, *cmd]
+                peer = Server("plain-vllm", cmd, env, str(target_dir), "vllm")
                 plain, urls["plain"] = peer.start(ports["plain"], work / "logs")
                 models["plain"] = str(target_dir)
                 say(f"drift: plain vLLM ({dtype}, compiled) at {urls['plain']}")
@@ -594,6 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="workload shuffle seed (default 0)")
     p.add_argument("--stack", choices=sorted(STACKS), help="what serves: dvi's engine (dvi, the default) or the default stack, "
                    "vLLM's engine with plain vLLM's own server as the target-only side (vllm)")
+    p.add_argument("--trainer-cores", dest="trainer_cores", help="the vllm stack: the trainer on these cores (a list "
+                   "such as 1 or 2-3), the three servers on the others (default: every part on every core)")
     p.add_argument("--out", help="output directory (default outputs/drift-<time>)")
     p.add_argument("--quick", action="store_true", help="the CI-sized run: code -> prose, small budgets (minutes)")
     p.add_argument("overrides", nargs="*", help="Hydra config overrides, key=value (given to every part)")
@@ -613,6 +627,11 @@ def options_of(args: argparse.Namespace) -> Options:
         opt.schedule = parse_schedule(args.schedule)
     if args.stack:
         opt.stack = args.stack
+    if args.trainer_cores:
+        if opt.stack != "vllm":
+            raise DviError("--trainer-cores: with --stack vllm (its servers are pinned by serve.vllm.cpu_bind)")
+        split_cores(bound_cores("auto"), args.trainer_cores)  # checked before anything starts
+        opt.trainer_cores = args.trainer_cores
     opt.out = Path(args.out) if args.out else Path("outputs") / f"drift-{time.strftime('%Y%m%d-%H%M%S')}"
     return opt
 
