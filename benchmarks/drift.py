@@ -18,7 +18,9 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    (`serve.vllm.cpu_bind`, and plain vLLM's server likewise), as on a machine whose trainer has a device of its own;
 4. replay: the schedule (A -> B -> C -> A by default) of `live` prompts from `benchmarks.workloads`, each prompt
    sent to `online` and `frozen` at once (and to `plain` every few prompts) through the HTTP API, each phase lasting
-   a budget of the online replica's verification rounds;
+   a budget of the online replica's verification rounds; with `--serial`, one prompt at a time, to the sides one after
+   another (the order turning with each prompt), so that each answer is timed without the other servers decoding
+   beside it: on a machine of few cores, servers decoding at once measure how they share the cores;
 5. analysis (pure functions below): acceptance, mean accepted length and tokens/s by phase, domain, side and
    drafter version; how many rounds each new domain took to recover to within `tolerance` of the level the online
    drafter reached on A; whether A holds its level when it comes back. A plot, a summary table and every sample
@@ -332,6 +334,7 @@ class Options:
     seed: int = 0
     stack: str = "dvi"  # what serves (STACKS): dvi's engine, or vLLM's with plain vLLM as the target-only side
     trainer_cores: str | None = None  # vllm stack: the trainer on these cores, every server on the others (None: all share)
+    serial: bool = False  # each prompt to the sides one after another (each timed alone), not to all at once
     out: Path = Path("outputs/drift")
 
     def budgets(self) -> list[int]:
@@ -447,10 +450,14 @@ def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None, models: d
             bar = tqdm(total=budgets[phase], desc=f"drift: phase {phase} ({domain})", unit=" rounds", disable=None, leave=False)
             while done_rounds < budgets[phase]:
                 asks = []
-                for _ in range(opt.concurrency):
+                for _ in range(1 if opt.serial else opt.concurrency):
                     prompt = next(streams[domain])
                     sides = [s for s in SIDES if s in urls and (s != "plain" or slot % opt.plain_every == 0)]
-                    asks += [(slot, side, pool.submit(ask, urls[side], prompt, opt.max_tokens, models.get(side))) for side in sides]
+                    if opt.serial:
+                        asks += [(slot, side, _done(ask, urls[side], prompt, opt.max_tokens, models.get(side)))
+                                 for side in turn(sides, slot)]
+                    else:
+                        asks += [(slot, side, pool.submit(ask, urls[side], prompt, opt.max_tokens, models.get(side))) for side in sides]
                     slot += 1
                 for s, side, fut in asks:
                     try:
@@ -475,6 +482,23 @@ def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None, models: d
                 + ", ".join(f"{name} acceptance {_fmt(acceptance([s for s in ph if s.side == name]))}" for name in ("online", "frozen"))
                 + f"; online drafters {sorted({s.version for s in ph if s.side == 'online' and s.version})}")
     return samples
+
+
+def turn(sides: list[str], slot: int) -> list[str]:
+    """The order the serial replay asks `sides` in for prompt `slot`: turned by one place a prompt, so that no side
+    always goes first (a server just idle, or just after another's burst, can decode faster or slower)."""
+    k = slot % len(sides) if sides else 0
+    return sides[k:] + sides[:k]
+
+
+def _done(fn, *args) -> concurrent.futures.Future:
+    """`fn(*args)` run now, its result or error held as a finished Future's (the serial replay's, beside the pool's)."""
+    fut = concurrent.futures.Future()
+    try:
+        fut.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 - handed to the caller as the pool would
+        fut.set_exception(e)
+    return fut
 
 
 def run(overrides: list[str], opt: Options, say=print) -> dict:
@@ -608,6 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM's engine with plain vLLM's own server as the target-only side (vllm)")
     p.add_argument("--trainer-cores", dest="trainer_cores", help="the vllm stack: the trainer on these cores (a list "
                    "such as 1 or 2-3), the three servers on the others (default: every part on every core)")
+    p.add_argument("--serial", action="store_true", help="each prompt to the sides one after another, each timed "
+                   "alone (one prompt in flight; --concurrency is not used), not to all sides at once")
     p.add_argument("--out", help="output directory (default outputs/drift-<time>)")
     p.add_argument("--quick", action="store_true", help="the CI-sized run: code -> prose, small budgets (minutes)")
     p.add_argument("overrides", nargs="*", help="Hydra config overrides, key=value (given to every part)")
@@ -627,6 +653,7 @@ def options_of(args: argparse.Namespace) -> Options:
         opt.schedule = parse_schedule(args.schedule)
     if args.stack:
         opt.stack = args.stack
+    opt.serial = bool(args.serial)
     if args.trainer_cores:
         if opt.stack != "vllm":
             raise DviError("--trainer-cores: with --stack vllm (its servers are pinned by serve.vllm.cpu_bind)")

@@ -129,3 +129,14 @@ def test_the_stack_picks_the_experiment_config_and_plain_vllms_answers_are_targe
     plain = {"choices": [{"text": "x"}], "usage": {"completion_tokens": 12}}  # plain vLLM: no dvi extension
     sample = drift.sample_of(plain, 0.5, slot=3, phase=1, domain="prose", side="plain", t=1.0)
     assert (sample.rounds, sample.drafted, sample.accepted, sample.version, sample.tokens_per_s) == (12, 0, 0, None, 24.0)
+
+
+def test_the_serial_replay_turns_the_order_of_the_sides_and_the_trainer_cores_need_the_vllm_stack(capsys):
+    assert [drift.turn(["online", "frozen", "plain"], i) for i in range(4)] == [
+        ["online", "frozen", "plain"], ["frozen", "plain", "online"], ["plain", "online", "frozen"], ["online", "frozen", "plain"]]
+    assert drift.turn(["online", "frozen"], 3) == ["frozen", "online"] and drift.turn([], 5) == []
+    opt = drift.options_of(drift.build_parser().parse_args(["--serial", "--stack", "vllm"]))
+    assert opt.serial and opt.trainer_cores is None
+    assert not drift.options_of(drift.build_parser().parse_args([])).serial
+    assert drift.main(["--trainer-cores", "0"]) == 2  # dvi's engine: nothing to pin its servers with
+    assert "--trainer-cores: with --stack vllm" in capsys.readouterr().err
