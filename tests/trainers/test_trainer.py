@@ -719,7 +719,8 @@ def test_system_metrics_describe_this_process():
     assert set(m) == {"system/cpu_percent", "system/rss_mb", "system/memory_percent", "system/heap_in_use_mb",
                       "system/heap_free_mb", "system/heap_mmap_mb", "system/py_blocks"}  # glibc: its heap's figures too
     assert m["system/rss_mb"] > 50 and 0 < m["system/memory_percent"] <= 100 and m["system/cpu_percent"] >= 0
-    assert 0 < m["system/heap_in_use_mb"] < m["system/rss_mb"] and m["system/heap_free_mb"] >= 0 and m["system/py_blocks"] > 0
+    # (memory handed out need not be resident: blocks never written, pages swapped out)
+    assert 0 < m["system/heap_mmap_mb"] <= m["system/heap_in_use_mb"] and m["system/heap_free_mb"] >= 0 and m["system/py_blocks"] > 0
     assert gpu_busy_share(torch.device("cpu")) is None  # NVML's figure is a GPU's only
 
 
