@@ -22,6 +22,16 @@ mmap threshold fixed at 128 KiB held it at 2,100 MiB too, but took 1.7x as long 
 
 `heap_figures` tells the two apart in a running process: memory the program keeps, or fragments the heap keeps
 (the trainer logs them to MLflow as `system/heap_*`).
+
+Memory torch keeps: a bf16 matmul on a CPU runs through oneDNN, and two caches keep what was built for each new
+shape (oneDNN's primitive cache and torch's own LRU cache of ideep computations), 1,024 entries each by default.
+The trainer's bf16 target forward (an EAGLE-3 drafter's features) meets a new shape with nearly every batch, its
+token count varying, so both fill: in the two-hour soak the trainer's heap in use rose about 5 MiB a minute, with
+its record queues flat. A bf16 Linear(576, 1536) over 600 distinct row counts kept 385 MiB (0.65 MiB a shape); with
+both caches at 16 entries its heap stayed within 1 MiB over 1,200 such forwards, no slower (each new shape is built
+anyway). `benchmarks/bench_kernel_cache.py` measures the trainer's own forward. `limit_kernel_caches` sets both capacities (`KERNEL_CACHE_ENTRIES`) where the user set none; torch reads
+them at its first bf16 matmul, so the trainer (`dvi.cli.args.train`) sets them before torch loads. fp32 matmuls
+keep nothing per shape. `dvi serve` (vLLM's processes, dvi's engine) is left with the defaults: not measured there.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ import sys
 
 M_ARENA_MAX = -8  # glibc malloc.h
 ARENAS = 2
+KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, torch's (ideep computations)
+KERNEL_CACHE_ENTRIES = 64  # a batch's four layer shapes at 16 token counts; full, 40 MiB of a Linear(576, 1536)'s
 
 
 def _libc(name: str):
@@ -50,6 +62,16 @@ def limit_arenas(arenas: int = ARENAS) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_ARENA_MAX, arenas) == 1
+
+
+def limit_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> list[str]:
+    """Cap the per-shape caches of torch's bf16 CPU matmuls at `entries` each (see the module's docstring); returns
+    the variables set by this call (one the environment already holds is the user's, and wins). Takes effect where it
+    runs before the process's first bf16 matmul, and in the processes it starts."""
+    unset = [name for name in KERNEL_CACHES if name not in os.environ]
+    for name in unset:
+        os.environ[name] = str(entries)
+    return unset
 
 
 def release_free() -> bool:

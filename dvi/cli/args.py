@@ -9,6 +9,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from dvi.alloc import limit_kernel_caches
 from dvi.config import DviConfig, check_sampling, load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import bound_cores, pick_engine, replica_cores
@@ -60,10 +61,12 @@ def serve(args: argparse.Namespace) -> DviConfig:
 
 
 def train(args: argparse.Namespace) -> DviConfig:
-    """`dvi train`'s and `dvi drafter distill`'s config, checked; given cores of their own (`trainer.cpu_bind`), the
-    process runs on them alone from here on, with one torch thread per core: torch is not loaded yet, and sizes its
-    thread pool from the cores the process may use."""
+    """`dvi train`'s and `dvi drafter distill`'s config, checked. Torch is not loaded yet: the caches of its bf16 CPU
+    matmuls are capped (`dvi.alloc.limit_kernel_caches`), and given cores of its own (`trainer.cpu_bind`), the process
+    runs on them alone from here on, with one torch thread per core (torch sizes its thread pool from the cores the
+    process may use)."""
     cfg = config(args)
+    limit_kernel_caches()  # the bf16 target forward meets a new shape with each batch (dvi.alloc)
     if cfg.trainer.cpu_bind != "auto":
         cores = bound_cores(cfg.trainer.cpu_bind, "trainer.cpu_bind")  # DviError for a core not ours
         os.sched_setaffinity(0, cores)

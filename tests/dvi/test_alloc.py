@@ -3,13 +3,16 @@ freed below a block still in use stays resident until `release_free`.
 
 Each case runs in a fresh interpreter (an arena, once made, stays for the life of the process): the arena cases
 count the heaps that glibc's `malloc_info` reports after eight threads allocated side by side, the release case
-reads the interpreter's resident memory. Linux with glibc only."""
+reads the interpreter's resident memory. The kernel-cache case counts what torch's bf16 CPU matmuls keep per shape
+(`limit_kernel_caches`). Linux with glibc only."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+from dvi.alloc import KERNEL_CACHE_ENTRIES, KERNEL_CACHES, limit_kernel_caches
 
 PROBE = r"""
 import ctypes, sys, tempfile, threading
@@ -101,3 +104,57 @@ def test_heap_figures_tell_memory_in_use_from_freed_fragments():
     assert small["in_use"] - freed["in_use"] >= 12 and freed["free"] - small["free"] >= 12, seen  # now fragments
     assert big["mmap"] - freed["mmap"] >= 8 and big["in_use"] - freed["in_use"] >= 8, seen
     assert start["py_blocks"] > 0
+
+
+KERNEL_PROBE = r"""
+import sys
+import torch
+from dvi.alloc import heap_figures, limit_kernel_caches, release_free
+torch.set_num_threads(1)
+torch.ones(4, 4) @ torch.ones(4, 4)  # torch loaded and used before the caps: they hold from the first bf16 matmul
+if sys.argv[1] == "cap":
+    limit_kernel_caches()
+lin = torch.nn.Linear(576, 1536).to(torch.bfloat16).requires_grad_(False)
+def in_use():
+    release_free()
+    return heap_figures()["in_use"]
+with torch.no_grad():
+    lin(torch.ones(8, 576, dtype=torch.bfloat16))
+    start = in_use()
+    for rows in range(1, 201):  # a new shape each time, as the trainer's batches of varying token counts
+        lin(torch.ones(rows, 576, dtype=torch.bfloat16))
+print(in_use() - start)
+"""
+
+
+def kept_by_shapes(mode: str) -> float:
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHES}
+    out = subprocess.run([sys.executable, "-c", KERNEL_PROBE, mode], env=env, capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    return float(out.split()[-1])
+
+
+def test_capped_kernel_caches_bound_what_new_shapes_of_a_bf16_matmul_keep():
+    """torch's bf16 CPU matmuls keep kernels per shape (oneDNN's primitive cache and torch's own), 1,024 each by
+    default: 200 shapes keep tens of MiB. Capped by `limit_kernel_caches`, at most its entries' worth."""
+    plain, capped = kept_by_shapes("plain"), kept_by_shapes("cap")
+    assert plain >= 60, plain
+    assert capped <= 1.25 * plain * KERNEL_CACHE_ENTRIES / 200, (plain, capped)
+
+
+def test_kernel_cache_caps_leave_the_users_own_values(monkeypatch):
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "3")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert limit_kernel_caches(entries=5) == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "5" and os.environ["LRU_CACHE_CAPACITY"] == "3"
+
+
+def test_the_trainers_command_line_check_caps_the_kernel_caches(monkeypatch):
+    import argparse
+
+    from dvi.cli import args
+
+    for name in KERNEL_CACHES:
+        monkeypatch.delenv(name, raising=False)
+    args.train(argparse.Namespace(overrides=[]))
+    assert all(os.environ[name] == str(KERNEL_CACHE_ENTRIES) for name in KERNEL_CACHES)
