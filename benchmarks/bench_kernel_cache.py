@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dvi.alloc import KERNEL_CACHES, heap_figures, limit_arenas, limit_kernel_caches, release_free  # noqa: E402  (no torch)
+
 
 def batches(n: int, seed: int = 0) -> list[tuple[int, int]]:
     """(rows, padded length) of `n` batches drawn as the trainer's fall: 1 to 6 records of 64 to 512 tokens."""
@@ -41,9 +43,7 @@ def batches(n: int, seed: int = 0) -> list[tuple[int, int]]:
 
 
 def child(forwards: int, every: int, capped: bool) -> dict:
-    """One setting, in this process: the forwards and their figures."""
-    from dvi.alloc import heap_figures, limit_arenas, limit_kernel_caches, release_free
-
+    """One setting, in this process: the forwards and their figures (torch loads here, after the caches' setting)."""
     limit_arenas()
     if capped:
         limit_kernel_caches()
@@ -71,7 +71,7 @@ def child(forwards: int, every: int, capped: bool) -> dict:
         took.append(time.perf_counter() - t)
         if i % every == 0:
             series.append([i, heap()])
-    caches = {k: os.environ.get(k, "default") for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    caches = {k: os.environ.get(k, "default") for k in KERNEL_CACHES}
     return {"capped": capped, "caches": caches, "heap_in_use_mib_start": start, "heap_in_use_mib": series,
             "rise_mib_per_forward": round((series[-1][1] - start) / forwards, 3), "median_s": statistics.median(took),
             "torch": torch.__version__}
@@ -88,7 +88,7 @@ def main() -> int:
         print(json.dumps(child(args.forwards, args.every, args.child == "capped")))
         return 0
 
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHES}
     runs = {}
     for name in ("default", "capped"):
         cmd = [sys.executable, __file__, "--child", name, "--forwards", str(args.forwards), "--every", str(args.every)]
@@ -101,6 +101,7 @@ def main() -> int:
     ratio = runs["capped"]["median_s"] / runs["default"]["median_s"]
     print(f"capped / default, median seconds a forward: {ratio:.3f}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"forwards": args.forwards, "cpu": os.cpu_count(), "runs": runs,
                                                "time_ratio_capped_default": ratio}, indent=2))
     return 0

@@ -29,9 +29,10 @@ The trainer's bf16 target forward (an EAGLE-3 drafter's features) meets a new sh
 token count varying, so both fill: in the two-hour soak the trainer's heap in use rose about 5 MiB a minute, with
 its record queues flat. A bf16 Linear(576, 1536) over 600 distinct row counts kept 385 MiB (0.65 MiB a shape); with
 both caches at 16 entries its heap stayed within 1 MiB over 1,200 such forwards, no slower (each new shape is built
-anyway). `benchmarks/bench_kernel_cache.py` measures the trainer's own forward. `limit_kernel_caches` sets both capacities (`KERNEL_CACHE_ENTRIES`) where the user set none; torch reads
-them at its first bf16 matmul, so the trainer (`dvi.cli.args.train`) sets them before torch loads. fp32 matmuls
-keep nothing per shape. `dvi serve` (vLLM's processes, dvi's engine) is left with the defaults: not measured there.
+anyway). `benchmarks/bench_kernel_cache.py` measures the trainer's own forward. `limit_kernel_caches` sets both
+capacities (`KERNEL_CACHE_ENTRIES`) where the user set none; torch reads them at its first bf16 matmul, so the
+trainer (`dvi.cli.args.train`) sets them before torch loads. fp32 matmuls keep nothing per shape. `dvi serve`
+(vLLM's processes, dvi's engine) is left with the defaults: not measured there.
 """
 
 from __future__ import annotations
