@@ -6,7 +6,8 @@ it), creates a topic of `--partitions` partitions, and produces `--batches` reco
 waits for its acknowledgement, as the serving loop's small batches mostly arrive) of `--record-bytes` bytes, round
 robin over the partitions, at most `--rate` a second, while a consumer group reads them back as they come (every
 fetch makes Tansu list the partition's batches). Every `--sample-s` seconds it records the store's resident memory
-(MiB, from /proc), the batches written so far and the batches its folder holds. Printed: the samples, and the
+(MiB, from /proc) and its parts by kind of mapping (`memory_kinds`: the main heap, the malloc arenas of other threads,
+Python's object arenas, other anonymous memory, files), the batches written so far and the batches its folder holds. Printed: the samples, and the
 store's growth per 1,000 batches written (least-squares slope over the second half of the run, after the store's
 own start-up). With `--retention-s N` the
 broker keeps the topic's batches N seconds (`stream.retention_hours`): the store then holds a bounded number.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -40,6 +42,45 @@ from dvi.procs import free_port, rss_mib
 from streams.broker import EmbeddedBroker, records_glob
 
 TOPIC = "bench.store"
+ARENA_ALIGN = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit: a thread's malloc arena starts at a multiple of it
+PY_ARENA = 1 << 20  # CPython's object arena (3.10 and later), mapped one by one
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ *(.*)$")
+
+
+def memory_kinds(smaps: str) -> dict[str, float]:
+    """Resident MiB of a process by kind of mapping, from its /proc/PID/smaps text: `heap` (the main malloc arena),
+    `arenas` (other threads' malloc arenas: anonymous, starting at a multiple of ARENA_ALIGN; a large block mapped at
+    such an address by chance would count too), `python` (anonymous
+    mappings of exactly PY_ARENA: CPython's object arenas; a large block malloc mapped at that size would count here
+    too), `anon` (every other anonymous mapping: large blocks malloc mapped, thread stacks), `files` (code and data
+    mapped from files), `other` ([stack], [vdso] and the like)."""
+    out = dict.fromkeys(("heap", "arenas", "python", "anon", "files", "other"), 0.0)
+    kind = None
+    for line in smaps.splitlines():
+        if (m := _MAPPING.match(line)) is not None:
+            start, end, name = int(m[1], 16), int(m[2], 16), m[4].strip()
+            if name == "[heap]":
+                kind = "heap"
+            elif name.startswith("["):
+                kind = "other"
+            elif name:
+                kind = "files"
+            elif start % ARENA_ALIGN == 0:
+                kind = "arenas"
+            elif end - start == PY_ARENA:
+                kind = "python"
+            else:
+                kind = "anon"
+        elif line.startswith("Rss:") and kind is not None:
+            out[kind] += int(line.split()[1]) / 1024
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def store_kinds(pid: int) -> dict[str, float] | None:
+    try:
+        return memory_kinds(Path(f"/proc/{pid}/smaps").read_text())
+    except OSError:
+        return None
 
 
 def growth_per_1000(samples: list[dict]) -> float | None:
@@ -84,7 +125,8 @@ def run(args) -> dict:
                 last_sample = now
                 held = len(list(data.glob(records_glob(TOPIC))))
                 samples.append({"s": round(now - start, 1), "batches": n, "held": held, "read": counts["read"],
-                                "store_mib": round(rss_mib(broker.store_pid), 1), "tansu_mib": round(rss_mib(broker.pid), 1)})
+                                "store_mib": round(rss_mib(broker.store_pid), 1), "tansu_mib": round(rss_mib(broker.pid), 1),
+                                "store_kinds": store_kinds(broker.store_pid)})
                 print(json.dumps(samples[-1]), flush=True)
             if (ahead := n / args.rate - (time.monotonic() - start)) > 0:
                 time.sleep(ahead)

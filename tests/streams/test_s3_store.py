@@ -327,3 +327,23 @@ def test_the_stores_own_etags_are_forgotten_and_a_removed_object_is_no_error(tmp
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_server_gives_free_heap_pages_back_at_most_once_an_interval(monkeypatch):
+    released = []
+    monkeypatch.setattr(s3_store, "release_free", lambda: released.append(time.monotonic()) or True)
+    server = s3_store.StoreServer(("127.0.0.1", 0), s3_store._handler("k", "secret"))
+    try:
+        server.release_every_s = 3600.0
+        for _ in range(5):
+            server.service_actions()
+        assert released == []  # within the interval since the server started
+        server.release_every_s = 0.0
+        server.service_actions()
+        server.service_actions()
+        assert len(released) == 2
+        server.release_every_s = 3600.0
+        server.service_actions()
+        assert len(released) == 2  # the interval counts from the last release
+    finally:
+        server.server_close()
