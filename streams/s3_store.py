@@ -32,9 +32,9 @@ of its own (up to eight per core), where what it frees stays. In the two-hour so
 up (0.04-0.21 MiB a minute); its mappings showed the main heap and Python's object arenas level once the retention
 held the topic steady, and the other threads' malloc arenas rising (five of them, 2 -> 7-9 MiB over the first
 25-35 minutes of a start). So the store caps the arenas at start (`dvi.alloc.limit_arenas`, as dvi's other long-running
-processes do) and its serving loop gives whole free pages back every RELEASE_EVERY_S (`StoreServer`):
-`benchmarks.bench_store` over 10,000 batches kept 30 s, the threads' arenas 9.8 -> 3.2 MiB at the end, the store
-35.0 -> 31.0 MiB (medians of the second half).
+processes do) and its serving loop gives whole free pages back every RELEASE_EVERY_S (`StoreServer`).
+`benchmarks.bench_store` over 10,000 batches kept 30 s, without and with these: the threads' arenas 9.8 and 3.2 MiB
+at the end, the store 35.0 and 31.0 MiB (medians of the second half).
 """
 
 from __future__ import annotations
