@@ -7,9 +7,9 @@ waits for its acknowledgement, as the serving loop's small batches mostly arrive
 robin over the partitions, at most `--rate` a second, while a consumer group reads them back as they come (every
 fetch makes Tansu list the partition's batches). Every `--sample-s` seconds it records the store's resident memory
 (MiB, from /proc) and its parts by kind of mapping (`memory_kinds`: the main heap, the malloc arenas of other threads,
-Python's object arenas, other anonymous memory, files), the batches written so far and the batches its folder holds. Printed: the samples, and the
-store's growth per 1,000 batches written (least-squares slope over the second half of the run, after the store's
-own start-up). With `--retention-s N` the
+Python's object arenas, other anonymous memory, files), the batches written so far and the batches its folder
+holds. Printed: the samples, and the store's growth per 1,000 batches written (least-squares slope over the second
+half of the run, after the store's own start-up). With `--retention-s N` the
 broker keeps the topic's batches N seconds (`stream.retention_hours`): the store then holds a bounded number.
 
 The soak (`benchmarks.soak`) judges every process by its last hour; at its traffic the decision topic gains about

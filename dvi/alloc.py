@@ -43,6 +43,7 @@ import sys
 
 M_ARENA_MAX = -8  # glibc malloc.h
 ARENAS = 2
+RELEASE_EVERY_S = 60.0  # a long-running loop gives freed heap memory back (`release_free`) at most this often
 KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, torch's (ideep computations)
 KERNEL_CACHE_ENTRIES = 64  # a batch's four layer shapes at 16 token counts; full, 40 MiB of a Linear(576, 1536)'s
 

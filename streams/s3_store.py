@@ -32,7 +32,7 @@ of its own (up to eight per core), where what it frees stays. In the two-hour so
 up (0.04-0.21 MiB a minute); its mappings showed the main heap and Python's object arenas level once the retention
 held the topic steady, and the other threads' malloc arenas rising (five of them, 2 -> 7-9 MiB over the first
 25-35 minutes of a start). So the store caps the arenas at start (`dvi.alloc.limit_arenas`, as dvi's other long-running
-processes do) and its serving loop gives whole free pages back every RELEASE_EVERY_S (`StoreServer`).
+processes do) and its serving loop gives whole free pages back every `dvi.alloc.RELEASE_EVERY_S` (`StoreServer`).
 `benchmarks.bench_store` over 10,000 batches kept 30 s, without and with these: the threads' arenas 9.8 and 3.2 MiB
 at the end, the store 35.0 and 31.0 MiB (medians of the second half).
 """
@@ -60,7 +60,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 from xml.etree import ElementTree as ET
 
-from dvi.alloc import limit_arenas, release_free
+from dvi.alloc import RELEASE_EVERY_S, limit_arenas, release_free
 
 ACCESS_VAR, SECRET_VAR = "DVI_S3_ACCESS_KEY", "DVI_S3_SECRET_KEY"
 ALGORITHM = "AWS4-HMAC-SHA256"
@@ -71,7 +71,6 @@ _AUTH = re.compile(r"AWS4-HMAC-SHA256 Credential=([^,\s]+),\s*SignedHeaders=([a-
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 SETTLE_NS = 1_000_000_000  # a folder changed this recently is listed afresh (see `folder_stamp`)
 EXPIRE_EVERY_S = 60.0  # how often expiry looks for objects past their age (a quarter of a rule's age, if shorter)
-RELEASE_EVERY_S = 60.0  # how often the serving loop gives the C heap's free pages back (`StoreServer`)
 
 log = logging.getLogger("dvi.s3_store")
 

@@ -69,7 +69,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 from dvi import __version__, eagle3, store
-from dvi.alloc import heap_figures, release_free
+from dvi.alloc import RELEASE_EVERY_S, heap_figures, release_free
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
@@ -88,7 +88,6 @@ log = logging.getLogger("dvi.trainer")
 decision = logging.getLogger("dvi.decision.trainer")  # one line per decision, shown at the CLI's default level
 
 COUNTERS_EVERY_S = 30.0  # the counters go to the tracker at least this often while the trainer runs
-RELEASE_EVERY_S = 60.0  # freed heap memory goes back to the system after a step at most this often (dvi.alloc)
 
 
 def next_gate_in(every_s: float, took_s: float, max_share: float) -> float:
