@@ -7,7 +7,7 @@ one server, and the blocks alternate in ABBA order (capped, default, default, ca
 machine's speed falls on both alike. Figures: tokens/s per block, the median of the paired ratios capped/default
 with its interquartile range, and each server's resident memory after the run.
 
-What it does not know: memory growth over time (the 30-minute soak, tests/faults/test_soak.py, measures that),
+What it does not know: memory growth over time (the soak, `benchmarks.soak`, measures that),
 the trainer, decision logging (off here, as in bench_serve.py's HTTP part).
 
 Run: .venv/bin/python benchmarks/bench_alloc.py [--cycles 4] [--json PATH]

@@ -75,7 +75,7 @@ from benchmarks.bench_restart import halves
 from benchmarks.workloads import prompts
 from dvi import store
 from dvi.cli.up import Part, Supervisor, children_dir, running_pid
-from dvi.config import load_config
+from dvi.config import load_config, scratch_dir
 from dvi.models import default_cache_dir
 from dvi.procs import REGISTRY_ENV, free_port, http_ok, start_time
 
@@ -494,6 +494,9 @@ class Soak:
         if models.is_dir() and not (self.cache / "models").exists():
             (self.cache / "models").symlink_to(models, target_is_directory=True)
         os.environ["DVI_CACHE"] = str(self.cache)
+        if scratch_dir() is None:  # dvi's processes would fall back to /tmp, and the check of writes outside the cache fail
+            raise SystemExit(f"soak: the cache {self.cache} is too deep: its scratch folder leaves no room for a socket's "
+                             "name (dvi.config.scratch_dir); give --out a shorter path")
         self.overrides = [f"stream.data_dir={self.cache / 'broker'}", f"stream.retention_hours={opt.retention_hours}",
                           "trainer.log_every=1", *overrides]
         self.cfg = load_config(self.overrides)
@@ -987,10 +990,10 @@ def read_ledger(cfg) -> tuple[list[tuple[str, str]], dict[int, int]]:
 
 
 def outside_files(work: Path, before: dict | None = None) -> dict | list[str]:
-    """Files under home, /tmp and the work tree outside `work`: their mtimes (the first call), or those new or
-    changed since `before`."""
+    """Files under home, /tmp and the work tree outside `work` (and the shared demo models, and this host's shell
+    tool's job folders): their mtimes (the first call), or those new or changed since `before`."""
     roots = [Path.home(), Path("/tmp"), Path.cwd()]
-    skip = (str(work), "/tmp/bash_jobs", str(Path.home() / ".cache" / "dvi" / "models"))
+    skip = (str(work), "/tmp/bash_jobs", "/tmp/bash_tool_", str(Path.home() / ".cache" / "dvi" / "models"))
     seen = {}
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):

@@ -1,5 +1,5 @@
 """Workloads of the benchmarks: prompts from distinct domains, built offline from real text, deterministic from a
-seed. `benchmarks.drift` replays them; the soak test (tests/faults/test_soak.py) takes its probes from them.
+seed. `benchmarks.drift` replays them; the soak (`benchmarks.soak`) sends them as its traffic.
 
 Four domains, three written from the Python standard library that every installation carries and one from the
 READMEs the installed packages ship:

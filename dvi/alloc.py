@@ -3,7 +3,7 @@
 glibc gives each thread that meets a locked heap an arena of its own, up to eight per core. Memory freed into
 an arena stays with it, so a process whose threads take turns allocating (the decode or training loop, the Kafka
 client's network thread, DeepSpeed's and the HTTP server's threads) spreads its tensors over many arenas, and
-its resident memory creeps up with their fragments. In the 30-minute soak (tests/faults/test_soak.py) the
+its resident memory creeps up with their fragments. In a 30-minute soak of `dvi serve` and `dvi train` the
 trainer grew about 5 MiB per minute with glibc's default; with two arenas, its lowest resident memory stayed
 flat for 27 minutes. Two arenas is what `limit_arenas` sets, once, before the process starts its threads.
 

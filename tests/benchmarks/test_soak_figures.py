@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from benchmarks.bench_restart import binds, halves
-from benchmarks.soak import (FAULTS, Options, all_flat, exactly_once, flatness, hostile_burst, is_flat, lives, percentile,
+from benchmarks.soak import (FAULTS, Options, Soak, all_flat, exactly_once, flatness, hostile_burst, is_flat, lives, percentile,
                              main, proc_brief, read_to_end, registry, replica_binds, slope_per_min, table, tree, unrecovered, usage)
 from dvi import control, keys
 
@@ -159,6 +159,16 @@ def test_a_part_that_never_came_back_fails_its_check_and_the_table_says_why():
     assert "| every killed part back (within 20 minutes) | **no** |" in text
     assert "| up | 100.0 | never: the new dvi up failed: timeout |" in text and "| broker | 40.0 | 0.0 |" in text
     assert "the broker alone read the topic back in 12.5 s" in text
+
+
+def test_a_cache_too_deep_for_a_socket_name_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """Under a deep --out, dvi's scratch folder would leave no room for vLLM's socket names, its processes would write
+    to /tmp, and the check of writes outside the cache would fail on them: the soak says so at once."""
+    monkeypatch.setenv("DVI_CACHE", os.environ.get("DVI_CACHE", ""))  # the soak points DVI_CACHE at its own cache
+    deep = tmp_path / ("d" * 100)
+    with pytest.raises(SystemExit, match="too deep"):
+        Soak(Options(out=deep), [])
+    assert not list(tmp_path.rglob("*.pid")), "nothing was started"
 
 
 def test_two_replicas_get_disjoint_halves_of_the_cores_that_cover_them():
