@@ -990,10 +990,10 @@ def read_ledger(cfg) -> tuple[list[tuple[str, str]], dict[int, int]]:
 
 
 def outside_files(work: Path, before: dict | None = None) -> dict | list[str]:
-    """Files under home, /tmp and the work tree outside `work` (and the shared demo models, and this host's shell
-    tool's job folders): their mtimes (the first call), or those new or changed since `before`."""
+    """Files under home, /tmp and the work tree outside `work` (and the shared demo models): their mtimes (the first
+    call), or those new or changed since `before`. Another program's writes on the host: `--outside-ignore`."""
     roots = [Path.home(), Path("/tmp"), Path.cwd()]
-    skip = (str(work), "/tmp/bash_jobs", "/tmp/bash_tool_", str(Path.home() / ".cache" / "dvi" / "models"))
+    skip = (str(work), "/tmp/bash_jobs", str(Path.home() / ".cache" / "dvi" / "models"))
     seen = {}
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
