@@ -7,7 +7,9 @@ below sent as chat, or a `benchmarks.workloads` domain such as `code`, stdlib si
 
 1. records: dvi's engine decodes the training prompts with the kind's untrained drafter (K = 4, top-8 teacher;
    `--samples` per prompt: the first greedy, the others sampled at temperature 0.8) and the evaluation prompts
-   (greedy, prompts no training record came from); the training records go to a JSON-lines file;
+   (greedy, prompts no training record came from); for an EAGLE-3 drafter the records carry the target's features
+   of the layers it reads, as a serving replica sends them (`--encoding`); the training records go to a JSON-lines
+   file (`--records-cache` keeps them for the next run of the same settings);
 2. training: the DeepSpeed trainer (`trainers.recipe.Trainer`, the one `dvi train` and `dvi drafter distill` run)
    reads that file and takes optimizer steps for `--minutes`, replaying records once every fresh one is trained;
    every `--eval-every-s` seconds of training the expected acceptance (sum of min(p, q) at the teacher positions)
@@ -20,7 +22,9 @@ below sent as chat, or a `benchmarks.workloads` domain such as `code`, stdlib si
 
 Throughput: teacher positions trained on (fresh and replayed) per second of training, and the median step time; on
 a GPU also the share of time a kernel ran (NVML) and the time of one checkpoint. The trainer's precision is
-trainer.precision's auto: bf16 on a GPU, fp32 on the CPU.
+`--precision` (trainer.precision; auto: bf16 on a GPU, bf16-mixed on a CPU with native bf16, else fp32), its features
+`--features` (trainer.features: `records`, the records' own, no copy of the target; `recompute`, its copy of the
+target computes them for every batch).
 
 Run: .venv/bin/python benchmarks/bench_trainer.py [--device cpu] [--kinds layers] [--minutes 5] [--json PATH];
 on a GPU host `python -m benchmarks.gpu` runs it with the engine's checks (benchmarks/README.md, "On a GPU").
@@ -30,6 +34,7 @@ on a GPU host `python -m benchmarks.gpu` runs it with the engine's checks (bench
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -38,6 +43,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import torch
 import transformers
 
@@ -50,8 +56,8 @@ from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, Train
 from dvi.engine import Request, SpeculativeEngine  # noqa: E402
 from dvi.models import Drafter, encode_chat, end_ids, resolve_device  # noqa: E402
 from dvi.pairs import load_any_drafter, resolve_pair  # noqa: E402
-from dvi.records import records_from_result  # noqa: E402
-from trainers.data import Ahead, FileSource, example_from_record  # noqa: E402
+from dvi.records import decode, encode, records_from_result  # noqa: E402
+from trainers.data import Ahead, FileSource  # noqa: E402
 from trainers.ds import merged_state_dict  # noqa: E402
 from trainers.losses import position_loss  # noqa: E402
 from trainers.recipe import (Eagle3PositionLM, PositionLM, Trainer, chunks, evaluate, gpu_busy_share, teacher_for,  # noqa: E402
@@ -107,20 +113,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_records(pair, prompts_: list[list[int]], samples: int, new_tokens: int, batch: int, drafted: bool = True
-                 ) -> tuple[list, float]:
+def make_records(pair, prompts_: list[list[int]], samples: int, new_tokens: int, batch: int, drafted: bool = True,
+                 features_layers=None, encoding: str = "bf16") -> tuple[list, float]:
     """Decode every prompt `samples` times (greedy, then sampled at 0.8) with the pair (`drafted`: with its drafter,
-    else the target alone: records no drafter drafted for, which train any drafter); (records, seconds)."""
+    else the target alone: records no drafter drafted for, which train any drafter), the records carrying the target's
+    features of `features_layers` in `encoding`; (records, seconds)."""
     vocab = int(pair.target.config.vocab_size)
     engine = SpeculativeEngine(pair.target, pair.drafter if drafted else None, SpecConfig(k=4, adaptive=False, topk_logprobs=8),
-                               stop_ids=end_ids(pair.target, pair.tokenizer), max_batch=batch)
+                               stop_ids=end_ids(pair.target, pair.tokenizer), max_batch=batch, features_layers=features_layers)
     requests = [Request(ids, max_new_tokens=new_tokens, temperature=0.8 if s else 0.0, seed=s)
                 for s in range(samples) for ids in prompts_]
     t0 = time.perf_counter()
     records = []
     with torch.inference_mode():
         for req, res in zip(requests, engine.generate(requests)):
-            records += records_from_result(res, replica_id="bench", target_name="smollm2", vocab_size=vocab, sampling=req, topk=8)
+            records += records_from_result(res, replica_id="bench", target_name="smollm2", vocab_size=vocab, sampling=req, topk=8,
+                                           features_encoding=encoding)
     return records, time.perf_counter() - t0
 
 
@@ -142,7 +150,7 @@ def plain_loop(trainer: Trainer, drafter_dir: Path, seconds: float) -> dict:
     t, device = trainer.tcfg, trainer.device
     cuda = device.type == "cuda"
     drafter = load_any_drafter(drafter_dir, trainer.vocab_size, torch.float32, device,
-                               target=trainer.target if trainer.eagle3 else None)
+                               target=trainer.target if trainer.eagle3 else None, embed=trainer.embed)
     model = drafter.model.train()
     module = Eagle3PositionLM(model, trainer.features_target) if trainer.eagle3 else PositionLM(model)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -154,13 +162,13 @@ def plain_loop(trainer: Trainer, drafter_dir: Path, seconds: float) -> dict:
         return {}
 
     def one(batch) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=trainer.precision != "fp32"):
             teacher = teacher_for(batch, trainer.vocab_size, trainer.vocab_map, trainer.teacher_lm)
             if trainer.eagle3 and t.eagle3_ttt_steps > 1:
                 loss, _ = ttt_position_loss(module, batch, teacher, t.eagle3_ttt_steps, t.divergence, 1.0, 0.0, t.jsd_beta,
                                             trainer.vocab_map)
             else:
-                logits = module(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
+                logits = module(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, features=batch.features)
                 loss, _ = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight, t.divergence,
                                         1.0, 0.0, t.jsd_beta, trainer.vocab_map)
         loss.backward()
@@ -190,10 +198,12 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
     vocab = int(pair.target.config.vocab_size)
     train_prompts, eval_prompts = domain_prompts(pair.tokenizer, args.domain, args.train_prompts, args.eval_prompts)
     drafted = args.records_from == "drafter"
+    layers = tuple(pair.drafter.layer_ids) if kind == "eagle3" else None  # what a replica serving it sends
     key = kind if drafted else "target"  # the target's own records serve every kind: made once
     if key not in RECORDS:
-        RECORDS[key] = (make_records(pair, train_prompts, args.samples, args.new_tokens, args.gen_batch, drafted),
-                        make_records(pair, eval_prompts, 1, args.new_tokens, args.gen_batch, drafted)[0])
+        RECORDS[key] = cached_records(args, key, lambda: (
+            make_records(pair, train_prompts, args.samples, args.new_tokens, args.gen_batch, drafted, layers, args.encoding),
+            make_records(pair, eval_prompts, 1, args.new_tokens, args.gen_batch, drafted, layers, args.encoding)[0]))
     (records, gen_s), eval_records = RECORDS[key]
     tokens = sum(len(r.generated_ids) for r in records)
     print(f"[{kind}] records: {len(records)} from {len(train_prompts)} prompts x {args.samples}, {tokens} tokens in "
@@ -203,6 +213,7 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
 
     cfg = DviConfig(model=replace(model_cfg, target=str(pair.target_dir), drafter=str(pair.drafter_dir)),
                     trainer=TrainerConfig(run_dir=str(tmp / f"run-{kind}"), store=str(tmp / f"store-{kind}"),
+                                          precision=args.precision, features=args.features,
                                           batch_tokens=args.batch_tokens, lr=args.lr, replay_share=0.5, replay_when_idle=True,
                                           holdout_share=0.0, holdout_first=0, pending_size=10**6, replay_size=10**6,
                                           replay_mb=16384.0, checkpoint_every=10**6, gate_every=10**6, gate_every_s=None,
@@ -216,10 +227,11 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
         if not delivered:
             break
         trainer.ingest(delivered)
-    eval_examples = [example_from_record(r, trainer.tcfg.max_seq_len, trainer.tcfg.reward_penalty) for r in eval_records]
+    eval_examples = [trainer._example(r) for r in eval_records]
 
     def held_out() -> dict:
-        return evaluate(trainer.student.module, eval_examples, vocab, trainer.vocab_map, trainer.teacher_lm, args.batch_tokens)
+        return evaluate(trainer.student.module, eval_examples, vocab, trainer.vocab_map, trainer.teacher_lm, args.batch_tokens,
+                        trainer.gate_rule, trainer.precision)
 
     curve = [{"train_s": 0.0, "steps": 0, "positions": 0, **held_out()}]
     print(f"[{kind}] held-out acceptance before training {curve[0]['acceptance']:.3f}", flush=True)
@@ -244,7 +256,8 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
                      "positions": trainer.state.counters.positions - warm[1], **held_out()}
             curve.append(point)
             print(f"[{kind}] {train_s:6.1f} s, {point['steps']} steps, {point['positions'] / train_s:,.0f} positions/s: "
-                  f"held-out acceptance {point['acceptance']:.3f}, greedy match {point['greedy']:.3f}", flush=True)
+                  f"held-out acceptance {point['acceptance']:.3f}, greedy match {point['greedy']:.3f}, "
+                  f"realized ({trainer.gate_rule}) {point['realized']:.3f}", flush=True)
     c = trainer.state.counters
     positions = c.positions - warm[1]
     c0 = time.perf_counter()
@@ -254,7 +267,10 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
            "eval_records": len(eval_records), "train_s": train_s, "steps": trainer.state.step - warm[0],
            "positions": positions, "positions_per_s": positions / train_s, "median_step_s": statistics.median(step_times),
            "gpu_busy_share": statistics.median(busy) if busy else None, "checkpoint_s": checkpoint_s,
-           "precision": trainer.student.bfloat16_enabled() and "bf16" or "fp32",
+           "precision": trainer.precision, "features": args.features if trainer.eagle3 else None,
+           "encoding": args.encoding if trainer.eagle3 else None, "target_loaded": trainer.target is not None,
+           "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
+           "rss_mb": psutil.Process().memory_info().rss / (1 << 20),
            "fresh_records_trained": c.trained, "curve": curve,
            "reached_0_5_at_s": next((p["train_s"] for p in curve if p["acceptance"] >= 0.5), None)}
     if args.plain_s > 0:
@@ -273,6 +289,37 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
         out["decode"] = decode_table(trainer, eval_prompts, args.new_tokens, model_cfg)
     trainer.close()
     return out
+
+
+def cached_records(args, key: str, make):
+    """`make()` ((records, seconds), eval records), or what an earlier run with the same settings kept in
+    `--records-cache` (the wire form, length-prefixed)."""
+    if args.records_cache is None:
+        return make()
+    settings = {k: str(getattr(args, k)) for k in ("target", "domain", "train_prompts", "eval_prompts", "samples",
+                                                  "new_tokens", "records_from", "vocab", "encoding")}
+    name = hashlib.sha256(json.dumps([key, settings], sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(args.records_cache) / f"records-{name}.bin"
+    if path.is_file():
+        blob = path.read_bytes()
+        meta_len = int.from_bytes(blob[:4], "little")
+        meta = json.loads(blob[4 : 4 + meta_len])
+        out, at = [], 4 + meta_len
+        while at < len(blob):
+            n = int.from_bytes(blob[at : at + 4], "little")
+            out.append(decode(blob[at + 4 : at + 4 + n]))
+            at += 4 + n
+        print(f"records from {path}", flush=True)
+        return (out[: meta["train"]], meta["gen_s"]), out[meta["train"] :]
+    (records, gen_s), eval_records = made = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = json.dumps({"train": len(records), "gen_s": gen_s}).encode()
+    parts = [len(meta).to_bytes(4, "little"), meta]
+    for r in records + eval_records:
+        data = encode(r, logprob_dtype="float32")
+        parts += [len(data).to_bytes(4, "little"), data]
+    path.write_bytes(b"".join(parts))
+    return made
 
 
 def decode_table(trainer: Trainer, eval_prompts, new_tokens: int, model_cfg: ModelConfig) -> list[dict]:
@@ -329,6 +376,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gen-batch", type=int, default=8, help="engine batch while making records")
     ap.add_argument("--batch-tokens", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--precision", default="auto", help="trainer.precision: auto, fp32, bf16-mixed, bf16")
+    ap.add_argument("--features", default="records", help="trainer.features (EAGLE-3): records or recompute")
+    ap.add_argument("--encoding", default="bf16", help="the records' features: bf16 or int8 (stream.features.encoding)")
+    ap.add_argument("--records-cache", type=Path, default=None, help="keep the records made here for later runs")
     ap.add_argument("--vocab", type=int, default=0, help="the demo drafter's reduced vocabulary (0: the kind's default)")
     ap.add_argument("--decode", action=argparse.BooleanOptionalAction, default=None,
                     help="the engine's decode table after training (default: on the CPU only)")

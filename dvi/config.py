@@ -268,6 +268,21 @@ SECURITY_KEYS = frozenset(
 
 
 @dataclass(frozen=True)
+class FeaturesConfig:
+    """The target's features a record carries (`dvi.features`), for trainers of EAGLE-3 drafters: with them a trainer
+    needs no copy of the target. Serving sends them where it drafts with an EAGLE-3 drafter (its layers)."""
+
+    share: float = 1.0  # of requests whose records carry them (a fixed function of the request id); 0: none
+    encoding: str = "bf16"  # bf16 (the target's values) or int8 (per-layer scales: half the bytes)
+    max_tokens: int = 256  # positions a record carries at most: its last ones (the trainer trains on that window)
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.share <= 1, "stream.features.share", self.share, "a share of requests in [0, 1]")
+        _check(self.encoding in ("bf16", "int8"), "stream.features.encoding", self.encoding, "bf16 or int8")
+        _check(self.max_tokens >= 1, "stream.features.max_tokens", self.max_tokens, "an integer >= 1")
+
+
+@dataclass(frozen=True)
 class StreamConfig:
     """The decision stream: where records go (Kafka), how they are batched, and what they carry."""
 
@@ -287,10 +302,13 @@ class StreamConfig:
     linger_ms: int = 20
     batch_bytes: int = 262144
     compression: str = "gzip"  # Kafka batch compression, the records' one compression layer: gzip or none
-    max_record_bytes: int = 524288  # encoded DecisionRecord size bound (producer drops, consumer dead-letters)
+    # encoded DecisionRecord size bound (producer drops, consumer dead-letters); a record's features give up their
+    # oldest rows to stay within it
+    max_record_bytes: int = 1048576
     chunk_rounds: int = 64  # rounds per record; longer generations are split into chunks
     topk: int = 8  # teacher top-k log-probs per position to log (0 = none; <= serve.spec.topk_logprobs)
     logprob_dtype: str = "float16"
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
     schema_id: int = 0  # the id a schema registry gave the record schema (`dvi stream schema`), in every record; 0: none
     delivery_timeout_ms: int = 10000  # a record not acknowledged by then is dropped and counted
     session_timeout_ms: int = 6000  # consumer groups (group joins take about half of it)
@@ -344,6 +362,13 @@ class StreamConfig:
         return None if self.retention_hours is None else (self.topic, float(self.retention_hours) * 3600.0)
 
     @property
+    def record_args(self) -> dict[str, Any]:
+        """What `dvi.records.records_from_result` takes from this config: chunking, teacher width, features."""
+        f = self.features
+        return {"chunk_rounds": self.chunk_rounds, "topk": self.topk, "features_share": f.share,
+                "features_max_tokens": f.max_tokens, "features_encoding": f.encoding}
+
+    @property
     def bootstrap(self) -> str:
         """Where the Kafka clients connect: the configured servers, or the embedded broker."""
         return self.bootstrap_servers or f"127.0.0.1:{self.port}"
@@ -362,7 +387,9 @@ class TrainerConfig:
     store: str | None = None  # model store of published drafters; null: <cache>/store
     # DeepSpeed
     zero_stage: int = 0
-    precision: str = "auto"  # auto (bf16 on a GPU, fp32 on CPU), fp32 or bf16
+    # auto: bf16 on a GPU; bf16-mixed on a CPU with native bf16 (fp32 weights and optimizer, the forward and backward's
+    # matrix products in bf16: torch.autocast); else fp32. bf16: DeepSpeed's bf16 (bf16 weights, fp32 master copy)
+    precision: str = "auto"
     lr: float = 3e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.98)
@@ -380,6 +407,7 @@ class TrainerConfig:
     replay_size: int = 4096  # records kept for replay (oldest evicted)
     replay_mb: float = 512.0  # and at most this many MiB of them (oldest evicted): long records cannot fill memory
     pending_size: int = 4096  # fresh records waiting to be trained (oldest skipped, counted, when full)
+    pending_mb: float = 1024.0  # and at most this many MiB of them (records with features are large)
     # fresh records waiting longer than this since they were logged are skipped (counted as expired): a waiting record
     # holds its partition's committed offset back, and must be done before the stream's retention removes it; null:
     # half of stream.retention_hours (no limit when that is null)
@@ -391,6 +419,11 @@ class TrainerConfig:
     divergence: str = "fkl"  # fkl, rkl, jsd or tv
     jsd_beta: float = 0.5
     teacher: str = "auto"  # auto (logged top-k when the record has it, else the target's logits), topk, logits
+    # an EAGLE-3 drafter's features (the target's aux hidden states): records (those the records carry; the trainer
+    # never loads the target, records without them are skipped and counted), recompute (the trainer's copy of the
+    # target computes them for every record), auto (the records' where they carry them, else recomputed where the
+    # trainer has the target, which it loads only for trainer.teacher=logits; else skipped and counted)
+    features: str = "auto"
     reward_max: float = 0.0  # weight of the DVI reward term after the schedule (0: pure KL)
     reward_warmup: int = 100  # steps of pure KL
     reward_ramp: int = 400  # step at which the reward weight reaches reward_max
@@ -412,6 +445,11 @@ class TrainerConfig:
     gate_max_share: float = 0.25
     gate_min_records: int = 4  # held-out records needed before a gate check
     min_gain: float = 0.02  # a candidate must beat the serving drafter's estimated acceptance by more than this
+    # the acceptance the gate estimates, as the serving engine realizes it: argmax (vLLM's EAGLE-3 and draft-model
+    # proposers draft the drafter's most likely token: a greedy request accepts it when it is the target's, a sampled
+    # one with the target's probability of it), sampled (dvi's engine samples drafts from the drafter: sum min(p, q));
+    # auto: sampled for serve.engine=dvi, else argmax
+    gate_rule: str = "auto"
     checkpoint_every: int = 25  # optimizer steps between checkpoints (offsets are committed after each)
     # and a checkpoint this often when there is something new to commit (records done without a step: held out,
     # skipped, expired); null: by steps only
@@ -432,7 +470,14 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check(bool(self.group_id), "trainer.group_id", self.group_id, "a consumer group name")
         _check(self.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", self.zero_stage, "0, 1, 2 or 3")
-        _check(self.precision in ("auto", "fp32", "bf16"), "trainer.precision", self.precision, "auto, fp32 or bf16")
+        _check(self.precision in ("auto", "fp32", "bf16", "bf16-mixed"), "trainer.precision", self.precision,
+               "auto, fp32, bf16 or bf16-mixed")
+        _check(self.features in ("auto", "records", "recompute"), "trainer.features", self.features, "auto, records or recompute")
+        _check(not (self.features == "records" and self.teacher == "logits"), "trainer.features", self.features,
+               "auto or recompute with trainer.teacher=logits (the teacher's logits come from the trainer's copy of the "
+               "target, which trainer.features=records never loads)")
+        _check(self.gate_rule in ("auto", "argmax", "sampled"), "trainer.gate_rule", self.gate_rule, "auto, argmax or sampled")
+        _check(self.pending_mb > 0, "trainer.pending_mb", self.pending_mb, "a size > 0 MiB")
         _check(self.lr > 0, "trainer.lr", self.lr, "> 0")
         _check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas", self.betas, "two numbers in [0, 1)")

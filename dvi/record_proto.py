@@ -21,7 +21,7 @@ PACKAGE = "dvi.records.v2"
 FILE_NAME = "dvi/records/v2/decision_record.proto"
 
 # message -> [(field name, number, type, comment)]; a type is a scalar, "optional <scalar>" (proto3 explicit
-# presence: None is not the empty string or 0) or another message of this file. DecisionRecord comes first: a
+# presence: None is not the empty string or 0), "repeated <scalar>" or another message of this file. DecisionRecord comes first: a
 # registry's serializers name a record's message by its index in the file, and the framing says [0].
 FIELDS: dict[str, list[tuple[str, int, str, str]]] = {
     "DecisionRecord": [
@@ -46,6 +46,13 @@ FIELDS: dict[str, list[tuple[str, int, str, str]]] = {
         ("topk_ids", 19, "bytes", "[sum (k + 1), topk] the target's top-k ids at each drafted and the bonus position"),
         ("topk_logprobs", 20, "bytes", "[sum (k + 1), topk] their log-probs (temperature 1, unwarped)"),
         ("minor", 21, "uint32", "the schema minor version the writer knew"),
+        # minor 1: the target's features of the record's tokens (dvi.features), for EAGLE-3 drafters; absent: none
+        ("features_width", 22, "uint32", "values per row (0: the record carries no features)"),
+        ("features_start", 23, "uint32", "sequence position (prompt, prefix, generated) of the first row"),
+        ("features_layers", 24, "repeated uint32", "the target layers whose inputs the rows hold, ascending"),
+        ("features_encoding", 25, "string", "bf16 (uint16 bit patterns) or int8 (with features_scales)"),
+        ("features", 26, "bytes", "[R, features_width] little-endian rows, one per position from features_start"),
+        ("features_scales", 27, "bytes", "[R, len(features_layers)] float32: int8 only, each layer's part of a row is value x scale"),
     ],
     "Target": [
         ("name", 1, "string", "the target model that verified"),
@@ -69,9 +76,9 @@ def _file(fields: dict[str, list[tuple[str, int, str, str]]]) -> descriptor_pb2.
     for message, entries in fields.items():
         m = f.message_type.add(name=message)
         for name, number, kind, _ in entries:
-            optional = kind.startswith("optional ")
-            kind = kind.removeprefix("optional ")
-            field = m.field.add(name=name, number=number, label=_F.LABEL_OPTIONAL)
+            optional, repeated = kind.startswith("optional "), kind.startswith("repeated ")
+            kind = kind.removeprefix("optional ").removeprefix("repeated ")
+            field = m.field.add(name=name, number=number, label=_F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL)
             if kind in _SCALARS:
                 field.type = _SCALARS[kind]
             else:

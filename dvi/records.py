@@ -14,6 +14,12 @@ Vocabulary (per round, as in `dvi.engine.Round`):
 A round emits `drafted[:accepted] + [token]`, cut short only in the last round of a request (stop token or
 length limit).
 
+Features (optional, schema 2.1): the target's aux hidden states (`dvi.features.Features`) at the layers an EAGLE-3
+drafter reads, for positions `start`.. of the record's sequence (prompt + prefix + generated), taken from the forwards
+serving ran, so a trainer needs no copy of the target. A record carries them for the last
+`stream.features.max_tokens` positions it has (fewer where `stream.max_record_bytes` would not hold them: the
+oldest go first), for a share of requests (`stream.features.share`); a reader that does not know them skips them.
+
 Wire format, one function each way (`encode` / `decode`), never pickle: a protobuf message (`dvi.record_proto`, the
 schema as `.proto` text from `dvi stream schema`) in Confluent's framing, so a schema-registry-aware tool reads it:
 
@@ -37,6 +43,8 @@ module knows the engine's `Result` and numpy; it knows nothing about Kafka, topi
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import re
 import struct
@@ -50,10 +58,11 @@ from google.protobuf.message import DecodeError
 
 from dvi import records_v1
 from dvi.errors import DviError, RecordError
+from dvi.features import ENCODINGS, Features, carries
 from dvi.record_proto import RECORD, message_class
 
 SCHEMA_VERSION = 2  # the major version this build writes
-SCHEMA_MINOR = 0  # the minor version this build writes; it reads records of any minor version
+SCHEMA_MINOR = 1  # the minor version this build writes (1: features); it reads records of any minor version
 CONTENT_TYPE = "application/vnd.dvi.decision-record+protobuf"
 READS = {1: "application/vnd.dvi.decision-record", 2: CONTENT_TYPE}  # major version -> content type, of what it reads
 _FRAME = struct.Struct(">BI")  # Confluent's framing: magic byte 0, schema id; then the message indexes ([0]: one 0 byte)
@@ -68,6 +77,8 @@ _LOGPROB_SLACK = 1e-3  # a log-prob may exceed 0 by float rounding only
 _U32_MAX = (1 << 32) - 1  # the wire's counts and sizes are uint32
 _I32_MAX = (1 << 31) - 1  # a round's position and k are int32
 _I64 = 1 << 63  # a seed is an int64
+_MAX_LAYERS = 64  # target layers a record's features may name
+_FEATURE_DTYPES = {"bf16": np.dtype("<u2"), "int8": np.dtype("i1")}  # encoding -> the wire's element type
 
 
 @dataclass(frozen=True)
@@ -139,6 +150,7 @@ class DecisionRecord:
     rounds: list[RoundRecord]
     topk: int  # teacher columns per position (0 = none)
     domain: str | None = None
+    features: Features | None = None  # the target's features of positions features.start.. of the sequence
     record_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     time: float = field(default_factory=time.time)  # unix seconds when the record was made
     # the schema it was written in (decoded records: 1 or 2); records equal in content are equal whichever it was
@@ -151,6 +163,11 @@ class DecisionRecord:
     @property
     def accepted(self) -> int:
         return sum(r.accepted for r in self.rounds)
+
+    @property
+    def length(self) -> int:
+        """Tokens of its sequence: prompt, prefix and generated."""
+        return len(self.prompt_ids) + len(self.prefix_ids) + len(self.generated_ids)
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (for people and scripts; the wire format is `encode`)."""
@@ -182,7 +199,38 @@ class DecisionRecord:
                 }
                 for r in self.rounds
             ],
+            "features": None if self.features is None else _features_dict(self.features),
         }
+
+
+def _features_dict(f: Features) -> dict:
+    return {"layers": list(f.layers), "start": f.start, "encoding": f.encoding, "width": f.width,
+            "data": base64.b64encode(f.data.astype(_FEATURE_DTYPES[f.encoding]).tobytes()).decode(),
+            "scales": None if f.scales is None else base64.b64encode(f.scales.astype("<f4").tobytes()).decode()}
+
+
+def _features_of_dict(d: Any) -> Features | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise RecordError("features", f"expected a JSON object, got {type(d).__name__}")
+    encoding = d["encoding"]
+    if encoding not in _FEATURE_DTYPES:
+        raise RecordError("features.encoding", f"{str(encoding)[:20]!r}, expected one of {', '.join(ENCODINGS)}")
+    layers = [int(i) for i in d["layers"]]
+    width = int(d["width"])
+    if width < 1 or not layers:
+        raise RecordError("features.width", f"{width} values per row over {len(layers)} layers")
+    data = np.frombuffer(base64.b64decode(d["data"], validate=True), _FEATURE_DTYPES[encoding])
+    if data.size % width:
+        raise RecordError("features.data", f"{data.size} values, not a multiple of the width {width}")
+    scales = None if d.get("scales") is None else np.frombuffer(base64.b64decode(d["scales"], validate=True), "<f4")
+    rows = data.size // width
+    if scales is not None:
+        if scales.size != rows * len(layers):
+            raise RecordError("features.scales", f"{scales.size} scales for {rows} rows of {len(layers)} layers")
+        scales = scales.reshape(rows, len(layers)).astype(np.float32)
+    return Features(tuple(layers), int(d["start"]), encoding, data.reshape(rows, width), scales)
 
 
 @dataclass(frozen=True)
@@ -217,11 +265,13 @@ def from_dict(d: Any, vocab_size: int | None = None) -> DecisionRecord:
             sampling=Sampling(d["sampling"]["temperature"], d["sampling"]["top_p"], d["sampling"]["seed"]),
             prompt_ids=list(d["prompt_ids"]), prefix_ids=list(d["prefix_ids"]), generated_ids=list(d["generated_ids"]),
             rounds=rounds, topk=topk, domain=d.get("domain"), record_id=d["record_id"], time=d["time"],
-            schema_version=d["schema_version"],
+            schema_version=d["schema_version"], features=_features_of_dict(d.get("features")),
         )
     except KeyError as e:
         raise RecordError(str(e.args[0]), "missing") from None
-    except (TypeError, ValueError) as e:
+    except RecordError:
+        raise
+    except (TypeError, ValueError, binascii.Error) as e:
         raise RecordError("record", f"malformed ({e})") from None
     validate(record, vocab_size)
     return record
@@ -241,13 +291,19 @@ def records_from_result(
     domain: str | None = None,
     chunk_rounds: int = 64,
     topk: int | None = None,
+    features_share: float = 1.0,
+    features_max_tokens: int = 512,
+    features_encoding: str = "bf16",
 ) -> list[DecisionRecord]:
     """The DecisionRecords of one finished request (`dvi.engine.Result`).
 
     Rounds are split into chunks of at most `chunk_rounds`, and also where the drafter changed (a hot swap),
     so that each record names the one drafter version its rounds used. `sampling`: a `Sampling` or anything
     with temperature / top_p / seed (the `Request`). `topk`: teacher columns to keep (None: all the rounds
-    carry); the engine must have recorded at least that many (`serve.spec.topk_logprobs`).
+    carry); the engine must have recorded at least that many (`serve.spec.topk_logprobs`). Where the result holds
+    the target's features (`Result.features`) and the request is among the `features_share` that carry them
+    (`dvi.features.carries`), each record carries those of its last `features_max_tokens` positions, in
+    `features_encoding` (stream.features.*).
     """
     if chunk_rounds < 1:
         raise DviError(f"chunk_rounds must be >= 1, got {chunk_rounds}")
@@ -275,11 +331,23 @@ def records_from_result(
     target = Target(target_name, int(vocab_size))
     tokens = list(result.token_ids)
     now = time.time()
+    rows = getattr(result, "features", None)
+    features = None
+    if rows is not None and features_max_tokens > 0 and carries(result.request_id, features_share):
+        features = (rows, int(result.features_start), tuple(result.features_layers))
     records = []
     for c, chunk in enumerate(chunks):
         start = chunk[0].position
         end = chunks[c + 1][0].position if c + 1 < len(chunks) else len(tokens)
         versions = [r.drafter_version for r in chunk if r.drafter_version is not None]
+        window = None
+        if features is not None:  # the last features_max_tokens positions of this record's sequence it has
+            rows, first, layers = features
+            length = len(result.prompt_ids) + end
+            hi = min(first + rows.shape[0], length)
+            lo = max(first, hi - features_max_tokens)
+            if hi > lo:
+                window = Features.encode(rows[lo - first : hi - first], layers, lo, features_encoding)
         records.append(
             DecisionRecord(
                 request_id=result.request_id,
@@ -296,6 +364,7 @@ def records_from_result(
                 topk=topk,
                 domain=domain,
                 time=now,
+                features=window,
             )
         )
     return records
@@ -354,6 +423,8 @@ def validate(record: DecisionRecord, vocab_size: int | None = None) -> None:
         _text(record.domain, "domain")
         if not DOMAIN.fullmatch(record.domain):
             raise RecordError("domain", f"{record.domain[:80]!r} is not a tag of 1 to 64 letters, digits, '.', '_' or '-'")
+    if record.features is not None:
+        _check_features(record.features, len(record.prompt_ids) + len(record.prefix_ids) + len(record.generated_ids))
     topk = _int(record.topk, "topk", lo=0)
     if topk > vocab:
         raise RecordError("topk", f"{topk} exceeds the vocabulary size {vocab}")
@@ -416,6 +487,36 @@ def validate(record: DecisionRecord, vocab_size: int | None = None) -> None:
         if high.any():
             j = int(np.flatnonzero(high.ravel())[0])
             raise RecordError(f"rounds[{_round_of(record.rounds, j // topk)}].topk_logprobs", f"log-prob {float(lp.ravel()[j])} > 0")
+
+
+def _check_features(f: Features, length: int) -> None:
+    """Refuse features that are malformed or do not fit a sequence of `length` tokens."""
+    if not isinstance(f, Features):
+        raise RecordError("features", f"expected a Features, got {type(f).__name__}")
+    if f.encoding not in _FEATURE_DTYPES:
+        raise RecordError("features.encoding", f"{str(f.encoding)[:20]!r}, expected one of {', '.join(ENCODINGS)}")
+    layers = list(f.layers)
+    if not 0 < len(layers) <= _MAX_LAYERS or any(not isinstance(i, int) or i < 0 for i in layers) or layers != sorted(set(layers)):
+        raise RecordError("features.layers", f"{layers[:8]}: expected 1 to {_MAX_LAYERS} distinct layer ids, ascending")
+    data = f.data
+    if not isinstance(data, np.ndarray) or data.ndim != 2 or data.dtype != _FEATURE_DTYPES[f.encoding].newbyteorder("="):
+        raise RecordError("features.data", f"expected [rows, width] of {_FEATURE_DTYPES[f.encoding]}")
+    rows, width = data.shape
+    if rows < 1 or width < len(layers) or width % len(layers):
+        raise RecordError("features.width", f"{rows} rows of {width} values: expected >= 1 row, a width that is a "
+                                            f"multiple of the {len(layers)} layers")
+    start = _int(f.start, "features.start", lo=0)
+    if start + rows > length:
+        raise RecordError("features.start", f"rows for positions {start}..{start + rows - 1}, the sequence has {length} tokens")
+    if f.encoding == "int8":
+        if not isinstance(f.scales, np.ndarray) or f.scales.shape != (rows, len(layers)):
+            raise RecordError("features.scales", f"expected [{rows}, {len(layers)}] scales for int8 rows")
+        if not (np.isfinite(f.scales).all() and (f.scales >= 0).all()):
+            raise RecordError("features.scales", "non-finite or negative scales")
+    elif f.scales is not None:
+        raise RecordError("features.scales", f"scales are for int8 rows, these are {f.encoding}")
+    if not f.finite():
+        raise RecordError("features.data", "non-finite values (NaN or inf)")
 
 
 def _teacher_shape(r: RoundRecord, name: str, k: int, topk: int) -> None:
@@ -551,7 +652,20 @@ def encode(record: DecisionRecord, *, logprob_dtype: str = "float16", max_bytes:
     if record.topk:
         m.topk_ids = np.concatenate([r.topk_ids for r in rounds]).astype(id_t).tobytes()  # [sum(k+1), topk]
         m.topk_logprobs = np.concatenate([r.topk_logprobs for r in rounds]).astype(lp_t).tobytes()
-    data = _FRAME.pack(0, schema_id) + b"\x00" + m.SerializeToString()
+    head = _FRAME.pack(0, schema_id) + b"\x00"
+    features = record.features
+    if features is not None and max_bytes is not None:  # the oldest rows go first where the bound would not hold them
+        room = max_bytes - len(head) - m.ByteSize() - 64 - 4 * len(features.layers)
+        fits = room // features.row_bytes if room > 0 else 0
+        features = features.last(min(features.rows, fits))
+    if features is not None:
+        m.features_width, m.features_start = features.width, features.start
+        m.features_layers.extend(features.layers)
+        m.features_encoding = features.encoding
+        m.features = features.data.astype(_FEATURE_DTYPES[features.encoding]).tobytes()
+        if features.scales is not None:
+            m.features_scales = features.scales.astype("<f4").tobytes()
+    data = head + m.SerializeToString()
     if max_bytes is not None and len(data) > max_bytes:
         raise RecordError("record", f"encoded size {len(data)} bytes exceeds the bound of {max_bytes} (stream.max_record_bytes)")
     return data
@@ -567,11 +681,13 @@ class Limits:
     max_rounds: int
     max_k: int
     max_tokens: int = 1 << 15
+    max_feature_bytes: int = 0  # the features a record may carry (stream.max_record_bytes where they are on)
 
     def payload_bytes(self) -> int:
-        """The largest payload a valid record within these limits has (metadata, ids as i32, log-probs as f32)."""
+        """The largest payload a valid record within these limits has (metadata, ids as i32, log-probs as f32,
+        features)."""
         per_round = 16 + 4 * self.max_k + (self.max_k + 1) * self.topk * 8  # the table row, drafts, teacher rows
-        return MAX_METADATA + 4 * self.max_tokens + self.max_rounds * per_round
+        return MAX_METADATA + 4 * self.max_tokens + self.max_rounds * per_round + self.max_feature_bytes
 
     def check(self, topk: int, n_rounds: int, n_tokens: int) -> None:
         """Refuse a record's counts beyond these limits, before any of its arrays is read."""
@@ -647,6 +763,7 @@ def _parse(data: bytes, limits: Limits | None) -> DecisionRecord:
         limits.check_k(ks)
     rows = int((ks + 1).sum())
     s = m.sampling
+    features = _parsed_features(m, limits)
     return assemble(
         SCHEMA_VERSION, m.record_id, m.time, m.replica_id, m.request_id, m.chunk_index, m.final, m.target.name, m.target.vocab_size,
         m.drafter_version if m.HasField("drafter_version") else None,
@@ -656,7 +773,33 @@ def _parse(data: bytes, limits: Limits | None) -> DecisionRecord:
         array("drafted", id_t, int(ks.sum())),
         array("topk_ids", id_t, rows * topk).reshape(rows, topk),
         array("topk_logprobs", lp_t, rows * topk).reshape(rows, topk).astype(np.float32),
+        features=features,
     )
+
+
+def _parsed_features(m, limits: Limits | None) -> Features | None:
+    """The features of a parsed message (schema 2.1), shaped but not yet validated; None when it carries none."""
+    width = int(m.features_width)
+    if not width:
+        return None
+    if limits is not None and len(m.features) > limits.max_feature_bytes:
+        raise RecordError("features", f"{len(m.features)} bytes of features, more than this reader takes ({limits.max_feature_bytes})")
+    dtype = _FEATURE_DTYPES.get(m.features_encoding)
+    if dtype is None:
+        raise RecordError("features_encoding", f"{m.features_encoding[:20]!r}, expected one of {', '.join(ENCODINGS)}")
+    layers = tuple(int(i) for i in m.features_layers)
+    if not layers or len(layers) > _MAX_LAYERS:
+        raise RecordError("features_layers", f"{len(layers)} layers, expected 1 to {_MAX_LAYERS}")
+    if len(m.features) % (width * dtype.itemsize):
+        raise RecordError("features", f"{len(m.features)} bytes, not whole rows of {width} x {dtype.itemsize}")
+    rows = len(m.features) // (width * dtype.itemsize)
+    data = np.frombuffer(m.features, dtype).reshape(rows, width)
+    scales = None
+    if m.features_scales:
+        if len(m.features_scales) != rows * len(layers) * 4:
+            raise RecordError("features_scales", f"{len(m.features_scales)} bytes for {rows} rows of {len(layers)} layers")
+        scales = np.frombuffer(m.features_scales, "<f4").reshape(rows, len(layers)).astype(np.float32)
+    return Features(layers, int(m.features_start), m.features_encoding, data.astype(dtype.newbyteorder("=")), scales)
 
 
 def _payload_start(data: bytes) -> int:
@@ -695,7 +838,8 @@ def _zigzag(data: bytes, pos: int) -> tuple[int, int]:
 
 def assemble(schema_version: int, record_id, time_s, replica_id, request_id, chunk_index, final, target_name, vocab_size,
              drafter_version, temperature, top_p, seed, domain, topk: int, prompt: np.ndarray, prefix: np.ndarray,
-             generated: np.ndarray, table: np.ndarray, drafted: np.ndarray, t_ids: np.ndarray, t_lps: np.ndarray) -> DecisionRecord:
+             generated: np.ndarray, table: np.ndarray, drafted: np.ndarray, t_ids: np.ndarray, t_lps: np.ndarray,
+             features: Features | None = None) -> DecisionRecord:
     """A record from its parsed fields and arrays (`table` [R, 4], `drafted` [sum k], teacher rows [sum (k + 1), topk]);
     not yet validated. The fields come in the order `records_v1.parse` returns them."""
     rounds = []
@@ -710,5 +854,5 @@ def assemble(schema_version: int, record_id, time_s, replica_id, request_id, chu
         request_id=request_id, replica_id=replica_id, chunk_index=chunk_index, final=final,
         target=Target(target_name, vocab_size), drafter_version=drafter_version, sampling=Sampling(temperature, top_p, seed),
         prompt_ids=prompt.tolist(), prefix_ids=prefix.tolist(), generated_ids=generated.tolist(), rounds=rounds, topk=topk,
-        domain=domain, record_id=record_id, time=time_s, schema_version=schema_version,
+        domain=domain, record_id=record_id, time=time_s, schema_version=schema_version, features=features,
     )

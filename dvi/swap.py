@@ -328,10 +328,14 @@ def _smoke(drafter: Drafter, tokens: int, vocab: int) -> None:
 def judge(previous: tuple[int, int] | None, current: tuple[int, int], window_tokens: int, baseline_tokens: int,
           margin: float) -> str | None:
     """Keep or roll back a swapped-in drafter, from (drafted, accepted) counts: "keep", "rollback", or None
-    (not enough of the new drafter's traffic yet). `previous`: the drafter it replaced (None: there was none)."""
+    (not enough of the new drafter's traffic yet). `previous`: the drafter it replaced (None: there was none). A
+    trial that accepted nothing is rolled back whatever came before: a drafter live traffic never accepts is no
+    drafter to promote."""
     drafted, accepted = current
     if drafted < window_tokens:
         return None
+    if accepted == 0:
+        return "rollback"
     if previous is None or previous[0] < baseline_tokens:
         return "keep"
     return "rollback" if accepted / drafted < previous[1] / previous[0] - margin else "keep"

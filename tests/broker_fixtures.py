@@ -177,9 +177,11 @@ def dead_letters(cfg: StreamConfig, bad: dict, origin: dict) -> list:
     return letters
 
 
-def engine_records(target_dir: Path, drafter_dir: Path | None, n: int, new_tokens: int = 24, seed: int = 0) -> list:
+def engine_records(target_dir: Path, drafter_dir: Path | None, n: int, new_tokens: int = 24, seed: int = 0,
+                   features_layers=None) -> list:
     """Real DecisionRecords: the engine decoding n random prompts with a pair of the demo vocabulary (greedy, K = 3,
-    top-8 teacher); no drafter: target-only, as a replica logs while drafting is off (no round drafted)."""
+    top-8 teacher); no drafter: target-only, as a replica logs while drafting is off (no round drafted);
+    `features_layers`: the records carry the target's features of those layers (an EAGLE-3 replica's)."""
     import torch
 
     from dvi.config import SpecConfig
@@ -188,7 +190,8 @@ def engine_records(target_dir: Path, drafter_dir: Path | None, n: int, new_token
 
     target = load_causal_lm(target_dir, "target")
     drafter = load_drafter(drafter_dir, DEMO_VOCAB) if drafter_dir is not None else None
-    engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=8)
+    engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=8,
+                               features_layers=features_layers)
     g = torch.Generator().manual_seed(seed)
     requests = [Request(torch.randint(0, DEMO_VOCAB, (12,), generator=g).tolist(), max_new_tokens=new_tokens) for _ in range(n)]
     records = []
@@ -213,13 +216,14 @@ PYTHON_QUESTIONS = [
 ]
 
 
-def chat_records(target, drafter, tokenizer, questions=PYTHON_QUESTIONS, new_tokens: int = 32) -> list:
+def chat_records(target, drafter, tokenizer, questions=PYTHON_QUESTIONS, new_tokens: int = 32, features_layers=None) -> list:
     """Real DecisionRecords of one domain: the engine answering chat `questions` with a loaded pair of the demo
-    vocabulary (greedy, K = 3, top-8 teacher); `drafter` None: target-only."""
+    vocabulary (greedy, K = 3, top-8 teacher); `drafter` None: target-only; `features_layers` as `engine_records`'."""
     from dvi.config import SpecConfig
     from dvi.engine import Request, SpeculativeEngine
 
-    engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=6)
+    engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=6,
+                               features_layers=features_layers)
     requests = [Request(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                       tokenize=True, return_dict=True)["input_ids"], max_new_tokens=new_tokens)
                 for q in questions]

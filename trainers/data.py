@@ -14,9 +14,16 @@ sequence itself: one causal forward of the drafter over the sequence sees all of
 Positions after a round's first rejection (j > n) lie off the sequence (their context holds a rejected draft);
 they were never judged, and the one-forward layout leaves them out.
 
-The `Buffer` holds fresh records waiting to be trained (oldest skipped, and counted, when full), records held
-out for the gate, and already-trained records for replay (weighted down by drafter-version age); held-out and
-replayed ones are bounded in count and in bytes (`Kept`). The `Ledger`
+A record that carries the target's features (`dvi.features`: what an EAGLE-3 drafter reads, from serving's forwards)
+keeps them beside its tokens, still encoded, one row per token of the example's window but the last (which no forward
+fed); where they start later than the window would, the window starts there. Examples are batched only with examples
+of the same teacher width and with features or not alike (`batch_key`).
+
+The `Buffer` holds fresh records waiting to be trained (oldest skipped, and counted, when full, in count or in bytes),
+records held out for the gate, and already-trained records for replay (weighted down by drafter-version age); held-out
+and replayed ones are bounded in count and in bytes (`Kept`). Records are held out by prompt: every record of a prompt
+(its chunks, its other samples, the same question asked again) goes the same way, so the gate never scores a drafter
+on a prompt it trained on. The `Ledger`
 remembers the `Fate` of every record id (trained, held out, skipped) for deduplication and for the
 exactly-once check after a restart; `Offsets` tracks which consumed offsets are done, so a checkpoint commits
 only offsets whose records it covers. `Ahead` builds the next batch on a worker thread into pinned memory while
@@ -30,6 +37,7 @@ or DeepSpeed. Records arrive validated: the codec (`dvi.records.decode` / `from_
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -43,6 +51,7 @@ import numpy as np
 import torch
 
 from dvi.errors import DviError
+from dvi.features import Features
 from dvi.records import DecisionRecord, Delivered, from_dict
 
 log = logging.getLogger("dvi.trainer")
@@ -71,6 +80,10 @@ class Example:
     judged: np.ndarray  # [G] bool the draft there was accepted or rejected
     accepted: int  # the record's totals, for rolling acceptance
     drafted_total: int
+    features: Features | None = None  # rows for tokens[0 .. S - 2] (the target's, encoded), or None
+    temperature: float = 0.0  # the request's sampling (what the engine's acceptance of a draft depends on)
+    top_p: float = 1.0
+    prompt_key: int = 0  # a hash of the request's prompt: records of one prompt are held out together
 
     @property
     def positions(self) -> int:
@@ -80,11 +93,17 @@ class Example:
     def nbytes(self) -> int:
         """The memory its arrays hold."""
         arrays = (self.tokens, self.targets, self.topk_ids, self.topk_logprobs, self.drafted, self.reward, self.judged)
-        return sum(a.nbytes for a in arrays if a is not None)
+        return sum(a.nbytes for a in arrays if a is not None) + (0 if self.features is None else self.features.nbytes)
 
 
-def example_from_record(record: DecisionRecord, max_seq_len: int, penalty: float = 1.0) -> Example:
-    """The `Example` of one validated record; sequences longer than `max_seq_len` keep their last tokens."""
+def prompt_key(prompt_ids) -> int:
+    """A 64-bit hash of a prompt's token ids."""
+    return int.from_bytes(hashlib.blake2b(np.asarray(prompt_ids, np.int64).tobytes(), digest_size=8).digest(), "big")
+
+
+def example_from_record(record: DecisionRecord, max_seq_len: int, penalty: float = 1.0, features: bool = True) -> Example:
+    """The `Example` of one validated record; sequences longer than `max_seq_len` keep their last tokens (and those
+    from the first position its features cover, where it carries them: `features` False drops them)."""
     context = list(record.prompt_ids) + list(record.prefix_ids)
     tokens = np.asarray(context + list(record.generated_ids), dtype=np.int64)
     topk = record.topk
@@ -109,6 +128,12 @@ def example_from_record(record: DecisionRecord, max_seq_len: int, penalty: float
                 reward[g] = 1.0 if j < r.accepted else -penalty
     targets = np.arange(len(context), len(tokens), dtype=np.int64)
     shift = max(0, len(tokens) - max_seq_len)
+    rows = record.features if features else None
+    if rows is not None:
+        shift = max(shift, rows.start)
+        rows = rows.window(shift, len(tokens) - 1)  # the last token's row is never read
+        if rows is None or rows.start != shift:  # no row where the window starts: nothing to draft from
+            rows = None
     keep = targets >= shift + 1  # a target needs its predicting position inside the window
     return Example(
         record_id=record.record_id,
@@ -122,11 +147,20 @@ def example_from_record(record: DecisionRecord, max_seq_len: int, penalty: float
         judged=judged[keep],
         accepted=record.accepted,
         drafted_total=record.drafted,
+        features=rows,
+        temperature=float(record.sampling.temperature),
+        top_p=float(record.sampling.top_p),
+        prompt_key=prompt_key(record.prompt_ids),
     )
 
 
 def teacher_width(example: Example) -> int:
     return 0 if example.topk_ids is None else int(example.topk_ids.shape[1])
+
+
+def batch_key(example: Example) -> tuple[int, int | None]:
+    """What examples batched together share: the teacher's width, and the width of their features (None: none)."""
+    return teacher_width(example), None if example.features is None else example.features.width
 
 
 @dataclass
@@ -145,6 +179,9 @@ class Batch:
     reward: torch.Tensor  # [P] float32
     judged: torch.Tensor  # [P] bool
     weight: torch.Tensor  # [P] float32 per-position weight (the record's replay weight)
+    temperature: torch.Tensor | None = None  # [P] float32 the request's sampling temperature (0: greedy)
+    top_p: torch.Tensor | None = None  # [P] float32
+    features: torch.Tensor | None = None  # [B, L, W] bfloat16 the target's features of each token (0 past a row's end)
 
     @property
     def positions(self) -> int:
@@ -166,15 +203,20 @@ class Batch:
 
 
 def collate(examples: list[Example], weights: list[float] | None = None) -> Batch:
-    """Pack examples (all with a teacher top-k of the same width, or none with one) into a `Batch`."""
+    """Pack examples (all with the same `batch_key`: teacher width, features or not) into a `Batch`."""
     if not examples:
         raise ValueError("collate: no examples")
     weights = weights or [1.0] * len(examples)
-    widths = {teacher_width(e) for e in examples}
-    if len(widths) != 1:
-        raise ValueError(f"collate: examples mix teacher widths {sorted(widths)}; batch them separately")
-    width = widths.pop()
+    keys = {batch_key(e) for e in examples}
+    if len(keys) != 1:
+        raise ValueError(f"collate: examples mix teacher widths and features {sorted(keys, key=str)}; batch them separately")
+    width, feature_width = keys.pop()
     length = max(len(e.tokens) for e in examples)
+    features = None
+    if feature_width is not None:
+        features = torch.zeros(len(examples), length, feature_width, dtype=torch.bfloat16)
+        for b, e in enumerate(examples):
+            features[b, : e.features.rows] = e.features.tensor()
     ids = torch.zeros(len(examples), length, dtype=torch.long)
     mask = torch.zeros(len(examples), length, dtype=torch.long)
     for b, e in enumerate(examples):
@@ -196,6 +238,9 @@ def collate(examples: list[Example], weights: list[float] | None = None) -> Batc
         reward=cat([e.reward for e in examples]),
         judged=cat([e.judged for e in examples]),
         weight=torch.cat([torch.full((e.positions,), float(w)) for e, w in zip(examples, weights)]),
+        temperature=torch.cat([torch.full((e.positions,), e.temperature) for e in examples]),
+        top_p=torch.cat([torch.full((e.positions,), e.top_p) for e in examples]),
+        features=features,
     )
 
 
@@ -371,8 +416,10 @@ class Buffer:
 
     def __init__(self, pending_size: int, replay_size: int, holdout_size: int, replay_share: float,
                  holdout_share: float, version_decay: float, max_version_age: int, seed: int = 0, holdout_first: int = 0,
-                 replay_bytes: int = 1 << 62, holdout_bytes: int = 1 << 62):
+                 replay_bytes: int = 1 << 62, holdout_bytes: int = 1 << 62, pending_bytes: int = 1 << 62):
         self.pending: deque[Item] = deque()
+        self.pending_bytes = pending_bytes
+        self._pending_nbytes = 0
         self.replay = Kept(replay_size, replay_bytes)
         self.holdout = Kept(holdout_size, holdout_bytes)
         self.pending_size = pending_size
@@ -381,26 +428,44 @@ class Buffer:
         self.version_decay = version_decay
         self.max_version_age = max_version_age
         self.rng = random.Random(seed)
-        self._holdout_credit = 0.0
         self.holdout_first = holdout_first  # the first records are all held out until the gate has this many
+        self.held_prompts: OrderedDict[int, None] = OrderedDict()  # prompts held out by holdout_first (newest last)
 
-    def add(self, item: Item) -> tuple[Fate | None, Item | None]:
-        """Route a fresh record: held out for the gate, or queued for training.
-
-        Returns (Fate.HELD_OUT or None, the oldest pending item skipped to make room or None).
-        """
+    def held_out(self, example: Example) -> bool:
+        """Whether a record is held out: its prompt was (by `holdout_first`), or the prompt's hash falls in the
+        held-out share. A fixed function of the prompt but for the first prompts, so every record of a prompt goes
+        one way."""
+        key = example.prompt_key
+        if key in self.held_prompts:
+            return True
         if self.holdout_first > 0 and self.holdout_share > 0:  # an early gate needs held-out records first
             self.holdout_first -= 1
+            self.held_prompts[key] = None
+            while len(self.held_prompts) > 1 << 16:
+                self.held_prompts.popitem(last=False)
+            return True
+        return (key >> 11) / float(1 << 53) < self.holdout_share
+
+    def add(self, item: Item) -> tuple[Fate | None, list[Item]]:
+        """Route a fresh record: held out for the gate, or queued for training.
+
+        Returns (Fate.HELD_OUT or None, the oldest pending items skipped to make room: over `pending_size` records
+        or `pending_bytes` of their arrays, the newest staying whatever its size).
+        """
+        if self.held_out(item.example):
             self.holdout.append(item.example)
-            return Fate.HELD_OUT, None
-        self._holdout_credit += self.holdout_share
-        if self._holdout_credit >= 1.0:  # every 1 / holdout_share-th record, deterministic and evenly spread
-            self._holdout_credit -= 1.0
-            self.holdout.append(item.example)
-            return Fate.HELD_OUT, None
+            return Fate.HELD_OUT, []
         self.pending.append(item)
-        dropped = self.pending.popleft() if len(self.pending) > self.pending_size else None
+        self._pending_nbytes += item.example.nbytes
+        dropped = []
+        while len(self.pending) > 1 and (len(self.pending) > self.pending_size or self._pending_nbytes > self.pending_bytes):
+            dropped.append(self._pop())
         return None, dropped
+
+    def _pop(self) -> Item:
+        item = self.pending.popleft()
+        self._pending_nbytes -= item.example.nbytes
+        return item
 
     def expire(self, before: float) -> list[Item]:
         """Take the fresh items logged before unix time `before` out of the queue, in queue order. The whole queue
@@ -412,6 +477,7 @@ class Buffer:
         for item in self.pending:
             (expired if 0 < item.time < before else kept).append(item)
         self.pending = kept
+        self._pending_nbytes = sum(i.example.nbytes for i in kept)
         return expired
 
     def pending_positions(self) -> int:
@@ -419,25 +485,31 @@ class Buffer:
 
     def pending_nbytes(self) -> int:
         """The memory the arrays of the fresh records waiting hold."""
-        return sum(i.example.nbytes for i in self.pending)
+        return self._pending_nbytes
+
+    def clear_pending(self) -> None:
+        self.pending.clear()
+        self._pending_nbytes = 0
 
     def take(self, batch_tokens: int, version_age) -> tuple[list[Item], list[Example], list[float]]:
         """Fresh items (oldest first) filling (1 - replay_share) of `batch_tokens` positions, then replayed
-        examples for the rest, all with the teacher width of the oldest fresh item (a batch never mixes widths).
-        Returns (fresh items, replayed examples, their replay weights)."""
+        examples for the rest, all with the `batch_key` of the oldest fresh item (a batch never mixes teacher widths, or
+        examples with and without features). Returns (fresh items, replayed examples, their replay weights)."""
         fresh, used, kept = [], 0, deque()
         budget = max(1, int(round(batch_tokens * (1.0 - self.replay_share))))
-        width = teacher_width(self.pending[0].example) if self.pending else (teacher_width(self.replay[-1]) if self.replay else None)
+        key = batch_key(self.pending[0].example) if self.pending else (batch_key(self.replay[-1]) if self.replay else None)
         while self.pending and (not fresh or used + self.pending[0].example.positions <= budget):
-            item = self.pending.popleft()
-            if teacher_width(item.example) != width:
+            item = self._pop()
+            if batch_key(item.example) != key:
                 kept.append(item)
                 continue
             fresh.append(item)
             used += item.example.positions
-        self.pending.extendleft(reversed(kept))
+        for item in reversed(kept):
+            self.pending.appendleft(item)
+            self._pending_nbytes += item.example.nbytes
         candidates = [(e, self.version_decay ** a) for e in self.replay
-                      if (width is None or teacher_width(e) == width)
+                      if (key is None or batch_key(e) == key)
                       and (a := version_age(e.version)) is not None and a <= self.max_version_age]
         replayed, weights = [], []
         while candidates and used < batch_tokens:

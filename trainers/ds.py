@@ -10,7 +10,8 @@ Hydra rejects `--local_rank`) the launcher's environment is used as is. The opti
 `torch.optim.AdamW` rather than DeepSpeed's own (fused where the drafter is on a GPU), so no run compiles an Adam
 op; the only op DeepSpeed compiles on a CPU is its shared-memory comm op, once per cache, kept under
 $TORCH_EXTENSIONS_DIR (default <cache>/torch_extensions). With bf16, DeepSpeed keeps fp32 master weights that the
-AdamW steps (its bf16 wrapper).
+AdamW steps (its bf16 wrapper); bf16-mixed (a CPU with native bf16) is an fp32 engine whose caller runs the forward under
+`torch.autocast`, the matrix products in bf16 and the weights, gradients and optimizer in fp32.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from deepspeed import DeepSpeedEngine
 
 from dvi.config import TrainerConfig, default_cache_dir
 from dvi.errors import DviError
+from dvi.hardware import pick_precision
 from dvi.procs import HOST, free_port
 
 log = logging.getLogger("dvi.trainers.ds")
@@ -47,13 +49,13 @@ def init_distributed() -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def resolve_precision(cfg: TrainerConfig) -> str:
-    """The precision to train in: auto is bf16 on a GPU and fp32 on a CPU; bf16 on a CPU runs, with a warning."""
-    if cfg.precision == "auto":
-        return "bf16" if torch.cuda.is_available() else "fp32"
-    if cfg.precision == "bf16" and not torch.cuda.is_available():
-        log.warning("trainer.precision=bf16 without a GPU: bf16 training is very slow on a CPU; use fp32 (or auto)")
-    return cfg.precision
+def resolve_precision(cfg: TrainerConfig, device_type: str | None = None) -> str:
+    """The precision to train in (`dvi.hardware.pick_precision`): auto is bf16 on a GPU, bf16-mixed on a CPU with
+    native bf16, else fp32. bf16-mixed is fp32 to DeepSpeed: the trainer runs its forward under `torch.autocast`."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.precision == "bf16" and device_type != "cuda":
+        log.warning("trainer.precision=bf16 without a GPU: bf16 weights train slowly on a CPU; use bf16-mixed (or auto)")
+    return pick_precision(cfg.precision, device_type).value
 
 
 def ds_config(cfg: TrainerConfig, precision: str | None = None) -> dict:
@@ -84,7 +86,7 @@ def build_engine(
     # on a GPU, the fused kernel: one launch per step for all parameters, not several per tensor
     fused = all(p.device.type == "cuda" for p in params)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, fused=fused or None)
-    config = ds_config(cfg, resolve_precision(cfg))
+    config = ds_config(cfg, resolve_precision(cfg, params[0].device.type))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 

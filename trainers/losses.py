@@ -22,7 +22,10 @@ Vocabulary (as in `dvi.speculative`; a round drafts d_1..d_k, n of them are acce
   The student's probability of every target token outside `vocab_map` is 0.
 - outside: the teacher's mass on target tokens the student cannot produce (outside `vocab_map`; 0 for a
   full-vocabulary student). A `Teacher` is p restricted to the student's vocabulary plus that scalar, so
-  p over the target vocabulary is recoverable exactly and nothing is materialised at width V.
+  p over the target vocabulary is recoverable exactly and nothing is materialised at width V. A top-k teacher
+  is kept sparse (its k probabilities at the student's rows, `Teacher.index`): every divergence, the expected
+  acceptance and the argmax then read the student's log-probs at k tokens per position instead of N, with the
+  student's mass elsewhere entering in closed form (`teacher_divergence`, tested against the dense form).
 
 Divergences, per position, over the target vocabulary (the choices for zeros and unreachable mass):
 
@@ -64,10 +67,40 @@ DIVERGENCES = ("fkl", "rkl", "jsd", "tv")
 
 
 class Teacher(NamedTuple):
-    """The teacher's distribution as seen from the student's vocabulary."""
+    """The teacher's distribution as seen from the student's vocabulary, dense or sparse.
 
-    probs: torch.Tensor  # [..., N] float32 teacher probabilities of the student's tokens (no grad)
+    Dense (`index` None): `probs` [..., N] over every student token. Sparse (a top-k teacher, `teacher_from_topk`):
+    `probs` [..., k] at the student rows `index` [..., k] (distinct where `inside`), every other student token 0;
+    entries not `inside` (target tokens the student cannot produce) have probability 0 here, their mass is in
+    `outside`. Both forms describe the same distribution (`dense`); the sparse one costs O(k) per position where
+    the dense one costs O(N), and every function below takes either."""
+
+    probs: torch.Tensor  # [..., N] (dense) or [..., k] (sparse) float32 teacher probabilities (no grad)
     outside: torch.Tensor  # [...] float32 teacher mass on target tokens the student cannot produce
+    index: torch.Tensor | None = None  # [..., k] int64 student rows of the sparse probs (0 where not inside)
+    inside: torch.Tensor | None = None  # [..., k] bool the student has that token
+
+    @property
+    def sparse(self) -> bool:
+        return self.index is not None
+
+    def select(self, keep: torch.Tensor) -> Teacher:
+        """The positions where `keep` [...] (bool) is True."""
+        return Teacher(*(None if t is None else t[keep] for t in self))
+
+    def dense(self, width: int) -> Teacher:
+        """The dense form over a student vocabulary of `width` tokens (itself when dense)."""
+        if not self.sparse:
+            return self
+        probs = self.probs.new_zeros(self.probs.shape[:-1] + (width,))  # [..., N]
+        probs.scatter_add_(-1, self.index, torch.where(self.inside, self.probs, torch.zeros_like(self.probs)))
+        return Teacher(probs, self.outside)
+
+    def argmax(self) -> torch.Tensor:
+        """The student row of the teacher's most likely student token [...]."""
+        if not self.sparse:
+            return self.probs.argmax(-1)
+        return self.index.gather(-1, torch.where(self.inside, self.probs, -1.0).argmax(-1, keepdim=True)).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,25 +127,25 @@ def student_index(ids: torch.Tensor, vocab_map: torch.Tensor | None, vocab_size:
 
 
 def teacher_from_topk(
-    topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab_size: int, vocab_map: torch.Tensor | None = None
+    topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab_size: int, vocab_map: torch.Tensor | None = None,
+    dense: bool = False,
 ) -> Teacher:
     """The teacher from logged top-k log-probs, renormalised over the top-k set.
 
-    topk_ids: [..., topk] target ids; topk_logprobs: [..., topk] their log-probs (any float dtype, any base
+    topk_ids: [..., topk] distinct target ids; topk_logprobs: [..., topk] their log-probs (any float dtype, any base
     normalisation: only their differences matter); vocab_size: V, the target vocabulary; vocab_map: [N] or None.
     p(x) = exp(lp(x)) / sum_topk exp(lp) for x in the top-k, 0 elsewhere (the tail beyond the top-k is dropped:
     its distribution was not logged). Top-k ids the student cannot produce go to `outside`.
-    Returns Teacher(probs [..., N], outside [...]) with N = V when vocab_map is None.
+    Returns the sparse Teacher(probs [..., topk], outside [...], index, inside), or with `dense` Teacher(probs
+    [..., N], outside [...]) with N = V when vocab_map is None.
     """
     if topk_ids.shape != topk_logprobs.shape:
         raise ValueError(f"teacher_from_topk: ids {tuple(topk_ids.shape)} and log-probs {tuple(topk_logprobs.shape)} differ in shape")
     top_p = torch.softmax(topk_logprobs.detach().float(), dim=-1)  # [..., topk]
     idx, inside = student_index(topk_ids, vocab_map, vocab_size)  # [..., topk]
-    width = vocab_size if vocab_map is None else vocab_map.numel()
-    probs = top_p.new_zeros(top_p.shape[:-1] + (width,))  # [..., N]
-    probs.scatter_add_(-1, idx, torch.where(inside, top_p, torch.zeros_like(top_p)))
     outside = torch.where(inside, torch.zeros_like(top_p), top_p).sum(-1)  # [...]
-    return Teacher(probs, outside)
+    sparse = Teacher(torch.where(inside, top_p, torch.zeros_like(top_p)), outside, idx, inside)
+    return sparse.dense(vocab_size if vocab_map is None else vocab_map.numel()) if dense else sparse
 
 
 def teacher_from_logits(logits: torch.Tensor, vocab_map: torch.Tensor | None = None, temperature: float = 1.0) -> Teacher:
@@ -196,6 +229,70 @@ def divergence(name: str, p: torch.Tensor, log_q: torch.Tensor, outside: torch.T
     raise ValueError(f"unknown divergence {name!r}: choose one of {', '.join(DIVERGENCES)}")
 
 
+# The same divergences of a `Teacher` in either form: the sparse one (a top-k teacher) reads the student's log-probs
+# at the teacher's k tokens only, and the total of q there (the mass q puts elsewhere enters where it counts).
+
+
+def teacher_divergence(name: str, teacher: Teacher, log_q: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """`divergence(name, p, log_q, outside, beta)` of the teacher's p, in O(k) per position for a sparse teacher
+    (O(N) for reverse KL, which needs q's entropy). log_q: [..., N]. Returns [...]."""
+    if not teacher.sparse:
+        return divergence(name, teacher.probs, log_q, teacher.outside, beta)
+    if name not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {name!r}: choose one of {', '.join(DIVERGENCES)}")
+    p, inside = teacher.probs.float(), teacher.inside  # [..., k]
+    log_q_s = _finite(log_q.gather(-1, teacher.index))  # [..., k]
+    q_s = torch.where(inside, log_q_s.exp(), torch.zeros_like(p))
+    rest = (1.0 - q_s.sum(-1)).clamp(min=0.0)  # [...] student mass off the teacher's support
+    if name == "fkl":
+        mass = p.sum(-1, keepdim=True)
+        p = torch.where(mass > 0, p / mass.clamp(min=torch.finfo(p.dtype).tiny), torch.zeros_like(p))
+        return (torch.xlogy(p, p) - p * log_q_s.clamp(min=LOG_FLOOR)).sum(-1)
+    if name == "rkl":
+        full = _finite(log_q)
+        log_p = torch.log(p).clamp(min=LOG_FLOOR)
+        return (full.exp() * full).sum(-1) - (q_s * log_p).sum(-1) - rest * LOG_FLOOR
+    if name == "jsd":
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"jsd: beta must be strictly between 0 and 1, got {beta}")
+        log_m = torch.logaddexp(math.log(beta) + torch.log(p), math.log(1.0 - beta) + log_q_s)  # [..., k]
+        kl_pm = (torch.xlogy(p, p) - p * log_m).sum(-1) + teacher.outside.float() * math.log(1.0 / beta)
+        kl_qm = (q_s * (log_q_s - log_m)).sum(-1) + rest * math.log(1.0 / (1.0 - beta))
+        return beta * kl_pm + (1.0 - beta) * kl_qm
+    return 0.5 * ((p - q_s).abs().sum(-1) + rest + teacher.outside.float())  # tv
+
+
+def teacher_acceptance(teacher: Teacher, log_q: torch.Tensor) -> torch.Tensor:
+    """`expected_acceptance` of the teacher's p and the student's q = exp(log_q) [..., N]: sum_x min(p(x), q(x)),
+    over the teacher's support only when it is sparse. Returns [...]."""
+    if not teacher.sparse:
+        return expected_acceptance(teacher.probs.float(), log_q.exp())
+    q_s = log_q.gather(-1, teacher.index).exp()
+    return torch.where(teacher.inside, torch.minimum(teacher.probs.float(), q_s), torch.zeros_like(q_s)).sum(-1)
+
+
+def argmax_draft_acceptance(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, temperature: torch.Tensor,
+                            top_p: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """The probability that an engine drafting the drafter's most likely token (vLLM's EAGLE-3 and draft-model
+    proposers) has `draft_ids` [P] (target ids) accepted, from the target's logged top-k [P, k] (temperature 1): a
+    greedy request (temperature 0) accepts it when it is the target's most likely token (1 or 0); a sampled one with
+    the probability the request's sampling gives it: the top-k log-probs at `temperature` [P], renormalised over the
+    top-k, then cut to the smallest set of most likely tokens whose mass reaches `top_p` [P] (vLLM's rejection sampler
+    verifies against the target's distribution after temperature and top-p; the tail beyond the top-k, not logged,
+    is taken as 0). Returns [P] in [0, 1]."""
+    lp = topk_logprobs.float()
+    greedy = temperature <= 0
+    best = topk_ids.gather(-1, lp.argmax(-1, keepdim=True)).squeeze(-1)  # [P]
+    p = torch.softmax(lp / torch.where(greedy, torch.ones_like(temperature), temperature.float())[:, None], -1)  # [P, k]
+    sorted_p, order = p.sort(-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
+    kept = torch.zeros_like(p).scatter(-1, order, (before < top_p.float()[:, None]).float())  # the nucleus
+    p = p * kept
+    p = p / p.sum(-1, keepdim=True)
+    sampled = (p * (topk_ids == draft_ids[:, None])).sum(-1)
+    return torch.where(greedy, (best == draft_ids).float(), sampled)
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean of values [...] over positions where mask [...] (bool) is True; 0 when none is. Returns a scalar.
 
@@ -264,7 +361,7 @@ def position_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The objective over a flat list of P teacher positions (e.g. every generated token of packed records).
 
-    student_logits: [P, N]; teacher: Teacher(probs [P, N], outside [P]); drafted_ids: [P] the draft proposed at
+    student_logits: [P, N]; teacher: a `Teacher` at the P positions (dense or sparse); drafted_ids: [P] the draft proposed at
     each position (target ids, -1 for none); reward: [P] float (+1 accepted, -penalty rejected; 0 where not
     judged); judged: [P] bool positions whose draft was accepted or rejected; weight: [P] float
     per-position weight of the divergence term (None: 1; 0 excludes a position).
@@ -275,16 +372,15 @@ def position_loss(
     """
     weight = torch.ones(student_logits.shape[0], device=student_logits.device) if weight is None else weight.float()
     log_q = student_log_probs(student_logits)  # [P, N]
-    p, outside = teacher.probs, teacher.outside
-    kl = weighted_mean(divergence(divergence_name, p, log_q, outside, beta), weight)
+    kl = weighted_mean(teacher_divergence(divergence_name, teacher, log_q, beta), weight)
     log_q_d, inside = draft_log_prob(log_q, drafted_ids, vocab_map)  # [P]
     rl = masked_mean(-(reward.float() * log_q_d), judged.bool() & inside)
     loss = w_kl * kl + w_reward * rl
     with torch.no_grad():
         lq = log_q.detach()
-        values = {name: weighted_mean(divergence(name, p, lq, outside, beta), weight) for name in DIVERGENCES}
-        values["acceptance"] = weighted_mean(expected_acceptance(p.float(), lq.exp()), weight)
+        values = {name: weighted_mean(teacher_divergence(name, teacher, lq, beta), weight) for name in DIVERGENCES}
+        values["acceptance"] = weighted_mean(teacher_acceptance(teacher, lq), weight)
         values["reward_loss"] = rl.detach()
-        values["outside"] = weighted_mean(outside.float(), weight)
+        values["outside"] = weighted_mean(teacher.outside.float(), weight)
         floats = torch.stack(list(values.values())).tolist()  # one host sync
     return loss, dict(zip(values, floats))

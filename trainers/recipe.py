@@ -74,14 +74,15 @@ from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
 from dvi.models import cache_dir, resolve_device, resolve_dtype
-from dvi.pairs import load_any_drafter, resolve_pair
+from dvi.hardware import pick_engine
+from dvi.models import EAGLE3, drafter_kind
+from dvi.pairs import load_any_drafter, pair_dirs, resolve_pair
 from dvi.records import DecisionRecord, Delivered
-from dvi.speculative import expected_acceptance
 from trainers import checkpoint, ds
-from trainers.data import (Ahead, Batch, Buffer, Example, Fate, Item, Ledger, Offsets, collate, example_from_record,
-                           pending_age_limit)
-from trainers.losses import (Teacher, kl_reward_weights, position_loss, student_log_probs, teacher_from_logits,
-                             teacher_from_topk)
+from trainers.data import (Ahead, Batch, Buffer, Example, Fate, Item, Ledger, Offsets, batch_key, collate,
+                           example_from_record, pending_age_limit)
+from trainers.losses import (Teacher, argmax_draft_acceptance, kl_reward_weights, position_loss, student_log_probs,
+                             teacher_acceptance, teacher_from_logits, teacher_from_topk)
 from trainers.triggers import Trigger
 
 log = logging.getLogger("dvi.trainer")
@@ -109,13 +110,16 @@ class PositionLM(torch.nn.Module):
     """A causal LM whose forward returns logits only at the teacher positions: [P, N].
 
     Skipping the output layer at prompt positions matters: the 576 x 49,152 head is most of the drafter's cost.
+    `features` (what an EAGLE-3 drafter reads, `Eagle3PositionLM`) is taken and ignored, so that callers pass a batch
+    the same way to either.
     """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                features: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
         return self.model.get_output_embeddings()(hidden[rows, cols])  # [P, N]
 
@@ -132,36 +136,57 @@ class Eagle3PositionLM(torch.nn.Module):
     position at col 0 has no feature before it (vLLM never drafts there: the target's prefill gives the first
     token); the drafter reads zero features there, over that one token.
 
-    The features come from `target`, the trainer's frozen copy of the target, run without grad on the batch. It is
-    held outside the module (a plain attribute, not a submodule): DeepSpeed neither optimises nor checkpoints it.
+    The features are the batch's (`features` [B, L, n_aux x target hidden]: serving's, carried by the records), or,
+    where it has none, computed by `target`, the trainer's frozen copy of the target, run without grad on the batch
+    (None: the trainer has no copy, and a batch without features is an error). The target is held outside the module
+    (a plain attribute, not a submodule): DeepSpeed neither optimises nor checkpoints it.
 
     forward(..., steps=k) unrolls k drafting steps (training-time test): a list of (logits [P_j, N], keep [P] bool)
     per step j, at the positions it reaches (keep: col - 1 - j >= 0; step 0 keeps every position). Step j at (row,
     col) is the drafter's j-th further draft after the target verified the tokens up to col - j: its first pass at
     index col - 1 - j, then j steps each on its own previous output, the tokens col - j + 1..col teacher-forced
-    (`dvi.eagle3.ttt_prenorms`); it predicts the same token col + 1."""
+    (`dvi.eagle3.ttt_prenorms`); it predicts the same token col + 1. Only the indices some step reads are computed
+    (`dvi.eagle3.ttt_prenorms_at`): a record's prompt costs the first pass's keys and values, not its layer."""
 
-    def __init__(self, model: torch.nn.Module, target: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, target: torch.nn.Module | None):
         super().__init__()
         self.model = model
         object.__setattr__(self, "target", target)  # not registered: no parameter, no state_dict entry
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                steps: int | None = None):
+                steps: int | None = None, features: torch.Tensor | None = None):
         d = self.model
-        feats = eagle3.target_features(self.target, input_ids, d.layer_ids, attention_mask).to(d.fc.weight.dtype)
-        prenorms = eagle3.ttt_prenorms(d, feats, input_ids, steps or 1) if input_ids.shape[1] > 1 else []
+        if features is None:
+            if self.target is None:
+                raise DviError("a batch without the target's features, and no copy of the target to compute them "
+                               "(trainer.features=records trains on records that carry features only)")
+            features = eagle3.target_features(self.target, input_ids, d.layer_ids, attention_mask)
+        feats = features.to(d.fc.weight.dtype)
+        n_steps = steps or 1
+        b, t = input_ids.shape
+        prenorms, slots = [], None
+        if t > 1:
+            want = torch.zeros(b, t - 1, dtype=torch.bool, device=input_ids.device)  # the indices some step reads
+            for k in range(n_steps):
+                at = cols - 1 - k
+                on = at >= 0
+                want[rows[on], at[on]] = True
+            prenorms, slots = eagle3.ttt_prenorms_at(d, feats, input_ids, want, n_steps)
+
+        def at_step(k: int, r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:  # step k's output at index c of rows r
+            return prenorms[k][r, slots[r, c]]
+
         first = cols == 0
         if bool(first.any()):  # the drafter alone on the first token, over zero features
-            alone, _ = d.trunk(feats.new_zeros(input_ids.shape[0], 1, d.config.hidden_size), input_ids[:, :1])
+            alone, _ = d.trunk(feats.new_zeros(b, 1, d.config.hidden_size), input_ids[:, :1])
             at0 = alone[rows, 0]
-            chosen = at0 if not prenorms else torch.where(first[:, None], at0, prenorms[0][rows, (cols - 1).clamp(min=0)])
+            chosen = at0 if not prenorms else torch.where(first[:, None], at0, at_step(0, rows, (cols - 1).clamp(min=0)))
         else:
-            chosen = prenorms[0][rows, cols - 1]
+            chosen = at_step(0, rows, cols - 1)
         out = [(d.head(chosen), torch.ones_like(cols, dtype=torch.bool))]
-        for k in range(1, steps or 1):
+        for k in range(1, n_steps):
             keep = cols - 1 - k >= 0
-            reached = prenorms[k][rows[keep], (cols - 1 - k)[keep]] if prenorms else chosen[:0]
+            reached = at_step(k, rows[keep], (cols - 1 - k)[keep]) if prenorms else chosen[:0]
             out.append((d.head(reached), keep))
         return out[0][0] if steps is None else out
 
@@ -173,10 +198,11 @@ def ttt_position_loss(student, batch: Batch, teacher: Teacher, steps: int, diver
     serving's first draft sees, as the gate measures it), with each later step's expected acceptance beside them
     (`acceptance_step<j>`)."""
     losses, metrics = [], {}
-    for k, (logits, keep) in enumerate(student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, steps=steps)):
+    for k, (logits, keep) in enumerate(student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, steps=steps,
+                                               features=batch.features)):
         if k and not bool(keep.any()):
             continue
-        loss, m = position_loss(logits, Teacher(teacher.probs[keep], teacher.outside[keep]), batch.drafted[keep],
+        loss, m = position_loss(logits, teacher.select(keep), batch.drafted[keep],
                                 batch.reward[keep], batch.judged[keep], batch.weight[keep], divergence, w_kl, w_reward,
                                 beta, vocab_map)
         losses.append(loss)
@@ -203,6 +229,9 @@ class Counters:
     positions: int = 0  # teacher positions trained on (fresh and replayed)
     gates: int = 0  # gate checks run (passed or refused)
     retrains: int = 0  # retrain requests acknowledged
+    no_features: int = 0  # records skipped (and counted in skipped): an EAGLE-3 drafter's features neither carried nor computable
+    no_teacher: int = 0  # records skipped (and counted in skipped): no top-k logged and no copy of the target
+    with_features: int = 0  # records whose features (serving's) the trainer took
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -221,9 +250,43 @@ class State:
 class Figures(NamedTuple):
     """One held-out record's gate figures for one drafter: sums over its teacher positions, and their number."""
 
-    acceptance: float
-    greedy: float
+    acceptance: float  # expected acceptance of a draft sampled from the drafter: sum min(p, q)
+    greedy: float  # the drafter's argmax is the target's
     positions: int
+    realized: float = 0.0  # acceptance as the serving engine realizes it (`realized_acceptance`)
+
+
+GATE_RULES = ("argmax", "sampled")
+
+
+def gate_rule(cfg: DviConfig) -> str:
+    """`trainer.gate_rule`: auto is the rule of the engine `serve.engine` picks here (dvi's samples its drafts; vLLM's
+    proposers draft the argmax)."""
+    if cfg.trainer.gate_rule != "auto":
+        return cfg.trainer.gate_rule
+    return "sampled" if pick_engine(cfg.serve.engine).value == "dvi" else "argmax"
+
+
+def realized_acceptance(rule: str, batch: Batch, teacher: Teacher, log_q: torch.Tensor, best: torch.Tensor,
+                        teacher_best: torch.Tensor) -> torch.Tensor:
+    """Per teacher position [P], the acceptance of the drafter's draft as the engine realizes it: a greedy request's
+    draft is accepted when it is the target's argmax (`best` == `teacher_best`, target ids), whichever the rule; a
+    sampled request's with the probability `argmax_draft_acceptance` gives the drafter's argmax (rule argmax: vLLM) or
+    sum min(p, q) (rule sampled: dvi's engine, drafts sampled from q)."""
+    greedy = (best == teacher_best).float()
+    if rule == "sampled":
+        sampled = teacher_acceptance(teacher, log_q)
+    elif batch.topk_ids is not None:
+        sampled = argmax_draft_acceptance(batch.topk_ids, batch.topk_logprobs, batch.temperature, batch.top_p, best)
+    else:  # a teacher from the target's logits: the draft's probability at temperature 1
+        sampled = log_q.new_zeros(best.shape)
+    temperature = batch.temperature if batch.temperature is not None else torch.zeros_like(greedy)
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16-mixed: the forward's matrix products in bf16 (`torch.autocast`), the weights and their gradients fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
 
 
 def teacher_for(batch: Batch, vocab_size: int, vocab_map: torch.Tensor | None, teacher_lm: PositionLM | None) -> Teacher:
@@ -238,11 +301,12 @@ def teacher_for(batch: Batch, vocab_size: int, vocab_map: torch.Tensor | None, t
 
 
 def evaluate_each(student: PositionLM, examples: list[Example], vocab_size: int, vocab_map, teacher_lm: PositionLM | None,
-                  batch_tokens: int) -> list[Figures]:
+                  batch_tokens: int, rule: str = "argmax", precision: str = "fp32") -> list[Figures]:
     """Per example, in their order: the sums over its teacher positions of `student`'s expected acceptance (sum over
-    tokens of min(p, q), the speculative engine's measure) and greedy match (argmax q = argmax p), and the number of
-    positions; `teacher_lm` as in `teacher_for`. An example's figures do not depend on the examples batched with it
-    (up to float rounding), so they can be kept while its student is."""
+    tokens of min(p, q)), greedy match (argmax q = argmax p) and acceptance as the engine realizes it under `rule`
+    (`realized_acceptance`), and the number of positions; `teacher_lm` as in `teacher_for`; the forward in
+    `precision` (`autocast`). An example's figures do not depend on the examples batched with it (up to float
+    rounding), so they can be kept while its student is."""
     each: list[Figures | None] = [None] * len(examples)  # every index is filled: chunks cover every example
     device = next(student.parameters()).device
     with torch.no_grad():
@@ -250,45 +314,51 @@ def evaluate_each(student: PositionLM, examples: list[Example], vocab_size: int,
             group = [examples[i] for i in at]
             batch = collate(group).to(device)
             teacher = teacher_for(batch, vocab_size, vocab_map, teacher_lm)
-            logits = student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
-            accepted = expected_acceptance(teacher.probs.float(), student_log_probs(logits).exp())  # [P]
+            with autocast(device, precision):
+                logits = student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, features=batch.features)
+            log_q = student_log_probs(logits)
+            accepted = teacher_acceptance(teacher, log_q)  # [P]
             best = logits.argmax(-1) if vocab_map is None else vocab_map[logits.argmax(-1)]
             teacher_best = batch.topk_ids[:, 0] if batch.topk_ids is not None else (
-                teacher.probs.argmax(-1) if vocab_map is None else vocab_map[teacher.probs.argmax(-1)])
-            per_row = torch.zeros(2, len(group), dtype=torch.float64, device=accepted.device)
+                teacher.argmax() if vocab_map is None else vocab_map[teacher.argmax()])
+            realized = realized_acceptance(rule, batch, teacher, log_q, best, teacher_best)
+            per_row = torch.zeros(3, len(group), dtype=torch.float64, device=accepted.device)
             per_row[0].index_add_(0, batch.rows, accepted.double())
             per_row[1].index_add_(0, batch.rows, (best == teacher_best).double())
-            for i, (acceptance, greedy) in zip(at, per_row.T.tolist(), strict=True):  # one host sync per batch
-                each[i] = Figures(acceptance, greedy, examples[i].positions)
+            per_row[2].index_add_(0, batch.rows, realized.double())
+            for i, (acceptance, greedy, real) in zip(at, per_row.T.tolist(), strict=True):  # one host sync per batch
+                each[i] = Figures(acceptance, greedy, examples[i].positions, real)
     return each
 
 
 def pooled(figures) -> dict[str, float]:
-    """Expected acceptance and greedy match rate averaged over every teacher position of `figures` (`Figures`)."""
+    """Expected acceptance, greedy match rate and realized acceptance averaged over every teacher position of
+    `figures` (`Figures`)."""
     figures = list(figures)
     positions = max(sum(f.positions for f in figures), 1)
     return {"acceptance": sum(f.acceptance for f in figures) / positions,
-            "greedy": sum(f.greedy for f in figures) / positions}
+            "greedy": sum(f.greedy for f in figures) / positions,
+            "realized": sum(f.realized for f in figures) / positions}
 
 
 def evaluate(student: PositionLM, examples: list[Example], vocab_size: int, vocab_map, teacher_lm: PositionLM | None,
-             batch_tokens: int) -> dict[str, float]:
-    """Expected acceptance and greedy match rate of `student` (a candidate or the baseline) on `examples`, averaged
-    over their teacher positions (`evaluate_each`, pooled)."""
-    return pooled(evaluate_each(student, examples, vocab_size, vocab_map, teacher_lm, batch_tokens))
+             batch_tokens: int, rule: str = "argmax", precision: str = "fp32") -> dict[str, float]:
+    """Expected acceptance, greedy match rate and realized acceptance of `student` (a candidate or the baseline) on
+    `examples`, averaged over their teacher positions (`evaluate_each`, pooled)."""
+    return pooled(evaluate_each(student, examples, vocab_size, vocab_map, teacher_lm, batch_tokens, rule, precision))
 
 
 def chunks(examples: list[Example], tokens: int):
-    """Groups of examples with the same teacher width and at most about `tokens` positions each."""
+    """Groups of examples with the same `batch_key` and at most about `tokens` positions each."""
     for at in chunk_indices(examples, tokens):
         yield [examples[i] for i in at]
 
 
 def chunk_indices(examples: list[Example], tokens: int):
     """`chunks` as the indices of its examples in `examples`."""
-    by_width: dict[int, list[int]] = {}
+    by_width: dict[tuple, list[int]] = {}
     for i, e in enumerate(examples):
-        by_width.setdefault(0 if e.topk_ids is None else e.topk_ids.shape[1], []).append(i)
+        by_width.setdefault(batch_key(e), []).append(i)
     for group in by_width.values():
         chunk, used = [], 0
         for i in group:
@@ -319,29 +389,47 @@ class Trainer:
 
         # the drafter to train, and the vocabulary its records must use
         model_cfg = cfg.model
-        if model_cfg.dtype == "auto" and resolve_device(model_cfg.device).type == "cpu":
-            model_cfg = replace(model_cfg, dtype="float32")  # a CPU trains in fp32 (trainer.precision), bf16 CPU or not
-        pair = resolve_pair(model_cfg, with_drafter=True, eagle3=True)
+        device = resolve_device(model_cfg.device)
+        self.precision = ds.resolve_precision(self.tcfg, device.type)  # bf16 (GPU), bf16-mixed (CPU with native bf16), fp32
+        if model_cfg.dtype == "auto" and device.type == "cpu":
+            model_cfg = replace(model_cfg, dtype="float32")  # fp32 weights on a CPU (bf16-mixed: bf16 products, autocast)
+        self.eagle3 = drafter_kind(pair_dirs(model_cfg)[1]) == EAGLE3  # drafts from the target's features
+        # the trainer's copy of the target, only where something needs it (trainer.features, trainer.teacher): the
+        # teacher of records logged without top-k, an EAGLE-3 drafter's features where records do not carry them
+        t = self.tcfg
+        with_target = t.teacher == "logits" or (t.features == "recompute" and (self.eagle3 or t.teacher == "auto"))
+        pair = resolve_pair(model_cfg, with_drafter=True, eagle3=True, target_weights=with_target)
         self.target_dir, self.vocab_size = pair.target_dir, int(pair.target.config.vocab_size)
-        self.vocab_map = pair.drafter.vocab_map
-        self.state = State(lineage=[pair.drafter.version], serving_dir=str(pair.drafter_dir))
+        self.target = pair.target.eval().requires_grad_(False) if with_target else None
+        # without the target, an EAGLE-3 drafter shares the target's embedding, read alone from its files
+        self.embed = eagle3.read_target_embedding(self.target_dir) if self.eagle3 and not with_target else None
+        drafter = pair.drafter
+        if not with_target:  # loaded on the CPU beside the target's skeleton: the trainer's own drafter
+            drafter = load_any_drafter(pair.drafter_dir, self.vocab_size, resolve_dtype(model_cfg.dtype, device), device,
+                                       embed=self.embed)
+        self.vocab_map = None if drafter.vocab_map is None else drafter.vocab_map.to(device)
+        self.state = State(lineage=[drafter.version], serving_dir=str(pair.drafter_dir))
         self.initial_dir = pair.drafter_dir  # serves again if every published version is rejected
-        self.eagle3 = isinstance(pair.drafter.model, eagle3.Eagle3Drafter)  # drafts from the target's features
-        needs_target = self.tcfg.teacher in ("auto", "logits")
-        # the trainer's copy of the target: the teacher of records logged without top-k, an EAGLE-3 drafter's features
-        self.target = pair.target.eval().requires_grad_(False) if needs_target or self.eagle3 else None
-        self.teacher_lm = PositionLM(self.target) if needs_target else None
-        # an EAGLE-3 drafter's features: the target in the dtype serving computes them in (a copy where that differs)
+        self.teacher_lm = PositionLM(self.target) if self.target is not None and t.teacher in ("auto", "logits") else None
+        # an EAGLE-3 drafter's features from the records (trainer.features records or auto), else from the target
+        self.takes_features = self.eagle3 and t.features != "recompute"
+        self.layer_ids = tuple(sorted(drafter.model.layer_ids)) if self.eagle3 else ()
+        self.feature_width = len(self.layer_ids) * drafter.model.target_hidden_size if self.eagle3 else 0
+        # the target for an EAGLE-3 drafter's features: in the dtype serving computes them in (a copy where that differs)
         self.features_target = None
-        if self.eagle3:
-            features_dtype = resolve_dtype(cfg.model.dtype if self.tcfg.features_dtype == "auto" else self.tcfg.features_dtype,
-                                           resolve_device(model_cfg.device))
+        if self.eagle3 and self.target is not None:
+            features_dtype = resolve_dtype(cfg.model.dtype if t.features_dtype == "auto" else t.features_dtype, device)
             same = features_dtype == self.target.dtype
             self.features_target = self.target if same else copy.deepcopy(self.target).to(features_dtype)
-        model = pair.drafter.model
-        if self.tcfg.finetune == "lora":
-            model = ds.apply_lora(model, self.tcfg)
-        if ds.resolve_precision(self.tcfg) == "fp32":
+        self.gate_rule = gate_rule(cfg)
+        log.info("trainer: %s drafter, precision %s, features %s, gate rule %s", "an EAGLE-3" if self.eagle3 else "a layer",
+                 self.precision, ("from records" + (", else recomputed" if self.features_target is not None else ""))
+                 if self.takes_features else ("recomputed by the trainer's copy of the target" if self.eagle3 else "none"),
+                 self.gate_rule)
+        model = drafter.model
+        if t.finetune == "lora":
+            model = ds.apply_lora(model, t)
+        if self.precision in ("fp32", "bf16-mixed"):
             model = model.float()  # model.dtype may have loaded it in bf16 (a GPU's default); fp32 training keeps fp32 weights
         self.student = ds.build_engine(self._position_lm(model), self.tcfg)  # the DeepSpeed engine training the drafter
         self.device = next(self.student.module.parameters()).device
@@ -358,10 +446,11 @@ class Trainer:
             log.info("resumed from %s at step %d (%d records in the ledger)", last, self.state.step, len(self.ledger))
         self.baseline = self._baseline_model()
 
-        t = self.tcfg
         self.buffer = Buffer(t.pending_size, t.replay_size, t.holdout_size, t.replay_share, t.holdout_share,
                              t.version_decay, t.max_version_age, seed=t.seed, holdout_first=t.holdout_first,
-                             replay_bytes=int(t.replay_mb * (1 << 20)), holdout_bytes=int(t.holdout_mb * (1 << 20)))
+                             replay_bytes=int(t.replay_mb * (1 << 20)), holdout_bytes=int(t.holdout_mb * (1 << 20)),
+                             pending_bytes=int(t.pending_mb * (1 << 20)))
+        self.unusable_logged_at = -math.inf
         self.offsets = Offsets()
         self.inflight: set[str] = set()  # ids read but not yet done (waiting in the fresh queue)
         self.trigger = Trigger(cfg.trigger, time.monotonic())
@@ -411,7 +500,7 @@ class Trainer:
         into the dtype of the drafter being trained, beside which the gate runs it."""
         like = next(self.student.module.parameters())
         drafter = load_any_drafter(self.state.serving_dir, self.vocab_size, dtype=like.dtype, device=like.device,
-                                   target=self.target if self.eagle3 else None)
+                                   target=self.target if self.eagle3 else None, embed=self.embed)
         return self._position_lm(drafter.model.eval()).requires_grad_(False)
 
     def version_age(self, version: str | None) -> int | None:
@@ -566,19 +655,51 @@ class Trainer:
             c.records += 1
             self.last_record_at = time.monotonic()
             self.trigger.observe(record.accepted, record.drafted, self.last_record_at)
-            example = example_from_record(record, self.tcfg.max_seq_len, self.tcfg.reward_penalty)
-            if example.topk_ids is None and self.teacher_lm is None:
-                raise DviError("records carry no teacher log-probs (stream.topk=0) and trainer.teacher=topk: "
-                               "set trainer.teacher=auto so the trainer recomputes them with the target")
+            example = self._example(record)
             self.offsets.consumed(where, d.offset)
             self.inflight.add(record.record_id)
+            lacks = self._lacks(example)
+            if lacks is not None:  # nothing to train it with: skipped, and counted by what it lacks
+                self._done(example.record_id, where, d.offset, Fate.SKIPPED)
+                c.skipped += 1
+                setattr(c, lacks, getattr(c, lacks) + 1)
+                continue
+            c.with_features += example.features is not None
             fate, dropped = self.buffer.add(Item(example, where, d.offset, record.time))
             if fate == Fate.HELD_OUT:
                 self._done(example.record_id, where, d.offset, Fate.HELD_OUT)
                 c.held_out += 1
-            if dropped is not None:
-                self._done(dropped.example.record_id, dropped.partition, dropped.offset, Fate.SKIPPED)
+            for item in dropped:
+                self._done(item.example.record_id, item.partition, item.offset, Fate.SKIPPED)
                 c.skipped += 1
+
+    def _example(self, record: DecisionRecord) -> Example:
+        """The record as an `Example`, keeping its features where the drafter reads them (its layers, the target's
+        width) and the trainer takes them (trainer.features)."""
+        f = record.features
+        fits = self.takes_features and f is not None and f.layers == self.layer_ids and f.width == self.feature_width
+        if f is not None and self.takes_features and not fits and time.monotonic() - self.unusable_logged_at >= 60.0:
+            self.unusable_logged_at = time.monotonic()
+            log.warning("record %s carries features of layers %s (%d values a token); the drafter reads layers %s (%d): "
+                        "not taken", record.record_id, list(f.layers), f.width, list(self.layer_ids), self.feature_width)
+        return example_from_record(record, self.tcfg.max_seq_len, self.tcfg.reward_penalty, features=fits)
+
+    def _lacks(self, example: Example) -> str | None:
+        """The counter of what a record lacks for this trainer (features, a teacher), or None: it can train."""
+        if self.eagle3 and example.features is None and self.features_target is None:
+            self._say_unusable("carry no features an EAGLE-3 drafter reads and the trainer has no copy of the target "
+                               "(trainer.features=recompute loads one; serving sends them: stream.features.share)")
+            return "no_features"
+        if example.topk_ids is None and self.teacher_lm is None:
+            self._say_unusable("carry no teacher log-probs (stream.topk=0) and the trainer has no copy of the target "
+                               "(trainer.teacher=logits, or trainer.features=recompute with trainer.teacher=auto, loads one)")
+            return "no_teacher"
+        return None
+
+    def _say_unusable(self, why: str) -> None:
+        if time.monotonic() - self.unusable_logged_at >= 60.0:
+            self.unusable_logged_at = time.monotonic()
+            log.warning("records skipped: they %s", why)
 
     def _expire(self) -> None:
         """Skip the fresh records that have waited longer than the age limit (`pending_age_limit`)."""
@@ -675,17 +796,19 @@ class Trainer:
                 if following[1]:
                     self.ahead.submit(following, following[1], following[2])
             teacher = teacher_for(batch, self.vocab_size, self.vocab_map, self.teacher_lm)
-            if self.eagle3 and t.eagle3_ttt_steps > 1:
-                loss, metrics = ttt_position_loss(self.student, batch, teacher, t.eagle3_ttt_steps, t.divergence, w_kl,
-                                                  w_reward, t.jsd_beta, self.vocab_map)
-            else:
-                logits = self.student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
-                loss, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight,
-                                              t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
+            with autocast(self.device, self.precision):
+                if self.eagle3 and t.eagle3_ttt_steps > 1:
+                    loss, metrics = ttt_position_loss(self.student, batch, teacher, t.eagle3_ttt_steps, t.divergence, w_kl,
+                                                      w_reward, t.jsd_beta, self.vocab_map)
+                else:
+                    logits = self.student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, features=batch.features)
+                    loss, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight,
+                                                  t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
         else:  # another rank has a batch: join its step with a zero gradient (every rank must step together)
             batch, metrics = None, {}
             one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-            loss = self.student(one, torch.ones_like(one), one[0], one[0]).sum() * 0.0
+            feats = torch.zeros(1, 1, self.feature_width, device=self.device) if self.eagle3 else None
+            loss = self.student(one, torch.ones_like(one), one[0], one[0], features=feats).sum() * 0.0
         if not self._all(math.isfinite(loss.item())):  # every rank skips the backward together, or none does
             c.nonfinite += 1
             if not self._all(_params_finite(self.student.module)):
@@ -769,7 +892,7 @@ class Trainer:
         self._restore(checkpoint.load(self.student, path))
         self.state.counters.nonfinite = nonfinite  # what went wrong stays counted
         self.ahead.drop()  # its fresh records are read again, like those still pending
-        self.buffer.pending.clear()
+        self.buffer.clear_pending()
         self.offsets = Offsets()
         self.inflight.clear()
         self.source.rewind()
@@ -841,18 +964,22 @@ class Trainer:
             self.last_gate = {"step": self.state.step, "time": time.time(), "outcome": "waiting for held-out records"}
             return None
         self.state.counters.gates += 1
-        cand = evaluate(self.student.module, holdout, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens)
+        cand = evaluate(self.student.module, holdout, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens,
+                        self.gate_rule, self.precision)
         base = pooled(self._baseline_figures(holdout))
-        gate = {"candidate_acceptance": cand["acceptance"], "serving_acceptance": base["acceptance"],
+        # the gate ranks on acceptance as the serving engine realizes it (trainer.gate_rule); the others are reported
+        gate = {"candidate_acceptance": cand["realized"], "serving_acceptance": base["realized"],
+                "candidate_expected": cand["acceptance"], "serving_expected": base["acceptance"],
                 "candidate_greedy": cand["greedy"], "serving_greedy": base["greedy"], "holdout_records": len(holdout)}
-        passed = cand["acceptance"] > base["acceptance"] + self.tcfg.min_gain and _params_finite(self.student.module)
+        passed = cand["realized"] > base["realized"] + self.tcfg.min_gain and _params_finite(self.student.module)
         if self.tracker is not None:
             self.tracker.log_metrics({**{f"gate/{k}": v for k, v in gate.items()}, "gate/passed": float(passed)}, step=self.state.step)
         self.last_gate = {"step": self.state.step, "time": time.time(), "outcome": "passed" if passed else "refused", **gate}
         self.first_gate = self.first_gate or self.last_gate  # its serving figures: the drafter this run started from
-        figures = (f"candidate {cand['acceptance']:.4f} vs serving {self.state.lineage[-1]} {base['acceptance']:.4f} "
-                   f"(min gain {self.tcfg.min_gain:g}) on {len(holdout)} held-out records")
-        if not cand["acceptance"] > base["acceptance"] + self.tcfg.min_gain:
+        figures = (f"candidate {cand['realized']:.4f} vs serving {self.state.lineage[-1]} {base['realized']:.4f} "
+                   f"({self.gate_rule} rule; expected {cand['acceptance']:.4f} vs {base['acceptance']:.4f}; "
+                   f"min gain {self.tcfg.min_gain:g}) on {len(holdout)} held-out records")
+        if not cand["realized"] > base["realized"] + self.tcfg.min_gain:
             self.state.counters.refused += 1
             decision.info("%s: refused: %s", at, figures)
             return None
@@ -878,7 +1005,8 @@ class Trainer:
         known = self._baseline_each
         new = [e for e in holdout if e.record_id not in known]
         if new:
-            figures = evaluate_each(self.baseline, new, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens)
+            figures = evaluate_each(self.baseline, new, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens,
+                                    self.gate_rule, self.precision)
             known.update((e.record_id, f) for e, f in zip(new, figures, strict=True))
         self._baseline_each = {e.record_id: known[e.record_id] for e in holdout}
         return [known[e.record_id] for e in holdout]

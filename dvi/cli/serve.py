@@ -99,7 +99,7 @@ def _log_result(cfg, producer: DecisionProducer, result, req: Request, target_na
     s = cfg.stream
     records = records_from_result(
         result, replica_id=s.replica_id or default_replica_id(), target_name=target_name, vocab_size=vocab_size,
-        sampling=req, chunk_rounds=s.chunk_rounds, topk=s.topk,
+        sampling=req, **s.record_args,
     )
     for record in records:
         producer.submit(record)

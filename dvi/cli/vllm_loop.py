@@ -24,7 +24,7 @@ from dvi.config import flat_params, load_config
 from dvi.errors import DviError
 from dvi.pairs import resolve_pair
 from dvi.procs import default_replica_id
-from dvi.serving.replica import Replica
+from dvi.serving.replica import Replica, sends_features
 from dvi.serving.vllm_engine import EXTENSION, VllmEngine, import_vllm
 from dvi.tracking import Tracker
 from streams.client import quiet_kafka_logs
@@ -138,7 +138,8 @@ def follow(core) -> None:
     quiet_kafka_logs(False)
     drafting = core.vllm_config.speculative_config is not None
     pair = resolve_pair(replace(cfg.model, device="cpu"), with_drafter=drafting, target_weights=False)
-    engine = VllmEngine.attach(core, pair.target, pair.drafter, cfg.serve.spec, trial_tokens=cfg.serve.swap.window_tokens)
+    engine = VllmEngine.attach(core, pair.target, pair.drafter, cfg.serve.spec, trial_tokens=cfg.serve.swap.window_tokens,
+                               features=sends_features(cfg))
     producer = DecisionProducer(cfg.stream) if cfg.serve.log_decisions else None
     control = ControlChannel(cfg.stream, client_id=f"dvi-serve-{replica_id}") if cfg.serve.swap.enabled and drafting else None
     tracker = None

@@ -64,6 +64,12 @@ decisions = logging.getLogger("dvi.decision.serve")  # swaps, promotions, rollba
 REJECTED_KEPT = 1024  # rejected version names a replica remembers
 
 
+def sends_features(cfg) -> bool:
+    """Whether the replica's records carry the target's features (an engine that computes them keeps them): its
+    records go to the stream and a share of requests carries them (stream.features.share)."""
+    return cfg.serve.log_decisions and cfg.stream.features.share > 0
+
+
 class Unavailable(DviError):
     """The replica cannot take a request now (shutting down, or its queue is full): retry later."""
 
@@ -120,7 +126,8 @@ class Replica:
             engine.adopt, engine.on_finish = self.adopt, self.finish
         elif self.engine_kind.value == "vllm":
             self.engine = VllmEngine.start(pair.target_dir, pair.target, pair.drafter, pair.drafter_dir, cfg.serve.spec, cfg.serve.vllm,
-                                           stop_ids=stop_ids, max_batch=cfg.serve.max_batch, trial_tokens=cfg.serve.swap.window_tokens)
+                                           stop_ids=stop_ids, max_batch=cfg.serve.max_batch, trial_tokens=cfg.serve.swap.window_tokens,
+                                           features=sends_features(cfg))
         else:
             self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
         window = self.engine.window - 1  # the longest prompt the engine takes: one token of room to answer
@@ -395,7 +402,7 @@ class Replica:
         try:
             records = records_from_result(result, replica_id=self.replica_id, target_name=self.model_name,
                                           vocab_size=self.engine.vocab_size, sampling=job.request, domain=job.domain,
-                                          chunk_rounds=s.chunk_rounds, topk=s.topk)
+                                          **s.record_args)
         except DviError as e:
             log.warning("request %s: no decision record: %s", result.request_id, e)
             return
@@ -534,7 +541,8 @@ class Replica:
             self._announce(DrafterPromoted(r.drafter.version, self.replica_id, acceptance=current[1] / current[0]))
         elif decision == "rollback":
             prev = r.previous_counts
-            why = (f"live acceptance {current[1] / current[0]:.3f} over {current[0]} drafted tokens is more than "
+            why = (f"live traffic accepted none of its {current[0]} drafted tokens" if current[1] == 0 else
+                   f"live acceptance {current[1] / current[0]:.3f} over {current[0]} drafted tokens is more than "
                    f"{self.cfg.serve.swap.rollback_margin} below {r.previous.version if r.previous else None}'s {prev[1] / prev[0]:.3f}")
             self._roll_back(why, announce=True)
         return decision

@@ -29,6 +29,11 @@ Either way dvi's work wraps each of the core's steps (the `step_fn` its loop cal
 - every verification is read inside vLLM's worker by `dvi.serving.vllm_worker` and becomes the same `Round`s the
   native engine returns (drafted ids, accepted count, the target's token, its top-k log-probs at each drafted and
   bonus position), so the records on the topic do not say which engine wrote them;
+- with `features` and an EAGLE-3 drafter, the target's aux hidden states of every token vLLM fed for a request (its
+  prompt, its output but the last token) are kept from the forwards vLLM ran (`dvi.features.Captured`) and handed over
+  with its Result, for its records: a trainer then needs no copy of the target. A prompt prefix vLLM served from its
+  prefix cache (`serve.vllm.prefix_caching`, off by default) was never run: the features start after it; a preempted
+  request vLLM recomputes gives its positions again, the latest kept;
 - a swap loads the new weights into vLLM's draft model between two steps, so no step mixes two drafters. vLLM
   proposes the drafts a step verifies at the end of the step before, so the first step after a swap still verifies
   the previous drafter's drafts: rounds are labelled with the version that drafted them. Requests in flight at a swap
@@ -61,6 +66,7 @@ from dvi.config import SpecConfig, VllmConfig, default_cache_dir
 from dvi.eagle3 import Eagle3Drafter
 from dvi.engine import MAX_LOGPROBS, CostTable, Request, Result, Round, Routing, SpecStats, StepPlanner, TokenHook, check_request
 from dvi.errors import DviError
+from dvi.features import Captured
 from dvi.hardware import VLLM_RELEASE
 from dvi.models import EAGLE3, LAYERS, Drafter
 from dvi.records import DOMAIN
@@ -135,7 +141,7 @@ class VllmEngine:
     speculation."""
 
     def __init__(self, core, target: PreTrainedModel, drafter: Drafter | None, spec: SpecConfig, *, stop_ids=frozenset(),
-                 max_batch: int = 8, window: int = 1 << 30, trial_tokens: int = 0, llm=None):
+                 max_batch: int = 8, window: int = 1 << 30, trial_tokens: int = 0, llm=None, features: bool = False):
         self.core = core  # vLLM's EngineCore: its scheduler, its workers (collective_rpc) and the step_fn its loop calls
         self.llm = llm  # the in-process LLMEngine (start), None when following vLLM's own server (attach)
         self.target = target
@@ -165,7 +171,9 @@ class VllmEngine:
         # Result handed over once it finishes (`on_finish(key, result)`); the replica sets both
         self.adopt = None
         self.on_finish = None
-        core.collective_rpc("dvi_capture", args=(max(self.topk, MAX_LOGPROBS),))
+        # the target's features of each request's tokens, where vLLM computes them (an EAGLE-3 drafter's aux layers)
+        self.features_layers = tuple(_eagle(drafter).layer_ids) if features and drafter is not None and drafter.kind == EAGLE3 else None
+        core.collective_rpc("dvi_capture", args=(max(self.topk, MAX_LOGPROBS), self.features_layers is not None))
         self._lookup = self._schedule_lookup() if self.planner is not None else None
         self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.skips_pass)
         step = core.step_fn
@@ -174,7 +182,7 @@ class VllmEngine:
     @classmethod
     def start(cls, target_dir: Path, target: PreTrainedModel, drafter: Drafter | None, drafter_dir: Path | None,
               spec: SpecConfig, vcfg: VllmConfig, *, stop_ids=frozenset(), max_batch: int = 8, seed: int = 0,
-              trial_tokens: int = 0) -> VllmEngine:
+              trial_tokens: int = 0, features: bool = False) -> VllmEngine:
         """vLLM's engine in this process, the target as its model and `drafter_dir` as its draft model."""
         set_vllm_env(vcfg)
         vllm = import_vllm()
@@ -202,7 +210,7 @@ class VllmEngine:
                         "kept in %s for the next starts)", " and the drafter" if drafter is not None else "", compile_cache_dir())
         llm = LLMEngine.from_engine_args(args)
         engine = cls(llm.engine_core.engine_core, target, drafter, spec, stop_ids=stop_ids, max_batch=max_batch, window=window,
-                     trial_tokens=trial_tokens, llm=llm)
+                     trial_tokens=trial_tokens, llm=llm, features=features)
         log.warning("vLLM %s engine up in %.1f s (%s, %s; target %s, drafter %s, %s)", vllm.__version__, time.perf_counter() - t0,
                     args.dtype, "eager" if vcfg.enforce_eager else "compiled", target_dir, drafter_dir,
                     "K planned per step" if engine.planner is not None else f"K={spec.k}")
@@ -210,7 +218,8 @@ class VllmEngine:
         return engine
 
     @classmethod
-    def attach(cls, core, target: PreTrainedModel, drafter: Drafter | None, spec: SpecConfig, *, trial_tokens: int = 0) -> VllmEngine:
+    def attach(cls, core, target: PreTrainedModel, drafter: Drafter | None, spec: SpecConfig, *, trial_tokens: int = 0,
+               features: bool = False) -> VllmEngine:
         """Follow `core`, an engine core that vLLM's own server runs (dvi.cli.vllm_plugin): its limits (batch,
         context window) are vLLM's; `spec.k_max` is the K vLLM was started with."""
         config = core.vllm_config
@@ -221,7 +230,7 @@ class VllmEngine:
                 raise DviError(f"this vLLM server drafts with method {method}; drafter {drafter.version!r} is "
                                f"{_kind_name(drafter.kind)}, which vLLM serves with method {speculative_method(drafter.kind)}")
         return cls(core, target, drafter, spec, max_batch=config.scheduler_config.max_num_seqs, window=config.model_config.max_model_len,
-                   trial_tokens=trial_tokens)
+                   trial_tokens=trial_tokens, features=features)
 
     def _schedule_lookup(self) -> list[int]:
         """vLLM's batch size -> K lookup (its scheduler reads it at every step; dvi rewrites it in place)."""
@@ -371,6 +380,7 @@ class VllmEngine:
         first_row = 0
         topk = self.topk
         d0 = 0
+        features = s.get("features")
         for i, internal in enumerate(s["req_ids"]):
             k = s["num_draft"][i]
             rows = slice(first_row, first_row + k + 1)
@@ -378,6 +388,8 @@ class VllmEngine:
             drafted = s["drafted"][d0 : d0 + k]
             d0 += k
             row = self._row(internal)
+            if row is not None and features is not None:  # a prefill chunk's too, which emits nothing
+                row.captured.add(*features[i], self.features_layers)
             tokens = [t for t in s["sampled"][i] if t >= 0]
             if row is None or not tokens:  # not ours any more, or a prefill chunk that emitted nothing
                 continue
@@ -578,14 +590,17 @@ class _Row:
     versions: list[str] = field(default_factory=list)
     cancelled: str = ""
     whole: bool = True  # its draft KV cache covers every token, computed by the weights drafting now (acceptance counts)
+    captured: Captured = field(default_factory=Captured)  # the target's features of its tokens (VllmEngine features)
 
     def result(self, finish: str) -> Result:
         rounds = [r for r in self.rounds if r.position < len(self.out)]  # vLLM clips a step at a stop or the length limit
         stats = SpecStats()
         for r in rounds:
             stats.add(r.k, r.accepted)
+        rows, start, counts = self.captured.assemble(len(self.req.prompt_ids) + len(self.out) - 1)  # the last: never fed
         return Result(self.req.request_id, list(self.req.prompt_ids), list(self.out), finish, self.versions, rounds, stats,
-                      time.perf_counter() - self.start)
+                      time.perf_counter() - self.start, rows, start, self.captured.layers,
+                      counts["missing"] if self.captured.parts else 0, counts["recomputed"])
 
 
 class VllmDecoding:

@@ -14,6 +14,12 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
 - it also times each step's parts for the cost table that decides where drafting pays (`dvi.engine.StepPlanner`):
   wrapping the runner's `execute_model` (what the step scheduled: requests, tokens, drafts to verify, the K to
   propose, `SchedulerOutput.num_spec_tokens_to_schedule`) and `propose_draft_token_ids` (the seconds the drafter took);
+- with `features` (an EAGLE-3 draft model), it keeps the target's aux hidden states of every token the step fed
+  that stays in its request's sequence (`_features`): vLLM passes them to its drafter (`propose_draft_token_ids`'s
+  `aux_hidden_states`, one [tokens, hidden] tensor per aux layer, in the order the drafter names its layers),
+  at every step, drafting or not (K = 0 still runs the target with those outputs kept). A step's rows are its requests'
+  scheduled tokens, request after request (the input batch's order): a prefill chunk's, or the last token and its
+  drafts, of which the target's features stand for the accepted ones only;
 - `dvi_sleep(flag)`: while set, a step that proposes no drafts skips the drafter's pass over its new tokens (vLLM
   runs it at K = 0 to keep the draft model's KV cache whole; it costs several percent of a step); the requests then
   in flight draft from a cache with holes when drafting comes back, which costs acceptance, never correctness;
@@ -35,6 +41,7 @@ vLLM's worker; it does not know dvi's records, requests or drafter versions.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 
@@ -50,14 +57,16 @@ EAGLE3_NOT_LOADED = frozenset({"VocabParallelEmbedding", "RotaryEmbedding"})
 class DviWorkerExtension:
     """Mixed into vLLM's worker (see the module docstring); `self.model_runner` and `self.vllm_config` are vLLM's."""
 
-    def dvi_capture(self, topk: int) -> bool:
+    def dvi_capture(self, topk: int, features: bool = False) -> bool:
         runner = self.model_runner
         if getattr(runner, "_dvi_sample", None) is not None:
             return False
         original = runner._sample
         execute, propose = runner.execute_model, runner.propose_draft_token_ids
+        arguments = inspect.signature(propose).bind  # by name: vLLM passes them positionally
         self._dvi_steps: list[dict] = []
         self._dvi_meta: dict = {}
+        self._dvi_features = bool(features) and bool(getattr(runner, "use_aux_hidden_state_outputs", False))
 
         def _sample(logits, spec_decode_metadata):
             if logits is None:
@@ -89,6 +98,11 @@ class DviWorkerExtension:
 
         def propose_draft_token_ids(*args, **kwargs):
             t0 = time.perf_counter()
+            if self._dvi_features and self._dvi_steps:
+                try:
+                    self._dvi_steps[-1]["features"] = _features(runner, arguments(*args, **kwargs).arguments, self._dvi_steps[-1])
+                except Exception:  # the step and its records go on without features
+                    logging.getLogger(__name__).exception("reading the target's features of a step failed")
             drafts = propose(*args, **kwargs)
             if isinstance(drafts, torch.Tensor) and drafts.is_cuda:
                 torch.cuda.synchronize(drafts.device)  # kernels run asynchronously: time them, not their launch
@@ -161,6 +175,28 @@ class _NotLoaded(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         return not (record.msg == "%s: Failed to load weights" and args and args[0] in self.layers)
+
+
+def _features(runner, arguments: dict, step: dict) -> list[tuple[int, torch.Tensor]] | None:
+    """Per request of a captured step, in its order: (the position of its first row, its rows [n, layers x hidden] on the
+    CPU): the target's aux hidden states of the tokens the step fed that stay in its sequence (a prefill chunk's every
+    token; of the last token and its drafts, the last token and the accepted drafts). None when vLLM passed none."""
+    aux = arguments.get("aux_hidden_states")
+    scheduler_output = arguments.get("scheduler_output")
+    if not aux or scheduler_output is None:
+        return None
+    counts = [int(scheduler_output.num_scheduled_tokens[r]) for r in step["req_ids"]]
+    total = sum(counts)
+    states = torch.cat([h[:total] for h in aux], dim=-1).to("cpu", copy=True)  # [tokens, layers x hidden]
+    starts = torch.tensor(counts).cumsum(0) - torch.tensor(counts)
+    positions = runner.positions[:total][starts.to(runner.positions.device)].tolist() if total else []
+    out = []
+    for i, (first, n) in enumerate(zip(starts.tolist(), counts)):
+        k = step["num_draft"][i]
+        emitted = sum(t >= 0 for t in step["sampled"][i])
+        kept = n - k + (max(emitted - 1, 0) if k else 0)  # the drafts the target rejected are not in the sequence
+        out.append((int(positions[i]), states[first : first + kept]))
+    return out
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from broker_fixtures import NEWER_FIELDS, edit_message, newer_writer, newer_writ
 
 from dvi import records_v1
 from dvi.record_proto import message_class, proto_text
-from dvi.records import (CONTENT_TYPE, READS, DecisionRecord, Limits, RecordError, RoundRecord, Sampling, Target, check_headers,
+from dvi.records import (CONTENT_TYPE, READS, SCHEMA_MINOR, DecisionRecord, Limits, RecordError, RoundRecord, Sampling, Target, check_headers,
                          decode, encode, kafka_headers, records_from_result, validate)
 
 VOCAB = 97
@@ -328,7 +328,7 @@ def test_wire_format_is_protobuf_in_the_registry_framing_and_not_pickle(record):
     assert b"\x80\x04" not in data[:2] and decode(data) == decode(encode(record, logprob_dtype="float16"))
     m = message_class()()
     m.ParseFromString(data[6:])
-    assert (m.request_id, m.target.vocab_size, m.topk, m.minor) == (record.request_id, VOCAB, record.topk, 0)
+    assert (m.request_id, m.target.vocab_size, m.topk, m.minor) == (record.request_id, VOCAB, record.topk, SCHEMA_MINOR)
     for field_name in ("record_id", "target", "drafter_version", "topk_logprobs"):
         assert f" {field_name} = " in proto_text()
     assert len(data) < len(encode(record, logprob_dtype="float32"))
@@ -423,7 +423,7 @@ def test_a_newer_minor_version_of_schema_1_is_read_and_its_additions_skipped(rec
 def test_headers_say_what_a_message_is_and_foreign_ones_are_refused():
     check_headers(None)
     check_headers([])
-    assert dict(kafka_headers()) == {"content-type": CONTENT_TYPE.encode(), "dvi-schema": b"2.0"}
+    assert dict(kafka_headers()) == {"content-type": CONTENT_TYPE.encode(), "dvi-schema": f"2.{SCHEMA_MINOR}".encode()}
     check_headers(kafka_headers())
     check_headers([("dvi-schema", b"2.9"), ("other", b"x")])  # a newer minor version
     check_headers([("content-type", READS[1].encode()), ("dvi-schema", b"1.0")])  # written before schema 2

@@ -212,8 +212,10 @@ def test_judge_waits_for_the_window_then_keeps_or_rolls_back():
     assert judge((1000, 600), (100, 56), **kw) == "keep"  # 0.56 >= 0.60 - 0.05
     assert judge((1000, 600), (100, 54), **kw) == "rollback"  # 0.54 < 0.55
     assert judge((1000, 600), (200, 190), **kw) == "keep"
-    assert judge((49, 40), (100, 0), **kw) == "keep"  # the previous drafter barely drafted: nothing to compare
-    assert judge(None, (100, 0), **kw) == "keep"  # there was no drafter before
+    assert judge((49, 40), (100, 3), **kw) == "keep"  # the previous drafter barely drafted: nothing to compare
+    assert judge(None, (100, 3), **kw) == "keep"  # there was no drafter before
+    assert judge(None, (100, 0), **kw) == "rollback"  # a trial that accepted nothing is never promoted
+    assert judge((1000, 0), (100, 0), **kw) == "rollback"  # nor after a drafter that accepted nothing either
 
 
 # ----------------------------------------------------------------------------------------------

@@ -83,14 +83,21 @@ def test_ds_config_is_what_the_trainer_config_says():
     assert ds_config(TrainerConfig(grad_clip=0.0))["gradient_clipping"] == 0.0
 
 
-def test_precision_auto_is_bf16_on_a_gpu_only(monkeypatch, caplog):
+def test_precision_auto_is_bf16_on_a_gpu_and_bf16_mixed_on_a_cpu_with_native_bf16(monkeypatch, caplog):
+    from dvi import hardware
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_bf16_flags", lambda: ())
     assert resolve_precision(TrainerConfig()) == "fp32"
+    monkeypatch.setattr(hardware, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    assert resolve_precision(TrainerConfig()) == "bf16-mixed"
+    assert ds_config(TrainerConfig(), "bf16-mixed")["bf16"] == {"enabled": False}  # fp32 to DeepSpeed: autocast does bf16
     with caplog.at_level(logging.WARNING, "dvi.trainers.ds"):
         assert resolve_precision(TrainerConfig(precision="bf16")) == "bf16"
-    assert "very slow" in caplog.text
+    assert "slowly on a CPU" in caplog.text
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_precision(TrainerConfig()) == "bf16"
+    assert resolve_precision(TrainerConfig(), "cpu") == "bf16-mixed"  # a trainer on the CPU of a GPU host
     assert resolve_precision(TrainerConfig(precision="fp32")) == "fp32"
 
 

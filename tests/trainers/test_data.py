@@ -4,6 +4,7 @@ a file of records."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -165,23 +166,37 @@ def test_the_queue_age_limit_is_set_or_half_the_retention():
     assert pending_age_limit(None, None) is None
 
 
-def test_buffer_holds_out_a_share_and_skips_the_oldest_when_full(make_record):
+def test_buffer_holds_out_by_prompt_and_skips_the_oldest_when_full(make_record):
     buf = Buffer(pending_size=4, replay_size=8, holdout_size=8, replay_share=0.0, holdout_share=0.25,
                  version_decay=0.5, max_version_age=2)
-    fates = [buf.add(item) for item in _items(make_record, 12)]
+    items = _items(make_record, 40)
+    fates = [buf.add(item) for item in items]
     held = [i for i, (fate, _) in enumerate(fates) if fate == Fate.HELD_OUT]
-    assert held == [3, 7, 11]
-    dropped = [d.offset for _, d in fates if d is not None]
-    assert dropped == [0, 1, 2, 4, 5]  # 9 queued, 4 fit
-    assert [i.offset for i in buf.pending] == [6, 8, 9, 10]
+    assert held == [i for i, it in enumerate(items) if buf.held_out(it.example)]  # a fixed function of the prompt
+    assert 4 <= len(held) <= 16  # about a quarter of 40 prompts
+    queued = [i for i in range(40) if i not in held]
+    dropped = [d.offset for _, ds in fates for d in ds]
+    assert dropped == queued[:-4] and [i.offset for i in buf.pending] == queued[-4:]
     assert buf.pending_nbytes() == sum(i.example.nbytes for i in buf.pending) > 0
+    # every record of a held-out prompt is held out: its later chunks, other samples, the question asked again
+    prompt = make_record(rounds=2, k=1, seed=held[0]).prompt_ids
+    again = [Item(example_from_record(replace(make_record(rounds=3, k=2, seed=77, chunk_index=c), prompt_ids=prompt), 10_000),
+                  "p", 100 + c) for c in (0, 1)]
+    assert all(buf.add(it)[0] == Fate.HELD_OUT for it in again)
+    bounded = Buffer(100, 8, 8, 0.0, 0.0, 0.5, 2, pending_bytes=3 * items[0].example.nbytes)
+    skipped = [d.offset for it in items[:5] for d in bounded.add(it)[1]]
+    assert skipped == [0, 1] and len(bounded.pending) == 3  # in bytes too, the oldest first
 
 
-def test_buffer_holds_out_the_first_records_then_a_share(make_record):
+def test_buffer_holds_out_the_first_prompts_then_a_share(make_record):
     buf = Buffer(pending_size=100, replay_size=8, holdout_size=8, replay_share=0.0, holdout_share=0.25,
                  version_decay=0.5, max_version_age=2, holdout_first=3)
-    fates = [buf.add(item)[0] for item in _items(make_record, 10)]
-    assert [i for i, fate in enumerate(fates) if fate == Fate.HELD_OUT] == [0, 1, 2, 6]  # an early gate has records
+    items = _items(make_record, 10)
+    fates = [buf.add(item)[0] for item in items]
+    share = Buffer(100, 8, 8, 0.0, 0.25, 0.5, 2)
+    want = [0, 1, 2] + [i for i in range(3, 10) if share.held_out(items[i].example)]
+    assert [i for i, fate in enumerate(fates) if fate == Fate.HELD_OUT] == want  # an early gate has records
+    assert buf.add(Item(items[1].example, "p", 99))[0] == Fate.HELD_OUT  # that prompt stays held out
     none = Buffer(100, 8, 8, 0.0, 0.0, 0.5, 2, holdout_first=3)  # holdout_share 0: nothing is ever held out
     assert all(none.add(item)[0] is None for item in _items(make_record, 4))
 

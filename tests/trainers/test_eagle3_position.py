@@ -121,6 +121,33 @@ def test_unrolled_steps_are_ttt_logits_at_the_positions_they_reach(tiny_target):
         assert torch.allclose(logits[on[keep]], expect, atol=1e-4), k
 
 
+def test_a_few_teacher_positions_after_a_long_prompt_are_computed_alone_and_equal_the_full_unroll(tiny_target):
+    """The teacher positions of records with long prompts: only the last few columns of each row. The drafter's layer
+    runs there alone (`ttt_prenorms_at`), attending to every earlier position's keys; its logits and gradients are the
+    full unroll's (`ttt_logits`) at those positions, and features given with the batch (serving's) stand in for the
+    target's."""
+    d = random_eagle3(tiny_target, seed=6)
+    ids, mask, _, _, lengths = packed_batch()
+    rows = torch.tensor([0, 0, 0, 1, 1])
+    cols = torch.tensor([5, 6, 7, 3, 4])  # the last generated tokens of each row
+    features = target_features(tiny_target, ids, LAYER_IDS)
+    lm = Eagle3PositionLM(d, None)  # no target: the batch's features only
+    steps = lm(ids, mask, rows, cols, steps=3, features=features)
+    ref = ttt_logits(d, features, ids, steps=3)
+    for k, (logits, keep) in enumerate(steps):
+        assert torch.equal(keep, cols - 1 - k >= 0)
+        assert torch.allclose(logits, ref[k][rows[keep], (cols - 1 - k)[keep]], atol=1e-5), k
+    sum(x.sum() for x, _ in steps).backward()
+    got = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+    d.zero_grad()
+    sum(ref[k][rows[keep], (cols - 1 - k)[keep]].sum() for k, (_, keep) in enumerate(steps)).backward()
+    for n, p in d.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(got[n], p.grad, atol=1e-4, rtol=1e-4), n
+    with pytest.raises(DviError, match="without the target's features"):
+        lm(ids, mask, rows, cols)
+
+
 def test_the_target_is_no_part_of_the_module(tiny_target):
     d = random_eagle3(tiny_target)
     lm = Eagle3PositionLM(d, tiny_target)
@@ -145,7 +172,7 @@ def test_the_ttt_loss_is_the_position_loss_averaged_over_steps(tiny_target):
     with torch.no_grad():
         parts = []
         for logits, keep in lm(ids, mask, rows, cols, steps=3):
-            parts.append(position_loss(logits, Teacher(teacher.probs[keep], teacher.outside[keep]), batch.drafted[keep],
+            parts.append(position_loss(logits, teacher.select(keep), batch.drafted[keep],
                                        batch.reward[keep], batch.judged[keep], batch.weight[keep], vocab_map=vocab_map)[0])
     assert torch.allclose(loss.detach(), torch.stack(parts).mean(), atol=1e-6)
     assert {"acceptance", "fkl", "acceptance_step1", "acceptance_step2"} <= set(metrics)

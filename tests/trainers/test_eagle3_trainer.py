@@ -2,9 +2,11 @@
 store, the servers' checks on what it published, and a restart that resumes from its checkpoint.
 
 The target is the tiny random Llama with the demo tokenizer (tests/conftest.py: tiny_dirs); its records come from
-the real engine, target-only (no drafter drafted them). The EAGLE-3 drafter starts as the target's last layer over
-its features (`dvi.eagle3.init_from_target`), its draft vocabulary the ids the records' teachers use most, so it
-predicts the token one behind the teacher's until training moves it on."""
+the real engine, target-only (no drafter drafted them), carrying the target's features of the layers the drafter
+reads, as a replica serving an EAGLE-3 drafter sends them: the trainer trains on those and never loads the target
+(trainer.features auto), or recomputes them with its own copy (trainer.features=recompute). The EAGLE-3 drafter
+starts as the target's last layer over its features (`dvi.eagle3.init_from_target`), its draft vocabulary the ids the
+records' teachers use most, so it predicts the token one behind the teacher's until training moves it on."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from dvi import store
 from dvi.config import DviConfig, ModelConfig, TrackingConfig, TrainerConfig
 from dvi.control import DrafterPublished
 from dvi.eagle3 import Eagle3Drafter, init_from_target, layer_config, save_eagle3
-from dvi.models import load_causal_lm, load_tokenizer, resolve_dtype
+from dvi.models import load_causal_lm, load_tokenizer
 from dvi.swap import load_announced_eagle3
 from trainers.data import FileSource, collate, example_from_record
 from trainers.recipe import Eagle3PositionLM, Trainer, teacher_for, ttt_position_loss
@@ -32,9 +34,12 @@ DRAFT = 256
 STEPS = 12
 
 
+LAYERS = (0, 1)  # the drafter's aux layers of the 2-layer tiny target
+
+
 @pytest.fixture(scope="module")
 def records(tiny_dirs) -> list:
-    return engine_records(tiny_dirs[0], None, n=16, new_tokens=24, seed=11)
+    return engine_records(tiny_dirs[0], None, n=16, new_tokens=24, seed=11, features_layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,7 @@ def eagle3_dir(tiny_dirs, records, tmp_path_factory) -> Path:
     used = Counter(int(i) for r in records for rnd in r.rounds for row in rnd.topk_ids for i in row)
     vocab = torch.tensor(sorted(i for i, _ in used.most_common(DRAFT)))
     assert vocab.numel() == DRAFT
-    drafter = Eagle3Drafter(layer_config(target.config), DRAFT, (0, 1), target.get_input_embeddings().weight.detach())
+    drafter = Eagle3Drafter(layer_config(target.config), DRAFT, LAYERS, target.get_input_embeddings().weight.detach())
     init_from_target(drafter, target, vocab)
     return save_eagle3(drafter, tmp_path_factory.mktemp("eagle3") / "e3", target_dir,
                        {"version": "e3-init", "parent": None}, load_tokenizer(target_dir))
@@ -66,12 +71,10 @@ def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes
     cfg = config(tiny_dirs, eagle3_dir, tmp_path)
     tracker = Recorder()
     trainer = Trainer(cfg, FileSource(str(path)), tracker=tracker, offline=True)
-    # teacher=topk: the target is held all the same, for the drafter's features, outside what DeepSpeed trains
-    assert trainer.eagle3 and trainer.teacher_lm is None and trainer.target is not None
-    # the features come from the target in serving's dtype (model.dtype auto: bf16 where the CPU has it), a copy of
-    # the fp32 target the trainer holds
-    assert trainer.target.dtype == torch.float32 and trainer.student.module.target is trainer.features_target
-    assert trainer.features_target.dtype == resolve_dtype("auto", torch.device("cpu"))
+    # the records carry the drafter's features: the trainer holds no copy of the target, and reads the target's
+    # embedding alone (the drafter shares it)
+    assert trainer.eagle3 and trainer.teacher_lm is None and trainer.target is None and trainer.features_target is None
+    assert trainer.student.module.target is None and trainer.embed is not None
     assert isinstance(trainer.student.module, Eagle3PositionLM) and isinstance(trainer.baseline, Eagle3PositionLM)
     assert all(k.startswith("model.") for k in trainer.student.module.state_dict())
     assert trainer.vocab_map.numel() == DRAFT
@@ -81,6 +84,7 @@ def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes
     after = fixed_loss(trainer, examples)
 
     assert trainer.state.step == STEPS and counters.nonfinite == 0 and counters.trained > 0
+    assert counters.with_features == counters.records and counters.no_features == 0
     gate = trainer.last_gate
     print(f"loss over all records {before:.3f} -> {after:.3f}; held-out expected acceptance: serving "
           f"{gate['serving_acceptance']:.4f}, candidate {gate['candidate_acceptance']:.4f} on {gate['holdout_records']} records")
@@ -111,10 +115,10 @@ def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes
     # registered like any version: its store directory, under its version name
     assert tracker.registered == [(str(where), version)]
 
-    # a restart resumes from the last checkpoint: step, lineage and the trained weights (features in fp32 this time:
-    # the target itself gives them)
-    again = Trainer(replace_steps(cfg, STEPS, features_dtype="float32"), FileSource(str(path)), offline=True)
-    assert again.features_target is again.target
+    # a restart resumes from the last checkpoint: step, lineage and the trained weights, recomputing the features with
+    # its own copy of the target this time (trainer.features=recompute; fp32: the target itself gives them)
+    again = Trainer(replace_steps(cfg, STEPS, features="recompute", features_dtype="float32"), FileSource(str(path)), offline=True)
+    assert again.target is not None and again.features_target is again.target and not again.takes_features
     assert again.eagle3 and again.state.step == STEPS and again.state.lineage == ["e3-init", version]
     assert again.state.serving_dir == str(where)
     resumed = again.student.module.model.weights()
@@ -135,10 +139,37 @@ class Recorder:
         self.registered.append((source, version))
 
 
+def test_features_from_records_are_the_ones_the_trainer_would_recompute(tiny_dirs, records, eagle3_dir, tmp_path):
+    """The loss over records' features (serving's, bf16 on the wire) against the trainer's own recomputation of them
+    (its copy of the target in fp32): the same within bf16's rounding. Records without features are skipped and
+    counted by a trainer without the target (trainer.features=records), and recomputed by one with it (auto)."""
+    from dataclasses import replace
+
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+    recompute = Trainer(config(tiny_dirs, eagle3_dir, tmp_path, features="recompute", features_dtype="float32"),
+                        FileSource(str(path)), offline=True)
+    with_features = [example_from_record(r, 512) for r in records]
+    without = [example_from_record(r, 512, features=False) for r in records]
+    assert all(e.features is not None for e in with_features) and all(e.features is None for e in without)
+    assert fixed_loss(recompute, with_features) == pytest.approx(fixed_loss(recompute, without), rel=0.02)
+    bare = [replace(r, features=None) for r in records[:6]]
+    bare_path = tmp_path / "bare.jsonl"
+    bare_path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in bare))
+    strict = Trainer(config(tiny_dirs, eagle3_dir, tmp_path / "strict", features="records"), FileSource(str(bare_path)), offline=True)
+    strict.ingest(strict.source.poll(0.0))
+    c = strict.state.counters
+    assert (c.records, c.no_features, c.skipped, len(strict.buffer.pending), len(strict.buffer.holdout)) == (6, 6, 6, 0, 0)
+    assert strict.ledger.entries() and all(fate == "s" for _, fate in strict.ledger.entries())
+    auto = Trainer(config(tiny_dirs, eagle3_dir, tmp_path / "auto", teacher="logits"), FileSource(str(bare_path)), offline=True)
+    auto.ingest(auto.source.poll(0.0))
+    assert auto.target is not None and auto.state.counters.no_features == 0 and auto.state.counters.records == 6
+
+
 def fixed_loss(trainer: Trainer, examples) -> float:
     """The student's training loss (unrolled steps, divergence only) over every position of `examples`."""
     batch = collate(examples)
-    teacher = teacher_for(batch, VOCAB, trainer.vocab_map, None)
+    teacher = teacher_for(batch, VOCAB, trainer.vocab_map, None)  # the examples' top-k
     with torch.no_grad():
         return float(ttt_position_loss(trainer.student.module, batch, teacher, 3, "fkl", 1.0, 0.0, 0.5, trainer.vocab_map)[0])
 
@@ -154,10 +185,11 @@ def test_training_an_eagle3_drafter_on_demo_records_raises_held_out_acceptance(d
     """The demo target's records of one domain (Python questions, target-only), an EAGLE-3 drafter built from the
     target (`build_eagle3`: at first it repeats the target's last prediction): a short run raises its expected
     acceptance on held-out records of that domain, as the gate measures it."""
-    from dvi.eagle3 import build_eagle3
+    from dvi.eagle3 import build_eagle3, default_layer_ids
 
     tokenizer = load_tokenizer(demo_target_dir)
-    demo = chat_records(load_causal_lm(demo_target_dir, "target"), None, tokenizer)
+    target = load_causal_lm(demo_target_dir, "target")
+    demo = chat_records(target, None, tokenizer, features_layers=default_layer_ids(target.config.num_hidden_layers))
     texts = [tokenizer.decode(list(r.prompt_ids) + list(r.generated_ids)) for r in demo]
     drafter_dir = build_eagle3(demo_target_dir, tmp_path / "e3", vocab_n=2048, texts=texts)
     path = tmp_path / "records.jsonl"

@@ -16,6 +16,7 @@ import torch
 from dvi.speculative import expand_draft_probs, expected_acceptance
 from trainers.losses import (
     DIVERGENCES,
+    argmax_draft_acceptance,
     PROB_FLOOR,
     Teacher,
     divergence,
@@ -28,6 +29,8 @@ from trainers.losses import (
     student_index,
     student_log_probs,
     teacher_from_logits,
+    teacher_acceptance,
+    teacher_divergence,
     teacher_from_topk,
     total_variation,
 )
@@ -155,7 +158,7 @@ def test_tv_is_one_minus_expected_acceptance():
     torch.testing.assert_close(tv, 1 - expected_acceptance(p, log_q.exp()), rtol=0, atol=1e-6)
     # the top-k teacher against a student: the same identity
     ids = torch.tensor([[2, 7, 0], [11, 3, 5]])
-    teacher = teacher_from_topk(ids, torch.randn(2, 3), vocab_size=12)
+    teacher = teacher_from_topk(ids, torch.randn(2, 3), vocab_size=12, dense=True)
     tv = total_variation(teacher.probs, log_q[:2], teacher.outside)
     torch.testing.assert_close(tv, 1 - expected_acceptance(teacher.probs, log_q[:2].exp()), rtol=0, atol=1e-6)
 
@@ -176,13 +179,13 @@ def test_student_index():
 def test_topk_renormalisation_by_hand():
     ids = torch.tensor([[3, 0, 5]])  # [1, topk]
     lp = torch.log(torch.tensor([[0.5, 0.2, 0.1]])).half()  # 0.2 of the mass lies beyond the top-k
-    t = teacher_from_topk(ids, lp, vocab_size=6)
+    t = teacher_from_topk(ids, lp, vocab_size=6, dense=True)
     want = torch.tensor([[2 / 8, 0, 0, 5 / 8, 0, 1 / 8]])
     torch.testing.assert_close(t.probs, want, rtol=1e-3, atol=1e-4)  # f16 log-probs
     assert t.outside.tolist() == [0.0]
     # reduced student vocabulary: target ids 5, 0, 2 (id 3 is not there)
     lp = torch.log(torch.tensor([[0.5, 0.2, 0.1]]))
-    t = teacher_from_topk(ids, lp, vocab_size=6, vocab_map=torch.tensor([5, 0, 2]))
+    t = teacher_from_topk(ids, lp, vocab_size=6, vocab_map=torch.tensor([5, 0, 2]), dense=True)
     torch.testing.assert_close(t.probs, torch.tensor([[1 / 8, 2 / 8, 0.0]]))
     torch.testing.assert_close(t.outside, torch.tensor([5 / 8]))
 
@@ -225,7 +228,7 @@ def test_reduced_vocab_student_against_full_vocab_reference(name):
 
 
 def test_reduced_vocab_topk_teacher_all_outside_gives_zero_fkl():
-    t = teacher_from_topk(torch.tensor([[1, 3]]), torch.tensor([[-0.1, -2.0]]), 6, vocab_map=torch.tensor([0, 2]))
+    t = teacher_from_topk(torch.tensor([[1, 3]]), torch.tensor([[-0.1, -2.0]]), 6, vocab_map=torch.tensor([0, 2]), dense=True)
     assert t.probs.sum().item() == 0 and t.outside.item() == pytest.approx(1.0)
     log_q = student_log_probs(torch.zeros(1, 2))
     assert forward_kl(t.probs, log_q, t.outside).item() == 0.0
@@ -260,7 +263,7 @@ def flat_positions(seed: int = 8, vocab: int = 10, topk: int = 4):
     which `position_loss` must ignore."""
     g = torch.Generator().manual_seed(seed)
     lp, ids = torch.log_softmax(torch.randn(7, vocab, generator=g), -1).topk(topk, -1)  # [P, topk]
-    teacher = teacher_from_topk(ids, lp, vocab)
+    teacher = teacher_from_topk(ids, lp, vocab, dense=True)
     drafted = torch.tensor([4, 1, 7, -1, -1, -1, -1])  # [P]
     reward = torch.tensor([1.0, -1.0, 1.0, 0, 0, 0, 0])
     judged = torch.tensor([True, True, True, False, False, False, False])
@@ -330,6 +333,98 @@ def test_position_loss_reduced_vocab_and_no_drafts():
 
 
 # ----------------------------------------------------------------------------------------------
+# The sparse (top-k) teacher against its dense form.
+
+
+def sparse_case(seed: int, vocab: int = 12, topk: int = 4, vocab_map=None, positions: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    lp, ids = torch.log_softmax(3 * torch.randn(positions, vocab, generator=g), -1).topk(topk, -1)  # [P, topk]
+    width = vocab if vocab_map is None else vocab_map.numel()
+    logits = 2 * torch.randn(positions, width, generator=g)
+    logits[0, :] = 0.0
+    logits[1, 0] = 40.0  # a student all but certain of one token
+    return teacher_from_topk(ids, lp, vocab, vocab_map), teacher_from_topk(ids, lp, vocab, vocab_map, dense=True), logits
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced-vocab"])
+@pytest.mark.parametrize("name", DIVERGENCES)
+def test_sparse_teacher_divergences_equal_the_dense_ones(name, reduced):
+    vocab_map = torch.tensor([7, 2, 9, 0, 4, 11, 5]) if reduced else None
+    for seed in range(4):
+        sparse, dense, logits = sparse_case(seed, vocab_map=vocab_map)
+        assert sparse.sparse and not dense.sparse and sparse.probs.shape[-1] == 4
+        torch.testing.assert_close(sparse.dense(dense.probs.shape[-1]).probs, dense.probs)
+        for req in (False, True):  # values, and gradients through log q
+            a = logits.clone().requires_grad_(req)
+            b = logits.clone().requires_grad_(req)
+            got = teacher_divergence(name, sparse, student_log_probs(a))
+            want = divergence(name, dense.probs, student_log_probs(b), dense.outside)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            if req:
+                got.sum().backward()
+                want.sum().backward()
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+        log_q = student_log_probs(logits)
+        torch.testing.assert_close(teacher_acceptance(sparse, log_q), expected_acceptance(dense.probs, log_q.exp()),
+                                   rtol=1e-5, atol=1e-6)
+        assert torch.equal(sparse.argmax(), dense.probs.argmax(-1)) or reduced  # ties aside, the same row
+
+
+def test_sparse_teacher_all_outside_and_select():
+    t = teacher_from_topk(torch.tensor([[1, 3], [0, 1]]), torch.tensor([[-0.1, -2.0], [-0.5, -1.0]]), 6,
+                          vocab_map=torch.tensor([0, 2]))
+    log_q = student_log_probs(torch.zeros(2, 2))
+    assert teacher_divergence("fkl", t, log_q)[0].item() == 0.0
+    assert teacher_divergence("tv", t, log_q)[0].item() == pytest.approx(1.0)
+    one = t.select(torch.tensor([False, True]))
+    assert one.probs.shape == (1, 2) and one.index.tolist() == [[0, 0]] and one.inside.tolist() == [[True, False]]
+    assert one.argmax().tolist() == [0]
+
+
+def test_position_loss_takes_either_teacher_form():
+    logits, dense, drafted, reward, judged, weight = flat_positions()
+    g = torch.Generator().manual_seed(8)
+    lp, ids = torch.log_softmax(torch.randn(7, 10, generator=g), -1).topk(4, -1)
+    sparse = teacher_from_topk(ids, lp, 10)
+    for name in DIVERGENCES:
+        a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        la, ma = position_loss(a, sparse, drafted, reward, judged, weight, name, w_kl=0.8, w_reward=0.2)
+        lb, mb = position_loss(b, dense, drafted, reward, judged, weight, name, w_kl=0.8, w_reward=0.2)
+        la.backward()
+        lb.backward()
+        assert la.item() == pytest.approx(lb.item(), rel=1e-5) and ma == pytest.approx(mb, rel=1e-5, abs=1e-6)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_argmax_draft_acceptance_against_a_plain_reference():
+    """Per position: greedy, 1 when the draft is the target's argmax; sampled, the draft's probability under the
+    request's temperature and top-p, over the logged top-k (a plain loop over sorted tokens)."""
+    g = torch.Generator().manual_seed(13)
+    lp, ids = torch.log_softmax(2 * torch.randn(40, 30, generator=g), -1).topk(6, -1)
+    perm = torch.randperm(6, generator=g)  # the top-k need not come sorted
+    lp, ids = lp[:, perm], ids[:, perm]
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.5] * 10)
+    top_p = torch.tensor([1.0] * 20 + [0.6] * 20)
+    draft = torch.where(torch.rand(40, generator=g) < 0.5, ids[:, 0], torch.randint(0, 30, (40,), generator=g))
+    got = argmax_draft_acceptance(ids, lp, temperature, top_p, draft)
+    for i in range(40):
+        row = sorted(zip(lp[i].tolist(), ids[i].tolist()), reverse=True)
+        if temperature[i] == 0:
+            want = float(row[0][1] == draft[i])
+        else:
+            w = np.exp(np.array([x for x, _ in row], dtype=np.float64) / float(temperature[i]))
+            w /= w.sum()
+            keep, mass = [], 0.0
+            for pj, (_, t) in zip(w, row):
+                if mass < float(top_p[i]):
+                    keep.append((pj, t))
+                mass += pj
+            total = sum(pj for pj, _ in keep)
+            want = sum(pj for pj, t in keep if t == int(draft[i])) / total
+        assert got[i].item() == pytest.approx(want, abs=1e-5), i
+
+
+# ----------------------------------------------------------------------------------------------
 # The reward term.
 
 
@@ -388,7 +483,7 @@ def test_training_toward_a_fixed_teacher_decreases_the_divergence(name, reduced)
     vocab = 16
     vocab_map = torch.tensor([0, 2, 3, 5, 7, 8, 11, 12, 13, 15]) if reduced else None
     lp, ids = torch.log_softmax(3 * torch.randn(4, vocab, generator=g), -1).topk(5, -1)  # teacher zeros past top-5
-    teacher = teacher_from_topk(ids, lp, vocab, vocab_map)
+    teacher = teacher_from_topk(ids, lp, vocab, vocab_map, dense=True)
     assert (teacher.outside > 0.1).any() == reduced
     width = vocab if vocab_map is None else vocab_map.numel()
     logits = torch.nn.Parameter(torch.randn(4, width, generator=g))

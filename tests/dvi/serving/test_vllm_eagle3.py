@@ -4,8 +4,10 @@ accepted exactly the drafts that dvi's `Eagle3Drafter` makes from the same weigh
 drafting loop replayed on the target's greedy answer), so vLLM computes what dvi trains.
 
 Then dvi's replica over vLLM's engine (serve.engine=vllm) with an EAGLE-3 model.drafter: it serves the target's
-answers, a published EAGLE-3 version is swapped into vLLM's running draft model (its drafts are the new weights',
-as dvi computes them), the live judge rolls it back and the first weights draft again, exactly as before.
+answers, each Result carrying the target's features of every token vLLM fed (the aux hidden states its forwards
+computed for the drafter: what records carry to a trainer that holds no target), a published EAGLE-3 version is
+swapped into vLLM's running draft model (its drafts are the new weights', as dvi computes them), the live judge rolls
+it back and the first weights draft again, exactly as before.
 
 One vLLM start per test (about a minute each on 2 cores).
 """
@@ -132,6 +134,8 @@ def test_a_replica_on_vllm_swaps_an_eagle3_version_in_and_rolls_it_back(demo_tar
     repeating = len(PROMPTS) - 1
     expected = {v: simulated_counts(d, target, PROMPTS[repeating], answers[repeating], N_TOKENS, K)
                 for v, d in (("e0000", first), ("e0001", unrelated))}
+    # the target's features of each prompt and answer but its last token (never fed), as Hugging Face computes them
+    features = [target_features(target, torch.tensor([p + reference[i][:-1]]), (2, 15, 29))[0] for i, p in enumerate(PROMPTS)]
     print("simulated (drafts, accepted) on the repeating prompt:", expected)
     assert expected["e0000"][1] > 0 and expected["e0001"][1] == 0
     del target, first, unrelated
@@ -146,6 +150,11 @@ def test_a_replica_on_vllm_swaps_an_eagle3_version_in_and_rolls_it_back(demo_tar
             jobs = [service.submit(Request(PROMPTS[i], max_new_tokens=N_TOKENS, ignore_eos=True)) for i in prompts]
             results = [j.future.result(300) for j in jobs]
             assert [r.token_ids for r in results] == [reference[i] for i in prompts]  # whichever drafter drafts
+            for i, r in zip(prompts, results):  # vLLM's (bf16) features of every token fed: Hugging Face's, to bf16's rounding
+                assert r.features_layers == (2, 15, 29) and r.features_start == 0 and r.features.shape == features[i].shape
+                cos = torch.nn.functional.cosine_similarity(r.features.float().unflatten(-1, (3, -1)),
+                                                            features[i].unflatten(-1, (3, -1)), dim=-1)  # [rows, layers]
+                assert cos.min() > 0.98, (i, cos.min())
             return results
 
         def drafts(version: str) -> list[tuple[int, list[int]]]:
