@@ -41,6 +41,7 @@ from benchmarks import workloads
 from benchmarks.bench_vllm import PEER, ROOT, Server, log, measure, plain_vllm, server_env, write_json
 from dvi import eagle3
 from dvi.config import SpecConfig
+from dvi.eagle3 import default_layer_ids
 from dvi.engine import Request, SpeculativeEngine
 from dvi.hardware import pick_dtype
 from dvi.models import build_drafter, encode_chat, end_ids, fetch_demo_target, load_causal_lm, load_tokenizer
@@ -59,9 +60,11 @@ def encoded(tokenizer, prompt: workloads.Prompt) -> list[int]:
 
 
 def record_answers(path: Path, target: Path, prompts: list[tuple[str, list[int]]], tokens: int) -> int:
-    """The target's greedy answers to (domain, prompt ids) as DecisionRecords (JSON lines, in order); the count."""
+    """The target's greedy answers to (domain, prompt ids) as DecisionRecords (JSON lines, in order), carrying the
+    target's features of the default EAGLE-3 layers (as a replica serving the EAGLE-3 drafter sends them); the count."""
     model = load_causal_lm(target, "target")
-    engine = SpeculativeEngine(model, None, SpecConfig(), stop_ids=end_ids(model, load_tokenizer(target)), max_batch=8)
+    engine = SpeculativeEngine(model, None, SpecConfig(), stop_ids=end_ids(model, load_tokenizer(target)), max_batch=8,
+                               features_layers=default_layer_ids(model.config.num_hidden_layers))
     results = engine.generate([Request(ids, max_new_tokens=tokens, ignore_eos=True) for _, ids in prompts])
     n = 0
     with open(path, "w") as f:

@@ -4,9 +4,11 @@ One process, one run, against the real embedded Tansu broker (started here on a 
 
 1. Record size in bytes per generated token (`dvi.records.encode`; also after Kafka's gzip batch compression, and
    as schema 1 wrote them, zlib per record): for the demo pair's real records (an
-   engine `Result` per prompt, greedy, the default adaptive K, chunked every `stream.chunk_rounds` rounds), and
-   for synthetic records with the demo shapes and every round drafting K = 4 (the size a trained drafter's
-   records approach), each with top-8 log-probs in float16, in float32, and without teacher signal (topk = 0).
+   engine `Result` per prompt, greedy, the default adaptive K, chunked every `stream.chunk_rounds` rounds, carrying
+   the target's features of the demo EAGLE-3 drafter's layers as `stream.features` has them: bf16, and int8, and
+   without), and for synthetic records with the demo shapes and every round drafting K = 4 (the size a trained
+   drafter's records approach), each with top-8 log-probs in float16, in float32, and without teacher signal
+   (topk = 0).
 2. Producer records/s: `DecisionProducer.submit` of N records as fast as possible until all are acknowledged
    (queue large enough that nothing drops), with Kafka gzip batch compression and without; and a consumer's
    records/s reading them back (`DecisionConsumer.poll`: fetch, decode, validate). Records are the demo
@@ -45,6 +47,7 @@ from kafka.codec import gzip_encode
 
 from dvi.config import StreamConfig, load_config
 from dvi.engine import Request, SpeculativeEngine
+from dvi.features import Features
 from dvi.models import encode_prompt
 from dvi.pairs import resolve_pair
 from dvi.procs import free_port
@@ -97,11 +100,15 @@ def size_rows(name: str, records: list[DecisionRecord]) -> list[dict]:
     all of them in one batch; and as schema 1 wrote them (zlib per record), the figure schema 2 must not exceed."""
     tokens = sum(len(r.generated_ids) for r in records)
     rows = []
-    for label, recs, dtype in (
-        ("top-8 float16", records, "float16"),
-        ("top-8 float32", records, "float32"),
-        ("no teacher (topk 0)", [without_teacher(r) for r in records], "float16"),
-    ):
+    variants = [("top-8 float16", records, "float16"), ("top-8 float32", records, "float32"),
+                ("no teacher (topk 0)", [without_teacher(r) for r in records], "float16")]
+    if any(r.features is not None for r in records):  # the same with their features in the other encoding, and without
+        mine = records[0].features.encoding
+        other = "bf16" if mine == "int8" else "int8"
+        variants = [(f"top-8 float16, features {mine}", records, "float16"),
+                    (f"top-8 float16, features {other}", [with_encoding(r, other) for r in records], "float16"),
+                    ("top-8 float16, no features", [dataclasses.replace(r, features=None) for r in records], "float16")]
+    for label, recs, dtype in variants:
         data = [encode(r, logprob_dtype=dtype) for r in recs]
         sizes = [len(d) for d in data]
         alone = sum(len(gzip_encode(d)) for d in data)
@@ -111,6 +118,11 @@ def size_rows(name: str, records: list[DecisionRecord]) -> list[dict]:
                      "schema 1 B/token": sum(len(records_v1.encode(r, logprob_dtype=dtype)) for r in recs) / tokens,
                      "drafted/token": sum(r.drafted for r in recs) / tokens})
     return rows
+
+
+def with_encoding(record: DecisionRecord, encoding: str) -> DecisionRecord:
+    f = record.features
+    return dataclasses.replace(record, features=None if f is None else Features.encode(f.tensor(), f.layers, f.start, encoding))
 
 
 def fresh(records: list[DecisionRecord], n: int) -> list[DecisionRecord]:
@@ -172,8 +184,7 @@ def decode_on_off(cfg, pair, prompts: list[list[int]], repeats: int, max_new: in
                     t1 = time.perf_counter()
                     if mode == "on":
                         for rec in records_from_result(result, replica_id="bench", target_name=pair.target_dir.name,
-                                                       vocab_size=engine.vocab_size, sampling=req,
-                                                       chunk_rounds=cfg.stream.chunk_rounds, topk=cfg.stream.topk):
+                                                       vocab_size=engine.vocab_size, sampling=req, **cfg.stream.record_args):
                             producer.submit(rec)
                         log_share.append((time.perf_counter() - t1) / (time.perf_counter() - t0))
                     pair_rate[mode] = len(result.token_ids) / (time.perf_counter() - t0)
@@ -213,6 +224,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48, dest="max_new")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for decoding (0: torch's default)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/ (e.g. stream.features.share=0)")
     args = ap.parse_args()
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     n_records = args.records or (1000 if args.quick else 3000)
@@ -221,7 +233,7 @@ def main() -> int:
     load0 = os.getloadavg()
     broker = None if args.bootstrap else EmbeddedBroker(free_port()).start()
     bootstrap = args.bootstrap or broker.bootstrap
-    cfg = load_config([f"stream.bootstrap_servers={bootstrap}", f"model.threads={args.threads}"])
+    cfg = load_config([f"stream.bootstrap_servers={bootstrap}", f"model.threads={args.threads}", *args.overrides])
     results: dict = {"bootstrap": bootstrap, "load_before": load0}
     try:
         rng = np.random.default_rng(0)
@@ -239,7 +251,7 @@ def main() -> int:
             with torch.inference_mode():
                 for req, res in zip((reqs := [Request(p, max_new_tokens=args.max_new) for p in prompts]), engine.generate(reqs)):
                     real += records_from_result(res, replica_id="bench", target_name=pair.target_dir.name, vocab_size=engine.vocab_size,
-                                                sampling=req, chunk_rounds=cfg.stream.chunk_rounds, topk=cfg.stream.topk)
+                                                sampling=req, **cfg.stream.record_args)
             sizes = size_rows(f"demo pair, {len(prompts)} prompts x {args.max_new} tok", real) + sizes
         results["sizes"] = sizes
 

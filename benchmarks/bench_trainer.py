@@ -34,6 +34,8 @@ on a GPU host `python -m benchmarks.gpu` runs it with the engine's checks (bench
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gzip
 import hashlib
 import json
 import statistics
@@ -54,6 +56,7 @@ from benchmarks import workloads  # noqa: E402
 from dvi import store  # noqa: E402
 from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, TrainerConfig  # noqa: E402
 from dvi.engine import Request, SpeculativeEngine  # noqa: E402
+from dvi.features import Features  # noqa: E402
 from dvi.models import Drafter, encode_chat, end_ids, resolve_device  # noqa: E402
 from dvi.pairs import load_any_drafter, resolve_pair  # noqa: E402
 from dvi.records import decode, encode, records_from_result  # noqa: E402
@@ -208,6 +211,10 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
     tokens = sum(len(r.generated_ids) for r in records)
     print(f"[{kind}] records: {len(records)} from {len(train_prompts)} prompts x {args.samples}, {tokens} tokens in "
           f"{gen_s:.0f} s; {len(eval_records)} evaluation records from {len(eval_prompts)} other prompts", flush=True)
+    wire = wire_bytes(records)
+    print(f"[{kind}] on the wire: {wire['bytes'] / wire['records'] / 1024:.0f} KiB a record, "
+          f"{wire['bytes_per_generated_token']:,.0f} bytes a generated token ({wire['gzip_bytes_per_generated_token']:,.0f} "
+          f"gzipped); features {wire['feature_bytes_per_row'] or 0:,.0f} bytes a row", flush=True)
     record_file = tmp / f"records-{kind}.jsonl"
     record_file.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
 
@@ -220,6 +227,9 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
                                           max_version_age=10),
                     tracking=TrackingConfig(enabled=False))
     del pair  # the trainer loads its own copy of the pair
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)  # the trainer's own: the records' decoding left the target behind
     source = FileSource(str(record_file), vocab)
     trainer = Trainer(cfg, source, offline=True)
     while True:
@@ -269,8 +279,9 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
            "gpu_busy_share": statistics.median(busy) if busy else None, "checkpoint_s": checkpoint_s,
            "precision": trainer.precision, "features": args.features if trainer.eagle3 else None,
            "encoding": args.encoding if trainer.eagle3 else None, "target_loaded": trainer.target is not None,
-           "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
+           "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts), "wire": wire,
            "rss_mb": psutil.Process().memory_info().rss / (1 << 20),
+           "gpu_peak_mb": torch.cuda.max_memory_allocated(device) / (1 << 20) if device.type == "cuda" else None,
            "fresh_records_trained": c.trained, "curve": curve,
            "reached_0_5_at_s": next((p["train_s"] for p in curve if p["acceptance"] >= 0.5), None)}
     if args.plain_s > 0:
@@ -297,7 +308,7 @@ def cached_records(args, key: str, make):
     if args.records_cache is None:
         return make()
     settings = {k: str(getattr(args, k)) for k in ("target", "domain", "train_prompts", "eval_prompts", "samples",
-                                                  "new_tokens", "records_from", "vocab", "encoding")}
+                                                  "new_tokens", "records_from", "vocab")}
     name = hashlib.sha256(json.dumps([key, settings], sort_keys=True).encode()).hexdigest()[:16]
     path = Path(args.records_cache) / f"records-{name}.bin"
     if path.is_file():
@@ -310,6 +321,7 @@ def cached_records(args, key: str, make):
             out.append(decode(blob[at + 4 : at + 4 + n]))
             at += 4 + n
         print(f"records from {path}", flush=True)
+        out = [reencoded(r, args.encoding) for r in out]
         return (out[: meta["train"]], meta["gen_s"]), out[meta["train"] :]
     (records, gen_s), eval_records = made = make()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -320,6 +332,36 @@ def cached_records(args, key: str, make):
         parts += [len(data).to_bytes(4, "little"), data]
     path.write_bytes(b"".join(parts))
     return made
+
+
+def wire_bytes(records, batch_bytes: int = 262144) -> dict:
+    """What `records` take on the wire (`dvi.records.encode`, float16 log-probs), as written and after Kafka's gzip batch
+    compression (batches of `batch_bytes`, stream.batch_bytes): per record, per feature row and per generated token."""
+    encoded = [encode(r) for r in records]
+    gz, batch = 0, []
+    for data in encoded + [b""]:
+        if data and sum(map(len, batch)) + len(data) <= batch_bytes:
+            batch.append(data)
+            continue
+        if batch:
+            gz += len(gzip.compress(b"".join(batch)))
+        batch = [data]
+    raw = sum(map(len, encoded))
+    rows = sum(r.features.rows for r in records if r.features is not None)
+    generated = sum(len(r.generated_ids) for r in records)
+    feature_bytes = sum(r.features.nbytes for r in records if r.features is not None)
+    return {"records": len(records), "bytes": raw, "gzip_bytes": gz, "median_record_bytes": statistics.median(map(len, encoded)),
+            "feature_rows": rows, "feature_bytes": feature_bytes, "feature_bytes_per_row": feature_bytes / rows if rows else None,
+            "bytes_per_generated_token": raw / generated, "gzip_bytes_per_generated_token": gz / generated,
+            "gzip_ratio": gz / raw}
+
+
+def reencoded(record, encoding: str):
+    """`record` with its features in `encoding` (the cache keeps what the first run made)."""
+    f = record.features
+    if f is None or f.encoding == encoding:
+        return record
+    return dataclasses.replace(record, features=Features.encode(f.tensor(), f.layers, f.start, encoding))
 
 
 def decode_table(trainer: Trainer, eval_prompts, new_tokens: int, model_cfg: ModelConfig) -> list[dict]:

@@ -23,6 +23,8 @@ The servers:
   DecisionRecords going to a real broker (the embedded one) and its swap thread following the control topic; MLflow
   tracking off;
 - `dvi serve --no-draft`: the same, target only;
+- `dvi serve, no features`, `dvi serve, trained, no features`: the defaults without the target's features in the
+  records (`stream.features.share=0`): what sending them costs serving;
 - `dvi serve K=k`: fixed K (`serve.spec.adaptive=false`): against `vLLM + drafter K=k`, what dvi's loop costs;
 - `dvi serve, trained`: the defaults with the trained drafter;
 - `dvi serve, bfloat16` (or float32): the defaults in the other dtype;
@@ -54,9 +56,10 @@ from pathlib import Path
 import requests
 
 from benchmarks import load_client, workloads
+from dvi.eagle3 import eagle3_config
 from dvi.engine import Request, SpeculativeEngine
 from dvi.hardware import pick_dtype, vllm_version
-from dvi.models import encode_chat, end_ids, load_causal_lm, load_tokenizer
+from dvi.models import EAGLE3, drafter_kind, encode_chat, end_ids, load_causal_lm, load_tokenizer
 from dvi.pairs import pair_dirs
 from dvi.cli.status import replica as replica_view
 from dvi.config import ModelConfig, SpecConfig, VllmConfig
@@ -89,7 +92,9 @@ def train_drafter(out: Path, target: Path, drafter: Path, prompts: list[list[int
     if not records.exists():
         log(f"recording the target's answers to {len(prompts)} prompts ...")
         model = load_causal_lm(target, "target")
-        engine = SpeculativeEngine(model, None, SpecConfig(), stop_ids=end_ids(model, load_tokenizer(target)), max_batch=8)
+        layers = eagle3_config(json.loads((drafter / "config.json").read_text()))[1]["layer_ids"] if drafter_kind(drafter) == EAGLE3 else None
+        engine = SpeculativeEngine(model, None, SpecConfig(), stop_ids=end_ids(model, load_tokenizer(target)), max_batch=8,
+                                   features_layers=layers)  # an EAGLE-3 drafter's features, as its replica sends them
         results = engine.generate([Request(p, max_new_tokens=tokens, ignore_eos=True) for p in prompts])
         with open(records, "w") as f:
             for r in results:
@@ -130,7 +135,7 @@ class Server:
             drafted = sum(v["drafted"] for v in h["by_version"].values())
             accepted = sum(v["accepted"] for v in h["by_version"].values())
             return {"drafted": drafted, "accepted": accepted, "routing": h.get("routing"), "schedule": h.get("schedule"),
-                    "records": h.get("records")}
+                    "records": h.get("records"), "features": h.get("features")}
         text = requests.get(url + "/metrics", timeout=10).text
         values = {}
         for line in text.splitlines():
@@ -179,6 +184,9 @@ def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, brok
         # dvi serve as a user starts it: on vLLM's own server with dvi's loop as its plugin (serve.engine auto)
         Server("dvi serve", dvi + [f"model.drafter={drafter}"], base, None, "dvi"),
         Server("dvi serve --no-draft", dvi[:4] + ["--no-draft"] + dvi[4:], base, None, "dvi"),
+        # what sending the target's features with every record costs serving (an EAGLE-3 drafter's; the defaults send them)
+        Server("dvi serve, no features", dvi + [f"model.drafter={drafter}", "stream.features.share=0"], base, None, "dvi"),
+        Server("dvi serve, trained, no features", dvi + [f"model.drafter={trained}", "stream.features.share=0"], base, None, "dvi"),
         Server(f"dvi serve K={k}", dvi + [f"model.drafter={drafter}", "serve.spec.adaptive=false", f"serve.spec.k={k}"], base, None, "dvi"),
         Server("dvi serve, trained", dvi + [f"model.drafter={trained}"], base, None, "dvi"),
         Server(f"dvi serve, {other}", dvi + [f"model.drafter={drafter}", f"model.dtype={other}"], base, None, "dvi"),
@@ -214,7 +222,7 @@ def measure(server: Server, url: str, prompts: list[list[int]], output_len: int,
         drafted = after["drafted"] - before["drafted"]
         out[batch] = {"tokens_per_s": r["output_token_throughput"], "e2e_median_s": r["e2e_s"]["median"],
                       "acceptance": round((after["accepted"] - before["accepted"]) / drafted, 4) if drafted else None,
-                      "drafted": drafted, **{k: after[k] for k in ("routing", "schedule", "records") if k in after}}
+                      "drafted": drafted, **{k: after[k] for k in ("routing", "schedule", "records", "features") if k in after}}
     return out
 
 
@@ -289,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                          "vs_vllm": round(statistics.median(ratios[(s, b)]), 3), "ratios": [round(x, 3) for x in ratios[(s, b)]],
                          "vs_best_vllm": round(statistics.median(best_ratios[(s, b)]), 3),
                          "acceptance": round(statistics.median(acc), 3) if acc else None,
-                         "start_s": [m["start_s"] for m in seen[s]], "last": {k: ms[-1][k] for k in ("routing", "schedule", "records") if k in ms[-1]}})
+                         "start_s": [m["start_s"] for m in seen[s]],
+                         "last": {k: ms[-1][k] for k in ("routing", "schedule", "records", "features") if k in ms[-1]}})
     print(f"{'server':<26} {'batch':>5} {'tok/s':>8} {'x vLLM':>7} {'x best':>7} {'acceptance':>11}  x vLLM by round")
     for r in rows:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"

@@ -132,7 +132,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--tie-logits", type=float, default=0.25, help="a difference this close in logits is a near-tie")
-    ap.add_argument("--skip", default="", help="sections to leave out, comma-separated: engine_tests, greedy, trainer")
+    ap.add_argument("--skip", default="", help="sections to leave out, comma-separated: engine_tests, greedy, trainer, "
+                    "trainer_recompute")
     ap.add_argument("--trainer-args", default="--kinds eagle3,layers --domain code --minutes 2,0.5 --eval-every-s 15 --plain-s 10 "
                     "--train-prompts 600 --samples 1 --eval-prompts 160 --new-tokens 128 --gen-batch 400 --batch-tokens 8192 "
                     "--records-from target",
@@ -153,7 +154,13 @@ def main() -> int:
                                     for dtype in ("float32", "bfloat16") for kind in ("eagle3", "layers")]),
                 ("trainer", lambda: bench_trainer.main(["--device", args.device, "--json", str(args.out / "trainer.json"),
                                                         *(["--target", args.target] if args.target else []),
-                                                        *args.trainer_args.split()]))]
+                                                        *args.trainer_args.split()])),
+                # the EAGLE-3 drafter again with its features recomputed by the trainer's copy of the target (the records'
+                # features, the run above, hold none): positions a second and GPU memory, with and without the target
+                ("trainer_recompute", lambda: bench_trainer.main(["--device", args.device, "--json", str(args.out / "trainer_recompute.json"),
+                                                                  *(["--target", args.target] if args.target else []),
+                                                                  *args.trainer_args.split(), "--kinds", "eagle3", "--minutes", "1",
+                                                                  "--plain-s", "0", "--features", "recompute"]))]
     for name, run in sections:
         if name in skip:
             continue

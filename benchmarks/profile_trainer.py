@@ -14,15 +14,21 @@ code prompts, carrying the target's features as a replica sends them). Each phas
 - `backward`, `optimizer` (AdamW over the drafter), and `deepspeed`: a whole step through DeepSpeed's engine less the
   same step in plain PyTorch (its own bookkeeping).
 
-Run alone: .venv/bin/python -m benchmarks.profile_trainer [--batch-tokens 1024] [--json PATH]
+`--memory`: the trainer's peak memory (resident set) as a whole process, with and without its copy of the target:
+`dvi drafter distill` on a file of a few of those records, once with trainer.features=records, once with recompute.
+
+Run alone: .venv/bin/python -m benchmarks.profile_trainer [--batch-tokens 1024] [--memory] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +49,9 @@ from trainers.losses import position_loss, teacher_from_topk  # noqa: E402
 from trainers.recipe import Eagle3PositionLM, autocast, ttt_position_loss  # noqa: E402
 
 STEPS = 3
+# runs the command it is given and prints its peak resident KiB (each measurement in a process of its own)
+PEAK = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
 
 
 def timed(fn, reps: int) -> float:
@@ -142,12 +151,35 @@ def profile(name: str, drafter, batch, teacher, target, precision: str, legacy: 
     return out
 
 
+def trainer_memory(records, work: Path) -> dict:
+    """Peak resident MiB of `dvi drafter distill` (a whole trainer process: DeepSpeed, the drafter, the buffers) over a
+    file of `records`, by trainer.features: records (no copy of the target) and recompute (its copy, fp32, and the
+    bf16 copy serving's dtype gives the features in)."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "records.jsonl"
+    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+    out = {}
+    for mode in ("records", "recompute"):
+        cmd = [sys.executable, "-m", "dvi.cli", "drafter", "distill", "--file", str(path), "--steps", "2", "--json",
+               "tracking.enabled=false", f"trainer.features={mode}", f"trainer.run_dir={work / mode}",
+               f"trainer.store={work / mode / 'store'}", "trainer.holdout_first=0", "trainer.holdout_share=0"]
+        # a world of its own: not this process's rendezvous (which init_distributed left in the environment)
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        done = subprocess.run([sys.executable, "-c", PEAK, *cmd], capture_output=True, text=True, cwd=ROOT, env=env)
+        if done.returncode:
+            raise SystemExit(f"distill ({mode}) failed: {done.stderr[-2000:]}")
+        out[mode] = int(done.stdout.strip().splitlines()[-1]) / 1024  # KiB -> MiB
+        print(f"trainer.features={mode}: peak {out[mode]:,.0f} MiB", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch-tokens", type=int, default=1024)
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--memory", action="store_true", help="also the trainer's peak memory with and without the target")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     transformers.utils.logging.set_verbosity_error()
@@ -185,6 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: " + ", ".join(f"{k} {v * 1000:.0f} ms" if k != "positions_per_s" else f"{v:.0f} positions/s"
                                       for k, v in phases.items()), flush=True)
         results["phases"][name] = phases
+    if args.memory:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["peak_rss_mib"] = trainer_memory(records[:8], Path(tmp))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -94,12 +94,13 @@ class Features:
 
     def tensor(self) -> torch.Tensor:
         """The rows [R, W] as bfloat16."""
-        if self.encoding == "bf16":  # a read-only buffer (a parsed record's) is copied: torch takes writable arrays
-            data = self.data if self.data.flags.writeable else self.data.copy()
+        data = self.data if self.data.flags.writeable else self.data.copy()  # torch takes writable arrays only
+        if self.encoding == "bf16":
             return torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
-        r, w = self.data.shape
-        parts = torch.from_numpy(np.ascontiguousarray(self.data)).float().reshape(r, len(self.layers), -1)
-        return (parts * torch.from_numpy(self.scales)[..., None]).reshape(r, w).to(torch.bfloat16)
+        r, w = data.shape
+        scales = self.scales if self.scales.flags.writeable else self.scales.copy()
+        parts = torch.from_numpy(np.ascontiguousarray(data)).float().reshape(r, len(self.layers), -1)
+        return (parts * torch.from_numpy(scales)[..., None]).reshape(r, w).to(torch.bfloat16)
 
     def window(self, lo: int, hi: int) -> Features | None:
         """The rows of positions lo..hi - 1 that it has (None if none)."""

@@ -148,7 +148,7 @@ def self_drafter(tiny_target) -> Drafter:
 # ----------------------------------------------------------------------------------------------
 # The real demo pair (tests marked real_model).
 
-REAL_MODEL_FIXTURES = {"demo_target_dir", "demo_drafter_dir", "demo_pair"}
+REAL_MODEL_FIXTURES = {"demo_target_dir", "demo_drafter_dir", "demo_eagle3_dir", "demo_pair"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -173,6 +173,15 @@ def demo_drafter_dir(demo_target_dir) -> Path:
     if not (out / DRAFTER_META).exists():  # built once per machine, like the CLI's demo drafter
         build_drafter(demo_target_dir, out, layers=2)
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_eagle3_dir(demo_target_dir) -> Path:
+    """The default demo drafter: an EAGLE-3 drafter built from the target as `dvi up` builds it (`pair_dirs`)."""
+    from dvi.config import ModelConfig
+    from dvi.pairs import pair_dirs
+
+    return pair_dirs(ModelConfig(target=str(demo_target_dir), drafter_kind="eagle3"))[1]  # built once per machine
 
 
 @pytest.fixture(scope="session")

@@ -422,7 +422,8 @@ class Trainer:
             same = features_dtype == self.target.dtype
             self.features_target = self.target if same else copy.deepcopy(self.target).to(features_dtype)
         self.gate_rule = gate_rule(cfg)
-        log.info("trainer: %s drafter, precision %s, features %s, gate rule %s", "an EAGLE-3" if self.eagle3 else "a layer",
+        # what the auto settings picked, said once at the default level
+        decision.info("training %s drafter, precision %s, features %s, gate rule %s", "an EAGLE-3" if self.eagle3 else "a layer",
                  self.precision, ("from records" + (", else recomputed" if self.features_target is not None else ""))
                  if self.takes_features else ("recomputed by the trainer's copy of the target" if self.eagle3 else "none"),
                  self.gate_rule)

@@ -45,7 +45,9 @@ def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bo
     quiet_kafka_logs(verbose)
     with waiting_for(f"the Kafka broker at {cfg.stream.bootstrap}"):
         ensure_topics(cfg.stream)
-    limits = Limits(topk=cfg.stream.topk, max_rounds=cfg.stream.chunk_rounds, max_k=cfg.serve.spec.k_max)
+    # a record's features are bounded by its own size (stream.max_record_bytes: a writer trims them to it)
+    limits = Limits(topk=cfg.stream.topk, max_rounds=cfg.stream.chunk_rounds, max_k=cfg.serve.spec.k_max,
+                    max_feature_bytes=cfg.stream.max_record_bytes)
     source = DecisionConsumer(cfg.stream, group_id=group_id, from_beginning=True, limits=limits, dead_letter=dead_letter,
                               client_id="dvi-trainer")
     # what this trainer (its consumer group) has acted on stays a replay across its restarts

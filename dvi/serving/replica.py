@@ -137,6 +137,9 @@ class Replica:
         # bound vLLM's own server applies: tokens times the longest vocabulary entry)
         self.max_prompt_chars = self.max_prompt_tokens * longest_token_chars(self.tokenizer)
         self.rejected: OrderedDict[str, None] = OrderedDict()  # versions never to serve again, oldest first
+        # the target's features the records carried (dvi.features): requests, rows, and positions fed that had none (a
+        # prefix-cache hit) or were given twice (a preempted request recomputed)
+        self.features = {"requests": 0, "rows": 0, "bytes": 0, "missing": 0, "recomputed": 0}
         # the newest store version this replica has served, or found current in the store at start: an older one is a replay
         self.newest: str | None = None
         self.rollout: Rollout | None = None
@@ -269,7 +272,8 @@ class Replica:
                 "queue_depth": self._queue.qsize(),
                 "rollout": self.rollout.drafter.version if self.rollout else None, "rejected": sorted(self.rejected),
                 "control_refused": getattr(self.control, "invalid", None),  # control messages refused (unsigned, forged, ...)
-                "records": self.producer.stats.to_dict() if self.producer is not None else None, **self.metrics.snapshot()}
+                "records": self.producer.stats.to_dict() if self.producer is not None else None,
+                "features": dict(self.features), **self.metrics.snapshot()}
 
     def prometheus(self) -> str:
         producer = self.producer.stats.to_dict() if self.producer is not None else None
@@ -406,6 +410,14 @@ class Replica:
         except DviError as e:
             log.warning("request %s: no decision record: %s", result.request_id, e)
             return
+        carried = [r.features for r in records if r.features is not None]
+        if carried:
+            f = self.features
+            f["requests"] += 1
+            f["rows"] += sum(x.rows for x in carried)
+            f["bytes"] += sum(x.nbytes for x in carried)
+            f["missing"] += result.features_missing
+            f["recomputed"] += result.features_recomputed
         for record in records:
             self.producer.submit(record)
 
@@ -613,7 +625,8 @@ class Replica:
         if self.tracker is not None:
             if self.producer is not None:
                 st = self.producer.stats
-                metrics.update({"records/sent": st.sent, "records/dropped": st.dropped})
+                metrics.update({"records/sent": st.sent, "records/dropped": st.dropped,
+                                **{f"features/{k}": v for k, v in self.features.items()}})
             self.tracker.log_metrics(metrics, step=int(time.time() - self.metrics.started))
 
     def plot(self) -> Path | None:

@@ -34,6 +34,13 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
   checkpoint does not hold: the reload puts their tensors back as they were, and its warning that they "failed to
   load" is dropped for such a load.
 
+On vLLM's CPU build (no Triton), `dvi_capture` also replaces one of its kernels: the C++ stand-in for the rejection
+sampler's `expand_kernel` writes into an int64 copy of its output, so a float tensor it expands (each request's
+temperature and top-p, per drafted token) comes back uninitialized; a sampled request then verifies its drafts
+against NaN or uniform probabilities, accepts none, and samples its recovered tokens from them (vLLM's own counters:
+0 of 1,512 EAGLE-3 rounds accepted at temperature 0.7). `fix_cpu_expand` registers an implementation of any dtype
+through vLLM's own kernel registry (`vllm.triton_utils.dispatcher.register_kernels`), in the worker dvi's loop runs in.
+
 The logits of a step hold one row per drafted position and one bonus row per request, request after request
 (`SpecDecodeMetadata.cu_num_sampled_tokens`); a step without drafts has one row per request. This module knows
 vLLM's worker; it does not know dvi's records, requests or drafter versions.
@@ -61,6 +68,7 @@ class DviWorkerExtension:
         runner = self.model_runner
         if getattr(runner, "_dvi_sample", None) is not None:
             return False
+        fix_cpu_expand()
         original = runner._sample
         execute, propose = runner.execute_model, runner.propose_draft_token_ids
         arguments = inspect.signature(propose).bind  # by name: vLLM passes them positionally
@@ -175,6 +183,29 @@ class _NotLoaded(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         return not (record.msg == "%s: Failed to load weights" and args and args[0] in self.layers)
+
+
+def fix_cpu_expand() -> bool:
+    """On vLLM's CPU build without Triton, replace its `expand_kernel` stand-in (see the module docstring) with one that
+    expands tensors of any dtype; True if it did."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON or not current_platform.is_cpu():
+        return False
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_tokens})
+    return True
+
+
+def expand_tokens(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor, replace_from, replace_to,
+                  MAX_NUM_TOKENS=None) -> None:  # noqa: N803 (the kernel's parameter name)
+    """The rejection sampler's `expand_kernel`, in torch: request b's value (`input_val` [B], `replace_from` there
+    replaced by `replace_to`) into its tokens' places of `output` [tokens] (cumulative counts `cu_num_tokens` [B])."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    output[: int(counts.sum())] = values.repeat_interleave(counts)
 
 
 def _features(runner, arguments: dict, step: dict) -> list[tuple[int, torch.Tensor]] | None:

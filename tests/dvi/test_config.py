@@ -78,6 +78,27 @@ def test_a_retention_that_is_not_a_positive_number_of_hours_is_refused(bad, why)
         load_config([f"stream.retention_hours={bad}"])
 
 
+@pytest.mark.parametrize("override, why", [
+    ("stream.features.share=1.5", r"stream.features.share=1.5: expected a share of requests in \[0, 1\]"),
+    ("stream.features.encoding=fp8", r"stream.features.encoding='fp8': expected bf16 or int8"),
+    ("stream.features.max_tokens=0", r"stream.features.max_tokens=0: expected an integer >= 1"),
+    ("trainer.features=target", r"trainer.features='target': expected auto, records or recompute"),
+    ("trainer.gate_rule=greedy", r"trainer.gate_rule='greedy': expected auto, argmax or sampled"),
+    ("trainer.precision=fp16", r"trainer.precision='fp16': expected auto, fp32, bf16 or bf16-mixed"),
+])
+def test_features_and_the_trainers_new_settings_are_checked(override, why):
+    with pytest.raises(DviError, match=why):
+        load_config([override])
+
+
+def test_a_trainer_without_the_target_cannot_take_its_teacher_from_the_targets_logits():
+    with pytest.raises(DviError, match=r"trainer.features='records'.*trainer.teacher=logits"):
+        load_config(["trainer.features=records", "trainer.teacher=logits"])
+    cfg = load_config(["trainer.features=records"])
+    assert cfg.stream.record_args == {"chunk_rounds": 64, "topk": 8, "features_share": 1.0, "features_max_tokens": 256,
+                                      "features_encoding": "int8"}
+
+
 def test_the_retention_names_the_decision_topic_in_seconds():
     assert load_config([]).stream.retain == ("dvi.decisions", 168 * 3600.0)
     assert load_config(["stream.retention_hours=0.5", "stream.topic=d"]).stream.retain == ("d", 1800.0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dvi.config import SpecConfig
+from dvi.config import SpecConfig, load_config
 from dvi.eagle3 import target_features
 from dvi.engine import Request, SpeculativeEngine
 from dvi.errors import RecordError
@@ -138,6 +138,9 @@ def test_a_record_too_large_for_its_bound_drops_its_oldest_feature_rows(tiny_tar
     limits = Limits(topk=8, max_rounds=64, max_k=8, max_feature_bytes=100)
     with pytest.raises(RecordError, match="bytes of features"):
         decode(full, VOCAB, limits=limits)
+    # the trainer's limits (dvi train) take a record's features up to the record's own bound
+    trainers = Limits(topk=8, max_rounds=64, max_k=8, max_feature_bytes=load_config([]).stream.max_record_bytes)
+    assert decode(full, VOCAB, limits=trainers).features == r.features
 
 
 @pytest.mark.parametrize("breakage, field", [

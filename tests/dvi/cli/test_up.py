@@ -214,16 +214,18 @@ def test_dvi_up_answers_restarts_a_killed_part_and_stops_everything(demo_target_
 @pytest.mark.e2e
 @pytest.mark.real_model
 @pytest.mark.broker
-def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops_with_dvi_down(demo_target_dir, demo_drafter_dir,
+def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops_with_dvi_down(demo_target_dir, demo_eagle3_dir,
                                                                                                tmp_path, monkeypatch):
     """`dvi up --detach` returns once ready; README-style chat requests get a first published drafter that the replica
     swaps in; the decision lines reach up.log (dvi up's terminal) with timestamps; `dvi status` says it; a second
-    `dvi up` on the same ports refuses; `dvi down` stops the parts in order and leaves no process behind."""
+    `dvi up` on the same ports refuses; `dvi down` stops the parts in order and leaves no process behind. The drafter
+    is the default kind, EAGLE-3: the trainer holds no copy of the target and trains on the features vLLM's server
+    sends with the records."""
     marker = f"DVI_UP_TEST={uuid.uuid4().hex}"
     api, mlflow_port = free_port(), free_port()
     cache = tmp_path / "cache"
     overrides = [
-        f"model.target={demo_target_dir}", f"model.drafter={demo_drafter_dir}", f"model.cache_dir={cache}",
+        f"model.target={demo_target_dir}", f"model.drafter={demo_eagle3_dir}", f"model.cache_dir={cache}",
         f"stream.port={free_port()}", f"tracking.port={mlflow_port}", f"tracking.root={tmp_path / 'mlflow'}", f"serve.port={api}",
         # a gate every 15 s that any gain passes: the defaults (60 s, a gain of 0.02) publish within minutes
         # (benchmarks/first_publish.py measures them); this test is about the publish, the swap and what says so
@@ -251,6 +253,8 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
             if " swapped in (was " in up_log.read_text() or time.monotonic() > deadline:
                 break
         text = up_log.read_text()
+        # the trainer said what it trains, and that the features come from the records alone (it loaded no target)
+        assert "training an EAGLE-3 drafter, precision " in text and "features from records, gate rule" in text, text[-4000:]
         decisions = [line for line in text.splitlines() if " dvi.decision." in line]
         assert any(line.startswith("[train] 20") and " published (parent " in line for line in decisions), text[-4000:]
         assert any(line.startswith("[serve] 20") and " swapped in (was " in line for line in decisions), text[-4000:]
