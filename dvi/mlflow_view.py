@@ -58,7 +58,7 @@ CHARTS = (
     Chart("Acceptance", "acceptance: interval and since start", r"(interval|total)/acceptance_rate"),
     Chart("Acceptance", "tokens/s (interval)", r"interval/tokens_per_s"),
     Chart("Loop", "swaps, promotions, rollbacks (each step is one)", r"events/(swap|promote|rollback)"),
-    Chart("Loop", "trainer gate: candidate vs serving (expected acceptance)", r"gate/(candidate|serving)_acceptance"),
+    Chart("Loop", "trainer gate: candidate vs serving (acceptance as served)", r"gate/(candidate|serving)_acceptance"),
     Chart("Loop", "drafters published, retrains requested", r"count/(published|retrains)"),
     Chart("Loop", "trainer loss", r"loss"),
 )

@@ -38,6 +38,15 @@ def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
     return target_dir, drafter_dir
 
 
+def check_pair_dirs(target_dir: Path, drafter_dir: Path | None) -> None:
+    """What dvi checks of a pair before an engine that loads it itself (vLLM's server) starts, as `resolve_pair` does
+    for dvi's own: both are Hugging Face model directories and the drafter shares the target's tokenizer. Reads
+    tokenizers only; raises DviError naming the path."""
+    tokenizer = load_tokenizer(target_dir, "target")
+    if drafter_dir is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
+
+
 def load_any_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
                      device: torch.device | str = "cpu", target=None, embed: torch.Tensor | None = None) -> Drafter:
     """A drafter directory as a `Drafter`: a layer drafter (`dvi.models.load_drafter`), or with `target` (the loaded

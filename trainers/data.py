@@ -430,13 +430,22 @@ class Buffer:
         self.rng = random.Random(seed)
         self.holdout_first = holdout_first  # the first records are all held out until the gate has this many
         self.held_prompts: OrderedDict[int, None] = OrderedDict()  # prompts held out by holdout_first (newest last)
+        self._first = holdout_first
+        self._routed = self._returns = 0  # records routed, and held out as records of a first prompt come back
 
     def held_out(self, example: Example) -> bool:
-        """Whether a record is held out: its prompt was (by `holdout_first`), or the prompt's hash falls in the
-        held-out share. A fixed function of the prompt but for the first prompts, so every record of a prompt goes
-        one way."""
+        """Whether a record is held out: its prompt hash falls in the held-out share, or its prompt was among the
+        first (`holdout_first`), so every record of a prompt goes one way. Records of a first prompt that comes back
+        are held out while they number fewer than `holdout_first` or the held-out share of all records: traffic that
+        repeats a few prompts (a demo, a test) would otherwise hold out everything and train on nothing; its held-out
+        records then share prompts with trained ones, as so few prompts cannot avoid."""
         key = example.prompt_key
+        if (key >> 11) / float(1 << 53) < self.holdout_share:
+            return True
         if key in self.held_prompts:
+            if self._returns >= max(self._first, self.holdout_share * self._routed):
+                return False
+            self._returns += 1
             return True
         if self.holdout_first > 0 and self.holdout_share > 0:  # an early gate needs held-out records first
             self.holdout_first -= 1
@@ -444,7 +453,7 @@ class Buffer:
             while len(self.held_prompts) > 1 << 16:
                 self.held_prompts.popitem(last=False)
             return True
-        return (key >> 11) / float(1 << 53) < self.holdout_share
+        return False
 
     def add(self, item: Item) -> tuple[Fate | None, list[Item]]:
         """Route a fresh record: held out for the gate, or queued for training.
@@ -452,6 +461,7 @@ class Buffer:
         Returns (Fate.HELD_OUT or None, the oldest pending items skipped to make room: over `pending_size` records
         or `pending_bytes` of their arrays, the newest staying whatever its size).
         """
+        self._routed += 1
         if self.held_out(item.example):
             self.holdout.append(item.example)
             return Fate.HELD_OUT, []

@@ -4,15 +4,21 @@
 
 - setup: the drafter under training is `Trainer.student` (a DeepSpeed engine over a `PositionLM`, a causal LM
   whose forward returns logits only at the teacher positions, or, for an EAGLE-3 drafter (`dvi.eagle3`), an
-  `Eagle3PositionLM`, which drafts from the features of the trainer's frozen copy of the target,
-  `Trainer.features_target` (in `trainer.features_dtype`: serving's, bf16 where the hardware has it), and trains on
-  `trainer.eagle3_ttt_steps` unrolled drafting steps); `Trainer.teacher_lm` is the trainer's copy of
-  the target, the teacher for records logged without top-k; `Trainer.baseline` is a frozen copy of the drafter now
-  serving, the gate's baseline. A complete checkpoint in the run directory is resumed from;
+  `Eagle3PositionLM`, which drafts from the target's features and trains on `trainer.eagle3_ttt_steps` unrolled
+  drafting steps). The features are those serving sent with the records (`trainer.features` records or auto: the
+  trainer holds no copy of the target, and shares the target's embedding, read alone from its files), or those its
+  own frozen copy of the target computes, `Trainer.features_target` (recompute, or auto for records without them
+  where the target is loaded; in `trainer.features_dtype`: serving's, bf16 where the hardware has it). The target is
+  loaded only where something needs it; `Trainer.teacher_lm` is then the teacher for records logged without top-k.
+  `Trainer.baseline` is a frozen copy of the drafter now serving, the gate's baseline. The step runs in
+  `trainer.precision` (bf16-mixed on a CPU with native bf16: `torch.autocast` over fp32 weights). A complete
+  checkpoint in the run directory is resumed from;
 - ingest: records from the source (a consumer group, or a file) arrive validated by the record codec; records
-  for another target vocabulary or without generated tokens are counted as `foreign` and set aside; the rest
-  are deduplicated by record id (the `Ledger`, each id with its `Fate`), routed to the gate's held-out set or the
-  fresh queue (`trainers.data.Buffer`), and counted by the trigger's rolling acceptance;
+  for another target vocabulary or without generated tokens are counted as `foreign` and set aside, records this
+  trainer cannot train (no features and no target to compute them: `no_features`; no top-k and no target:
+  `no_teacher`) are skipped and counted; the rest are deduplicated by record id (the `Ledger`, each id with its
+  `Fate`), routed by prompt to the gate's held-out set or the fresh queue (`trainers.data.Buffer`), and counted by
+  the trigger's rolling acceptance;
 - step: while the trigger says the trainer is active, a batch of fresh records (plus a replayed share) is
   packed and the drafter takes one DeepSpeed step on `trainers.losses.position_loss` (divergence to the
   teacher + the DVI reward term on the KL-to-reward schedule). A non-finite loss skips the batch (counted). On a
@@ -27,7 +33,8 @@
 - gate and publish: every `trainer.gate_every` steps, every `trainer.gate_every_s` seconds in which a step was
   taken (spaced further where the checks would take more than `trainer.gate_max_share` of the time), at the end
   of a triggered session and at once on a retrain request under the continuous trigger, the candidate's
-  expected acceptance on held-out records is compared with the baseline's (the first
+  acceptance on held-out records, as the serving engine realizes it (`trainer.gate_rule`), is compared with the
+  baseline's (the first
   `trainer.holdout_first` records are all held out, so the first gate can run within minutes; the baseline's
   figures are kept per record while it serves, so a check evaluates it on the records new to the held-out set
   only); only a better candidate is written
@@ -1029,9 +1036,9 @@ class Trainer:
             except (OSError, SafetensorError) as e:  # full or unwritable: nothing half-written is left, nothing announced
                 log.error("could not write drafter %s into the store %s (%s); not published", version, self.store, e)
         if self.rank == 0 and written is not None:
-            decision.info("%s published (parent %s, step %d, %d records trained): expected acceptance %.4f -> %.4f; %s",
+            decision.info("%s published (parent %s, step %d, %d records trained): held-out acceptance %.4f -> %.4f (%s rule); %s",
                           version, parent, self.state.step, self.state.counters.trained, gate["serving_acceptance"],
-                          gate["candidate_acceptance"], written.path)
+                          gate["candidate_acceptance"], self.gate_rule, written.path)
             self._announce(written, parent, gate, meta)
             self.state.counters.published += 1
         shared = self._from_rank0((written.version, str(written.path)) if written else None)

@@ -25,7 +25,7 @@ from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.engine import Request, SpeculativeEngine
 from dvi.hardware import bound_cores, pick_dtype, pick_engine, pinned_engines, shared_cores
 from dvi.models import encode_prompt, end_ids, resolve_device
-from dvi.pairs import pair_dirs, resolve_pair
+from dvi.pairs import check_pair_dirs, pair_dirs, resolve_pair
 from dvi.procs import default_replica_id, free_port
 from dvi.records import records_from_result
 from dvi.serving.api import create_app, draining_server
@@ -154,6 +154,7 @@ def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
     status and processes are vLLM's (a supervisor that stops or kills this process stops the server)."""
     pinned = bound_cores(cfg.serve.vllm.cpu_bind)  # a replica with cores of its own runs on them alone (dvi.cli.args.serve)
     target_dir, drafter_dir = pair_dirs(cfg.model, with_drafter=not args.no_draft)
+    check_pair_dirs(target_dir, drafter_dir)  # bad paths stop here, not inside vLLM's argument checks
     dtype = pick_dtype(cfg.model.dtype, resolve_device(cfg.model.device).type)
     loop_port = free_port()
     overrides = [*overrides_of(args), f"stream.replica_id={cfg.stream.replica_id}"]

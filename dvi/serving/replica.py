@@ -553,7 +553,7 @@ class Replica:
             self._announce(DrafterPromoted(r.drafter.version, self.replica_id, acceptance=current[1] / current[0]))
         elif decision == "rollback":
             prev = r.previous_counts
-            why = (f"live traffic accepted none of its {current[0]} drafted tokens" if current[1] == 0 else
+            why = (f"live acceptance 0: live traffic accepted none of its {current[0]} drafted tokens" if current[1] == 0 else
                    f"live acceptance {current[1] / current[0]:.3f} over {current[0]} drafted tokens is more than "
                    f"{self.cfg.serve.swap.rollback_margin} below {r.previous.version if r.previous else None}'s {prev[1] / prev[0]:.3f}")
             self._roll_back(why, announce=True)

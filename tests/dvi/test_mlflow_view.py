@@ -24,7 +24,7 @@ def test_charts_put_each_comparison_on_shared_axes_against_wall_clock_time():
     assert by_title["acceptance by drafter version (since swapped in)"] == [
         "version/d0001/acceptance_rate", "version/init-L2-full/acceptance_rate"]
     assert by_title["swaps, promotions, rollbacks (each step is one)"] == ["events/promote", "events/swap"]
-    assert by_title["trainer gate: candidate vs serving (expected acceptance)"] == [
+    assert by_title["trainer gate: candidate vs serving (acceptance as served)"] == [
         "gate/candidate_acceptance", "gate/serving_acceptance"]
     assert all(c["type"] == "LINE" and c["xAxisKey"] == "time" and not c["useGlobalXaxisKey"] and c["metricKey"] in
                c["selectedMetricKeys"] for c in state["compareRunCharts"])

@@ -201,6 +201,19 @@ def test_buffer_holds_out_the_first_prompts_then_a_share(make_record):
     assert all(none.add(item)[0] is None for item in _items(make_record, 4))
 
 
+def test_buffer_trains_on_traffic_of_a_few_prompts_holding_out_their_share(make_record):
+    """Two prompts asked over and over (a demo): both are among the first, yet the trainer gets most of their
+    records; the held-out set keeps `holdout_first` of them, then the held-out share."""
+    share = Buffer(100, 8, 8, 0.0, 0.1, 0.5, 2)
+    two = [it for it in _items(make_record, 40) if not share.held_out(it.example)][:2]  # prompts outside the hashed share
+    buf = Buffer(pending_size=1000, replay_size=8, holdout_size=100, replay_share=0.0, holdout_share=0.1,
+                 version_decay=0.5, max_version_age=2, holdout_first=4)
+    fates = [buf.add(Item(two[i % 2].example, "p", i))[0] for i in range(200)]
+    held = [i for i, fate in enumerate(fates) if fate == Fate.HELD_OUT]
+    assert held[:6] == [0, 1, 2, 3, 4, 5]  # the two first prompts, then 4 of their records as they come back
+    assert 18 <= len(held) <= 22 and len(buf.pending) == 200 - len(held)  # then about a tenth
+
+
 def test_buffer_batches_fresh_first_then_weighted_replay(make_record):
     buf = Buffer(pending_size=100, replay_size=100, holdout_size=1, replay_share=0.5, holdout_share=0.0,
                  version_decay=0.5, max_version_age=1, seed=1)

@@ -86,7 +86,7 @@ def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes
     assert trainer.state.step == STEPS and counters.nonfinite == 0 and counters.trained > 0
     assert counters.with_features == counters.records and counters.no_features == 0
     gate = trainer.last_gate
-    print(f"loss over all records {before:.3f} -> {after:.3f}; held-out expected acceptance: serving "
+    print(f"loss over all records {before:.3f} -> {after:.3f}; held-out acceptance as served: serving "
           f"{gate['serving_acceptance']:.4f}, candidate {gate['candidate_acceptance']:.4f} on {gate['holdout_records']} records")
     assert after < 0.9 * before
     assert len([m for m in tracker.metrics if "loss" in m]) == STEPS
@@ -200,7 +200,7 @@ def test_training_an_eagle3_drafter_on_demo_records_raises_held_out_acceptance(d
     trainer.run()  # the gate at its end: the trained candidate against the drafter it started from, on held-out records
     gate = trainer.last_gate
     assert trainer.state.step == 24 and gate["holdout_records"] >= 3
-    print(f"held-out expected acceptance {gate['serving_acceptance']:.3f} -> {gate['candidate_acceptance']:.3f}, "
+    print(f"held-out acceptance as served {gate['serving_acceptance']:.3f} -> {gate['candidate_acceptance']:.3f}, "
           f"greedy match {gate['serving_greedy']:.3f} -> {gate['candidate_greedy']:.3f}")
     assert gate["outcome"] == "passed" and trainer.published  # more than min_gain better
 

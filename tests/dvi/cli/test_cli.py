@@ -215,6 +215,14 @@ def test_version_and_the_resolved_config_with_secrets_masked(tmp_path: Path):
     one_line_error(refused, "serve.api_key")
 
 
+def test_serve_on_vllms_server_refuses_a_bad_drafter_before_vllm_starts():
+    """On the default engine (vLLM's server) a drafter path that is no model directory is one line from dvi, as on
+    its own engine, before vLLM is started (which would fail seconds later inside its argument checks)."""
+    proc = dvi("serve", "serve.engine=vllm-server", "model.drafter=/nonexistent/drafter", f"serve.port={free_port()}", timeout=120)
+    one_line_error(proc, "drafter path '/nonexistent/drafter' is not a Hugging Face model directory")
+    assert "once vLLM's server is up" not in proc.stdout, proc.stdout
+
+
 def test_a_command_whose_extra_is_not_installed_says_which_to_install():
     """The base install has no DeepSpeed: `dvi train` there is one line naming the extra, not a traceback."""
     code = "import sys; sys.modules['deepspeed'] = None; from dvi.cli import main; sys.exit(main(['train']))"

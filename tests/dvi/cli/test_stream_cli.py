@@ -160,8 +160,8 @@ def test_schema_prints_the_proto_of_the_message_the_codec_writes():
     assert text.startswith('syntax = "proto3";') and "package dvi.records.v2;" in text
     printed = {}
     for message, body in re.findall(r"message (\w+) \{\n(.*?)\n\}", text, re.S):
-        for optional, kind, name, number in re.findall(r"^  (optional )?(\w+) (\w+) = (\d+);", body, re.M):
-            printed[(message, name)] = (int(number), kind, bool(optional))
+        for label, kind, name, number in re.findall(r"^  (optional |repeated )?(\w+) (\w+) = (\d+);", body, re.M):
+            printed[(message, name)] = (int(number), kind, label.strip())
     names = {FieldDescriptor.TYPE_STRING: "string", FieldDescriptor.TYPE_BYTES: "bytes", FieldDescriptor.TYPE_BOOL: "bool",
              FieldDescriptor.TYPE_DOUBLE: "double", FieldDescriptor.TYPE_UINT32: "uint32", FieldDescriptor.TYPE_INT64: "int64"}
     built = {}
@@ -169,5 +169,6 @@ def test_schema_prints_the_proto_of_the_message_the_codec_writes():
     for d in (record, record.fields_by_name["target"].message_type, record.fields_by_name["sampling"].message_type):
         for f in d.fields:
             kind = f.message_type.name if f.message_type else names[f.type]
-            built[(d.name, f.name)] = (f.number, kind, f.has_presence and not f.message_type)
-    assert printed == built and len(built) == 26
+            label = "repeated" if f.is_repeated else "optional" if f.has_presence and not f.message_type else ""
+            built[(d.name, f.name)] = (f.number, kind, label)
+    assert printed == built and len(built) == 32
