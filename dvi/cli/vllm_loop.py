@@ -26,17 +26,22 @@ from dvi.pairs import resolve_pair
 from dvi.procs import default_replica_id
 from dvi.serving.replica import Replica, sends_features
 from dvi.serving.vllm_engine import EXTENSION, VllmEngine, import_vllm
+from dvi.serving.vllm_worker import V2_RUNNER, runner_problem, select_v1_runner
 from dvi.tracking import Tracker
 from streams.client import quiet_kafka_logs
 from streams.control import ControlChannel
 from streams.producer import DecisionProducer
 
 log = logging.getLogger("dvi.cli.vllm_plugin")
+_runner_selected = False  # whether install() set VLLM_USE_V2_MODEL_RUNNER=0 (nothing named a runner)
 
 
 def install() -> None:
     """In every vLLM process: the engine core's executor, busy loop and shutdown get dvi's hooks (they act only in the
-    process that runs the engine core), and the API server's metrics registry dvi's collector."""
+    process that runs the engine core), and the API server's metrics registry dvi's collector. vLLM's V1 model runner
+    is selected where nothing names one (`dvi.serving.vllm_worker.select_v1_runner`), before vLLM reads the setting."""
+    global _runner_selected
+    _runner_selected = select_v1_runner(os.environ)
     import_vllm()  # another release is one clear error here, before vLLM loads a model
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
     from vllm.v1.executor.abstract import Executor
@@ -91,8 +96,12 @@ def stop_server(error: BaseException) -> None:
 
 
 def prepare(vllm_config) -> None:
-    """Before vLLM builds its workers: dvi's worker extension, and with adaptive K a batch-size schedule (K up to the
-    `num_speculative_tokens` vLLM was given) for the planner to rewrite."""
+    """Before vLLM builds its workers: the V1 model runner checked (a setting or feature that asks for V2 is one clear
+    error), dvi's worker extension, and with adaptive K a batch-size schedule (K up to the `num_speculative_tokens`
+    vLLM was given) for the planner to rewrite."""
+    problem = runner_problem(os.environ, vllm_config)
+    if problem:
+        raise DviError(problem)
     parallel = vllm_config.parallel_config
     if parallel.worker_extension_cls and parallel.worker_extension_cls != EXTENSION:
         raise DviError(f"dvi's vLLM plugin needs --worker-extension-cls {EXTENSION}; this server names "
@@ -149,9 +158,10 @@ def follow(core) -> None:
     replica = Replica(cfg, pair, producer=producer, control=control, tracker=tracker, engine=engine).start(decode=False)
     loop = _Loop(replica)
     core._dvi_loop = loop
-    log.warning("dvi's loop follows this vLLM server: replica %s, drafter %s, records to %s at %s%s", replica_id,
-                replica.metrics.version, cfg.stream.topic, cfg.stream.bootstrap,
-                f", its view on 127.0.0.1:{loop.port}" if loop.port else "")
+    log.warning("dvi's loop follows this vLLM server: replica %s, drafter %s, records to %s at %s%s; vLLM's V1 model runner%s",
+                replica_id, replica.metrics.version, cfg.stream.topic, cfg.stream.bootstrap,
+                f", its view on 127.0.0.1:{loop.port}" if loop.port else "",
+                f" ({V2_RUNNER}=0 set by dvi: its worker extension hooks that runner)" if _runner_selected else "")
 
 
 class _Loop:

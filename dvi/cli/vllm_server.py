@@ -16,8 +16,10 @@ from pathlib import Path
 from dvi.cli.vllm_plugin import ENABLE, NAME, OVERRIDES, PORT
 from dvi.config import DviConfig, api_key
 from dvi.engine import MAX_LOGPROBS
+from dvi.errors import DviError
 from dvi.models import drafter_kind
 from dvi.serving.vllm_engine import speculative_method, vllm_env
+from dvi.serving.vllm_worker import runner_problem
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -52,12 +54,16 @@ def environment(cfg: DviConfig, base: dict[str, str], *, overrides: list[str] | 
     """The server's environment: `base` with vLLM's settings (`dvi.serving.vllm_engine.vllm_env`) and, unless `plain`,
     dvi's loop enabled with these Hydra `overrides` and its view on 127.0.0.1:`loop_port` (relayed at /dvi/health and
     /dvi/metrics). dvi's API key (`dvi.config.api_key`: serve.api_key, $DVI_API_KEY or serve.api_key_file) becomes
-    vLLM's ($VLLM_API_KEY), unless that is set already."""
+    vLLM's ($VLLM_API_KEY), unless that is set already. A `base` that asks for vLLM's Model Runner V2, which the loop
+    does not hook, is refused (`dvi.serving.vllm_worker.runner_problem`)."""
     env = {**base, **vllm_env(cfg.serve.vllm)}
     for key in (ENABLE, OVERRIDES, PORT):
         env.pop(key, None)
     if plain:
         return env
+    problem = runner_problem(base)  # the loop's plugin would refuse it once vLLM had started
+    if problem:
+        raise DviError(problem)
     env.update({ENABLE: "1", OVERRIDES: json.dumps(list(overrides or [])), "VLLM_PLUGINS": NAME})
     if loop_port:
         env[PORT] = str(loop_port)

@@ -70,6 +70,7 @@ from dvi.features import Captured
 from dvi.hardware import VLLM_RELEASE
 from dvi.models import EAGLE3, LAYERS, Drafter
 from dvi.records import DOMAIN
+from dvi.serving.vllm_worker import runner_problem, select_v1_runner
 
 log = logging.getLogger("dvi.serving.vllm")
 
@@ -105,7 +106,8 @@ def vllm_env(cfg: VllmConfig) -> dict[str, str]:
 
 def set_vllm_env(cfg: VllmConfig) -> None:
     """`vllm_env` in this process's environment for an engine in this process (no engine process, its start-up report at
-    WARNING); a value the user set wins, but for the KV cache's size (the config's, per engine)."""
+    WARNING); a value the user set wins, but for the KV cache's size (the config's, per engine). vLLM's V1 model runner
+    is selected unless a value is set; one asking for V2 is refused (`dvi.serving.vllm_worker.runner_problem`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: steps from our thread
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up report is dozens of INFO lines
     for key, value in vllm_env(cfg).items():
@@ -113,6 +115,10 @@ def set_vllm_env(cfg: VllmConfig) -> None:
             os.environ[key] = value
         else:
             os.environ.setdefault(key, value)
+    select_v1_runner(os.environ)  # the model runner dvi's worker extension hooks
+    problem = runner_problem(os.environ)
+    if problem:
+        raise DviError(problem)
 
 
 def import_vllm():

@@ -41,6 +41,11 @@ against NaN or uniform probabilities, accepts none, and samples its recovered to
 0 of 1,512 EAGLE-3 rounds accepted at temperature 0.7). `fix_cpu_expand` registers an implementation of any dtype
 through vLLM's own kernel registry (`vllm.triton_utils.dispatcher.register_kernels`), in the worker dvi's loop runs in.
 
+vLLM 0.32 has two model runners, and runs its Model Runner V2 by default where Triton is installed (every CUDA host);
+this extension hooks the V1 runner. `select_v1_runner` sets `VLLM_USE_V2_MODEL_RUNNER=0` where nothing is set,
+`runner_problem` says why a setting or a configuration that forces V2 cannot run the loop (an error at start), and
+`dvi_capture` refuses a runner without the methods it wraps, before any request.
+
 The logits of a step hold one row per drafted position and one bonus row per request, request after request
 (`SpecDecodeMetadata.cu_num_sampled_tokens`); a step without drafts has one row per request. This module knows
 vLLM's worker; it does not know dvi's records, requests or drafter versions.
@@ -59,6 +64,31 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.32
 # the layers of vLLM's EAGLE-3 draft model that its checkpoint does not hold: the embedding it shares with the target,
 # and the rotary embedding (buffers only)
 EAGLE3_NOT_LOADED = frozenset({"VocabParallelEmbedding", "RotaryEmbedding"})
+V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's choice of model runner: "0" selects the V1 runner this extension hooks
+HOOKED = ("_sample", "execute_model", "propose_draft_token_ids", "input_batch")  # what dvi_capture reads of the runner
+
+
+def select_v1_runner(env) -> bool:
+    """Select vLLM's V1 model runner in `env` (a mutable mapping of environment variables) unless it names a runner
+    already; True where this set it."""
+    if env.get(V2_RUNNER, "").strip():
+        return False
+    env[V2_RUNNER] = "0"
+    return True
+
+
+def runner_problem(env, vllm_config=None) -> str | None:
+    """Why the loop cannot run on the model runner `env` (environment variables) and, given, vLLM's config select:
+    None where it is the V1 runner."""
+    value = env.get(V2_RUNNER, "").strip()
+    if value not in ("", "0"):
+        what = "asks for vLLM's Model Runner V2" if value.isdigit() else "is not 0 or 1"
+        return (f"{V2_RUNNER}={value} {what}: dvi's loop hooks vLLM's V1 model runner (its worker extension wraps that "
+                f"runner's sampler); unset it or set {V2_RUNNER}=0")
+    if vllm_config is not None and vllm_config.use_v2_model_runner:
+        return (f"this vLLM configuration runs Model Runner V2 whatever {V2_RUNNER} says (a feature that needs it, such "
+                "as HiSparse attention or watermarking): dvi's loop hooks vLLM's V1 model runner")
+    return None
 
 
 class DviWorkerExtension:
@@ -68,6 +98,11 @@ class DviWorkerExtension:
         runner = self.model_runner
         if getattr(runner, "_dvi_sample", None) is not None:
             return False
+        missing = [name for name in HOOKED if not hasattr(runner, name)]
+        if missing:
+            raise RuntimeError(f"dvi's worker extension hooks vLLM's V1 model runner; this worker runs "
+                               f"{type(runner).__module__}.{type(runner).__qualname__}, which has no {', '.join(missing)} "
+                               f"({V2_RUNNER}=0 selects the V1 runner)")
         fix_cpu_expand()
         original = runner._sample
         execute, propose = runner.execute_model, runner.propose_draft_token_ids

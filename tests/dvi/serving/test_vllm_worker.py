@@ -1,13 +1,15 @@
 """The parts of dvi's vLLM worker extension that need no engine: the rejection sampler's `expand_kernel` in torch
 (against a plain loop), registered in place of the CPU build's stand-in, which leaves a float tensor it expands
-uninitialized (a sampled request's temperature and top-p per drafted token: its drafts verified against NaN)."""
+uninitialized (a sampled request's temperature and top-p per drafted token: its drafts verified against NaN); and the
+choice of vLLM's model runner, on vLLM's own config as a host with Triton would have it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dvi.serving.vllm_worker import expand_tokens, fix_cpu_expand
+from dvi.errors import DviError
+from dvi.serving.vllm_worker import V2_RUNNER, DviWorkerExtension, expand_tokens, fix_cpu_expand, runner_problem, select_v1_runner
 
 
 def reference(values: list, counts: list[int], replace_from, replace_to) -> list:
@@ -37,3 +39,46 @@ def test_vllms_expansion_of_a_float_tensor_is_right_once_fixed():
     temperature = torch.tensor([0.7, 0.0, 1.5])  # the middle request greedy: vLLM replaces 0 by 1 before dividing
     got = expand_batch_to_tokens(temperature, torch.tensor([2, 5, 6], dtype=torch.int32), 6, replace_from=0.0, replace_to=1.0)
     assert got.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 1.5])
+
+
+def test_the_loop_runs_on_vllms_v1_runner_where_vllm_would_pick_v2_and_refuses_v2_at_start(monkeypatch):
+    """vLLM 0.32 picks its Model Runner V2 where Triton is installed (every CUDA host); dvi's worker extension hooks the
+    V1 runner. Where nothing names a runner the loop selects V1; a setting or a feature that asks for V2 is one clear
+    error at start (in `dvi serve` before vLLM runs, in the plugin before vLLM builds its workers); a V2 runner that
+    reached the extension anyway is refused before any request."""
+    import vllm.config.vllm as vllm_config_module
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
+
+    from dvi.cli import vllm_loop, vllm_server
+    from dvi.config import load_config
+
+    monkeypatch.delenv(V2_RUNNER, raising=False)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)  # what a CUDA host has
+    config = VllmConfig()
+    assert config.use_v2_model_runner  # vLLM's own choice there: V2
+
+    env: dict[str, str] = {}
+    assert select_v1_runner(env) and env == {V2_RUNNER: "0"}
+    monkeypatch.setenv(V2_RUNNER, env[V2_RUNNER])
+    assert not config.use_v2_model_runner and runner_problem(env, config) is None
+    assert not select_v1_runner({V2_RUNNER: "1"})  # a value set is the user's, and checked
+
+    monkeypatch.setenv(V2_RUNNER, "1")
+    assert "VLLM_USE_V2_MODEL_RUNNER=1 asks for vLLM's Model Runner V2" in runner_problem({V2_RUNNER: "1"})
+    with pytest.raises(DviError, match="VLLM_USE_V2_MODEL_RUNNER=1 asks for vLLM's Model Runner V2"):
+        vllm_loop.prepare(config)
+    with pytest.raises(DviError, match="unset it or set VLLM_USE_V2_MODEL_RUNNER=0"):
+        vllm_server.environment(load_config([]), {V2_RUNNER: "1"})
+    assert vllm_server.environment(load_config([]), {V2_RUNNER: "1"}, plain=True)[V2_RUNNER] == "1"  # plain vLLM's own
+    assert "is not 0 or 1" in runner_problem({V2_RUNNER: "yes"})
+
+    monkeypatch.setenv(V2_RUNNER, "0")
+    monkeypatch.setattr(config, "watermark_config", object(), raising=False)  # a feature vLLM runs on V2 only
+    assert config.use_v2_model_runner and "whatever VLLM_USE_V2_MODEL_RUNNER says" in runner_problem({V2_RUNNER: "0"}, config)
+
+    worker = DviWorkerExtension()
+    worker.model_runner = object.__new__(CPUModelRunnerV2)
+    with pytest.raises(RuntimeError, match=r"hooks vLLM's V1 model runner; this worker runs vllm\.v1\.worker\.cpu\.model_runner\."
+                                           r"CPUModelRunner, which has no _sample"):
+        worker.dvi_capture(8)
