@@ -42,7 +42,8 @@ from benchmarks.bench_vllm import PEER, ROOT, Server, log, measure, plain_vllm, 
 from dvi import eagle3
 from dvi.config import SpecConfig
 from dvi.eagle3 import default_layer_ids
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.hardware import pick_dtype
 from dvi.models import build_drafter, encode_chat, end_ids, fetch_demo_target, load_causal_lm, load_tokenizer
 from dvi.pairs import load_any_drafter

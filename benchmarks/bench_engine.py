@@ -64,7 +64,8 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
 from dvi.config import SpecConfig
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.errors import DviError
 from dvi.models import (
     DRAFTER_META,

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, StreamConfig, SwapConfig, TrackingConfig  # noqa: E402
-from dvi.engine import Request  # noqa: E402
+from dvi.engine_api import Request  # noqa: E402
 from dvi.pairs import resolve_pair  # noqa: E402
 from dvi.procs import free_port  # noqa: E402
 from dvi.serving.replica import Replica  # noqa: E402

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from dvi import store  # noqa: E402
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, StreamConfig, SwapConfig, TrackingConfig  # noqa: E402
 from dvi.control import DrafterPublished  # noqa: E402
-from dvi.engine import Request  # noqa: E402
+from dvi.engine_api import Request  # noqa: E402
 from dvi.models import load_causal_lm  # noqa: E402
 from dvi.pairs import pair_dirs  # noqa: E402
 from dvi.pairs import resolve_pair  # noqa: E402

@@ -46,7 +46,8 @@ import transformers
 from kafka.codec import gzip_encode
 
 from dvi.config import StreamConfig, load_config
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.features import Features
 from dvi.models import encode_prompt
 from dvi.pairs import resolve_pair

@@ -55,7 +55,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import workloads  # noqa: E402
 from dvi import store  # noqa: E402
 from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, TrainerConfig  # noqa: E402
-from dvi.engine import Request, SpeculativeEngine  # noqa: E402
+from dvi.engine import SpeculativeEngine  # noqa: E402
+from dvi.engine_api import Request  # noqa: E402
 from dvi.features import Features  # noqa: E402
 from dvi.models import Drafter, encode_chat, end_ids, resolve_device  # noqa: E402
 from dvi.pairs import load_any_drafter, resolve_pair  # noqa: E402

@@ -57,7 +57,8 @@ import requests
 
 from benchmarks import load_client, workloads
 from dvi.eagle3 import eagle3_config
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.hardware import pick_dtype, vllm_version
 from dvi.models import EAGLE3, drafter_kind, encode_chat, end_ids, load_causal_lm, load_tokenizer
 from dvi.pairs import pair_dirs

@@ -54,7 +54,8 @@ from dvi import store
 from dvi.alloc import limit_arenas
 from dvi.cli.up import Part, Supervisor, banner, plan
 from dvi.config import flat_params, load_config, overrides_of
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.errors import DviError
 from dvi.hardware import bound_cores, pick_dtype, split_cores
 from dvi.models import encode_prompt

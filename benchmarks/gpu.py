@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_trainer  # noqa: E402
 from dvi.config import ModelConfig, SpecConfig  # noqa: E402
-from dvi.engine import Request, SpeculativeEngine  # noqa: E402
+from dvi.engine import SpeculativeEngine  # noqa: E402
+from dvi.engine_api import Request  # noqa: E402
 from dvi.models import end_ids  # noqa: E402
 from dvi.pairs import resolve_pair  # noqa: E402
 

@@ -116,7 +116,7 @@ class SpecConfig:
     prior_weight: float = 4.0  # ... worth this many trials
     decay: float = 0.9  # per-round decay of the acceptance counts (recent rounds weigh more)
     cost_ratio: float | None = None  # drafter step / target step, with the linear verify model; None: measured
-    # adaptive K plans with a cost table measured on this machine (dvi.engine.CostTable): a start-up warm-up
+    # adaptive K plans with a cost table measured on this machine (dvi.planner.CostTable): a start-up warm-up
     # (`warmup_reps` timed forwards per K, 0 = none) refreshed from live rounds. cost_ratio fixes the costs instead.
     verify_slope: float = 0.12  # linear prior (with cost_ratio set: the model): verifying k+1 tokens costs 1 + slope * k steps
     warmup_reps: int = 1

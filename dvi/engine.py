@@ -16,14 +16,16 @@ request drafts from its second round on (its prefill gives the first features), 
 features are dropped from its cache once verified, the target's replacing them, as vLLM's EAGLE-3 proposer does.
 
 Adaptive K picks each row's K from its measured acceptance and a cost table measured on this machine
-(`CostTable`: verify seconds per K and batch bucket, drafter step seconds; a start-up warm-up, then moving
-averages of live rounds); a row whose drafts keep failing decodes plainly and probes now and then. Every tensor
+(`dvi.planner.CostTable`: verify seconds per K and batch bucket, drafter step seconds; a start-up warm-up, then moving
+averages of live rounds; `dvi.planner.KController` per row); a row whose drafts keep failing decodes plainly and
+probes now and then. Every tensor
 of a round lives on the target's device; the random draws come from per-request CPU generators, so a seeded
 request repeats on any device. There is no static KV cache and no CUDA graph here (yet): the CPU and CUDA run
 the same code.
 
-Per-round statistics and the target's top-k log-probs are returned as data (`Round`, `SpecStats`); this
-module does not know where they go (streams, MLflow, /metrics), nor about tokenization or text.
+`SpeculativeEngine` is a `dvi.engine_api.Engine` and its `Decoding` a `Batch`: per-round statistics and the target's
+top-k log-probs are returned as data (`Round`, `SpecStats`, `Result`, all `dvi.engine_api`'s); this module does not
+know where they go (streams, MLflow, /metrics), nor about tokenization or text.
 """
 
 from __future__ import annotations
@@ -32,167 +34,20 @@ import os
 import statistics
 import threading
 import time
-import uuid
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from dvi.config import SpecConfig, check_sampling
-from dvi.errors import DviError
+from dvi.config import SpecConfig
 from dvi.eagle3 import Eagle3Drafter, aux_hidden_states, target_features, target_ids
+from dvi.engine_api import LogProb, Request, Result, Round, SpecStats, TokenHook, check_request
+from dvi.errors import DviError
 from dvi.features import Captured
 from dvi.models import Drafter, cache_kwarg
-from dvi.speculative import (
-    acceptance_estimate,
-    ban_tokens,
-    batch_bucket,
-    cheapest_k,
-    choose_k_from_costs,
-    expand_draft_probs,
-    ideal_speedup,
-    linear_verify_costs,
-    logits_to_probs,
-    moving_average,
-    position_acceptance,
-    rejection_sample,
-    sample_from,
-)
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt_ids: list[int]
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int | None = None  # None: fresh entropy; an int makes a sampled run repeat exactly (with fixed K)
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    logprobs: int | None = None  # the log-prob of each emitted token and this many top alternatives (Round.logprobs)
-    ignore_eos: bool = False  # the engine's stop ids do not end generation (fixed-length benchmark requests)
-    min_tokens: int = 0  # the stop ids cannot be generated before this many tokens (their target probability is 0)
-
-
-MAX_LOGPROBS = 20  # the most alternatives a request may ask for (as OpenAI's API)
-
-
-def check_request(r: Request, window: int, vocab_size: int, window_name: str = "the target's context window") -> None:
-    """DviError unless an engine whose context holds `window` tokens can decode `r`."""
-    if not r.prompt_ids:
-        raise DviError("empty prompt: give at least one token")
-    if len(r.prompt_ids) >= window:
-        raise DviError(f"prompt of {len(r.prompt_ids)} tokens does not fit {window_name} of {window}")
-    if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab_size:
-        raise DviError(f"prompt token ids must be in [0, {vocab_size})")
-    check_sampling(r.temperature, r.top_p, r.max_new_tokens)
-    if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
-        raise DviError(f"logprobs must be in [0, {MAX_LOGPROBS}] alternatives, got {r.logprobs}")
-    if not 0 <= r.min_tokens <= r.max_new_tokens:
-        raise DviError(f"min_tokens must be in [0, max_new_tokens={r.max_new_tokens}], got {r.min_tokens}")
-
-
-LogProb = tuple[float, list[tuple[int, float]]]  # an emitted token's log-prob and its top alternatives (id, log-prob)
-# streaming: called on the decoding thread after every round with the tokens a request gained in it, and their
-# LogProbs if the request asked for them (else None)
-TokenHook = Callable[[list[int], "list[LogProb] | None"], None]
-
-
-@dataclass
-class Round:
-    """One verification decision for one request."""
-
-    position: int  # tokens generated before this round
-    k: int  # drafts that counted (0: decoded plainly)
-    drafted: list[int]  # [k] drafted target ids
-    accepted: int  # 0..k
-    token: int  # the target's token after the accepted prefix: recovered (accepted < k) or bonus
-    drafter_version: str | None
-    topk_ids: torch.Tensor | None = None  # [k + 1, topk] target's top-k ids at each drafted and the bonus position
-    topk_logprobs: torch.Tensor | None = None  # [k + 1, topk] their log-probs (temperature 1, unwarped)
-    # for a request that asked for them: per emitted token (accepted drafts, then `token`), its log-prob and the
-    # top alternatives as (id, log-prob), from the same unwarped distribution
-    logprobs: list[LogProb] | None = None
-
-
-@dataclass
-class SpecStats:
-    """Counts over rounds; mean accepted length counts the recovered / bonus token (see dvi.speculative)."""
-
-    rounds: int = 0
-    spec_rounds: int = 0  # rounds that drafted at least one token
-    drafted: int = 0
-    accepted: int = 0
-    position_drafted: list[int] = field(default_factory=list)  # [j] rounds that drafted position j
-    position_accepted: list[int] = field(default_factory=list)  # [j] rounds that accepted position j
-
-    def add(self, k: int, n: int) -> None:
-        self.rounds += 1
-        self.spec_rounds += k > 0
-        self.drafted += k
-        self.accepted += n
-        grow = k - len(self.position_drafted)
-        if grow > 0:
-            self.position_drafted += [0] * grow
-            self.position_accepted += [0] * grow
-        for j in range(k):
-            self.position_drafted[j] += 1
-            self.position_accepted[j] += j < n
-
-    def merge(self, other: SpecStats) -> None:
-        self.rounds += other.rounds
-        self.spec_rounds += other.spec_rounds
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        for j, (d, a) in enumerate(zip(other.position_drafted, other.position_accepted)):
-            if j >= len(self.position_drafted):
-                self.position_drafted.append(0)
-                self.position_accepted.append(0)
-            self.position_drafted[j] += d
-            self.position_accepted[j] += a
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per round, the recovered or bonus token included."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
-
-    def to_dict(self) -> dict:
-        return {
-            "rounds": self.rounds,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": round(self.acceptance_rate, 6),
-            "mean_accepted_length": round(self.mean_accepted_length, 6),
-            "per_position_acceptance": [round(x, 6) for x in self.per_position_acceptance],
-        }
-
-
-@dataclass
-class Result:
-    request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated ids only (a stop token, if hit, is the last one)
-    finish_reason: str  # "stop", "length", or the reason given to `Decoding.cancel` (e.g. "abort")
-    drafter_versions: list[str]  # every drafter version that drafted for this request, in order
-    rounds: list[Round]
-    stats: SpecStats
-    seconds: float
-    # the target's aux hidden states (`dvi.features`) of positions features_start.. of prompt + token_ids, from the
-    # forwards that verified them: [R, W], W = len(features_layers) x hidden; None where the engine kept none
-    features: torch.Tensor | None = None
-    features_start: int = 0
-    features_layers: tuple[int, ...] = ()
-    features_missing: int = 0  # positions fed before features_start that no forward gave (a prefix-cache hit)
-    features_recomputed: int = 0  # rows a forward gave again (a preempted request recomputed)
+from dvi.planner import CostTable, KController, Routing
+from dvi.speculative import ban_tokens, expand_draft_probs, logits_to_probs, rejection_sample, sample_from
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,442 +228,6 @@ class _FeatureKV(_KV):
         super().select(rows)
         self.hidden = [self.hidden[int(r)] for r in rows]
         self.prenorm = None  # a drafting step's: the next drafts start from a forward of pending tokens
-
-
-# ----------------------------------------------------------------------------------------------
-# Choosing K.
-
-
-class CostTable:
-    """Measured costs per batch-size bucket (`dvi.speculative.batch_bucket`): seconds of a verify forward of
-    K + 1 tokens per (bucket, K) (K = 0 is a plain decoding step) and of one drafter step per bucket.
-
-    Filled by `SpeculativeEngine.warm_up` at start-up and refreshed from live rounds (exponential moving averages
-    of the observed times); `plan(batch)` turns them into the cost model's units. A K not measured at a bucket
-    borrows its cost in target steps from the nearest bucket that has it, else the linear prior
-    (`serve.spec.verify_slope`). With `serve.spec.cost_ratio` set nothing measured is used: c is that number
-    and verify costs follow the linear model (a fixed, repeatable cost model).
-    """
-
-    WEIGHT = 0.2  # of a new observation in the moving averages (the mean of the first 1 / WEIGHT, so that no one
-    # sample, such as a server's first and slowest step, weighs more than the others)
-
-    def __init__(self, spec: SpecConfig):
-        self.spec = spec
-        self.verify: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds
-        self.draft: dict[int, float] = {}  # bucket -> seconds of one drafter step
-        self.propose0: dict[int, float] = {}  # bucket -> seconds a step spends in a proposer drafting nothing (observe_step)
-        self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> tokens per second (observe_rate)
-        self.samples: Counter[tuple[str, object]] = Counter()  # (table, key) -> observations so far
-
-    def _average(self, table: str, key, value: float, weight: float | None = None) -> None:
-        """A new observation into `table` (verify, draft, propose0 or rate) at `key`: the mean of the first 1 / `weight`
-        (default WEIGHT), a moving average after them."""
-        values = getattr(self, table)
-        self.samples[(table, key)] += 1
-        values[key] = moving_average(values.get(key), value, max(weight or self.WEIGHT, 1.0 / self.samples[(table, key)]))
-
-    def observe_verify(self, batch: int, k: int, seconds: float) -> None:
-        self._average("verify", (batch_bucket(batch), k), seconds)
-
-    def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
-        if steps:
-            self._average("draft", batch_bucket(batch), seconds / steps)
-
-    RATE_WEIGHT = 0.05  # of a new step in the tokens-per-second averages (about the last 20 steps; a step's yield varies)
-    RATE_SAMPLES = 16  # drafting steps at a bucket before its realized speedup is trusted (their yield varies) ...
-    PLAIN_RATE_SAMPLES = 3  # ... and plain ones (steady: StepPlanner's calibration steps give them)
-
-    def observe_rate(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
-        """A step of decoding (no prefill) emitted `tokens` in `seconds` of wall time (from its start to the next step's:
-        all it cost), verifying drafts or not: tokens per second, by bucket and kind, whatever the cost model says
-        (`realized_speedup`)."""
-        if seconds > 0:
-            self._average("rate", (batch_bucket(batch), drafting), tokens / seconds, self.RATE_WEIGHT)
-
-    def realized_speedup(self, batch: int) -> float | None:
-        """Tokens per second of steps that verified drafts over those that did not, at this batch size's bucket, once
-        there are RATE_SAMPLES and PLAIN_RATE_SAMPLES of them; None before."""
-        b = batch_bucket(batch)
-        if self.samples[("rate", (b, True))] < self.RATE_SAMPLES or self.samples[("rate", (b, False))] < self.PLAIN_RATE_SAMPLES:
-            return None
-        return self.rate[(b, True)] / self.rate[(b, False)]
-
-    def target_only_rate(self, bucket: int) -> float | None:
-        """Tokens per second of plain decoding at `bucket`: its steps' measured yield once there are
-        PLAIN_RATE_SAMPLES, else one token per row per measured plain step (`verify` at K = 0); None unmeasured."""
-        if self.samples[("rate", (bucket, False))] >= self.PLAIN_RATE_SAMPLES:
-            return self.rate[(bucket, False)]
-        step = self.verify.get((bucket, 0))
-        return bucket / step if step else None
-
-    def speed_vs_target_only(self) -> dict[int, float]:
-        """Per batch-size bucket with RATE_SAMPLES drafting steps and a target-only rate (`target_only_rate`): tokens
-        per second of drafting steps over target-only decoding's (> 1: speculation pays there)."""
-        out = {}
-        for (bucket, drafting), rate in list(self.rate.items()):  # a copy: the decoding thread adds to it
-            plain = self.target_only_rate(bucket) if drafting and self.samples[("rate", (bucket, True))] >= self.RATE_SAMPLES else None
-            if plain:
-                out[bucket] = rate / plain
-        return dict(sorted(out.items()))
-
-    def forget_drafting_rates(self) -> None:
-        """A new drafter: what drafting yielded says nothing of it."""
-        for key in [k for k in self.rate if k[1]]:
-            del self.rate[key]
-            self.samples.pop(("rate", key), None)
-
-    def observe_step(self, batch: int, verified_k: int, proposed_k: int, step_s: float, propose_s: float) -> float:
-        """One step of an engine that verifies and drafts in the same call (vLLM): it verified `verified_k` drafts per
-        request in `step_s` seconds, `propose_s` of which went to proposing `proposed_k` drafts for the next step. The
-        proposer's time at K = 0 (the drafter's pass over the step's new tokens, paid whatever K is) counts as part of
-        every step; what proposing K drafts costs beyond it is K drafter steps. Returns those drafting seconds."""
-        b = batch_bucket(batch)
-        if proposed_k == 0:
-            self._average("propose0", b, propose_s)
-        base = self.propose0.get(b, 0.0)
-        self.observe_verify(batch, verified_k, max(step_s - propose_s, 0.0) + base)
-        drafting_s = max(propose_s - base, 0.0) if proposed_k else 0.0
-        if proposed_k:
-            self.observe_draft(batch, proposed_k, drafting_s)
-        return drafting_s
-
-    @property
-    def measured(self) -> bool:
-        return self.spec.cost_ratio is None and any(k == 0 for _, k in self.verify)
-
-    def _nearest(self, bucket: int, have) -> int | None:
-        found = [b for b in {b for b, _ in self.verify} | set(self.draft) if have(b)]
-        return min(found, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b)) if found else None
-
-    def plan(self, batch: int) -> tuple[float, list[float]]:
-        """(c, [v_0 .. v_Kmax]) at this batch size, in target steps (v_0 = 1)."""
-        s = self.spec
-        prior = linear_verify_costs(s.verify_slope, s.k_max)
-        if not self.measured:
-            return (s.cost_ratio if s.cost_ratio is not None else 0.25), prior  # until measured: a small drafter's typical c
-        bucket = batch_bucket(batch)
-        v = []
-        for k in range(s.k_max + 1):
-            at = self._nearest(bucket, lambda b, k=k: (b, k) in self.verify and (b, 0) in self.verify)
-            # a measured ratio below 1 is noise: verifying K + 1 tokens cannot cost less than verifying one
-            v.append(max(1.0, self.verify[(at, k)] / self.verify[(at, 0)]) if at is not None else prior[k])
-        draft_at = self._nearest(bucket, lambda b: b in self.draft and (b, 0) in self.verify)
-        c = self.draft[draft_at] / self.verify[(draft_at, 0)] if draft_at is not None else 0.25
-        return c, v
-
-    # the figures the stats and tests read: one target step, one drafter step, c (at batch 1)
-    @property
-    def target_step(self) -> float | None:
-        at = self._nearest(1, lambda b: (b, 0) in self.verify)
-        return self.verify[(at, 0)] if at is not None else None
-
-    @property
-    def draft_step(self) -> float | None:
-        at = self._nearest(1, lambda b: b in self.draft)
-        return self.draft[at] if at is not None else None
-
-    @property
-    def ratio(self) -> float:
-        return self.plan(1)[0]
-
-    def to_dict(self) -> dict:
-        return {"verify_s": {f"b{b}/k{k}": round(t, 6) for (b, k), t in sorted(self.verify.items())},
-                "draft_step_s": {f"b{b}": round(t, 6) for b, t in sorted(self.draft.items())}}
-
-
-@dataclass(frozen=True)
-class Routing:
-    """A decision about where drafting runs: `on` or `off` at a batch size, or a `probe` step while it is off."""
-
-    decision: str  # on | off | probe; sleep | wake: the drafter's pass at K = 0 skipped or run again; calibrate (StepPlanner)
-    batch: int
-    k: int  # the K drafted from then on (on), for the probe (probe), 0 (off)
-    why: str
-
-
-class _KController:
-    """One request's K: fixed, or the K with the best predicted speedup for its measured acceptance and the
-    engine's cost table; 0 (plain decoding, probing again every `probe_every` tokens) when no K is predicted
-    to beat plain decoding."""
-
-    def __init__(self, spec: SpecConfig):
-        self.spec = spec
-        self.accepted = 0.0
-        self.trials = 0.0
-        self.off_at: int | None = None  # tokens generated when drafting was switched off
-        self.routed: Routing | None = None  # the routing decision the last next_k took (on, off, probe), if any
-
-    def acceptance(self) -> float:
-        s = self.spec
-        return acceptance_estimate(self.accepted, self.trials, s.prior_acceptance, s.prior_weight)
-
-    def next_k(self, generated: int, cost_ratio: float, verify_cost: list[float], measured: bool = False) -> int:
-        """verify_cost: [k_max + 1] in target steps; measured: the costs come from this machine's table, and a probe
-        drafts the K whose round the table says is cheapest (with assumed costs: k_min).
-
-        A request's first round drafts k whatever the costs say: it is the prompt's prefill, where K more
-        positions cost little, and every request then measures the drafter (the live check after a swap and the
-        trainer's records need drafted rounds)."""
-        s = self.spec
-        self.routed = None
-        if not s.adaptive or not self.trials:
-            return s.k
-        a = self.acceptance()
-        k = choose_k_from_costs(a, cost_ratio, verify_cost, s.k_min, s.k_max, s.min_speedup)
-        why = f"acceptance {a:.3f}, drafter step {cost_ratio:.3f} target steps ({'measured' if measured else 'assumed'})"
-        if k:
-            if self.off_at is not None:
-                self.routed = Routing("on", 0, k, why)
-            self.off_at = None
-            return k
-        if self.off_at is None:
-            self.off_at = generated
-            self.routed = Routing("off", 0, 0, f"no K beats {s.min_speedup:g}x: {why}")
-            return 0
-        if generated - self.off_at >= s.probe_every:  # probe: the traffic, or the drafter, may have changed
-            self.off_at = generated
-            # the cheapest round that drafts, by this machine's table
-            k = cheapest_k(cost_ratio, verify_cost, s.k_min, s.k_max) if measured else s.k_min
-            self.routed = Routing("probe", 0, k, f"drafting has been off for {s.probe_every} tokens")
-            return k
-        return 0
-
-    def observe(self, k: int, n: int) -> None:
-        if k == 0:
-            return
-        self.accepted = self.accepted * self.spec.decay + n
-        self.trials = self.trials * self.spec.decay + n + (n < k)
-
-
-class StepPlanner:
-    """K for every step of an engine that drafts one K for a whole batch (vLLM's batch-size schedule), the engine-wide
-    counterpart of `_KController`: from the live acceptance of the serving drafter and the cost table, the K with the
-    best predicted speedup at each batch size, 0 (drafting off) where none beats `serve.spec.min_speedup`. Drafting off
-    at a batch size comes back on only when the best K is predicted to beat plain decoding by `HYSTERESIS` more, so
-    that an estimate hovering at the line does not flip it every step. The model is checked against what the steps
-    yield: once a bucket has `CostTable.RATE_SAMPLES` steps that drafted and a few that did not, drafting stays on
-    there only while its tokens per second beat plain decoding's (`CostTable.realized_speedup`; at batch 8 on a CPU
-    the model, fed with noisy per-K costs, predicted 1.08x where the steps gave 0.85x).
-
-    Acceptance is measured on the rounds of requests whose drafter cache is whole (`observe`; the engine says which),
-    position by position (`position_acceptance`: a drafter that is right tends to stay right, which one rate over all
-    positions misses, mispredicting what each K returns), decayed over about the last 100 drafting rounds, shrunk to the prior. While the batch about to step has drafting
-    off, every `probe_every`-th step is a probe that drafts the cheapest K, so acceptance (which traffic or a new
-    drafter may change) keeps being measured.
-
-    Off at every batch size, even the drafter's pass over each step's new tokens (which keeps its cache whole, and
-    which an engine pays at K = 0) is a cost: once `WAKE_TOKENS` drafted tokens have been measured since the planner
-    last woke and drafting is still off everywhere, it *sleeps* (`awake` False: the engine skips that pass; requests
-    then lose their drafter cache) for `SLEEP_STEPS` steps, then wakes to measure again on requests that start awake.
-    While awake with drafting off everywhere, and for the first `trial_tokens` drafted tokens of a new drafter (the
-    live judge's window after a swap), probes come `FAST_PROBES` times as often and draft `serve.spec.k`.
-
-    No decision is taken on assumed costs. Every prediction is in units of a step of plain decoding at the batch's size
-    (a verify of K tokens costs far more, relative to it, at batch 8 than at batch 1 on a CPU), which only a step that
-    verifies no drafts measures (the step after one that proposed none). So the first steps at each batch-size bucket
-    draft nothing (`calibrate`) until `CALIBRATE_SAMPLES` plain steps there are timed (more than one: a server's first
-    decode step is its slowest; at most twice as many tries, where steps that prefill are not plain decoding), and so
-    does one step in `RECALIBRATE_EVERY` while drafting is on (off, plain steps come anyway), which keeps the measure
-    current for a share of the speedup under 1%.
-
-    A sleep lasts `SLEEP_STEPS` steps, twice as long each time the drafter wakes to find drafting still off everywhere
-    (up to `SLEEP_MAX`), and `SLEEP_STEPS` again once drafting is on or a new drafter serves: a drafter that cannot pay
-    costs a shrinking share of probes, one that can is found again soon.
-
-    Where drafting is off at a batch size on what its steps yielded (the realized gate above), only a new drafter can
-    turn it back on there (the drafting steps' rate is kept until then), so that pass is skipped at that batch size
-    alone (`skips_pass`), awake or not: at batch 8 on a CPU it cost about a tenth of a plain step. The requests of such a
-    step lose their drafter cache, as asleep.
-
-    `schedule(batch)` returns the dense K lookup for the next step (index = batch size, as vLLM's scheduler reads it)
-    and the routing decisions it took. A fresh drafter (`reset`) drafts `serve.spec.k` until its first rounds are seen.
-    """
-
-    HYSTERESIS = 0.05
-    CALIBRATE_SAMPLES = 3
-    RECALIBRATE_EVERY = 128
-    FAST_PROBES = 8
-    # every request's rounds feed one estimate, and probes are few: it keeps about the last 100 drafting rounds
-    # (serve.spec.decay is a request's own, over its last ten or so; with as few trials the prior would dominate)
-    DECAY = 0.99
-    WAKE_TOKENS = 32
-    SLEEP_STEPS = 128
-    SLEEP_MAX = 2048
-
-    def __init__(self, spec: SpecConfig, max_batch: int, costs: CostTable, trial_tokens: int = 0):
-        self.spec, self.max_batch, self.costs, self.trial_tokens = spec, max_batch, costs, trial_tokens
-        self.accepted = 0.0  # decayed accepted drafts, all positions (the summary `acceptance`)
-        self.trials = 0.0  # ... and tested drafts
-        self.by_position = ([0.0] * spec.k_max, [0.0] * spec.k_max)  # decayed (accepted, tested) at each draft position
-        self.steps_off = 0  # steps since the last one that drafted, at batch sizes with drafting off
-        self.on = [True] * (max_batch + 1)  # drafting on at each batch size (index 0 unused)
-        self.planned = [spec.k] * (max_batch + 1)  # the last lookup planned, probes aside
-        self.trial_left = 0  # drafted tokens before the drafter serving now leaves its trial
-        self.awake = True  # False: the engine skips the drafter's pass at K = 0
-        self.measured_awake = 0  # drafted tokens measured since the planner last woke
-        self.sleep_left = 0  # steps until it wakes
-        self.sleep_steps = self.SLEEP_STEPS  # how long the next sleep lasts
-        self.calibrations: Counter[int] = Counter()  # steps that drafted nothing to measure plain decoding, by bucket
-        self.since_calibrated = 0  # steps since the last one that drafted nothing
-
-    def reset(self) -> None:
-        """A new drafter serves: what was measured of the last one says nothing about it; it is on trial."""
-        self.accepted = self.trials = 0.0
-        self.by_position = ([0.0] * self.spec.k_max, [0.0] * self.spec.k_max)
-        self.steps_off = 0
-        self.trial_left = self.trial_tokens
-        self.measured_awake = 0
-        self.sleep_steps = self.SLEEP_STEPS
-        self.costs.forget_drafting_rates()
-
-    def drafted(self, k: int) -> None:
-        """A round of the serving drafter drafted `k` tokens, its cache whole or not (the judge counts them all)."""
-        self.trial_left = max(0, self.trial_left - k)
-
-    def observe(self, k: int, n: int) -> None:
-        """A round of a request whose drafter cache is whole: `n` of `k` drafts accepted (k = 0: nothing learnt)."""
-        if k == 0:
-            return
-        self.measured_awake += k
-        d = self.DECAY
-        self.accepted = self.accepted * d + n
-        self.trials = self.trials * d + n + (n < k)
-        accepted, tested = self.by_position
-        for i in range(len(accepted)):  # draft i + 1 was tested when the i before it were accepted
-            accepted[i] = accepted[i] * d + (n > i)
-            tested[i] = tested[i] * d + (i < k and n >= i)
-
-    def acceptance(self) -> float:
-        """The per-token acceptance over all positions (what logs and tests summarise)."""
-        s = self.spec
-        return acceptance_estimate(self.accepted, self.trials, s.prior_acceptance, s.prior_weight)
-
-    def acceptance_by_position(self) -> list[float]:
-        """The acceptance at each draft position given the ones before it were accepted (what K is planned with)."""
-        s = self.spec
-        return position_acceptance(*self.by_position, s.prior_acceptance, s.prior_weight)
-
-    def plan(self, batch: int, costs: tuple[float, list[float]] | None = None) -> tuple[int, float, str]:
-        """(K, predicted speedup, why) at this batch size (`costs`: `self.costs.plan(batch)`), without probing or hysteresis."""
-        s = self.spec
-        if not self.trials:
-            return s.k, 0.0, "no round of this drafter measured yet"
-        c, v = costs or self.costs.plan(batch)
-        a = self.acceptance_by_position()
-        k = choose_k_from_costs(a, c, v, s.k_min, s.k_max, 0.0)
-        speedup = ideal_speedup(a, k, c, v[k])
-        source = "measured" if self.costs.measured else "assumed"
-        by_position = " ".join(f"{x:.2f}" for x in a[:k])
-        return k, speedup, (f"acceptance {self.acceptance():.3f} ({by_position} at positions 1-{k}), drafter step {c:.3f} "
-                            f"and verify of K={k} {v[k]:.3f} target steps ({source})")
-
-    def schedule(self, batch: int, whole: int | None = None) -> tuple[list[int], list[Routing]]:
-        """The K lookup for the next step, the batch about to step having `batch` requests, `whole` of them with a whole
-        drafter cache (None: all), and the decisions taken. A probe needs a request to measure on: with none whole,
-        only a drafter on trial is probed (the judge counts every round of it)."""
-        s = self.spec
-        lookup = [0] * (self.max_batch + 1)
-        changes = []
-        size = self._size(batch)
-        if self.costs.spec.cost_ratio is None and self.awake:  # measured costs: plain decoding is the unit (class docstring)
-            at = batch_bucket(size)
-            self.since_calibrated += 1
-            timed = self.costs.samples[("verify", (at, 0))]
-            unmeasured = timed < self.CALIBRATE_SAMPLES and self.calibrations[at] < 2 * self.CALIBRATE_SAMPLES
-            if unmeasured or self.since_calibrated >= self.RECALIBRATE_EVERY:
-                if not self.calibrations[at]:
-                    changes.append(Routing("calibrate", size, 0,
-                                           f"plain decoding at batch size {batch} is measured first: steps draft nothing "
-                                           f"until {self.CALIBRATE_SAMPLES} are timed"))
-                self.calibrations[at] += 1
-                self.since_calibrated = 0
-                return lookup, changes
-        by_bucket: dict[int, tuple[float, list[float]]] = {}
-        for b in range(1, self.max_batch + 1):
-            bucket = batch_bucket(b)
-            if bucket not in by_bucket:
-                by_bucket[bucket] = self.costs.plan(b)
-            k, speedup, why = self.plan(b, by_bucket[bucket])
-            on = True
-            if self.trials:
-                need = s.min_speedup * (1.0 + (0.0 if self.on[b] else self.HYSTERESIS))
-                on = speedup > need
-                why = f"predicted speedup {speedup:.2f} {'>' if on else '<='} {need:.2f} at K={k}: {why}"
-                realized = self._unpaid(b)
-                if on and realized is not None:  # what the steps yield overrules the model
-                    on = False
-                    why = (f"realized speedup {realized:.2f} <= {s.min_speedup:.2f} (tokens per second of the last steps that "
-                           f"drafted over those that did not), though {why}")
-            if on != self.on[b]:
-                self.on[b] = on
-                changes.append(Routing("on" if on else "off", b, k if on else 0, why))
-            lookup[b] = k if on else 0
-        self.planned = lookup
-        b = size
-        if not lookup[b]:
-            self.since_calibrated = 0  # this step drafts nothing: the next one measures plain decoding anyway
-        everywhere_off = not any(lookup) and self.trials and not self.trial_left
-        if any(lookup):
-            self.sleep_steps = self.SLEEP_STEPS
-        if not everywhere_off:
-            if not self.awake:
-                self._wake(changes, b, "drafting is on again" if any(lookup) else "a new drafter")
-        elif not self.awake:
-            self.sleep_left -= 1
-            if self.sleep_left > 0:
-                return lookup, changes
-            self._wake(changes, b, f"drafting has been off for {self.sleep_steps} steps: measuring the drafter again")
-            self.sleep_steps = min(2 * self.sleep_steps, self.SLEEP_MAX)  # if it is still off, the next sleep is longer
-        elif self.measured_awake >= self.WAKE_TOKENS:
-            self.awake, self.sleep_left = False, self.sleep_steps
-            changes.append(Routing("sleep", b, 0, f"drafting off at every batch size after {self.measured_awake} drafted "
-                                                   f"tokens measured: the drafter's pass skipped for {self.sleep_steps} steps"))
-            return lookup, changes
-        if lookup[b]:
-            self.steps_off = 0
-            return lookup, changes
-        self.steps_off += 1
-        if not self.trial_left and whole == 0:
-            return lookup, changes
-        fast = self.trial_left or everywhere_off
-        every = max(1, s.probe_every // self.FAST_PROBES) if fast else s.probe_every
-        if self.steps_off >= every:
-            self.steps_off = 0
-            if fast:
-                k = s.k
-                why = (f"a drafter on trial ({self.trial_left} drafted tokens to go)" if self.trial_left else
-                       f"measuring the drafter before its pass is skipped ({self.measured_awake} of {self.WAKE_TOKENS} tokens)")
-            else:
-                c, v = by_bucket[batch_bucket(b)]
-                k = cheapest_k(c, v, s.k_min, s.k_max) if self.costs.measured else s.k_min
-                why = f"drafting has been off for {every} steps"
-            lookup = [0] + [k] * self.max_batch
-            changes.append(Routing("probe", b, k, why))
-        return lookup, changes
-
-    def skips_pass(self, batch: int, lookup: list[int]) -> bool:
-        """Whether the step about to run at `batch` (drafting `lookup[batch]`, as `schedule` returned it) skips the
-        drafter's pass over its new tokens: asleep, or drafting off at this batch size on what its steps yielded (see
-        the class docstring)."""
-        b = self._size(batch)
-        if lookup[b]:
-            return False
-        return not self.awake or (not self.on[b] and self._unpaid(b) is not None)
-
-    def _size(self, batch: int) -> int:
-        """A batch size as the lookup indexes it: 1 to max_batch."""
-        return min(max(batch, 1), self.max_batch)
-
-    def _unpaid(self, batch: int) -> float | None:
-        """The realized speedup at this batch size where it says drafting does not pay (at most
-        serve.spec.min_speedup), else None (it pays, or too few steps are measured to say)."""
-        realized = self.costs.realized_speedup(batch)
-        return realized if realized is not None and realized <= self.spec.min_speedup else None
-
-    def _wake(self, changes: list[Routing], batch: int, why: str) -> None:
-        self.awake, self.measured_awake, self.sleep_left = True, 0, 0
-        changes.append(Routing("wake", batch, 0, why))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1046,7 +465,7 @@ class _Row:
     on_tokens: TokenHook | None
     budget: int  # tokens it may generate (max_new_tokens, clipped by the context window)
     gen: torch.Generator
-    ctrl: _KController
+    ctrl: KController
     start: float
     out: list[int] = field(default_factory=list)
     rounds: list[Round] = field(default_factory=list)
@@ -1062,6 +481,17 @@ class _Row:
         return Result(r.request_id, list(r.prompt_ids), self.out, self.finish, self.versions, self.rounds, self.stats,
                       time.perf_counter() - self.start, rows, start, self.captured.layers,
                       counts["missing"] if self.captured.parts else 0, counts["recomputed"])
+
+
+@dataclass
+class _Verified:
+    """What a round's verify forward gave (`Decoding._verify`)."""
+
+    logits: torch.Tensor | None  # [B, Kmax + 1, V] the target's, at each drafted and the bonus position
+    fed: list[list[int]]  # each row's tokens fed before its drafts
+    layers: tuple[int, ...] | None = None  # the aux layers the Results carry (None: none)
+    aux: torch.Tensor | None = None  # [B, Q, len(layers) x hidden] their states at every fed position, drafts included
+    features: torch.Tensor | None = None  # [B, Q, hidden] the serving EAGLE-3 drafter's fused features of the same
 
 
 class Decoding:
@@ -1102,7 +532,7 @@ class Decoding:
         e.check_request(req)
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         budget = min(req.max_new_tokens, e.window - len(req.prompt_ids))
-        self.rows.append(_Row(key, req, on_tokens, budget, torch.Generator().manual_seed(seed), _KController(e.spec), time.perf_counter()))
+        self.rows.append(_Row(key, req, on_tokens, budget, torch.Generator().manual_seed(seed), KController(e.spec), time.perf_counter()))
         self.tgt.add_rows([req.prompt_ids])
         self.dft.add_rows([req.prompt_ids])  # an EAGLE-3 drafter's: nothing to feed until the target has seen it
 
@@ -1139,47 +569,27 @@ class Decoding:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, Result]]:
-        """One round for every row: draft, verify, accept, roll back. Returns (key, result) of the rows that finished
-        (cancelled rows first: they leave before the round)."""
+        """One round for every row: plan, draft, verify, accept, roll back, emit. Returns (key, result) of the rows that
+        finished (cancelled rows first: they leave before the round)."""
         cancelled = self._take_cancelled()
         e, rows = self.engine, self.rows
         if not rows:
             return cancelled
         if e._abort.is_set():
             raise DviError("decoding was aborted: the server is shutting down")
-        device, batch = e.device, len(rows)
         current = e.drafter  # one drafter for the whole round
         if current is not self.drafter:  # hot-swapped: the new drafter starts from a fresh cache
             self._use(current, rows)
-        drafter, eagle = self.drafter, self.eagle
-        c, verify_cost = e.costs.plan(batch)
-        measured = e.costs.measured
-        ks, routed = [], []
-        for b, r in enumerate(rows):
-            # an EAGLE-3 drafter drafts for a row once the target's features of it are queued (not in its prefill)
-            ready = drafter is not None and (eagle is None or self.dft.length[b] > 0 or len(self.dft.pending[b]) > 0)
-            k = r.ctrl.next_k(len(r.out), c, verify_cost, measured) if ready else 0
-            ks.append(max(0, min(k, r.budget - len(r.out) - 1)))  # never draft past the budget
-            if drafter is not None and r.ctrl.routed is not None:
-                routed.append((replace(r.ctrl.routed, batch=batch), None))
-        if routed:
-            with e._lock:
-                e._routing.extend(routed)
+        batch, device = len(rows), e.device
+        ks = self._plan()
         kmax = max(ks)
-        # each row draws 2 k + 1 uniforms from its own generator, however long the other rows draft, so a
-        # seeded request samples the same tokens alone or in any batch; drafts past k use u = 0 (ignored)
-        u_draft, u_accept, u_sample = torch.zeros(batch, kmax), torch.zeros(batch, kmax), torch.zeros(batch)
-        for b, (r, kb) in enumerate(zip(rows, ks)):
-            u = torch.rand(2 * kb + 1, generator=r.gen)
-            u_draft[b, :kb], u_accept[b, :kb], u_sample[b] = u[:kb], u[kb : 2 * kb], u[-1]
-        u_draft, u_accept, u_sample = (u.to(device) for u in (u_draft, u_accept, u_sample))
         temp = torch.tensor([r.req.temperature for r in rows], dtype=torch.float32, device=device)  # [B]
         top_p = torch.tensor([r.req.top_p for r in rows], dtype=torch.float32, device=device)  # [B]
-        k_row = torch.tensor(ks, device=device)  # [B]
-        # a round whose rows feed only their last token is a representative cost (a prefill is not)
+        u_draft, u_accept, u_sample = self._draws(ks, kmax)
+        # a round whose rows feed only their last token is a representative cost (a prefill is not); an EAGLE-3
+        # drafter is fed each kept position, up to K + 1 a round
         steady_tgt = max(len(p) for p in self.tgt.pending) == 1
-        # (an EAGLE-3 drafter is fed each kept position: up to K + 1 a round)
-        steady_dft = max(len(p) for p in self.dft.pending) <= (2 if eagle is None else e.spec.k_max + 1)
+        steady_dft = max(len(p) for p in self.dft.pending) <= (2 if self.eagle is None else e.spec.k_max + 1)
 
         timing = e.spec.cost_ratio is None  # fixed costs: nothing to measure
         t0 = _now(device) if timing else 0.0
@@ -1188,29 +598,8 @@ class Decoding:
         if kmax:
             draft_ids, q = e._draft(self.model, self.vocab_map, self.dft, kmax, temp, top_p, u_draft)
         t1 = _now(device) if timing else 0.0
-        fed = [list(p) for p in self.tgt.pending]  # the tokens this forward feeds before the drafts
-        layers = e.features_layers if e.features_layers is not None else (tuple(sorted(eagle.layer_ids)) if eagle else None)
-        hooked = sorted(set(layers or ()) | set(eagle.layer_ids if eagle is not None else ()))
-        if not hooked:
-            logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)  # [B, Kmax + 1, V]
-        else:
-            with aux_hidden_states(e.target, hooked) as aux:
-                logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)
-                hooked_states = aux()  # [B, Q, len(hooked) x hidden]: each fed position's, drafts included
-            if eagle is not None:
-                features = eagle.fuse(_layers_of(hooked_states, hooked, eagle.layer_ids))  # [B, Q, hidden]
-            if layers is not None:
-                aux_states = _layers_of(hooked_states, hooked, layers)
-        early = [min(r.req.min_tokens, r.budget) - len(r.out) for r in rows]  # positions of this round before min_tokens
-        warped = logits if max(early) <= 0 or not e.stop_ids else ban_tokens(logits, sorted(e.stop_ids), early)
-        p = logits_to_probs(warped, temp, top_p)  # [B, Kmax + 1, V]
-        n, token = rejection_sample(draft_ids, q, p, k_row, u_accept, u_sample)  # [B], [B]
-        topk = e.spec.topk_logprobs
-        wanted = [b for b, r in enumerate(rows) if r.req.logprobs is not None]
-        if topk or wanted:
-            log_p = torch.log_softmax(logits.float(), -1)  # [B, Kmax + 1, V]
-        if topk:
-            top_lp, top_ids = log_p.topk(topk, -1)  # [B, Kmax + 1, topk]
+        verified = self._verify(draft_ids, kmax)
+        n, token, log_p, top = self._accept(verified.logits, draft_ids, q, ks, temp, top_p, u_accept, u_sample)
         n_list, token_list = n.tolist(), token.tolist()  # the round's one read of the accepted counts
         if timing:
             t2 = time.perf_counter()  # after the .tolist() above: the device is done
@@ -1220,23 +609,97 @@ class Decoding:
                 e.costs.observe_draft(batch, kmax, t1 - t0)
             if steady_tgt and (not kmax or steady_dft):  # a decoding round's yield (`CostTable.speed_vs_target_only`)
                 e.costs.observe_rate(batch, kmax > 0, sum(n_list) + batch, t2 - t0)
+        drafted = draft_ids.tolist()
+        self._roll_back(verified, draft_ids, drafted, n, n_list, token_list)
+        return cancelled + self._emit(ks, drafted, n_list, token_list, log_p, top)
 
-        # roll both caches back to the accepted prefix
+    def _plan(self) -> list[int]:
+        """Each row's K for this round, by its own `KController` and the engine's cost table, never past its budget; 0
+        for an EAGLE-3 drafter's row whose target features are not queued yet (its prefill). The routing decisions
+        the rows took are queued for the engine (`take_routing`)."""
+        e, batch = self.engine, len(self.rows)
+        c, verify_cost = e.costs.plan(batch)
+        measured = e.costs.measured
+        ks, routed = [], []
+        for b, r in enumerate(self.rows):
+            ready = self.drafter is not None and (self.eagle is None or self.dft.length[b] > 0 or len(self.dft.pending[b]) > 0)
+            k = r.ctrl.next_k(len(r.out), c, verify_cost, measured) if ready else 0
+            ks.append(max(0, min(k, r.budget - len(r.out) - 1)))  # never draft past the budget
+            if self.drafter is not None and r.ctrl.routed is not None:
+                routed.append((replace(r.ctrl.routed, batch=batch), None))
+        if routed:
+            with e._lock:
+                e._routing.extend(routed)
+        return ks
+
+    def _draws(self, ks: list[int], kmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The round's uniforms on the engine's device: (drafting [B, Kmax], accepting [B, Kmax], the final sample [B]).
+        Each row draws 2 k + 1 from its own generator, however long the other rows draft, so a seeded request samples
+        the same tokens alone or in any batch; drafts past its k use u = 0 (ignored)."""
+        batch = len(self.rows)
+        u_draft, u_accept, u_sample = torch.zeros(batch, kmax), torch.zeros(batch, kmax), torch.zeros(batch)
+        for b, (r, kb) in enumerate(zip(self.rows, ks)):
+            u = torch.rand(2 * kb + 1, generator=r.gen)
+            u_draft[b, :kb], u_accept[b, :kb], u_sample[b] = u[:kb], u[kb : 2 * kb], u[-1]
+        return tuple(u.to(self.engine.device) for u in (u_draft, u_accept, u_sample))
+
+    def _verify(self, draft_ids: torch.Tensor, kmax: int) -> _Verified:
+        """The target's forward over each row's pending tokens and its drafts, keeping the logits of the last Kmax + 1
+        positions, and the aux hidden states of every fed position that the serving EAGLE-3 drafter and the Results'
+        features (`features_layers`) read."""
+        e, eagle = self.engine, self.eagle
+        v = _Verified(logits=None, fed=[list(p) for p in self.tgt.pending])  # the tokens this forward feeds before the drafts
+        v.layers = e.features_layers if e.features_layers is not None else (tuple(sorted(eagle.layer_ids)) if eagle else None)
+        hooked = sorted(set(v.layers or ()) | set(eagle.layer_ids if eagle is not None else ()))
+        if not hooked:
+            v.logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)  # [B, Kmax + 1, V]
+            return v
+        with aux_hidden_states(e.target, hooked) as aux:
+            v.logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)
+            hooked_states = aux()  # [B, Q, len(hooked) x hidden]: each fed position's, drafts included
+        if eagle is not None:
+            v.features = eagle.fuse(_layers_of(hooked_states, hooked, eagle.layer_ids))  # [B, Q, hidden]
+        if v.layers is not None:
+            v.aux = _layers_of(hooked_states, hooked, v.layers)
+        return v
+
+    def _accept(self, logits: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor, ks: list[int], temp: torch.Tensor,
+                top_p: torch.Tensor, u_accept: torch.Tensor, u_sample: torch.Tensor):
+        """The rejection sampler over the target's distributions (stop tokens banned before a row's `min_tokens`):
+        (accepted counts [B], the token after each row's accepted prefix [B], the target's log-probs [B, Kmax + 1, V] where
+        the records or a request want them else None, their (top-k log-probs, ids) where the records want them else None)."""
+        e, rows = self.engine, self.rows
+        early = [min(r.req.min_tokens, r.budget) - len(r.out) for r in rows]  # positions of this round before min_tokens
+        warped = logits if max(early) <= 0 or not e.stop_ids else ban_tokens(logits, sorted(e.stop_ids), early)
+        p = logits_to_probs(warped, temp, top_p)  # [B, Kmax + 1, V]
+        k_row = torch.tensor(ks, device=e.device)  # [B]
+        n, token = rejection_sample(draft_ids, q, p, k_row, u_accept, u_sample)  # [B], [B]
+        log_p = top = None
+        if e.spec.topk_logprobs or any(r.req.logprobs is not None for r in rows):
+            log_p = torch.log_softmax(logits.float(), -1)  # [B, Kmax + 1, V]
+        if e.spec.topk_logprobs:
+            top = log_p.topk(e.spec.topk_logprobs, -1)  # ([B, Kmax + 1, topk] log-probs, ids)
+        return n, token, log_p, top
+
+    def _roll_back(self, v: _Verified, draft_ids: torch.Tensor, drafted: list[list[int]], n: torch.Tensor, n_list: list[int],
+                   token_list: list[int]) -> None:
+        """Both caches back to each row's accepted prefix (the rejected drafts become holes), the token after it pending
+        for the next round; each row's kept positions' features captured for its Result."""
+        batch, kmax, device = len(self.rows), draft_ids.shape[1], self.engine.device
         j = torch.arange(1, kmax + 1, device=device)
         self.tgt.keep_last(j.unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_Kmax
         self.tgt.pending = [[t] for t in token_list]
-        drafted = draft_ids.tolist()
-        width = max(len(f) for f in fed)
-        if layers is not None:  # each row's kept positions: the tokens it fed, then its accepted drafts
-            for b, r in enumerate(rows):
-                first = len(r.req.prompt_ids) + len(r.out) - len(fed[b])
-                r.captured.add(first, aux_states[b, width - len(fed[b]) : width + n_list[b]].clone(), layers)
-        if eagle is not None:
+        width = max(len(f) for f in v.fed)
+        if v.layers is not None:  # each row's kept positions: the tokens it fed, then its accepted drafts
+            for b, r in enumerate(self.rows):
+                first = len(r.req.prompt_ids) + len(r.out) - len(v.fed[b])
+                r.captured.add(first, v.aux[b, width - len(v.fed[b]) : width + n_list[b]].clone(), v.layers)
+        if self.eagle is not None:
             # the drafter's slots of d_1..d_{Kmax-1} came from its own features: the target's replace them
             self.dft.keep_last(torch.zeros(batch, max(kmax - 1, 0), dtype=torch.bool, device=device))
             for b in range(batch):  # each position the target fed and kept, beside the token after it
-                seen = fed[b] + drafted[b][: n_list[b]]
-                self.dft.feed(b, seen[1:] + [token_list[b]], features[b, width - len(fed[b]) : width + n_list[b]])
+                seen = v.fed[b] + drafted[b][: n_list[b]]
+                self.dft.feed(b, seen[1:] + [token_list[b]], v.features[b, width - len(v.fed[b]) : width + n_list[b]])
         elif kmax:
             last = draft_ids[:, -1].tolist()
             self.dft.keep_last(j[:-1].unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_{Kmax-1}
@@ -1245,8 +708,13 @@ class Decoding:
             for b in range(batch):
                 self.dft.pending[b].append(token_list[b])
 
+    def _emit(self, ks: list[int], drafted: list[list[int]], n_list: list[int], token_list: list[int],
+              log_p: torch.Tensor | None, top) -> list[tuple[object, Result]]:
+        """Each row's Round, its tokens (up to a stop token or its budget) streamed to its hook, and its K controller
+        told; the rows that finished leave, their (key, Result) returned."""
+        e, drafter = self.engine, self.drafter
         finished, keep = [], []
-        for b, r in enumerate(rows):
+        for b, r in enumerate(self.rows):
             nb, kb = n_list[b], ks[b]
             version = drafter.version if drafter is not None and kb else None
             if version and (not r.versions or r.versions[-1] != version):
@@ -1259,8 +727,8 @@ class Decoding:
                     accepted=nb,
                     token=token_list[b],
                     drafter_version=version,
-                    topk_ids=top_ids[b, : kb + 1].clone() if topk else None,
-                    topk_logprobs=top_lp[b, : kb + 1].clone() if topk else None,
+                    topk_ids=top[1][b, : kb + 1].clone() if top is not None else None,
+                    topk_logprobs=top[0][b, : kb + 1].clone() if top is not None else None,
                     logprobs=_emitted_logprobs(log_p[b], drafted[b][:nb] + [token_list[b]], r.req.logprobs)
                     if r.req.logprobs is not None else None,
                 )
@@ -1284,8 +752,8 @@ class Decoding:
                 finished.append((r.key, r.result()))
             else:
                 keep.append(b)
-        if len(keep) < batch:  # finished rows leave now: their slots are free for the next round
+        if len(keep) < len(self.rows):  # finished rows leave now: their slots are free for the next round
             self._leave(keep)
         self.tgt.compact()
         self.dft.compact()
-        return cancelled + finished
+        return finished

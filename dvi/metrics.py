@@ -1,6 +1,6 @@
 """Serving metrics as data: what the server decoded, by drafter version and domain, and what happened to drafters.
 
-`ServingMetrics.observe(result, domain)` folds one finished request (`dvi.engine.Result`) in, round by round,
+`ServingMetrics.observe(result, domain)` folds one finished request (`dvi.engine_api.Result`) in, round by round,
 so a request that spanned a hot swap counts each round for the drafter that drafted it. Readers take what they
 need: `prometheus(...)` renders the /metrics page (prometheus_client: vLLM-shaped spec-decode counters by drafter
 version, domain and position, latency histograms fed by `observe_latency`, process metrics, a `model_name` label), `interval()` the points for MLflow since the last call,
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from dvi.engine import Result, SpecStats
+from dvi.engine_api import Result, SpecStats
 
 NO_DRAFTER = "none"  # the version label of rounds decoded without a drafter
 NO_DOMAIN = "none"
@@ -49,7 +49,7 @@ class Point:
     version: str | None  # the drafter serving at its end
     domains: dict[str, float] = field(default_factory=dict)  # acceptance by domain in the interval
     # decoding speed over target-only decoding's by batch-size bucket, as the engine measured it at the interval's
-    # end (`dvi.engine.CostTable.speed_vs_target_only`)
+    # end (`dvi.planner.CostTable.speed_vs_target_only`)
     vs_target_only: dict[int, float] = field(default_factory=dict)
 
 
@@ -68,7 +68,7 @@ class ServingMetrics:
         self.decode_seconds = 0.0  # summed over requests (a batch's requests overlap)
         self.errors: Counter[str] = Counter()  # HTTP status -> count
         self.events: Counter[str] = Counter()  # swap, rollback, promote, refused:<reason>
-        self.routing: Counter[str] = Counter()  # speculation routing decisions: on, off, probe, ... (dvi.engine.Routing)
+        self.routing: Counter[str] = Counter()  # speculation routing decisions: on, off, probe, ... (dvi.planner.Routing)
         self.schedule: list[int] = []  # the K drafted at each batch size (index 0 unused), where the engine plans one
         self.vs_target_only: dict[int, float] = {}  # decoding speed over target-only's by batch-size bucket (`speeds`)
         self.total = SpecStats()
@@ -147,7 +147,7 @@ class ServingMetrics:
                 self.markers.append((time.time(), kind, version or NO_DRAFTER))
 
     def route(self, decision: str, schedule: list[int] | None = None) -> None:
-        """Count a speculation routing decision (on, off, probe, ...: dvi.engine.Routing); `schedule`: the K per batch size it left."""
+        """Count a speculation routing decision (on, off, probe, ...: dvi.planner.Routing); `schedule`: the K per batch size it left."""
         with self._lock:
             self.routing[decision] += 1
             if schedule is not None:
@@ -159,7 +159,7 @@ class ServingMetrics:
 
     def speeds(self, vs_target_only: dict[int, float]) -> None:
         """The engine's measured decoding speed over target-only decoding's, by batch-size bucket
-        (`dvi.engine.CostTable.speed_vs_target_only`)."""
+        (`dvi.planner.CostTable.speed_vs_target_only`)."""
         with self._lock:
             self.vs_target_only = dict(vs_target_only)
 

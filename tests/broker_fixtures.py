@@ -185,7 +185,8 @@ def engine_records(target_dir: Path, drafter_dir: Path | None, n: int, new_token
     import torch
 
     from dvi.config import SpecConfig
-    from dvi.engine import Request, SpeculativeEngine
+    from dvi.engine import SpeculativeEngine
+    from dvi.engine_api import Request
     from dvi.models import load_causal_lm, load_drafter
 
     target = load_causal_lm(target_dir, "target")
@@ -220,7 +221,8 @@ def chat_records(target, drafter, tokenizer, questions=PYTHON_QUESTIONS, new_tok
     """Real DecisionRecords of one domain: the engine answering chat `questions` with a loaded pair of the demo
     vocabulary (greedy, K = 3, top-8 teacher); `drafter` None: target-only; `features_layers` as `engine_records`'."""
     from dvi.config import SpecConfig
-    from dvi.engine import Request, SpeculativeEngine
+    from dvi.engine import SpeculativeEngine
+    from dvi.engine_api import Request
 
     engine = SpeculativeEngine(target, drafter, SpecConfig(k=3, adaptive=False, topk_logprobs=8), max_batch=6,
                                features_layers=features_layers)

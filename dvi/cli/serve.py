@@ -22,7 +22,8 @@ from dvi.cli import args as checked
 from dvi.cli import vllm_server
 from dvi.cli.output import out
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.hardware import bound_cores, pick_dtype, pick_engine, pinned_engines, shared_cores
 from dvi.models import encode_prompt, end_ids, resolve_device
 from dvi.pairs import check_pair_dirs, pair_dirs, resolve_pair

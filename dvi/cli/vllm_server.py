@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dvi.cli.vllm_plugin import ENABLE, NAME, OVERRIDES, PORT
 from dvi.config import DviConfig, api_key
-from dvi.engine import MAX_LOGPROBS
+from dvi.engine_api import MAX_LOGPROBS
 from dvi.errors import DviError
 from dvi.models import drafter_kind
 from dvi.serving.vllm_engine import speculative_method, vllm_env

@@ -52,7 +52,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.datastructures import Headers
 
-from dvi.engine import LogProb
+from dvi.engine_api import LogProb
 from dvi.errors import DviError
 from dvi.records import DOMAIN
 from dvi.serving.replica import Replica, Unavailable

@@ -1,10 +1,10 @@
 """A serving replica: the engine behind a request queue, its decision log, hot swaps and metrics.
 
-`Replica` owns three threads around one engine: `dvi.engine.SpeculativeEngine`, or vLLM's (serve.engine=vllm,
-`dvi.serving.vllm_engine.VllmEngine`, the same interface):
+`Replica` owns three threads around one engine (a `dvi.engine_api.Engine`): `dvi.engine.SpeculativeEngine`, or vLLM's
+(serve.engine=vllm, `dvi.serving.vllm_engine.VllmEngine`):
 
 - **decode** (after `start()` has measured the engine's cost table, `serve.spec.warmup_reps`): one continuously
-  refilled batch (`dvi.engine.Decoding`): a waiting request joins at the next round boundary while fewer than
+  refilled batch (the engine's `Batch`): a waiting request joins at the next round boundary while fewer than
   `serve.max_batch` are decoding, and a finished one leaves in the round it finishes: its future is fulfilled,
   `ServingMetrics` fed and its DecisionRecords handed to the producer;
 - **swap** (when handed a control channel): a `DrafterPublished` drafter is checked and loaded off the decode
@@ -46,7 +46,8 @@ from dvi import store
 from dvi.config import DviConfig, api_key
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, Message
 from dvi.eagle3 import Eagle3Drafter
-from dvi.engine import LogProb, Request, Result, SpeculativeEngine, TokenHook
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Engine, LogProb, Request, Result, TokenHook
 from dvi.errors import DviError
 from dvi.files import sha256_file
 from dvi.hardware import pick_engine
@@ -121,6 +122,7 @@ class Replica:
         # the kind of drafter this replica serves: the configured one's (vLLM sizes its draft model once, by method)
         self.drafter_kind = pair.drafter.kind if pair.drafter is not None else LAYERS
         self.engine_kind = pick_engine(cfg.serve.engine, in_process=True)  # auto: vLLM's engine here, where installed
+        self.engine: Engine
         if engine is not None:  # vLLM's own server steps it (dvi.cli.vllm_plugin): this replica follows its requests
             self.engine = engine
             engine.adopt, engine.on_finish = self.adopt, self.finish

@@ -1,6 +1,6 @@
 """vLLM as the serving engine: dvi's engine interface over vLLM's engine core, in this process or in vLLM's own server.
 
-`VllmEngine` offers what the replica asks of `dvi.engine.SpeculativeEngine` (`decoding()`, `check_request`,
+`VllmEngine` is a `dvi.engine_api.Engine`, as `dvi.engine.SpeculativeEngine` is (`decoding()`, `check_request`,
 `check_drafter`, `swap_drafter`, `take_load_failures`, `drafter`, `abort`, `target`, `device`, `vocab_size`), so that the
 replica's API, decision records, hot swaps, live judge and metrics are the same for both engines. It follows one of
 vLLM's V1 `EngineCore`s, the target as its model and the drafter as its speculator: a layer drafter
@@ -18,8 +18,8 @@ Either way dvi's work wraps each of the core's steps (the `step_fn` its loop cal
 
 - speculation only where it pays (`serve.spec.adaptive`): vLLM drafts one K for a whole step, read from its
   batch-size schedule (`num_speculative_tokens_per_batch_size`, a dense lookup in its scheduler). Before every step
-  `dvi.engine.StepPlanner` rewrites that lookup from the live acceptance of the serving drafter and the costs measured
-  on this machine (`dvi.engine.CostTable`, fed by every step's timings): K = 0 where drafting would slow decoding,
+  `dvi.planner.StepPlanner` rewrites that lookup from the live acceptance of the serving drafter and the costs measured
+  on this machine (`dvi.planner.CostTable`, fed by every step's timings): K = 0 where drafting would slow decoding,
   with probe steps that keep acceptance measured; where it is off everywhere, or at this batch size on what its steps
   yielded, the drafter's own pass at K = 0 is skipped too (`StepPlanner.skips_pass`). A step with K = 0 still verifies and logs: its requests' rounds
   carry the target's token and top-k like any other, so the trainer keeps learning. Each routing decision is
@@ -64,7 +64,8 @@ from transformers import PreTrainedModel
 
 from dvi.config import SpecConfig, VllmConfig, default_cache_dir
 from dvi.eagle3 import Eagle3Drafter
-from dvi.engine import MAX_LOGPROBS, CostTable, Request, Result, Round, Routing, SpecStats, StepPlanner, TokenHook, check_request
+from dvi.engine_api import MAX_LOGPROBS, Request, Result, Round, SpecStats, TokenHook, check_request
+from dvi.planner import CostTable, Routing, StepPlanner
 from dvi.errors import DviError
 from dvi.features import Captured
 from dvi.hardware import VLLM_RELEASE
@@ -610,7 +611,7 @@ class _Row:
 
 
 class VllmDecoding:
-    """vLLM's running batch (in process) as the replica drives a `dvi.engine.Decoding`: `add` between steps, `step()` runs
+    """vLLM's running batch (in process) as a `dvi.engine_api.Batch`: `add` between steps, `step()` runs
     one engine step and returns the requests that finished in it; `cancel` from any thread."""
 
     def __init__(self, engine: VllmEngine):

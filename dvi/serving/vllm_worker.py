@@ -11,7 +11,7 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
   sampler verifies with (the target's, before any temperature or top-p; with a structured-output request's grammar
   applied, its forbidden tokens at `FORBIDDEN`), the `topk` most likely ids with their log-probs at every drafted and
   bonus position, and the log-prob of each emitted token;
-- it also times each step's parts for the cost table that decides where drafting pays (`dvi.engine.StepPlanner`):
+- it also times each step's parts for the cost table that decides where drafting pays (`dvi.planner.StepPlanner`):
   wrapping the runner's `execute_model` (what the step scheduled: requests, tokens, drafts to verify, the K to
   propose, `SchedulerOutput.num_spec_tokens_to_schedule`) and `propose_draft_token_ids` (the seconds the drafter took);
 - with `features` (an EAGLE-3 draft model), it keeps the target's aux hidden states of every token the step fed

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dvi.config import SpecConfig, load_config
-from dvi.engine import Request, SpeculativeEngine, _KV
+from dvi.engine import _KV, SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.errors import DviError
 from dvi.models import Drafter, end_ids
 from stat_checks import chi_square_pvalue, first_two_token_probs
@@ -643,7 +644,7 @@ def test_abort_stops_a_generation_in_progress_at_a_round_boundary(tiny_target, t
 
 
 def test_cost_table_plans_in_target_steps_and_borrows_across_buckets():
-    from dvi.engine import CostTable
+    from dvi.planner import CostTable
 
     table = CostTable(SpecConfig(k=2, k_max=3))
     assert not table.measured and table.plan(1) == (0.25, pytest.approx([1.0, 1.12, 1.24, 1.36]))  # the prior until measured
@@ -666,11 +667,11 @@ def test_cost_table_plans_in_target_steps_and_borrows_across_buckets():
 
 
 def test_controller_never_plans_a_round_its_table_predicts_slower_than_plain():
-    from dvi.engine import _KController
+    from dvi.planner import KController
 
     spec = SpecConfig(k=4, k_min=1, k_max=4, probe_every=8)
     slow = [1.0, 2.4, 2.0, 1.9, 1.5]  # c = 0.24: no K pays at the prior acceptance 0.5
-    ctrl = _KController(spec)
+    ctrl = KController(spec)
     ks = []
     for generated in range(40):
         k = ctrl.next_k(generated, 0.24, slow, measured=True)
@@ -681,7 +682,7 @@ def test_controller_never_plans_a_round_its_table_predicts_slower_than_plain():
     assert probes == [0, 9, 17, 25, 33]  # only the probes draft ...
     assert all(ks[g] == 4 for g in probes[1:])  # ... the cheapest round by the table (4 * 0.24 + 1.5 < 0.24 + 2.4), not k_min
     fast = [1.0, 1.05, 1.1, 1.15, 1.2]
-    good = _KController(spec)
+    good = KController(spec)
     for generated in range(10):
         k = good.next_k(generated, 0.05, fast, measured=True)
         good.observe(k, k)

@@ -17,7 +17,8 @@ import torch
 
 from dvi.config import SpecConfig
 from dvi.eagle3 import Eagle3Drafter, build_eagle3, init_from_target, layer_config, load_for_target, target_features, target_ids
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.errors import DviError
 from dvi.models import Drafter, load_causal_lm
 from stat_checks import chi_square_pvalue, first_two_token_probs

@@ -12,7 +12,8 @@ import torch
 
 from dvi.config import SpecConfig, load_config
 from dvi.eagle3 import target_features
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.errors import RecordError
 from dvi.features import Captured, Features, carries
 from dvi.records import Limits, Sampling, decode, encode, from_dict, records_from_result, validate

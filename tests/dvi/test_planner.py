@@ -1,4 +1,4 @@
-"""Speculation only where it pays: the engine-wide K schedule (`dvi.engine.StepPlanner`), the step costs it plans with
+"""Speculation only where it pays: the engine-wide K schedule (`dvi.planner.StepPlanner`), the step costs it plans with
 (`CostTable.observe_step`), the per-request routing of dvi's engine, and what `auto` settles to (`dvi.hardware`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from dvi import hardware
 from dvi.config import SpecConfig
-from dvi.engine import CostTable, StepPlanner, _KController
+from dvi.planner import CostTable, KController, StepPlanner
 from dvi.errors import DviError
 from dvi.speculative import expected_tokens_per_round, ideal_speedup
 
@@ -216,7 +216,7 @@ def test_a_drafter_on_trial_is_probed_at_k_often_until_its_window_is_drafted():
 
 
 def test_a_request_of_dvis_engine_routes_itself_and_says_so():
-    ctrl = _KController(SPEC)
+    ctrl = KController(SPEC)
     costs = measured_costs()
     c, v = costs.plan(1)
     assert ctrl.next_k(0, c, v, True) == SPEC.k and ctrl.routed is None  # no round seen yet

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dvi.config import SpecConfig
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.errors import DviError
 from dvi.models import Drafter, build_drafter, check_same_tokenizer, load_causal_lm, load_drafter, load_tokenizer
 

@@ -17,7 +17,8 @@ import torch
 from broker_fixtures import make_record
 
 from dvi.config import SpecConfig
-from dvi.engine import Request, Result, Round, SpecStats, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request, Result, Round, SpecStats
 from dvi.errors import DviError
 from broker_fixtures import NEWER_FIELDS, edit_message, newer_writer, newer_writer_v1, rewrap_v1
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from stat_checks import chi_square_pvalue
 
-from dvi.engine import SpecStats
+from dvi.engine_api import SpecStats
 from dvi.speculative import (
     acceptance_estimate,
     ban_tokens,

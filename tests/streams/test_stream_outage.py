@@ -9,7 +9,8 @@ import pytest
 
 import streams.producer
 from dvi.config import SpecConfig
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.procs import free_port
 from dvi.records import records_from_result
 from streams.broker import EmbeddedBroker

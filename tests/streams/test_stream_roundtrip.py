@@ -7,7 +7,8 @@ from collections import defaultdict
 import pytest
 
 from dvi.config import SpecConfig
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.records import decode, encode, records_from_result
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer

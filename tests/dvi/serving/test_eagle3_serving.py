@@ -22,7 +22,8 @@ from dvi.cli import vllm_server
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig
 from dvi.control import DrafterPublished, DrafterRejected
 from dvi.eagle3 import Eagle3Drafter, build_eagle3, load_eagle3
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.errors import DviError
 from dvi.models import EAGLE3, LAYERS, Drafter, drafter_kind, load_causal_lm, load_drafter
 from dvi.pairs import resolve_pair

@@ -54,7 +54,8 @@ PROMPTS = [[(7 * i + 13 * j) % 40000 + 100 for j in range(6 + i % 5)] for i in r
 
 def reference_greedy(dirs, n_tokens: int) -> list[list[int]]:
     """The target's own greedy continuation of each prompt (engine without a drafter)."""
-    from dvi.engine import Request, SpeculativeEngine
+    from dvi.engine import SpeculativeEngine
+    from dvi.engine_api import Request
 
     engine = SpeculativeEngine(load_causal_lm(dirs[0], "target"), None, SpecConfig(), max_batch=8)
     return [r.token_ids for r in engine.generate([Request(p, max_new_tokens=n_tokens) for p in PROMPTS])]
@@ -633,7 +634,7 @@ def test_a_request_submitted_while_a_long_one_decodes_finishes_first(tiny_dirs, 
     """Continuous batching in the real Replica (no broker, no channels): the short request joins the running batch
     at the next round boundary and is answered while the long one is still decoding; both stay exact."""
     from dvi.config import StreamConfig
-    from dvi.engine import Request
+    from dvi.engine_api import Request
 
     # fp32: exact against the fp32 reference below (model.dtype auto is bf16 on a CPU with native bf16)
     cfg = DviConfig(model=ModelConfig(target=str(tiny_dirs[0]), drafter=str(tiny_dirs[1]), dtype="float32"), stream=StreamConfig(),

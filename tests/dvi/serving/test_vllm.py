@@ -21,7 +21,8 @@ from replica_fixtures import Running, publish_noisy, scrape, service_config
 
 from dvi.config import SpecConfig, SwapConfig, VllmConfig
 from dvi.control import DrafterPublished
-from dvi.engine import Request, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.engine_api import Request
 from dvi.errors import DviError
 from dvi.models import end_ids, load_causal_lm, load_tokenizer
 from dvi.pairs import resolve_pair

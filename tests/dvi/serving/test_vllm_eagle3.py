@@ -25,7 +25,7 @@ from dvi import store
 from dvi.config import SpecConfig, StreamConfig, SwapConfig, VllmConfig
 from dvi.control import DrafterPublished
 from dvi.eagle3 import Eagle3Drafter, build_eagle3, load_eagle3, target_features, target_ids
-from dvi.engine import Request
+from dvi.engine_api import Request
 from dvi.models import load_causal_lm
 from dvi.pairs import resolve_pair
 from dvi.serving.replica import Replica
