@@ -3,7 +3,8 @@
 `generate` decodes one prompt with the configured pair and prints it (optionally logging its DecisionRecords).
 `serve` on serve.engine=vllm-server (auto, where vLLM is installed) becomes vLLM's own OpenAI server with dvi's loop
 as its plugin; on dvi or vllm it builds a replica's channels (the decision producer, the control channel, the MLflow
-tracker) from the config, hands them to `dvi.serving.replica.Replica`, and runs dvi's HTTP API until SIGINT or SIGTERM.
+tracker: `dvi.cli.replicas`, as the plugin does) from the config, hands them to `dvi.serving.replica.Replica`, and runs
+dvi's HTTP API until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import uvicorn
 from dvi.cli import args as checked
 from dvi.cli import vllm_server
 from dvi.cli.output import out
-from dvi.config import DviConfig, flat_params, load_config, overrides_of
+from dvi.cli.replicas import replica_channels
+from dvi.config import DviConfig, load_config, overrides_of
 from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Request
 from dvi.hardware import bound_cores, pick_dtype, pick_engine, pinned_engines, shared_cores
@@ -31,10 +33,8 @@ from dvi.procs import default_replica_id, free_port
 from dvi.records import records_from_result
 from dvi.serving.api import create_app, draining_server
 from dvi.serving.replica import Replica
-from dvi.tracking import Tracker
 from dvi.waiting import waiting_for
 from streams.client import quiet_kafka_logs
-from streams.control import ControlChannel
 from streams.producer import DecisionProducer
 
 
@@ -115,12 +115,7 @@ def serve(args: argparse.Namespace) -> int:
     if pick_engine(cfg.serve.engine).value == "vllm-server":
         return serve_vllm_server(cfg, args)
     quiet_kafka_logs(args.verbose)
-    producer = DecisionProducer(cfg.stream) if cfg.serve.log_decisions else None
-    control = ControlChannel(cfg.stream, client_id=f"dvi-serve-{replica_id}") if cfg.serve.swap.enabled else None
-    tracker = None
-    if cfg.tracking.enabled:
-        tracker = Tracker(cfg.tracking, run_name=f"serve-{replica_id}", params=flat_params(cfg),
-                          tags={"dvi.role": "serve", "dvi.replica": replica_id})
+    channels = replica_channels(cfg)
     # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed.
     # serve.engine=vllm: vLLM loads the target's weights; dvi keeps its skeleton (config, shapes) for its checks
     engine = pick_engine(cfg.serve.engine, in_process=True)
@@ -128,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
     out(f"dvi serve: engine {engine}, dtype {dtype}", flush=True)
     with waiting_for(f"the model pair to load (target {cfg.model.target}, engine {engine.value})"):
         replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft, target_weights=engine.value != "vllm"),
-                          producer=producer, control=control, tracker=tracker)
+                          **channels)
     replica.start()
     server = draining_server(uvicorn.Config(create_app(replica), host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
                                             timeout_graceful_shutdown=5, access_log=False,

@@ -19,18 +19,16 @@ import urllib.request
 from dataclasses import replace
 
 from dvi.cli import setup_logging
+from dvi.cli.replicas import replica_channels
 from dvi.cli.vllm_plugin import NAME, OVERRIDES, PORT
-from dvi.config import flat_params, load_config
+from dvi.config import load_config
 from dvi.errors import DviError
 from dvi.pairs import resolve_pair
 from dvi.procs import default_replica_id
 from dvi.serving.replica import Replica, sends_features
 from dvi.serving.vllm_engine import EXTENSION, VllmEngine, import_vllm
 from dvi.serving.vllm_worker import V2_RUNNER, runner_problem, select_v1_runner
-from dvi.tracking import Tracker
 from streams.client import quiet_kafka_logs
-from streams.control import ControlChannel
-from streams.producer import DecisionProducer
 
 log = logging.getLogger("dvi.cli.vllm_plugin")
 _runner_selected = False  # whether install() set VLLM_USE_V2_MODEL_RUNNER=0 (nothing named a runner)
@@ -149,13 +147,8 @@ def follow(core) -> None:
     pair = resolve_pair(replace(cfg.model, device="cpu"), with_drafter=drafting, target_weights=False)
     engine = VllmEngine.attach(core, pair.target, pair.drafter, cfg.serve.spec, trial_tokens=cfg.serve.swap.window_tokens,
                                features=sends_features(cfg))
-    producer = DecisionProducer(cfg.stream) if cfg.serve.log_decisions else None
-    control = ControlChannel(cfg.stream, client_id=f"dvi-serve-{replica_id}") if cfg.serve.swap.enabled and drafting else None
-    tracker = None
-    if cfg.tracking.enabled:
-        tracker = Tracker(cfg.tracking, run_name=f"serve-{replica_id}", params=flat_params(cfg),
-                          tags={"dvi.role": "serve", "dvi.replica": replica_id, "dvi.engine": "vllm-server"})
-    replica = Replica(cfg, pair, producer=producer, control=control, tracker=tracker, engine=engine).start(decode=False)
+    channels = replica_channels(cfg, swaps=drafting, tags={"dvi.engine": "vllm-server"})
+    replica = Replica(cfg, pair, **channels, engine=engine).start(decode=False)
     loop = _Loop(replica)
     core._dvi_loop = loop
     log.warning("dvi's loop follows this vLLM server: replica %s, drafter %s, records to %s at %s%s; vLLM's V1 model runner%s",
