@@ -42,7 +42,8 @@ from streams.broker import EmbeddedBroker  # noqa: E402
 from streams.consumer import DecisionConsumer  # noqa: E402
 from trainers.data import collate, example_from_record  # noqa: E402
 from trainers.losses import teacher_acceptance, teacher_from_topk  # noqa: E402
-from trainers.recipe import Eagle3PositionLM, realized_acceptance  # noqa: E402
+from trainers.gate import realized_acceptance  # noqa: E402
+from trainers.students import Eagle3PositionLM  # noqa: E402
 
 
 def first_draft_positions(record) -> list[int]:

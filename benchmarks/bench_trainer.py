@@ -64,8 +64,9 @@ from dvi.records import decode, encode, records_from_result  # noqa: E402
 from trainers.data import Ahead, FileSource  # noqa: E402
 from trainers.ds import merged_state_dict  # noqa: E402
 from trainers.losses import position_loss  # noqa: E402
-from trainers.recipe import (Eagle3PositionLM, PositionLM, Trainer, chunks, evaluate, gpu_busy_share, teacher_for,  # noqa: E402
-                             ttt_position_loss)
+from trainers.gate import chunks, evaluate, teacher_for  # noqa: E402
+from trainers.recipe import Trainer, gpu_busy_share  # noqa: E402
+from trainers.students import Eagle3PositionLM, PositionLM, ttt_position_loss  # noqa: E402
 
 TASKS = ["reverses a string", "checks whether a number is prime", "returns the largest element of a list",
          "counts the vowels in a string", "computes the factorial of n", "merges two sorted lists",

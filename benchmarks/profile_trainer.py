@@ -46,7 +46,7 @@ from dvi.pairs import load_any_drafter, resolve_pair  # noqa: E402
 from trainers import ds  # noqa: E402
 from trainers.data import collate, example_from_record  # noqa: E402
 from trainers.losses import position_loss, teacher_from_topk  # noqa: E402
-from trainers.recipe import Eagle3PositionLM, autocast, ttt_position_loss  # noqa: E402
+from trainers.students import Eagle3PositionLM, autocast, ttt_position_loss  # noqa: E402
 
 STEPS = 3
 # runs the command it is given and prints its peak resident KiB (each measurement in a process of its own)

@@ -1,6 +1,8 @@
 """Training side of dvi: the online distillation recipe that turns the decision stream into better drafters.
 
-`trainers.recipe` (the `Trainer`) wires the parts together; `trainers.losses` holds the objective's maths,
+`trainers.recipe` (the `Trainer`) wires the parts together; `trainers.students` holds the modules it optimises (a
+drafter answering at teacher positions, EAGLE-3's unrolled steps and loss), `trainers.gate` the held-out figures the
+gate compares, `trainers.losses` the objective's maths,
 `trainers.data` turns records into batches and keeps the replay buffer, ledger and offsets, `trainers.triggers`
 decides when to train, `trainers.ds` builds the DeepSpeed engine and `trainers.checkpoint` writes its checkpoints.
 MLflow tracking is `dvi.tracking`'s, the Kafka side `streams`', and the command line (`dvi train`, `dvi retrain`,

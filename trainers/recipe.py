@@ -53,7 +53,8 @@ own, or over a file of records, stopping when it is idle.
 Every decision (a trigger fired, a retrain request acknowledged, a gate passed, refused or not run for lack of
 held-out records, a publish) is one line on the logger `dvi.decision.trainer`, which the CLI shows at its default
 level; the counters go to the tracker after every gate and every `COUNTERS_EVERY_S`. This module knows records, DeepSpeed (through
-`trainers.ds`) and the model store; the maths is in `trainers.losses`, the record layout in `trainers.data`,
+`trainers.ds`) and the model store; the modules it trains are `trainers.students`', the gate's figures
+`trainers.gate`'s, the maths is in `trainers.losses`, the record layout in `trainers.data`,
 checkpoint files in `trainers.checkpoint`. It does not know Kafka or MLflow clients: its source, control
 reader, publisher and tracker are passed in.
 """
@@ -68,7 +69,6 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import psutil
 import torch
@@ -80,16 +80,14 @@ from dvi.alloc import RELEASE_EVERY_S, heap_figures, release_free
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
-from dvi.models import cache_dir, resolve_device, resolve_dtype
-from dvi.hardware import pick_engine
-from dvi.models import EAGLE3, drafter_kind
+from dvi.models import EAGLE3, cache_dir, drafter_kind, resolve_device, resolve_dtype
 from dvi.pairs import load_any_drafter, pair_dirs, resolve_pair
 from dvi.records import DecisionRecord, Delivered
 from trainers import checkpoint, ds
-from trainers.data import (Ahead, Batch, Buffer, Example, Fate, Item, Ledger, Offsets, batch_key, collate,
-                           example_from_record, pending_age_limit)
-from trainers.losses import (Teacher, argmax_draft_acceptance, kl_reward_weights, position_loss, student_log_probs,
-                             teacher_acceptance, teacher_from_logits, teacher_from_topk)
+from trainers.data import Ahead, Buffer, Example, Fate, Item, Ledger, Offsets, example_from_record, pending_age_limit
+from trainers.gate import Figures, evaluate, evaluate_each, gate_rule, pooled, teacher_for
+from trainers.losses import kl_reward_weights, position_loss
+from trainers.students import Eagle3PositionLM, PositionLM, autocast, ttt_position_loss
 from trainers.triggers import Trigger
 
 log = logging.getLogger("dvi.trainer")
@@ -111,113 +109,6 @@ def release_due(step: int, released_step: int, now: float, released_at: float) -
     the loop, stepping or idle: a trainer that goes idle after a step gives that step's memory back too, instead of
     holding it for as long as it idles."""
     return step != released_step and now - released_at >= RELEASE_EVERY_S
-
-
-class PositionLM(torch.nn.Module):
-    """A causal LM whose forward returns logits only at the teacher positions: [P, N].
-
-    Skipping the output layer at prompt positions matters: the 576 x 49,152 head is most of the drafter's cost.
-    `features` (what an EAGLE-3 drafter reads, `Eagle3PositionLM`) is taken and ignored, so that callers pass a batch
-    the same way to either.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                features: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
-        return self.model.get_output_embeddings()(hidden[rows, cols])  # [P, N]
-
-
-class Eagle3PositionLM(torch.nn.Module):
-    """An EAGLE-3 drafter (`dvi.eagle3.Eagle3Drafter`) as a `PositionLM`: forward(input_ids, attention_mask, rows,
-    cols) returns its draft-vocabulary logits [P, N] at the teacher positions, predicting the token `PositionLM`
-    predicts there, so teachers, losses and the gate take it as they take a layer drafter (vocab_map: the draft
-    vocabulary's target ids).
-
-    Alignment: teacher position (row, col) predicts the token at col + 1 from the tokens up to col. An EAGLE-3
-    drafter predicts it from the target's features at col - 1 and the token at col: index col - 1 of
-    `dvi.eagle3.ttt_logits` (step 0: what serving's first draft after the target verified up to col sees). A
-    position at col 0 has no feature before it (vLLM never drafts there: the target's prefill gives the first
-    token); the drafter reads zero features there, over that one token.
-
-    The features are the batch's (`features` [B, L, n_aux x target hidden]: serving's, carried by the records), or,
-    where it has none, computed by `target`, the trainer's frozen copy of the target, run without grad on the batch
-    (None: the trainer has no copy, and a batch without features is an error). The target is held outside the module
-    (a plain attribute, not a submodule): DeepSpeed neither optimises nor checkpoints it.
-
-    forward(..., steps=k) unrolls k drafting steps (training-time test): a list of (logits [P_j, N], keep [P] bool)
-    per step j, at the positions it reaches (keep: col - 1 - j >= 0; step 0 keeps every position). Step j at (row,
-    col) is the drafter's j-th further draft after the target verified the tokens up to col - j: its first pass at
-    index col - 1 - j, then j steps each on its own previous output, the tokens col - j + 1..col teacher-forced
-    (`dvi.eagle3.ttt_prenorms`); it predicts the same token col + 1. Only the indices some step reads are computed
-    (`dvi.eagle3.ttt_prenorms_at`): a record's prompt costs the first pass's keys and values, not its layer."""
-
-    def __init__(self, model: torch.nn.Module, target: torch.nn.Module | None):
-        super().__init__()
-        self.model = model
-        object.__setattr__(self, "target", target)  # not registered: no parameter, no state_dict entry
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                steps: int | None = None, features: torch.Tensor | None = None):
-        d = self.model
-        if features is None:
-            if self.target is None:
-                raise DviError("a batch without the target's features, and no copy of the target to compute them "
-                               "(trainer.features=records trains on records that carry features only)")
-            features = eagle3.target_features(self.target, input_ids, d.layer_ids, attention_mask)
-        feats = features.to(d.fc.weight.dtype)
-        n_steps = steps or 1
-        b, t = input_ids.shape
-        prenorms, slots = [], None
-        if t > 1:
-            want = torch.zeros(b, t - 1, dtype=torch.bool, device=input_ids.device)  # the indices some step reads
-            for k in range(n_steps):
-                at = cols - 1 - k
-                on = at >= 0
-                want[rows[on], at[on]] = True
-            prenorms, slots = eagle3.ttt_prenorms_at(d, feats, input_ids, want, n_steps)
-
-        def at_step(k: int, r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:  # step k's output at index c of rows r
-            return prenorms[k][r, slots[r, c]]
-
-        first = cols == 0
-        if bool(first.any()):  # the drafter alone on the first token, over zero features
-            alone, _ = d.trunk(feats.new_zeros(b, 1, d.config.hidden_size), input_ids[:, :1])
-            at0 = alone[rows, 0]
-            chosen = at0 if not prenorms else torch.where(first[:, None], at0, at_step(0, rows, (cols - 1).clamp(min=0)))
-        else:
-            chosen = at_step(0, rows, cols - 1)
-        out = [(d.head(chosen), torch.ones_like(cols, dtype=torch.bool))]
-        for k in range(1, n_steps):
-            keep = cols - 1 - k >= 0
-            reached = at_step(k, rows[keep], (cols - 1 - k)[keep]) if prenorms else chosen[:0]
-            out.append((d.head(reached), keep))
-        return out[0][0] if steps is None else out
-
-
-def ttt_position_loss(student, batch: Batch, teacher: Teacher, steps: int, divergence: str, w_kl: float, w_reward: float,
-                      beta: float, vocab_map) -> tuple[torch.Tensor, dict[str, float]]:
-    """An EAGLE-3 drafter's training loss: `position_loss` averaged over `steps` unrolled drafting steps
-    (`Eagle3PositionLM` forward with steps), each on the teacher positions it reaches; the metrics are step 0's (what
-    serving's first draft sees, as the gate measures it), with each later step's expected acceptance beside them
-    (`acceptance_step<j>`)."""
-    losses, metrics = [], {}
-    for k, (logits, keep) in enumerate(student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, steps=steps,
-                                               features=batch.features)):
-        if k and not bool(keep.any()):
-            continue
-        loss, m = position_loss(logits, teacher.select(keep), batch.drafted[keep],
-                                batch.reward[keep], batch.judged[keep], batch.weight[keep], divergence, w_kl, w_reward,
-                                beta, vocab_map)
-        losses.append(loss)
-        if k == 0:
-            metrics.update(m)
-        else:
-            metrics[f"acceptance_step{k}"] = m["acceptance"]
-    return torch.stack(losses).mean(), metrics
 
 
 @dataclass
@@ -252,130 +143,6 @@ class State:
     lineage: list[str] = field(default_factory=list)  # drafter versions served, oldest first; [-1] serves now
     serving_dir: str = ""  # the serving drafter's directory (the parent of the next publish)
     counters: Counters = field(default_factory=Counters)
-
-
-class Figures(NamedTuple):
-    """One held-out record's gate figures for one drafter: sums over its teacher positions, and their number."""
-
-    acceptance: float  # expected acceptance of a draft sampled from the drafter: sum min(p, q)
-    greedy: float  # the drafter's argmax is the target's
-    positions: int
-    realized: float = 0.0  # acceptance as the serving engine realizes it (`realized_acceptance`)
-
-
-GATE_RULES = ("argmax", "sampled")
-
-
-def gate_rule(cfg: DviConfig) -> str:
-    """`trainer.gate_rule`: auto is the rule of the engine `serve.engine` picks here (dvi's samples its drafts; vLLM's
-    proposers draft the argmax)."""
-    if cfg.trainer.gate_rule != "auto":
-        return cfg.trainer.gate_rule
-    return "sampled" if pick_engine(cfg.serve.engine).value == "dvi" else "argmax"
-
-
-def realized_acceptance(rule: str, batch: Batch, teacher: Teacher, log_q: torch.Tensor, best: torch.Tensor,
-                        teacher_best: torch.Tensor) -> torch.Tensor:
-    """Per teacher position [P], the acceptance of the drafter's draft as the engine realizes it: a greedy request's
-    draft is accepted when it is the target's argmax (`best` == `teacher_best`, target ids), whichever the rule; a
-    sampled request's with the probability `argmax_draft_acceptance` gives the drafter's argmax (rule argmax: vLLM) or
-    sum min(p, q) (rule sampled: dvi's engine, drafts sampled from q)."""
-    greedy = (best == teacher_best).float()
-    if rule == "sampled":
-        sampled = teacher_acceptance(teacher, log_q)
-    elif batch.topk_ids is not None:
-        sampled = argmax_draft_acceptance(batch.topk_ids, batch.topk_logprobs, batch.temperature, batch.top_p, best)
-    else:  # a teacher from the target's logits: the draft's probability at temperature 1
-        sampled = log_q.new_zeros(best.shape)
-    temperature = batch.temperature if batch.temperature is not None else torch.zeros_like(greedy)
-    return torch.where(temperature > 0, sampled, greedy)
-
-
-def autocast(device: torch.device, precision: str):
-    """bf16-mixed: the forward's matrix products in bf16 (`torch.autocast`), the weights and their gradients fp32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
-
-
-def teacher_for(batch: Batch, vocab_size: int, vocab_map: torch.Tensor | None, teacher_lm: PositionLM | None) -> Teacher:
-    """The batch's teacher: the logged top-k, or the full distribution of `teacher_lm` (the trainer's copy of
-    the target)."""
-    if batch.topk_ids is not None:
-        return teacher_from_topk(batch.topk_ids, batch.topk_logprobs, vocab_size, vocab_map)
-    if teacher_lm is None:
-        raise DviError("records without teacher log-probs need the target: set trainer.teacher=auto or logits")
-    with torch.no_grad():
-        return teacher_from_logits(teacher_lm(batch.input_ids, batch.attention_mask, batch.rows, batch.cols), vocab_map)
-
-
-def evaluate_each(student: PositionLM, examples: list[Example], vocab_size: int, vocab_map, teacher_lm: PositionLM | None,
-                  batch_tokens: int, rule: str = "argmax", precision: str = "fp32") -> list[Figures]:
-    """Per example, in their order: the sums over its teacher positions of `student`'s expected acceptance (sum over
-    tokens of min(p, q)), greedy match (argmax q = argmax p) and acceptance as the engine realizes it under `rule`
-    (`realized_acceptance`), and the number of positions; `teacher_lm` as in `teacher_for`; the forward in
-    `precision` (`autocast`). An example's figures do not depend on the examples batched with it (up to float
-    rounding), so they can be kept while its student is."""
-    each: list[Figures | None] = [None] * len(examples)  # every index is filled: chunks cover every example
-    device = next(student.parameters()).device
-    with torch.no_grad():
-        for at in chunk_indices(examples, batch_tokens):
-            group = [examples[i] for i in at]
-            batch = collate(group).to(device)
-            teacher = teacher_for(batch, vocab_size, vocab_map, teacher_lm)
-            with autocast(device, precision):
-                logits = student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, features=batch.features)
-            log_q = student_log_probs(logits)
-            accepted = teacher_acceptance(teacher, log_q)  # [P]
-            best = logits.argmax(-1) if vocab_map is None else vocab_map[logits.argmax(-1)]
-            teacher_best = batch.topk_ids[:, 0] if batch.topk_ids is not None else (
-                teacher.argmax() if vocab_map is None else vocab_map[teacher.argmax()])
-            realized = realized_acceptance(rule, batch, teacher, log_q, best, teacher_best)
-            per_row = torch.zeros(3, len(group), dtype=torch.float64, device=accepted.device)
-            per_row[0].index_add_(0, batch.rows, accepted.double())
-            per_row[1].index_add_(0, batch.rows, (best == teacher_best).double())
-            per_row[2].index_add_(0, batch.rows, realized.double())
-            for i, (acceptance, greedy, real) in zip(at, per_row.T.tolist(), strict=True):  # one host sync per batch
-                each[i] = Figures(acceptance, greedy, examples[i].positions, real)
-    return each
-
-
-def pooled(figures) -> dict[str, float]:
-    """Expected acceptance, greedy match rate and realized acceptance averaged over every teacher position of
-    `figures` (`Figures`)."""
-    figures = list(figures)
-    positions = max(sum(f.positions for f in figures), 1)
-    return {"acceptance": sum(f.acceptance for f in figures) / positions,
-            "greedy": sum(f.greedy for f in figures) / positions,
-            "realized": sum(f.realized for f in figures) / positions}
-
-
-def evaluate(student: PositionLM, examples: list[Example], vocab_size: int, vocab_map, teacher_lm: PositionLM | None,
-             batch_tokens: int, rule: str = "argmax", precision: str = "fp32") -> dict[str, float]:
-    """Expected acceptance, greedy match rate and realized acceptance of `student` (a candidate or the baseline) on
-    `examples`, averaged over their teacher positions (`evaluate_each`, pooled)."""
-    return pooled(evaluate_each(student, examples, vocab_size, vocab_map, teacher_lm, batch_tokens, rule, precision))
-
-
-def chunks(examples: list[Example], tokens: int):
-    """Groups of examples with the same `batch_key` and at most about `tokens` positions each."""
-    for at in chunk_indices(examples, tokens):
-        yield [examples[i] for i in at]
-
-
-def chunk_indices(examples: list[Example], tokens: int):
-    """`chunks` as the indices of its examples in `examples`."""
-    by_width: dict[tuple, list[int]] = {}
-    for i, e in enumerate(examples):
-        by_width.setdefault(batch_key(e), []).append(i)
-    for group in by_width.values():
-        chunk, used = [], 0
-        for i in group:
-            if chunk and used + examples[i].positions > tokens:
-                yield chunk
-                chunk, used = [], 0
-            chunk.append(i)
-            used += examples[i].positions
-        if chunk:
-            yield chunk
 
 
 class Trainer:

@@ -21,7 +21,7 @@ from dvi.pairs import load_any_drafter
 from dvi.swap import load_announced_eagle3
 from trainers.data import Batch
 from trainers.losses import Teacher, position_loss, teacher_from_logits
-from trainers.recipe import Eagle3PositionLM, PositionLM, ttt_position_loss
+from trainers.students import Eagle3PositionLM, PositionLM, ttt_position_loss
 
 VOCAB = 97
 DRAFT = 40

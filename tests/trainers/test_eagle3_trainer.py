@@ -25,7 +25,9 @@ from dvi.eagle3 import Eagle3Drafter, init_from_target, layer_config, save_eagle
 from dvi.models import load_causal_lm, load_tokenizer
 from dvi.swap import load_announced_eagle3
 from trainers.data import FileSource, collate, example_from_record
-from trainers.recipe import Eagle3PositionLM, Trainer, teacher_for, ttt_position_loss
+from trainers.gate import teacher_for
+from trainers.recipe import Trainer
+from trainers.students import Eagle3PositionLM, ttt_position_loss
 
 pytestmark = pytest.mark.slow
 
