@@ -68,12 +68,15 @@ V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's choice of model runner: "0" sel
 HOOKED = ("_sample", "execute_model", "propose_draft_token_ids", "input_batch")  # what dvi_capture reads of the runner
 
 
+SELECTED = "DVI_SELECTED_V1_RUNNER"  # "1": dvi set V2_RUNNER (here, or in the vLLM process that started this one)
+
+
 def select_v1_runner(env) -> bool:
     """Select vLLM's V1 model runner in `env` (a mutable mapping of environment variables) unless it names a runner
-    already; True where this set it."""
+    already; True where dvi selected it (here, or in a parent process whose environment `env` inherited)."""
     if env.get(V2_RUNNER, "").strip():
-        return False
-    env[V2_RUNNER] = "0"
+        return env.get(SELECTED) == "1"
+    env[V2_RUNNER], env[SELECTED] = "0", "1"
     return True
 
 

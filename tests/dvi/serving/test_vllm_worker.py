@@ -59,10 +59,11 @@ def test_the_loop_runs_on_vllms_v1_runner_where_vllm_would_pick_v2_and_refuses_v
     assert config.use_v2_model_runner  # vLLM's own choice there: V2
 
     env: dict[str, str] = {}
-    assert select_v1_runner(env) and env == {V2_RUNNER: "0"}
+    assert select_v1_runner(env) and env[V2_RUNNER] == "0"
+    assert select_v1_runner(dict(env))  # a vLLM process started by that one: still dvi's choice, and said so
     monkeypatch.setenv(V2_RUNNER, env[V2_RUNNER])
     assert not config.use_v2_model_runner and runner_problem(env, config) is None
-    assert not select_v1_runner({V2_RUNNER: "1"})  # a value set is the user's, and checked
+    assert not select_v1_runner({V2_RUNNER: "1"}) and not select_v1_runner({V2_RUNNER: "0"})  # the user's, and checked
 
     monkeypatch.setenv(V2_RUNNER, "1")
     assert "VLLM_USE_V2_MODEL_RUNNER=1 asks for vLLM's Model Runner V2" in runner_problem({V2_RUNNER: "1"})
