@@ -487,7 +487,7 @@ class _Row:
 class _Verified:
     """What a round's verify forward gave (`Decoding._verify`)."""
 
-    logits: torch.Tensor | None  # [B, Kmax + 1, V] the target's, at each drafted and the bonus position
+    logits: torch.Tensor  # [B, Kmax + 1, V] the target's, at each drafted and the bonus position
     fed: list[list[int]]  # each row's tokens fed before its drafts
     layers: tuple[int, ...] | None = None  # the aux layers the Results carry (None: none)
     aux: torch.Tensor | None = None  # [B, Q, len(layers) x hidden] their states at every fed position, drafts included
@@ -648,20 +648,17 @@ class Decoding:
         positions, and the aux hidden states of every fed position that the serving EAGLE-3 drafter and the Results'
         features (`features_layers`) read."""
         e, eagle = self.engine, self.eagle
-        v = _Verified(logits=None, fed=[list(p) for p in self.tgt.pending])  # the tokens this forward feeds before the drafts
-        v.layers = e.features_layers if e.features_layers is not None else (tuple(sorted(eagle.layer_ids)) if eagle else None)
-        hooked = sorted(set(v.layers or ()) | set(eagle.layer_ids if eagle is not None else ()))
+        fed = [list(p) for p in self.tgt.pending]  # the tokens this forward feeds before the drafts
+        layers = e.features_layers if e.features_layers is not None else (tuple(sorted(eagle.layer_ids)) if eagle else None)
+        hooked = sorted(set(layers or ()) | set(eagle.layer_ids if eagle is not None else ()))
         if not hooked:
-            v.logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)  # [B, Kmax + 1, V]
-            return v
+            return _Verified(self.tgt.forward(e.target, draft_ids, keep=kmax + 1), fed)  # [B, Kmax + 1, V]
         with aux_hidden_states(e.target, hooked) as aux:
-            v.logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)
+            logits = self.tgt.forward(e.target, draft_ids, keep=kmax + 1)
             hooked_states = aux()  # [B, Q, len(hooked) x hidden]: each fed position's, drafts included
-        if eagle is not None:
-            v.features = eagle.fuse(_layers_of(hooked_states, hooked, eagle.layer_ids))  # [B, Q, hidden]
-        if v.layers is not None:
-            v.aux = _layers_of(hooked_states, hooked, v.layers)
-        return v
+        return _Verified(logits, fed, layers,
+                         aux=_layers_of(hooked_states, hooked, layers) if layers is not None else None,
+                         features=eagle.fuse(_layers_of(hooked_states, hooked, eagle.layer_ids)) if eagle is not None else None)
 
     def _accept(self, logits: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor, ks: list[int], temp: torch.Tensor,
                 top_p: torch.Tensor, u_accept: torch.Tensor, u_sample: torch.Tensor):

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from dvi.eagle3 import build_eagle3, load_eagle3, load_for_target, target_ids
 from dvi.errors import DviError
@@ -38,13 +39,14 @@ def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
     return target_dir, drafter_dir
 
 
-def check_pair_dirs(target_dir: Path, drafter_dir: Path | None) -> None:
-    """What dvi checks of a pair before an engine that loads it itself (vLLM's server) starts, as `resolve_pair` does
-    for dvi's own: both are Hugging Face model directories and the drafter shares the target's tokenizer. Reads
-    tokenizers only; raises DviError naming the path."""
+def check_pair_dirs(target_dir: Path, drafter_dir: Path | None) -> PreTrainedTokenizerBase:
+    """What dvi checks of a pair before any weights load, for its own engine (`resolve_pair`) and before an engine that
+    loads the pair itself (vLLM's server) starts: both are Hugging Face model directories and the drafter shares the
+    target's tokenizer. Reads tokenizers only; raises DviError naming the path. Returns the target's tokenizer."""
     tokenizer = load_tokenizer(target_dir, "target")
     if drafter_dir is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
+    return tokenizer
 
 
 def load_any_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.float32,
@@ -78,14 +80,13 @@ def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, ea
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target_dir, drafter_dir = pair_dirs(cfg, with_drafter)
-    tokenizer = load_tokenizer(target_dir, "target")
+    tokenizer = check_pair_dirs(target_dir, drafter_dir)
     if target_weights:
         target = load_causal_lm(target_dir, "target", dtype, device)
     else:
         target, device = target_skeleton(target_dir, dtype), torch.device("cpu")
     drafter = None
     if drafter_dir is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(drafter_dir, "drafter"))
         if drafter_kind(drafter_dir) == EAGLE3 and not (eagle3 and target_weights):
             drafter = load_eagle3(drafter_dir, target_dir, dtype).to(device)
         else:

@@ -27,19 +27,17 @@ from dvi.pairs import resolve_pair
 from dvi.procs import default_replica_id
 from dvi.serving.replica import Replica, sends_features
 from dvi.serving.vllm_engine import EXTENSION, VllmEngine, import_vllm
-from dvi.serving.vllm_worker import V2_RUNNER, runner_problem, select_v1_runner
+from dvi.serving.vllm_worker import SELECTED, V2_RUNNER, runner_problem, select_v1_runner
 from streams.client import quiet_kafka_logs
 
 log = logging.getLogger("dvi.cli.vllm_plugin")
-_runner_selected = False  # whether install() set VLLM_USE_V2_MODEL_RUNNER=0 (nothing named a runner)
 
 
 def install() -> None:
     """In every vLLM process: the engine core's executor, busy loop and shutdown get dvi's hooks (they act only in the
     process that runs the engine core), and the API server's metrics registry dvi's collector. vLLM's V1 model runner
     is selected where nothing names one (`dvi.serving.vllm_worker.select_v1_runner`), before vLLM reads the setting."""
-    global _runner_selected
-    _runner_selected = select_v1_runner(os.environ)
+    select_v1_runner(os.environ)
     import_vllm()  # another release is one clear error here, before vLLM loads a model
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
     from vllm.v1.executor.abstract import Executor
@@ -154,7 +152,7 @@ def follow(core) -> None:
     log.warning("dvi's loop follows this vLLM server: replica %s, drafter %s, records to %s at %s%s; vLLM's V1 model runner%s",
                 replica_id, replica.metrics.version, cfg.stream.topic, cfg.stream.bootstrap,
                 f", its view on 127.0.0.1:{loop.port}" if loop.port else "",
-                f" ({V2_RUNNER}=0 set by dvi: its worker extension hooks that runner)" if _runner_selected else "")
+                f" ({V2_RUNNER}=0 set by dvi: its worker extension hooks that runner)" if os.environ.get(SELECTED) == "1" else "")
 
 
 class _Loop:

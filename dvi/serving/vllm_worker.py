@@ -65,10 +65,8 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.32
 # and the rotary embedding (buffers only)
 EAGLE3_NOT_LOADED = frozenset({"VocabParallelEmbedding", "RotaryEmbedding"})
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's choice of model runner: "0" selects the V1 runner this extension hooks
-HOOKED = ("_sample", "execute_model", "propose_draft_token_ids", "input_batch")  # what dvi_capture reads of the runner
-
-
 SELECTED = "DVI_SELECTED_V1_RUNNER"  # "1": dvi set V2_RUNNER (here, or in the vLLM process that started this one)
+HOOKED = ("_sample", "execute_model", "propose_draft_token_ids", "input_batch")  # what dvi_capture reads of the runner
 
 
 def select_v1_runner(env) -> bool:
