@@ -357,23 +357,51 @@ class StepPlanner:
         """The K lookup for the next step, the batch about to step having `batch` requests, `whole` of them with a whole
         drafter cache (None: all), and the decisions taken. A probe needs a request to measure on: with none whole,
         only a drafter on trial is probed (the judge counts every round of it)."""
-        s = self.spec
         lookup = [0] * (self.max_batch + 1)
-        changes = []
-        size = self._size(batch)
-        if self.costs.spec.cost_ratio is None and self.awake:  # measured costs: plain decoding is the unit (class docstring)
-            at = batch_bucket(size)
-            self.since_calibrated += 1
-            timed = self.costs.samples[("verify", (at, 0))]
-            unmeasured = timed < self.CALIBRATE_SAMPLES and self.calibrations[at] < 2 * self.CALIBRATE_SAMPLES
-            if unmeasured or self.since_calibrated >= self.RECALIBRATE_EVERY:
-                if not self.calibrations[at]:
-                    changes.append(Routing("calibrate", size, 0,
-                                           f"plain decoding at batch size {batch} is measured first: steps draft nothing "
-                                           f"until {self.CALIBRATE_SAMPLES} are timed"))
-                self.calibrations[at] += 1
-                self.since_calibrated = 0
-                return lookup, changes
+        changes: list[Routing] = []
+        b = self._size(batch)
+        if self._calibrating(batch, b, changes):
+            return lookup, changes
+        by_bucket = self._route(lookup, changes)
+        self.planned = lookup
+        if not lookup[b]:
+            self.since_calibrated = 0  # this step drafts nothing: the next one measures plain decoding anyway
+        everywhere_off = not any(lookup) and self.trials and not self.trial_left
+        if any(lookup):
+            self.sleep_steps = self.SLEEP_STEPS
+        if self._sleeps(b, any(lookup), everywhere_off, changes):
+            return lookup, changes
+        if lookup[b]:
+            self.steps_off = 0
+            return lookup, changes
+        self.steps_off += 1
+        if not self.trial_left and whole == 0:
+            return lookup, changes
+        return self._probe(lookup, b, everywhere_off, by_bucket, changes), changes
+
+    def _calibrating(self, batch: int, size: int, changes: list[Routing]) -> bool:
+        """Whether the next step measures plain decoding (measured costs only: plain decoding is the unit, class
+        docstring): its batch bucket has too few timed plain steps, or it is time to measure again."""
+        if self.costs.spec.cost_ratio is not None or not self.awake:
+            return False
+        at = batch_bucket(size)
+        self.since_calibrated += 1
+        timed = self.costs.samples[("verify", (at, 0))]
+        unmeasured = timed < self.CALIBRATE_SAMPLES and self.calibrations[at] < 2 * self.CALIBRATE_SAMPLES
+        if not (unmeasured or self.since_calibrated >= self.RECALIBRATE_EVERY):
+            return False
+        if not self.calibrations[at]:
+            changes.append(Routing("calibrate", size, 0,
+                                   f"plain decoding at batch size {batch} is measured first: steps draft nothing "
+                                   f"until {self.CALIBRATE_SAMPLES} are timed"))
+        self.calibrations[at] += 1
+        self.since_calibrated = 0
+        return True
+
+    def _route(self, lookup: list[int], changes: list[Routing]) -> dict[int, tuple[float, list[float]]]:
+        """Fill `lookup` with each batch size's K (0: drafting off there), noting every size that turns on or off; returns
+        the cost plan of each batch bucket."""
+        s = self.spec
         by_bucket: dict[int, tuple[float, list[float]]] = {}
         for b in range(1, self.max_batch + 1):
             bucket = batch_bucket(b)
@@ -394,48 +422,45 @@ class StepPlanner:
                 self.on[b] = on
                 changes.append(Routing("on" if on else "off", b, k if on else 0, why))
             lookup[b] = k if on else 0
-        self.planned = lookup
-        b = size
-        if not lookup[b]:
-            self.since_calibrated = 0  # this step drafts nothing: the next one measures plain decoding anyway
-        everywhere_off = not any(lookup) and self.trials and not self.trial_left
-        if any(lookup):
-            self.sleep_steps = self.SLEEP_STEPS
+        return by_bucket
+
+    def _sleeps(self, b: int, drafting: bool, everywhere_off: bool, changes: list[Routing]) -> bool:
+        """Wake, stay asleep or fall asleep (the drafter's pass skipped: class docstring); whether the step is asleep."""
         if not everywhere_off:
             if not self.awake:
-                self._wake(changes, b, "drafting is on again" if any(lookup) else "a new drafter")
+                self._wake(changes, b, "drafting is on again" if drafting else "a new drafter")
         elif not self.awake:
             self.sleep_left -= 1
             if self.sleep_left > 0:
-                return lookup, changes
+                return True
             self._wake(changes, b, f"drafting has been off for {self.sleep_steps} steps: measuring the drafter again")
             self.sleep_steps = min(2 * self.sleep_steps, self.SLEEP_MAX)  # if it is still off, the next sleep is longer
         elif self.measured_awake >= self.WAKE_TOKENS:
             self.awake, self.sleep_left = False, self.sleep_steps
             changes.append(Routing("sleep", b, 0, f"drafting off at every batch size after {self.measured_awake} drafted "
                                                    f"tokens measured: the drafter's pass skipped for {self.sleep_steps} steps"))
-            return lookup, changes
-        if lookup[b]:
-            self.steps_off = 0
-            return lookup, changes
-        self.steps_off += 1
-        if not self.trial_left and whole == 0:
-            return lookup, changes
+            return True
+        return False
+
+    def _probe(self, lookup: list[int], b: int, everywhere_off: bool, by_bucket: dict[int, tuple[float, list[float]]],
+               changes: list[Routing]) -> list[int]:
+        """`lookup`, or, when drafting has been off long enough at batch size `b`, a probe: every size drafts this step."""
+        s = self.spec
         fast = self.trial_left or everywhere_off
         every = max(1, s.probe_every // self.FAST_PROBES) if fast else s.probe_every
-        if self.steps_off >= every:
-            self.steps_off = 0
-            if fast:
-                k = s.k
-                why = (f"a drafter on trial ({self.trial_left} drafted tokens to go)" if self.trial_left else
-                       f"measuring the drafter before its pass is skipped ({self.measured_awake} of {self.WAKE_TOKENS} tokens)")
-            else:
-                c, v = by_bucket[batch_bucket(b)]
-                k = cheapest_k(c, v, s.k_min, s.k_max) if self.costs.measured else s.k_min
-                why = f"drafting has been off for {every} steps"
-            lookup = [0] + [k] * self.max_batch
-            changes.append(Routing("probe", b, k, why))
-        return lookup, changes
+        if self.steps_off < every:
+            return lookup
+        self.steps_off = 0
+        if fast:
+            k = s.k
+            why = (f"a drafter on trial ({self.trial_left} drafted tokens to go)" if self.trial_left else
+                   f"measuring the drafter before its pass is skipped ({self.measured_awake} of {self.WAKE_TOKENS} tokens)")
+        else:
+            c, v = by_bucket[batch_bucket(b)]
+            k = cheapest_k(c, v, s.k_min, s.k_max) if self.costs.measured else s.k_min
+            why = f"drafting has been off for {every} steps"
+        changes.append(Routing("probe", b, k, why))
+        return [0] + [k] * self.max_batch
 
     def skips_pass(self, batch: int, lookup: list[int]) -> bool:
         """Whether the step about to run at `batch` (drafting `lookup[batch]`, as `schedule` returned it) skips the

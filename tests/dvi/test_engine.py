@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dvi.config import SpecConfig, load_config
-from dvi.engine import _KV, SpeculativeEngine
+from dvi.engine import SpeculativeEngine
+from dvi.kv import BatchKV
 from dvi.engine_api import Request
 from dvi.errors import DviError
 from dvi.models import Drafter, end_ids
@@ -191,7 +192,7 @@ def test_kv_cache_after_rollback_equals_fresh_forward(tiny_target, tiny_drafter)
     assert assert_drafts_are_drafter_greedy(tiny_drafter, greedy) > 50
 
 
-def _feed_and_check(model, kv: _KV, seqs: list[list[int]], extra: torch.Tensor) -> torch.Tensor:
+def _feed_and_check(model, kv: BatchKV, seqs: list[list[int]], extra: torch.Tensor) -> torch.Tensor:
     t = extra.shape[1]
     logits = kv.forward(model, extra, keep=t + 1)  # [B, T + 1, V]
     for b, seq in enumerate(seqs):
@@ -204,10 +205,10 @@ def _feed_and_check(model, kv: _KV, seqs: list[list[int]], extra: torch.Tensor) 
 
 @pytest.mark.parametrize("slack", [64, 0, 3])
 def test_kv_holes_select_and_compact_match_fresh_forward(tiny_target, slack):
-    """Drive `_KV` like the engine does, with random accept lengths, row removal and compaction."""
+    """Drive `BatchKV` like the engine does, with random accept lengths, row removal and compaction."""
     gen = torch.Generator().manual_seed(slack)
     prompts = [PROMPTS[1], PROMPTS[2], [9, 9], PROMPTS[0]]
-    kv = _KV(prompts)
+    kv = BatchKV(prompts)
     seqs = [list(p) for p in prompts]
     squeezed = 0
     with torch.inference_mode():
@@ -242,7 +243,7 @@ def test_kv_left_without_slots_takes_rows_joining_after(tiny_target, emptied_by)
     """A cache whose slots all go (the row left holds only pending tokens: it joined while nothing was drafted, and
     the rows that were fed left) starts afresh, so a row joining later is fed beside it: no layer keeps the batch
     size of the rows that left."""
-    kv = _KV([PROMPTS[2], PROMPTS[1]])
+    kv = BatchKV([PROMPTS[2], PROMPTS[1]])
     with torch.inference_mode():
         kv.forward(tiny_target, torch.tensor([[4, 4], [5, 5]]), keep=1)
         kv.add_rows([[7, 8, 9]])
@@ -259,7 +260,7 @@ def test_kv_left_without_slots_takes_rows_joining_after(tiny_target, emptied_by)
 @pytest.fixture
 def compact_often(monkeypatch):
     """Make the engine squeeze holes out whenever there are any; count the compactions that happened."""
-    original = _KV.compact
+    original = BatchKV.compact
     count = {"squeezed": 0}
 
     def compact(self, slack=64):
@@ -268,7 +269,7 @@ def compact_often(monkeypatch):
         count["squeezed"] += self.valid.shape[1] < width
         assert self.cache.get_seq_length() in (0, self.valid.shape[1])
 
-    monkeypatch.setattr(_KV, "compact", compact)
+    monkeypatch.setattr(BatchKV, "compact", compact)
     return count
 
 
@@ -282,7 +283,7 @@ def test_compaction_keeps_outputs_identical(tiny_target, tiny_drafter, compact_o
         assert res.token_ids == target_greedy(tiny_target, req.prompt_ids, req.max_new_tokens)
     assert assert_cache_matches_fresh_forward(tiny_target, compacted) > 50
     with pytest.MonkeyPatch.context() as mp:  # the same batch without compaction
-        mp.setattr(_KV, "compact", lambda self, slack=64: None)
+        mp.setattr(BatchKV, "compact", lambda self, slack=64: None)
         plain = engine.generate(reqs)
     assert [r.token_ids for r in compacted] == [r.token_ids for r in plain]
     assert [[(x.k, x.accepted) for x in r.rounds] for r in compacted] == [[(x.k, x.accepted) for x in r.rounds] for r in plain]
