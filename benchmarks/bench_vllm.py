@@ -8,7 +8,7 @@ throughputs are divided by the peer's of the same round and the medians of those
 
 The servers:
 
-- `vLLM` (the peer): `python -m vllm.entrypoints.openai.api_server`, target only, at its best settings on this machine:
+- `vLLM` (the peer): `vllm serve` (`dvi.cli.vllm_server.SERVER`, vLLM's own CLI on either build), target only, at its best settings on this machine:
   compiled, the dtype `model.dtype: auto` picks (bf16 only where the CPU has native bf16), every core for the engine
   (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`: the CPU build's default keeps one back for the API server, 0.7x here);
 - `vLLM, bfloat16` (or float32, where auto picks bf16): the other dtype. On a CPU without native bf16, bf16 is
@@ -56,6 +56,7 @@ from pathlib import Path
 import requests
 
 from benchmarks import load_client, workloads
+from dvi.cli.vllm_server import SERVER
 from dvi.eagle3 import eagle3_config
 from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Request
@@ -158,7 +159,7 @@ def server_env() -> dict[str, str]:
 
 def plain_vllm(target: Path, dtype: str, *extra: str) -> list[str]:
     """vLLM's own OpenAI server on the target, as a vLLM user starts it."""
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--dtype", dtype,
+    return [*SERVER, str(target), "--dtype", dtype,
             "--max-model-len", "2048", "--max-num-seqs", "8", "--disable-uvicorn-access-log", *extra]
 
 

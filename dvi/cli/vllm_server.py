@@ -1,10 +1,10 @@
 """vLLM's own OpenAI server as dvi starts it (serve.engine=vllm-server): its command line and environment.
 
-`dvi serve` on this engine runs `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs) on the
-configured pair, with dvi's loop enabled in it as a vLLM plugin (`dvi.cli.vllm_plugin`): vLLM's API, processes and
-`/metrics` unchanged, and the records, hot swaps, live judge and tracking of `dvi serve`. The same command without the
-plugin's variables is plain vLLM (`plain=True`), what benchmarks compare against. This module builds argument lists
-and environments; it starts nothing and does not know the loop.
+`dvi serve` on this engine runs `vllm serve` (as `python -m dvi.cli.vllm_cli serve`: vLLM's supported command line, on
+the CPU build too) on the configured pair, with dvi's loop enabled in it as a vLLM plugin (`dvi.cli.vllm_plugin`):
+vLLM's API, processes and `/metrics` unchanged, and the records, hot swaps, live judge and tracking of `dvi serve`. The
+same command without the plugin's variables is plain vLLM (`plain=True`), what benchmarks compare against. This module
+builds argument lists and environments; it starts nothing and does not know the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dvi.models import drafter_kind
 from dvi.serving.vllm_engine import speculative_method, vllm_env
 from dvi.serving.vllm_worker import runner_problem
 
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SERVER = [sys.executable, "-m", "dvi.cli.vllm_cli", "serve"]  # `vllm serve`, on either build (dvi.cli.vllm_cli)
 
 
 def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, port: int | None = None,
@@ -32,7 +32,7 @@ def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, p
     serve.spec.k), serve.max_batch requests at once, browser calls from serve.allowed_origins only. An EAGLE-3 drafter's
     directory (`dvi.models.drafter_kind`) is its `eagle3` speculator instead."""
     s, v = cfg.serve, cfg.serve.vllm
-    cmd = [sys.executable, "-m", SERVER_MODULE, "--model", str(target), "--dtype", dtype, "--max-model-len", str(v.max_model_len),
+    cmd = [*SERVER, str(target), "--dtype", dtype, "--max-model-len", str(v.max_model_len),
            "--max-num-seqs", str(s.max_batch), "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0", "--disable-uvicorn-access-log",
            "--gpu-memory-utilization", str(v.gpu_memory_utilization),  # as the in-process engine (a CPU ignores it)
            "--host", host or s.host, "--port", str(port or s.port),
