@@ -2,7 +2,7 @@
 
 One process, one run, against the real embedded Tansu broker (started here on a free port, or --bootstrap):
 
-1. Record size in bytes per generated token (`dvi.records.encode`; also after Kafka's gzip batch compression, and
+1. Record size in bytes per generated token (`dvi.record_codec.encode`; also after Kafka's gzip batch compression, and
    as schema 1 wrote them, zlib per record): for the demo pair's real records (an
    engine `Result` per prompt, greedy, the default adaptive K, chunked every `stream.chunk_rounds` rounds, carrying
    the target's features of the demo EAGLE-3 drafter's layers as `stream.features` has them: bf16, and int8, and
@@ -53,7 +53,8 @@ from dvi.models import encode_prompt
 from dvi.pairs import resolve_pair
 from dvi.procs import free_port
 from dvi import records_v1
-from dvi.records import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
+from dvi.record_codec import encode
+from dvi.records import DecisionRecord, RoundRecord, Sampling, Target, records_from_result
 from streams.broker import EmbeddedBroker
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
@@ -268,7 +269,7 @@ def main() -> int:
             broker.stop()
     results["load_after"] = os.getloadavg()
 
-    print(f"\nRecord size (dvi.records.encode, schema 2; {'demo pair and ' if real else ''}synthetic records)")
+    print(f"\nRecord size (dvi.record_codec.encode, schema 2; {'demo pair and ' if real else ''}synthetic records)")
     print(table(results["sizes"], ["records", "teacher", "n", "tokens", "drafted/token", "bytes/record", "bytes/token",
                                    "gzip alone B/token", "gzip batch B/token", "schema 1 B/token"]))
     print(f"\nProducer / consumer throughput (kafka-python 3.0.12, Tansu at {bootstrap}, one partition per request key)")

@@ -60,7 +60,8 @@ from dvi.engine_api import Request  # noqa: E402
 from dvi.features import Features  # noqa: E402
 from dvi.models import Drafter, encode_chat, end_ids, resolve_device  # noqa: E402
 from dvi.pairs import load_any_drafter, resolve_pair  # noqa: E402
-from dvi.records import decode, encode, records_from_result  # noqa: E402
+from dvi.record_codec import decode, encode  # noqa: E402
+from dvi.records import records_from_result  # noqa: E402
 from trainers.data import Ahead, FileSource  # noqa: E402
 from trainers.ds import merged_state_dict  # noqa: E402
 from trainers.losses import position_loss  # noqa: E402
@@ -337,7 +338,7 @@ def cached_records(args, key: str, make):
 
 
 def wire_bytes(records, batch_bytes: int = 262144) -> dict:
-    """What `records` take on the wire (`dvi.records.encode`, float16 log-probs), as written and after Kafka's gzip batch
+    """What `records` take on the wire (`dvi.record_codec.encode`, float16 log-probs), as written and after Kafka's gzip batch
     compression (batches of `batch_bytes`, stream.batch_bytes): per record, per feature row and per generated token."""
     encoded = [encode(r) for r in records]
     gz, batch = 0, []

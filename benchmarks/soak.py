@@ -958,7 +958,7 @@ def merge_reads(watched: list[tuple[int, int, str]], final: list[tuple[int, int,
 
 def record_id(value: bytes) -> str | None:
     """The id of an encoded decision record; None for bytes that are not one (hostile: the trainer dead-letters them)."""
-    from dvi.records import decode
+    from dvi.record_codec import decode
 
     try:
         return decode(value).record_id

@@ -8,7 +8,7 @@ packs `tensor_content`: a varint per id or a 4-byte float per log-prob would mak
 
 Evolution is protobuf's: a later minor version only adds fields, with new numbers, and a reader skips the
 numbers it does not know. `message_class(extra=...)` builds such a later version (tests write with it).
-This module knows the schema and protobuf; it knows nothing about validation, numpy or Kafka (dvi.records).
+This module knows the schema and protobuf; it knows nothing about validation, numpy or Kafka (dvi.records, dvi.record_codec).
 """
 
 from __future__ import annotations

@@ -20,25 +20,11 @@ serving ran, so a trainer needs no copy of the target. A record carries them for
 `stream.features.max_tokens` positions it has (fewer where `stream.max_record_bytes` would not hold them: the
 oldest go first), for a share of requests (`stream.features.share`); a reader that does not know them skips them.
 
-Wire format, one function each way (`encode` / `decode`), never pickle: a protobuf message (`dvi.record_proto`, the
-schema as `.proto` text from `dvi stream schema`) in Confluent's framing, so a schema-registry-aware tool reads it:
-
-    0x00 | u32 schema id (big-endian; a registry's id for the schema, 0: none) | message indexes [0] (the file's
-    first message, DecisionRecord; written as one 0 byte, read in either of Confluent's forms) | protobuf DecisionRecord
-
-Token ids and the teacher arrays are packed little-endian `bytes` fields (ids u16 if the vocabulary fits, else i32;
-log-probs f16 or f32), the width declared beside them. There is one compression layer, Kafka's batch compression
-(`stream.compression`); a record itself is not compressed.
-
-Evolution: the schema's major version is its package (`dvi.records.v2`); a minor version only adds fields with new
-numbers (`minor` says which the writer knew), and a reader skips fields it does not know. On Kafka a record
-carries headers (`kafka_headers`) saying its content type and schema version, so tools can route it without
-opening it. This build also reads schema 1 (`dvi.records_v1`: a JSON header and zlib-compressed arrays), so
-records written before an upgrade still train.
-
-A record is validated at the two wire boundaries, once each: by `encode` on the writing side, by `decode` (or
-`from_dict`, for the JSON-lines form) on the reading side; failures raise `RecordError` naming the field. This
-module knows the engine's `Result` and numpy; it knows nothing about Kafka, topics or where records go.
+The wire format is `dvi.record_codec` (`encode` / `decode`: protobuf in a schema registry's framing; schema 1 read
+by `dvi.records_v1`); `to_dict` / `from_dict` are the JSON-lines form. A record is validated at the two wire
+boundaries, once each (`validate`): by `encode` on the writing side, by `decode` (or `from_dict`) on the reading
+side; failures raise `RecordError` naming the field. This module knows the engine's `Result` and numpy; it knows
+nothing about the bytes on the wire, Kafka, topics or where records go.
 """
 
 from __future__ import annotations
@@ -47,38 +33,28 @@ import base64
 import binascii
 import math
 import re
-import struct
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
-from dvi import records_v1
 from dvi.errors import DviError, RecordError
 from dvi.features import ENCODINGS, Features, carries
-from dvi.record_proto import RECORD, message_class
 
 SCHEMA_VERSION = 2  # the major version this build writes
-SCHEMA_MINOR = 1  # the minor version this build writes (1: features); it reads records of any minor version
 CONTENT_TYPE = "application/vnd.dvi.decision-record+protobuf"
 READS = {1: "application/vnd.dvi.decision-record", 2: CONTENT_TYPE}  # major version -> content type, of what it reads
-_FRAME = struct.Struct(">BI")  # Confluent's framing: magic byte 0, schema id; then the message indexes ([0]: one 0 byte)
-LP_DTYPES = records_v1.LP_DTYPES  # the log-prob element types a record may carry
-_IDS_OF_WIDTH = {2: np.dtype("<u2"), 4: np.dtype("<i4")}  # id_bytes -> the ids' element type
-_LOGPROBS_OF_WIDTH = {t.itemsize: t for t in LP_DTYPES.values()}  # logprob_bytes -> the log-probs' element type
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 DOMAIN = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a domain or tenant tag: it names metrics and plot series
 _MAX_TEXT = 256  # characters of ids, names and tags
-MAX_METADATA = 64 << 10  # bytes of a record's fields other than its arrays, generously
 _LOGPROB_SLACK = 1e-3  # a log-prob may exceed 0 by float rounding only
 _U32_MAX = (1 << 32) - 1  # the wire's counts and sizes are uint32
 _I32_MAX = (1 << 31) - 1  # a round's position and k are int32
 _I64 = 1 << 63  # a seed is an int64
-_MAX_LAYERS = 64  # target layers a record's features may name
-_FEATURE_DTYPES = {"bf16": np.dtype("<u2"), "int8": np.dtype("i1")}  # encoding -> the wire's element type
+MAX_LAYERS = 64  # target layers a record's features may name
+FEATURE_DTYPES = {"bf16": np.dtype("<u2"), "int8": np.dtype("i1")}  # encoding -> the wire's element type
 
 
 @dataclass(frozen=True)
@@ -170,7 +146,7 @@ class DecisionRecord:
         return len(self.prompt_ids) + len(self.prefix_ids) + len(self.generated_ids)
 
     def to_dict(self) -> dict:
-        """Plain JSON-able form (for people and scripts; the wire format is `encode`)."""
+        """Plain JSON-able form (for people and scripts; the wire format is `dvi.record_codec.encode`)."""
         return {
             "schema_version": self.schema_version,
             "record_id": self.record_id,
@@ -205,7 +181,7 @@ class DecisionRecord:
 
 def _features_dict(f: Features) -> dict:
     return {"layers": list(f.layers), "start": f.start, "encoding": f.encoding, "width": f.width,
-            "data": base64.b64encode(f.data.astype(_FEATURE_DTYPES[f.encoding]).tobytes()).decode(),
+            "data": base64.b64encode(f.data.astype(FEATURE_DTYPES[f.encoding]).tobytes()).decode(),
             "scales": None if f.scales is None else base64.b64encode(f.scales.astype("<f4").tobytes()).decode()}
 
 
@@ -215,13 +191,13 @@ def _features_of_dict(d: Any) -> Features | None:
     if not isinstance(d, dict):
         raise RecordError("features", f"expected a JSON object, got {type(d).__name__}")
     encoding = d["encoding"]
-    if encoding not in _FEATURE_DTYPES:
+    if encoding not in FEATURE_DTYPES:
         raise RecordError("features.encoding", f"{str(encoding)[:20]!r}, expected one of {', '.join(ENCODINGS)}")
     layers = [int(i) for i in d["layers"]]
     width = int(d["width"])
     if width < 1 or not layers:
         raise RecordError("features.width", f"{width} values per row over {len(layers)} layers")
-    data = np.frombuffer(base64.b64decode(d["data"], validate=True), _FEATURE_DTYPES[encoding])
+    data = np.frombuffer(base64.b64decode(d["data"], validate=True), FEATURE_DTYPES[encoding])
     if data.size % width:
         raise RecordError("features.data", f"{data.size} values, not a multiple of the width {width}")
     scales = None if d.get("scales") is None else np.frombuffer(base64.b64decode(d["scales"], validate=True), "<f4")
@@ -246,7 +222,7 @@ class Delivered:
 
 def from_dict(d: Any, vocab_size: int | None = None) -> DecisionRecord:
     """The record of `DecisionRecord.to_dict` output (e.g. a line of `dvi stream tail --json`), validated
-    (`vocab_size`: the reader's expectation, as in `decode`).
+    (`vocab_size`: the reader's expectation, as in `dvi.record_codec.decode`).
 
     Raises `RecordError` naming the field that is missing or wrong."""
     if not isinstance(d, dict):
@@ -310,23 +286,8 @@ def records_from_result(
     rounds = list(result.rounds)
     if not rounds:
         return []
-    have = min(0 if r.topk_ids is None else int(r.topk_ids.shape[-1]) for r in rounds)
-    topk = have if topk is None else topk
-    if topk > have:
-        raise DviError(
-            f"the stream logs top-{topk} teacher log-probs but the engine recorded {have} per position: "
-            f"set serve.spec.topk_logprobs >= {topk} or stream.topk <= {have}"
-        )
-    chunks: list[list[Any]] = []
-    version = None
-    for r in rounds:
-        swapped = r.drafter_version is not None and version is not None and r.drafter_version != version
-        if not chunks or len(chunks[-1]) >= chunk_rounds or swapped:
-            chunks.append([])
-            version = None
-        chunks[-1].append(r)
-        version = r.drafter_version or version
-
+    topk = _teacher_width(rounds, topk)
+    chunks = _chunks(rounds, chunk_rounds)
     sampling = Sampling.of(sampling)
     target = Target(target_name, int(vocab_size))
     tokens = list(result.token_ids)
@@ -340,14 +301,7 @@ def records_from_result(
         start = chunk[0].position
         end = chunks[c + 1][0].position if c + 1 < len(chunks) else len(tokens)
         versions = [r.drafter_version for r in chunk if r.drafter_version is not None]
-        window = None
-        if features is not None:  # the last features_max_tokens positions of this record's sequence it has
-            rows, first, layers = features
-            length = len(result.prompt_ids) + end
-            hi = min(first + rows.shape[0], length)
-            lo = max(first, hi - features_max_tokens)
-            if hi > lo:
-                window = Features.encode(rows[lo - first : hi - first], layers, lo, features_encoding)
+        window = _window(features, len(result.prompt_ids) + end, features_max_tokens, features_encoding)
         records.append(
             DecisionRecord(
                 request_id=result.request_id,
@@ -370,6 +324,45 @@ def records_from_result(
     return records
 
 
+def _teacher_width(rounds: list[Any], topk: int | None) -> int:
+    """The teacher columns records of these rounds keep: `topk`, or all the rounds carry (None); no more than that."""
+    have = min(0 if r.topk_ids is None else int(r.topk_ids.shape[-1]) for r in rounds)
+    topk = have if topk is None else topk
+    if topk > have:
+        raise DviError(
+            f"the stream logs top-{topk} teacher log-probs but the engine recorded {have} per position: "
+            f"set serve.spec.topk_logprobs >= {topk} or stream.topk <= {have}"
+        )
+    return topk
+
+
+def _chunks(rounds: list[Any], chunk_rounds: int) -> list[list[Any]]:
+    """The rounds in chunks of at most `chunk_rounds`, a new chunk also where the drafter changed (a hot swap)."""
+    chunks: list[list[Any]] = []
+    version = None
+    for r in rounds:
+        swapped = r.drafter_version is not None and version is not None and r.drafter_version != version
+        if not chunks or len(chunks[-1]) >= chunk_rounds or swapped:
+            chunks.append([])
+            version = None
+        chunks[-1].append(r)
+        version = r.drafter_version or version
+    return chunks
+
+
+def _window(features: tuple[Any, int, tuple[int, ...]] | None, length: int, max_tokens: int, encoding: str) -> Features | None:
+    """The last `max_tokens` positions of a sequence of `length` tokens that `features` (the result's rows, the
+    position of the first, the layers) has, encoded; None where it has none of them."""
+    if features is None:
+        return None
+    rows, first, layers = features
+    hi = min(first + rows.shape[0], length)
+    lo = max(first, hi - max_tokens)
+    if hi > lo:
+        return Features.encode(rows[lo - first : hi - first], layers, lo, encoding)
+    return None
+
+
 def _round_record(r: Any, topk: int) -> RoundRecord:
     k = int(r.k)
     if topk:
@@ -389,6 +382,27 @@ def validate(record: DecisionRecord, vocab_size: int | None = None) -> None:
     """Raise `RecordError` naming the first field that is wrong; `vocab_size`: the consumer's expectation."""
     if not isinstance(record, DecisionRecord):
         raise RecordError("record", f"expected a DecisionRecord, got {type(record).__name__}")
+    vocab = _check_metadata(record, vocab_size)
+    if record.features is not None:
+        _check_features(record.features, len(record.prompt_ids) + len(record.prefix_ids) + len(record.generated_ids))
+    topk = _int(record.topk, "topk", lo=0)
+    if topk > vocab:
+        raise RecordError("topk", f"{topk} exceeds the vocabulary size {vocab}")
+
+    prompt = _ids(record.prompt_ids, "prompt_ids", vocab)
+    if prompt.size == 0:
+        raise RecordError("prompt_ids", "empty prompt")
+    prefix = _ids(record.prefix_ids, "prefix_ids", vocab)
+    generated = _ids(record.generated_ids, "generated_ids", vocab)
+    if not isinstance(record.rounds, list) or not record.rounds:
+        raise RecordError("rounds", "expected a non-empty list of RoundRecord")
+    _check_emitted(record.rounds, len(prefix), generated, record.final, vocab, topk)
+    if topk:
+        _check_teacher(record.rounds, vocab, topk)
+
+
+def _check_metadata(record: DecisionRecord, vocab_size: int | None) -> int:
+    """Check the fields other than the tokens, rounds and features; the record's vocabulary size."""
     _int(record.schema_version, "schema_version")
     if record.schema_version not in READS:
         raise RecordError("schema_version", f"unknown schema version {record.schema_version} (this build knows {sorted(READS)})")
@@ -423,84 +437,85 @@ def validate(record: DecisionRecord, vocab_size: int | None = None) -> None:
         _text(record.domain, "domain")
         if not DOMAIN.fullmatch(record.domain):
             raise RecordError("domain", f"{record.domain[:80]!r} is not a tag of 1 to 64 letters, digits, '.', '_' or '-'")
-    if record.features is not None:
-        _check_features(record.features, len(record.prompt_ids) + len(record.prefix_ids) + len(record.generated_ids))
-    topk = _int(record.topk, "topk", lo=0)
-    if topk > vocab:
-        raise RecordError("topk", f"{topk} exceeds the vocabulary size {vocab}")
+    return vocab
 
-    prompt = _ids(record.prompt_ids, "prompt_ids", vocab)
-    if prompt.size == 0:
-        raise RecordError("prompt_ids", "empty prompt")
-    prefix = _ids(record.prefix_ids, "prefix_ids", vocab)
-    generated = _ids(record.generated_ids, "generated_ids", vocab)
-    if not isinstance(record.rounds, list) or not record.rounds:
-        raise RecordError("rounds", "expected a non-empty list of RoundRecord")
 
-    start, end = len(prefix), len(prefix) + len(generated)
+def _check_emitted(rounds: list[RoundRecord], start: int, generated: np.ndarray, final: bool, vocab: int, topk: int) -> None:
+    """Check each round, and that the rounds, one after another from position `start` (the prefix's length), emit
+    `generated`; the last round of a request's final chunk may be cut short."""
+    end = start + len(generated)
     gen = generated.tolist()
     expect_pos = start
-    for i, r in enumerate(record.rounds):
+    for i, r in enumerate(rounds):
         name = f"rounds[{i}]"
-        if not isinstance(r, RoundRecord):
-            raise RecordError(name, f"expected a RoundRecord, got {type(r).__name__}")
-        pos = _int(r.position, f"{name}.position", lo=0, hi=_I32_MAX)
-        k = _int(r.k, f"{name}.k", lo=0, hi=_I32_MAX)
-        drafted = r.drafted.tolist() if isinstance(r.drafted, np.ndarray) else r.drafted
-        if not isinstance(drafted, (list, tuple)) or not _all_ints(drafted):
-            raise RecordError(f"{name}.drafted", "expected a list of integer token ids")
-        if len(drafted) != k:
-            raise RecordError(f"{name}.drafted", f"length {len(drafted)} != k = {k}")
-        if drafted and (min(drafted) < 0 or max(drafted) >= vocab):
-            bad = next(d for d in drafted if not 0 <= d < vocab)
-            raise RecordError(f"{name}.drafted", f"id {bad} outside the vocabulary [0, {vocab})")
-        acc = _int(r.accepted, f"{name}.accepted", lo=0)
-        if acc > k:
-            raise RecordError(f"{name}.accepted", f"{acc} accepted of k = {k} drafts")
-        token = _int(r.token, f"{name}.token")
-        if not 0 <= token < vocab:
-            raise RecordError(f"{name}.token", f"id {token} outside the vocabulary [0, {vocab})")
-        _teacher_shape(r, name, k, topk)
+        pos, emitted = _check_round(r, name, vocab, topk)
         if pos != expect_pos:
             raise RecordError(f"{name}.position", f"{pos}, expected {expect_pos} (the tokens emitted before it)")
-        emitted = list(drafted[:acc]) + [token]
-        last = i == len(record.rounds) - 1
+        last = i == len(rounds) - 1
         got = gen[pos - start : (pos - start + len(emitted)) if not last else None]
-        if last and record.final:  # a stop token or the length limit may cut the last round short
+        if last and final:  # a stop token or the length limit may cut the last round short
             ok = 0 < len(got) <= len(emitted) and got == emitted[: len(got)]
         else:
             ok = got == emitted
         if not ok:
             raise RecordError(f"{name}", f"emits {emitted} but generated_ids holds {got} at position {pos}")
         expect_pos = pos + len(emitted)
-    if not record.final and expect_pos != end:
+    if not final and expect_pos != end:
         raise RecordError("generated_ids", f"{len(generated)} tokens, the rounds emit {expect_pos - start}")
-    if topk:  # one vectorized pass over every round's teacher arrays
-        ids = np.concatenate([r.topk_ids for r in record.rounds])  # [sum(k + 1), topk]
-        _in_vocab(ids.ravel(), vocab, lambda j: f"rounds[{_round_of(record.rounds, j // topk)}].topk_ids")
-        lp = np.concatenate([r.topk_logprobs for r in record.rounds])  # [sum(k + 1), topk]
-        bad = ~np.isfinite(lp)
-        if bad.any():
-            j = int(np.flatnonzero(bad.ravel())[0]) // topk
-            raise RecordError(f"rounds[{_round_of(record.rounds, j)}].topk_logprobs", "non-finite log-probs (NaN or inf)")
-        high = lp > _LOGPROB_SLACK
-        if high.any():
-            j = int(np.flatnonzero(high.ravel())[0])
-            raise RecordError(f"rounds[{_round_of(record.rounds, j // topk)}].topk_logprobs", f"log-prob {float(lp.ravel()[j])} > 0")
+
+
+def _check_round(r: RoundRecord, name: str, vocab: int, topk: int) -> tuple[int, list[int]]:
+    """Check one round's fields on their own (`name`: where it is, for errors); its position and the tokens it emits."""
+    if not isinstance(r, RoundRecord):
+        raise RecordError(name, f"expected a RoundRecord, got {type(r).__name__}")
+    pos = _int(r.position, f"{name}.position", lo=0, hi=_I32_MAX)
+    k = _int(r.k, f"{name}.k", lo=0, hi=_I32_MAX)
+    drafted = r.drafted.tolist() if isinstance(r.drafted, np.ndarray) else r.drafted
+    if not isinstance(drafted, (list, tuple)) or not _all_ints(drafted):
+        raise RecordError(f"{name}.drafted", "expected a list of integer token ids")
+    if len(drafted) != k:
+        raise RecordError(f"{name}.drafted", f"length {len(drafted)} != k = {k}")
+    if drafted and (min(drafted) < 0 or max(drafted) >= vocab):
+        bad = next(d for d in drafted if not 0 <= d < vocab)
+        raise RecordError(f"{name}.drafted", f"id {bad} outside the vocabulary [0, {vocab})")
+    acc = _int(r.accepted, f"{name}.accepted", lo=0)
+    if acc > k:
+        raise RecordError(f"{name}.accepted", f"{acc} accepted of k = {k} drafts")
+    token = _int(r.token, f"{name}.token")
+    if not 0 <= token < vocab:
+        raise RecordError(f"{name}.token", f"id {token} outside the vocabulary [0, {vocab})")
+    _teacher_shape(r, name, k, topk)
+    return pos, list(drafted[:acc]) + [token]
+
+
+def _check_teacher(rounds: list[RoundRecord], vocab: int, topk: int) -> None:
+    """Check every round's teacher values (ids in the vocabulary, finite log-probs not above 0), in one vectorized
+    pass; their shapes are checked already."""
+    ids = np.concatenate([r.topk_ids for r in rounds])  # [sum(k + 1), topk]
+    _in_vocab(ids.ravel(), vocab, lambda j: f"rounds[{_round_of(rounds, j // topk)}].topk_ids")
+    lp = np.concatenate([r.topk_logprobs for r in rounds])  # [sum(k + 1), topk]
+    bad = ~np.isfinite(lp)
+    if bad.any():
+        j = int(np.flatnonzero(bad.ravel())[0]) // topk
+        raise RecordError(f"rounds[{_round_of(rounds, j)}].topk_logprobs", "non-finite log-probs (NaN or inf)")
+    high = lp > _LOGPROB_SLACK
+    if high.any():
+        j = int(np.flatnonzero(high.ravel())[0])
+        raise RecordError(f"rounds[{_round_of(rounds, j // topk)}].topk_logprobs", f"log-prob {float(lp.ravel()[j])} > 0")
 
 
 def _check_features(f: Features, length: int) -> None:
     """Refuse features that are malformed or do not fit a sequence of `length` tokens."""
     if not isinstance(f, Features):
         raise RecordError("features", f"expected a Features, got {type(f).__name__}")
-    if f.encoding not in _FEATURE_DTYPES:
+    if f.encoding not in FEATURE_DTYPES:
         raise RecordError("features.encoding", f"{str(f.encoding)[:20]!r}, expected one of {', '.join(ENCODINGS)}")
     layers = list(f.layers)
-    if not 0 < len(layers) <= _MAX_LAYERS or any(not isinstance(i, int) or i < 0 for i in layers) or layers != sorted(set(layers)):
-        raise RecordError("features.layers", f"{layers[:8]}: expected 1 to {_MAX_LAYERS} distinct layer ids, ascending")
+    if not 0 < len(layers) <= MAX_LAYERS or any(not isinstance(i, int) or i < 0 for i in layers) or layers != sorted(set(layers)):
+        raise RecordError("features.layers", f"{layers[:8]}: expected 1 to {MAX_LAYERS} distinct layer ids, ascending")
     data = f.data
-    if not isinstance(data, np.ndarray) or data.ndim != 2 or data.dtype != _FEATURE_DTYPES[f.encoding].newbyteorder("="):
-        raise RecordError("features.data", f"expected [rows, width] of {_FEATURE_DTYPES[f.encoding]}")
+    if not isinstance(data, np.ndarray) or data.ndim != 2 or data.dtype != FEATURE_DTYPES[f.encoding].newbyteorder("="):
+        raise RecordError("features.data", f"expected [rows, width] of {FEATURE_DTYPES[f.encoding]}")
     rows, width = data.shape
     if rows < 1 or width < len(layers) or width % len(layers):
         raise RecordError("features.width", f"{rows} rows of {width} values: expected >= 1 row, a width that is a "
@@ -595,264 +610,3 @@ def _ids(v: Any, name: str, vocab: int) -> np.ndarray:
         raise RecordError(name, f"expected a 1-D list of integer ids, got shape {list(a.shape)} dtype {a.dtype}")
     _in_vocab(a, vocab, lambda j: name)
     return a
-
-
-# ----------------------------------------------------------------------------------------------
-# Wire format.
-
-
-def kafka_headers() -> list[tuple[str, bytes]]:
-    """The Kafka headers of a record this build writes: its content type and schema version."""
-    return [("content-type", CONTENT_TYPE.encode()), ("dvi-schema", f"{SCHEMA_VERSION}.{SCHEMA_MINOR}".encode())]
-
-
-def check_headers(headers: Any) -> None:
-    """Refuse (RecordError "headers") a Kafka message whose headers say it is not a record this build reads: another
-    content type or a major schema version it does not know. Messages without those headers are judged by their bytes."""
-    found = {k: v for k, v in (headers or []) if isinstance(k, str) and isinstance(v, (bytes, bytearray))}
-    kind = found.get("content-type")
-    if kind is not None and bytes(kind).decode(errors="replace") not in READS.values():
-        raise RecordError("headers", f"content type {bytes(kind)[:80]!r}, not {CONTENT_TYPE} (or v1's {READS[1]})")
-    schema = found.get("dvi-schema")
-    if schema is not None and bytes(schema).split(b".")[0] not in {str(v).encode() for v in READS}:
-        raise RecordError("headers", f"schema {bytes(schema)[:20]!r}, this build reads {' and '.join(f'{v}.x' for v in READS)}")
-
-
-def encode(record: DecisionRecord, *, logprob_dtype: str = "float16", max_bytes: int | None = None, schema_id: int = 0) -> bytes:
-    """Validate and serialize a record (see the module docstring); `max_bytes` bounds the result; `schema_id`: the
-    id a schema registry gave the v2 schema (0: none), written in the framing."""
-    validate(record)
-    if logprob_dtype not in LP_DTYPES:
-        raise DviError(f"logprob_dtype must be one of {sorted(LP_DTYPES)}, got {logprob_dtype!r}")
-    if isinstance(schema_id, bool) or not isinstance(schema_id, int) or not 0 <= schema_id < 1 << 31:
-        raise DviError(f"schema_id must be an integer in [0, 2^31), got {schema_id!r}")
-    id_t = _IDS_OF_WIDTH[2 if record.target.vocab_size <= 1 << 16 else 4]
-    lp_t = LP_DTYPES[logprob_dtype]
-    rounds = record.rounds
-    table = np.array([(r.position, r.k, r.accepted, r.token) for r in rounds], dtype="<i4").reshape(-1, 4)  # [R, 4]
-    m = message_class()(
-        record_id=record.record_id, time=record.time, replica_id=record.replica_id, request_id=record.request_id,
-        chunk_index=int(record.chunk_index), final=record.final, topk=int(record.topk),
-        id_bytes=id_t.itemsize, logprob_bytes=lp_t.itemsize,
-        prompt_ids=np.asarray(record.prompt_ids, id_t).tobytes(),
-        prefix_ids=np.asarray(record.prefix_ids, id_t).tobytes(),
-        generated_ids=np.asarray(record.generated_ids, id_t).tobytes(),
-        rounds=table.tobytes(),
-        drafted=np.asarray([d for r in rounds for d in r.drafted], id_t).tobytes(),
-        minor=SCHEMA_MINOR,
-    )
-    m.target.name, m.target.vocab_size = record.target.name, int(record.target.vocab_size)
-    m.sampling.temperature, m.sampling.top_p = float(record.sampling.temperature), float(record.sampling.top_p)
-    if record.sampling.seed is not None:
-        m.sampling.seed = int(record.sampling.seed)
-    if record.drafter_version is not None:
-        m.drafter_version = record.drafter_version
-    if record.domain is not None:
-        m.domain = record.domain
-    if record.topk:
-        m.topk_ids = np.concatenate([r.topk_ids for r in rounds]).astype(id_t).tobytes()  # [sum(k+1), topk]
-        m.topk_logprobs = np.concatenate([r.topk_logprobs for r in rounds]).astype(lp_t).tobytes()
-    head = _FRAME.pack(0, schema_id) + b"\x00"
-    features = record.features
-    if features is not None and max_bytes is not None:  # the oldest rows go first where the bound would not hold them
-        room = max_bytes - len(head) - m.ByteSize() - 64 - 4 * len(features.layers)
-        fits = room // features.row_bytes if room > 0 else 0
-        features = features.last(min(features.rows, fits))
-    if features is not None:
-        m.features_width, m.features_start = features.width, features.start
-        m.features_layers.extend(features.layers)
-        m.features_encoding = features.encoding
-        m.features = features.data.astype(_FEATURE_DTYPES[features.encoding]).tobytes()
-        if features.scales is not None:
-            m.features_scales = features.scales.astype("<f4").tobytes()
-    data = head + m.SerializeToString()
-    if max_bytes is not None and len(data) > max_bytes:
-        raise RecordError("record", f"encoded size {len(data)} bytes exceeds the bound of {max_bytes} (stream.max_record_bytes)")
-    return data
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a reader accepts beyond validity: the teacher width it trains with and the sizes its writers make
-    (`stream.topk`, `stream.chunk_rounds`, `serve.spec.k_max`, prompt plus generated tokens). They bound the
-    largest valid record, so `decode` never reads (or, for v1, decompresses) much more than that."""
-
-    topk: int
-    max_rounds: int
-    max_k: int
-    max_tokens: int = 1 << 15
-    max_feature_bytes: int = 0  # the features a record may carry (stream.max_record_bytes where they are on)
-
-    def payload_bytes(self) -> int:
-        """The largest payload a valid record within these limits has (metadata, ids as i32, log-probs as f32,
-        features)."""
-        per_round = 16 + 4 * self.max_k + (self.max_k + 1) * self.topk * 8  # the table row, drafts, teacher rows
-        return MAX_METADATA + 4 * self.max_tokens + self.max_rounds * per_round + self.max_feature_bytes
-
-    def check(self, topk: int, n_rounds: int, n_tokens: int) -> None:
-        """Refuse a record's counts beyond these limits, before any of its arrays is read."""
-        if topk != self.topk:
-            raise RecordError("topk", f"teacher width {topk}, this reader takes {self.topk} (stream.topk)")
-        if n_rounds > self.max_rounds:
-            raise RecordError("rounds", f"{n_rounds} rounds, more than the {self.max_rounds} of a chunk (stream.chunk_rounds)")
-        if n_tokens > self.max_tokens:
-            raise RecordError("counts", f"{n_tokens} tokens, more than {self.max_tokens}")
-
-    def check_k(self, ks: np.ndarray) -> None:
-        if ks.size and int(ks.max()) > self.max_k:
-            raise RecordError("rounds.k", f"k = {int(ks.max())}, more than serve.spec.k_max = {self.max_k}")
-
-
-def decode(data: bytes, vocab_size: int | None = None, *, max_bytes: int | None = None,
-           limits: Limits | None = None) -> DecisionRecord:
-    """Parse and validate bytes made by `encode` (or by a v1 writer); anything else raises `RecordError`. With
-    `limits`, a record beyond them is refused too, before its arrays are read."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise RecordError("record", f"expected bytes, got {type(data).__name__}")
-    data = bytes(data)
-    if max_bytes is not None and len(data) > max_bytes:
-        raise RecordError("record", f"{len(data)} bytes exceeds the bound of {max_bytes} (stream.max_record_bytes)")
-    if data[:1] == b"\x00":
-        record = _parse(data, limits)
-    elif data[:4] == records_v1.MAGIC:
-        record = assemble(*records_v1.parse(data, limits, max_bytes))
-    else:
-        raise RecordError("magic", f"not a DecisionRecord (starts with {data[:5]!r}: neither the framing byte 0 nor v1's b'DVIR')")
-    validate(record, vocab_size)
-    return record
-
-
-def _parse(data: bytes, limits: Limits | None) -> DecisionRecord:
-    start = _payload_start(data)
-    if limits is not None and len(data) > start + limits.payload_bytes():
-        raise RecordError("record", f"{len(data)} bytes, more than the largest valid record ({limits.payload_bytes()})")
-    m = message_class()()
-    try:
-        m.ParseFromString(data[start:])
-    except DecodeError as e:
-        raise RecordError("payload", f"truncated or corrupt: not a protobuf {RECORD} ({e})") from None
-    for key in ("target", "sampling"):
-        if not m.HasField(key):
-            raise RecordError(key, "missing")
-    id_t = _IDS_OF_WIDTH.get(m.id_bytes)
-    lp_t = _LOGPROBS_OF_WIDTH.get(m.logprob_bytes)
-    if id_t is None:
-        raise RecordError("id_bytes", f"{m.id_bytes}, expected 2 (uint16) or 4 (int32)")
-    if lp_t is None:
-        raise RecordError("logprob_bytes", f"{m.logprob_bytes}, expected 2 (float16) or 4 (float32)")
-
-    def array(name: str, dtype: np.dtype, n: int | None = None) -> np.ndarray:
-        raw = getattr(m, name)
-        if len(raw) % dtype.itemsize or (n is not None and len(raw) != n * dtype.itemsize):
-            want = f"{n} x {dtype.itemsize}" if n is not None else f"a multiple of {dtype.itemsize}"
-            raise RecordError(name, f"{len(raw)} bytes, expected {want}")
-        return np.frombuffer(raw, dtype)
-
-    topk = int(m.topk)
-    n_rounds, rem = divmod(len(m.rounds), 16)
-    if rem:
-        raise RecordError("rounds", f"{len(m.rounds)} bytes, not a multiple of 16 (4 int32 per round)")
-    n_tokens = sum(len(getattr(m, f)) // id_t.itemsize for f in ("prompt_ids", "prefix_ids", "generated_ids"))
-    if limits is not None:
-        limits.check(topk, n_rounds, n_tokens)
-    table = array("rounds", np.dtype("<i4")).reshape(n_rounds, 4)  # [R, (position, k, accepted, token)]
-    ks = table[:, 1].astype(np.int64)
-    if (ks < 0).any():
-        raise RecordError("rounds.k", "negative k")
-    if limits is not None:
-        limits.check_k(ks)
-    rows = int((ks + 1).sum())
-    s = m.sampling
-    features = _parsed_features(m, limits)
-    return assemble(
-        SCHEMA_VERSION, m.record_id, m.time, m.replica_id, m.request_id, m.chunk_index, m.final, m.target.name, m.target.vocab_size,
-        m.drafter_version if m.HasField("drafter_version") else None,
-        s.temperature, s.top_p, s.seed if s.HasField("seed") else None,
-        m.domain if m.HasField("domain") else None,
-        topk, array("prompt_ids", id_t), array("prefix_ids", id_t), array("generated_ids", id_t), table,
-        array("drafted", id_t, int(ks.sum())),
-        array("topk_ids", id_t, rows * topk).reshape(rows, topk),
-        array("topk_logprobs", lp_t, rows * topk).reshape(rows, topk).astype(np.float32),
-        features=features,
-    )
-
-
-def _parsed_features(m, limits: Limits | None) -> Features | None:
-    """The features of a parsed message (schema 2.1), shaped but not yet validated; None when it carries none."""
-    width = int(m.features_width)
-    if not width:
-        return None
-    if limits is not None and len(m.features) > limits.max_feature_bytes:
-        raise RecordError("features", f"{len(m.features)} bytes of features, more than this reader takes ({limits.max_feature_bytes})")
-    dtype = _FEATURE_DTYPES.get(m.features_encoding)
-    if dtype is None:
-        raise RecordError("features_encoding", f"{m.features_encoding[:20]!r}, expected one of {', '.join(ENCODINGS)}")
-    layers = tuple(int(i) for i in m.features_layers)
-    if not layers or len(layers) > _MAX_LAYERS:
-        raise RecordError("features_layers", f"{len(layers)} layers, expected 1 to {_MAX_LAYERS}")
-    if len(m.features) % (width * dtype.itemsize):
-        raise RecordError("features", f"{len(m.features)} bytes, not whole rows of {width} x {dtype.itemsize}")
-    rows = len(m.features) // (width * dtype.itemsize)
-    data = np.frombuffer(m.features, dtype).reshape(rows, width)
-    scales = None
-    if m.features_scales:
-        if len(m.features_scales) != rows * len(layers) * 4:
-            raise RecordError("features_scales", f"{len(m.features_scales)} bytes for {rows} rows of {len(layers)} layers")
-        scales = np.frombuffer(m.features_scales, "<f4").reshape(rows, len(layers)).astype(np.float32)
-    return Features(layers, int(m.features_start), m.features_encoding, data.astype(dtype.newbyteorder("=")), scales)
-
-
-def _payload_start(data: bytes) -> int:
-    """Where the protobuf message starts after the framing, whose message indexes must say [0] (DecisionRecord):
-    Confluent writes [0] as one 0 byte, or as the zigzag-varint array it is (count 1, index 0)."""
-    pos = _FRAME.size
-    if len(data) <= pos:
-        raise RecordError("record", f"truncated: {len(data)} bytes, shorter than the {pos + 1}-byte framing")
-    count, pos = _zigzag(data, pos)
-    if count == 0:
-        return pos
-    if not 0 < count <= 8:
-        raise RecordError("framing", f"{count} message indexes, expected [0] (the schema's first message, {RECORD})")
-    indexes = []
-    for _ in range(count):
-        index, pos = _zigzag(data, pos)
-        indexes.append(index)
-    if indexes != [0]:
-        raise RecordError("framing", f"message indexes {indexes}, expected [0] (the schema's first message, {RECORD})")
-    return pos
-
-
-def _zigzag(data: bytes, pos: int) -> tuple[int, int]:
-    """A zigzag varint at `pos` and the position after it."""
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise RecordError("framing", "truncated or overlong varint in the message indexes")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return (value >> 1) ^ -(value & 1), pos
-
-
-def assemble(schema_version: int, record_id, time_s, replica_id, request_id, chunk_index, final, target_name, vocab_size,
-             drafter_version, temperature, top_p, seed, domain, topk: int, prompt: np.ndarray, prefix: np.ndarray,
-             generated: np.ndarray, table: np.ndarray, drafted: np.ndarray, t_ids: np.ndarray, t_lps: np.ndarray,
-             features: Features | None = None) -> DecisionRecord:
-    """A record from its parsed fields and arrays (`table` [R, 4], `drafted` [sum k], teacher rows [sum (k + 1), topk]);
-    not yet validated. The fields come in the order `records_v1.parse` returns them."""
-    rounds = []
-    d0 = r0 = 0
-    for position, k, accepted, token in table.tolist():
-        rounds.append(
-            RoundRecord(position, k, drafted[d0 : d0 + k].tolist(), accepted, token, t_ids[r0 : r0 + k + 1], t_lps[r0 : r0 + k + 1])
-        )
-        d0 += k
-        r0 += k + 1
-    return DecisionRecord(
-        request_id=request_id, replica_id=replica_id, chunk_index=chunk_index, final=final,
-        target=Target(target_name, vocab_size), drafter_version=drafter_version, sampling=Sampling(temperature, top_p, seed),
-        prompt_ids=prompt.tolist(), prefix_ids=prefix.tolist(), generated_ids=generated.tolist(), rounds=rounds, topk=topk,
-        domain=domain, record_id=record_id, time=time_s, schema_version=schema_version, features=features,
-    )

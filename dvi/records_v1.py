@@ -11,9 +11,9 @@ upgrade still train, and written only by `encode` (kept beside its reader so the
 
 Within schema 1 a writer could add header keys and arrays in a later minor version (header `minor`; `tail`: bytes
 of arrays after the ones above); the reader takes the fields it knows and skips the rest. The compressed payload
-is inflated no further than its declared size, itself bounded by the reader's `Limits`. The record objects,
-validation and the current format are `dvi.records`, which calls this module; this one knows only the old bytes
-and returns a record's parts, not a record.
+is inflated no further than its declared size, itself bounded by the reader's `Limits`. The record objects and
+validation are `dvi.records`, the current format `dvi.record_codec`, which calls this module; this one knows only
+the old bytes and returns a record's parts, not a record.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ def encode(record, *, logprob_dtype: str = "float16", level: int = 6) -> bytes:
 
 
 def parse(data: bytes, limits=None, max_bytes: int | None = None) -> tuple:
-    """The parts of the record in schema-1 bytes, in the order `dvi.records.assemble` takes them (not yet validated);
+    """The parts of the record in schema-1 bytes, in the order `dvi.record_codec.assemble` takes them (not yet validated);
     `RecordError` for anything else. The payload is inflated no further than the largest valid one within `limits`
-    (a `dvi.records.Limits`; without them, 64 x `max_bytes` or 64 MiB)."""
+    (a `dvi.record_codec.Limits`; without them, 64 x `max_bytes` or 64 MiB)."""
     if len(data) < PREFIX.size:
         raise RecordError("record", f"truncated: {len(data)} bytes, shorter than the {PREFIX.size}-byte prefix")
     magic, version, flags, size = PREFIX.unpack_from(data)

@@ -2,7 +2,7 @@
 
 Records are compressed by Kafka, a batch at a time (`stream.compression`), and kafka-python inflates a fetched batch
 whole before handing out any of its records: one small hostile batch (400 KiB of gzip holding 400 MiB of zeros)
-costs a consumer about 1.2 GB and several seconds before `dvi.records.decode` refuses the record it holds, and a
+costs a consumer about 1.2 GB and several seconds before `dvi.record_codec.decode` refuses the record it holds, and a
 batch in a codec this host lacks (zstd, lz4, snappy) makes every later poll of its partition fail the same way,
 so the consumer would never get past it.
 

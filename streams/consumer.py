@@ -37,7 +37,8 @@ from kafka.structs import OffsetAndMetadata
 
 from dvi.config import StreamConfig
 from dvi.errors import DviError
-from dvi.records import Delivered, Limits, check_headers, decode
+from dvi.record_codec import Limits, check_headers, decode
+from dvi.records import Delivered
 from streams.batches import BatchRefused, guard, skip_past
 from streams.client import client_options
 
@@ -67,7 +68,7 @@ class DecisionConsumer:
     `group_id`: a consumer group (partitions assigned by the group, resumes after its last commit); None reads
     every partition directly. `from_beginning`: where to start without a committed offset. `vocab_size`: the
     vocabulary the records must use (None: the one each record declares). `limits`: the teacher width and sizes a
-    record may have (`dvi.records.Limits`; None: any valid record); beyond them it is dead-lettered like an invalid
+    record may have (`dvi.record_codec.Limits`; None: any valid record); beyond them it is dead-lettered like an invalid
     one, having cost at most the largest valid record to read. `dead_letter=False` (read-only viewers such as
     `dvi stream tail`): invalid messages are logged and counted but not dead-lettered.
     """

@@ -1,7 +1,7 @@
 """The decision producer: DecisionRecords to Kafka without ever making decoding wait.
 
 `submit(record)` only puts the record in a bounded in-memory queue (a few microseconds) and returns; if the
-queue is full the record is dropped and counted. A background thread encodes records (`dvi.records.encode`,
+queue is full the record is dropped and counted. A background thread encodes records (`dvi.record_codec.encode`,
 size-bounded), hands them to a kafka-python `KafkaProducer` (batching with linger; gzip batch compression,
 the records' one compression layer; key = request id so a request's chunks stay in order on one partition; headers
 with the content type and schema version) and counts the outcome of each:
@@ -43,7 +43,8 @@ from kafka.errors import KafkaError, KafkaTimeoutError
 
 from dvi.config import StreamConfig
 from dvi.procs import default_replica_id
-from dvi.records import DecisionRecord, RecordError, encode, kafka_headers
+from dvi.record_codec import encode, kafka_headers
+from dvi.records import DecisionRecord, RecordError
 from streams.client import client_options
 
 log = logging.getLogger("dvi.streams.producer")

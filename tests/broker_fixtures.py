@@ -23,7 +23,8 @@ from dvi.config import StreamConfig
 from dvi.procs import free_port
 from dvi import records_v1
 from dvi.record_proto import message_class
-from dvi.records import DecisionRecord, RoundRecord, Sampling, Target, encode, records_from_result
+from dvi.record_codec import encode
+from dvi.records import DecisionRecord, RoundRecord, Sampling, Target, records_from_result
 from streams.broker import EmbeddedBroker
 from streams.topics import ensure_topics
 
@@ -125,7 +126,7 @@ def unchecked(record: DecisionRecord) -> bytes:
     """Encode without the producer-side validation (what a buggy or foreign producer could send)."""
     from unittest import mock
 
-    with mock.patch("dvi.records.validate"):
+    with mock.patch("dvi.record_codec.validate"):
         return encode(record)
 
 

@@ -32,7 +32,7 @@ of records (`dvi stream tail --json`) behind the same poll interface as the stre
 `dvi.records.Delivered`.
 
 This module knows records, tensors and files; not models, Kafka (the stream's consumer is `streams.consumer`'s)
-or DeepSpeed. Records arrive validated: the codec (`dvi.records.decode` / `from_dict`) checks them at the wire.
+or DeepSpeed. Records arrive validated: the codec (`dvi.record_codec.decode` / `dvi.records.from_dict`) checks them at the wire.
 """
 
 from __future__ import annotations

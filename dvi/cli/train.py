@@ -27,7 +27,7 @@ from dvi.cli.output import out
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.control import RetrainRequested
 from dvi.models import cache_dir
-from dvi.records import Limits
+from dvi.record_codec import Limits
 from dvi.tracking import Tracker
 from dvi.waiting import waiting_for
 from streams import control

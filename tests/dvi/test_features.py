@@ -16,7 +16,8 @@ from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Request
 from dvi.errors import RecordError
 from dvi.features import Captured, Features, carries
-from dvi.records import Limits, Sampling, decode, encode, from_dict, records_from_result, validate
+from dvi.record_codec import Limits, decode, encode
+from dvi.records import Sampling, from_dict, records_from_result, validate
 
 VOCAB = 97
 LAYERS = (0, 1, 2)

@@ -23,9 +23,9 @@ from dvi.errors import DviError
 from broker_fixtures import NEWER_FIELDS, edit_message, newer_writer, newer_writer_v1, rewrap_v1
 
 from dvi import records_v1
+from dvi.record_codec import SCHEMA_MINOR, Limits, check_headers, decode, encode, kafka_headers
 from dvi.record_proto import message_class, proto_text
-from dvi.records import (CONTENT_TYPE, READS, SCHEMA_MINOR, DecisionRecord, Limits, RecordError, RoundRecord, Sampling, Target, check_headers,
-                         decode, encode, kafka_headers, records_from_result, validate)
+from dvi.records import CONTENT_TYPE, READS, DecisionRecord, RecordError, RoundRecord, Sampling, Target, records_from_result, validate
 
 VOCAB = 97
 
@@ -280,7 +280,7 @@ def test_ids_out_of_range_and_nan_in_bytes_are_rejected(record):
     lp = record.rounds[1].topk_logprobs.copy()
     lp[0, 0] = np.nan
     bad_lp = broken(record, "rounds[1].topk_logprobs", lp)
-    with mock.patch("dvi.records.validate"):  # a producer that does not validate
+    with mock.patch("dvi.record_codec.validate"):  # a producer that does not validate
         ids_bytes, lp_bytes = encode(bad_ids), encode(bad_lp)
     with pytest.raises(RecordError, match="outside the vocabulary"):
         decode(ids_bytes)

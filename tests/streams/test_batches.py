@@ -14,7 +14,7 @@ from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchB
 from kafka.record.memory_records import MemoryRecords
 from kafka.record.util import calc_crc32c
 
-from dvi.records import encode
+from dvi.record_codec import encode
 from streams.batches import BatchRefused, guard, inflate_gzip, skip_past
 from streams.consumer import DLQ_HEADERS, DecisionConsumer
 

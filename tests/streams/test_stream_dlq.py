@@ -9,7 +9,7 @@ import pytest
 from broker_fixtures import dead_letters, newer_writer, poison
 from kafka import KafkaProducer, TopicPartition
 
-from dvi.records import encode
+from dvi.record_codec import encode
 from streams.consumer import DecisionConsumer
 
 pytestmark = pytest.mark.broker
@@ -62,7 +62,8 @@ def test_records_carry_schema_headers_and_a_foreign_schema_or_content_type_is_re
     from kafka import KafkaConsumer
 
     from dvi import records_v1
-    from dvi.records import CONTENT_TYPE, READS, SCHEMA_MINOR, SCHEMA_VERSION
+    from dvi.record_codec import SCHEMA_MINOR
+    from dvi.records import CONTENT_TYPE, READS, SCHEMA_VERSION
     from streams.producer import DecisionProducer
 
     with DecisionProducer(dataclasses.replace(stream_cfg, schema_id=77)) as producer:  # a registry's id for the schema

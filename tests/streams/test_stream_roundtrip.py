@@ -9,7 +9,8 @@ import pytest
 from dvi.config import SpecConfig
 from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Request
-from dvi.records import decode, encode, records_from_result
+from dvi.record_codec import decode, encode
+from dvi.records import records_from_result
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
 

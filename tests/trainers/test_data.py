@@ -275,7 +275,7 @@ def test_records_of_a_later_minor_schema_and_of_schema_1_train_like_this_builds_
     from broker_fixtures import newer_writer
 
     from dvi import records_v1
-    from dvi.records import decode, encode
+    from dvi.record_codec import decode, encode
 
     record = make_record(rounds=5, seed=3)
     later = decode(newer_writer(encode(record), minor=4, acceptance_hint=0.5, novelty="x", future_arrays=b"\x07" * 40))

@@ -28,7 +28,7 @@ from dvi.config import DviConfig, ModelConfig, TrackingConfig, TrainerConfig, ke
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected
 from dvi.control import encode as encode_control
 from dvi.models import load_causal_lm, load_drafter
-from dvi.records import encode
+from dvi.record_codec import encode
 from streams.consumer import DecisionConsumer
 from streams.control import ControlReader
 from streams.control import send as control_send

@@ -14,7 +14,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaProducer
 
 from dvi.procs import REGISTRY_ENV, free_port, stop_leftovers
-from dvi.records import encode
+from dvi.record_codec import encode
 from streams.consumer import DecisionConsumer
 from streams.producer import DecisionProducer
 
