@@ -1,5 +1,5 @@
 """dvi's loop inside an unmodified `vllm serve` (dvi.cli.vllm_plugin): vLLM's own OpenAI server, started as a vLLM
-user starts it (`python -m vllm.entrypoints.openai.api_server`, the CPU build, eager) with `DVI_LOOP=1` in its
+user starts it (`vllm serve`, as `python -m dvi.cli.vllm_cli serve` on the CPU build, eager) with `DVI_LOOP=1` in its
 environment, the real demo target, the real broker and model store, the official `openai` client.
 
 Its clients see vLLM's API unchanged (chat, completions, streaming, `response_format`); every request leaves
@@ -60,7 +60,7 @@ class Server:
                      "serve.spec.adaptive=false", "serve.spec.k=3"]
         env = clean_env(**{ENABLE: "1", OVERRIDES: json.dumps(overrides), PORT: str(self.loop_port), "VLLM_PLUGINS": NAME,
                            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.target), "--dtype", "float32",
+        cmd = [sys.executable, "-m", "dvi.cli.vllm_cli", "serve", str(self.target), "--dtype", "float32",
                "--port", str(self.port), "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager",
                "--no-enable-prefix-caching", "--speculative-config",
                json.dumps({"method": "draft_model", "model": str(start.path), "num_speculative_tokens": 3})]
@@ -206,7 +206,7 @@ def test_a_loop_that_cannot_start_stops_vllms_server_with_the_reason(tmp_path):
     overrides = ["stream.replica_id=plugin-port-test", "tracking.enabled=false", "serve.log_decisions=false"]
     env = clean_env(**{ENABLE: "1", OVERRIDES: json.dumps(overrides), PORT: str(loop_port), "VLLM_PLUGINS": NAME,
                        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--dtype", "float32",
+    cmd = [sys.executable, "-m", "dvi.cli.vllm_cli", "serve", str(target), "--dtype", "float32",
            "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager", "--no-enable-prefix-caching"]
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", loop_port))
