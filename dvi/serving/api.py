@@ -28,7 +28,8 @@ tokenized (`Replica.request`): one client's huge prompt never holds up another's
 
 `draining_server` runs the app under uvicorn so that a SIGINT or SIGTERM first drains the replica (requests in
 flight finish or end with an error, never cut off as if complete). This module knows HTTP, uvicorn and the
-OpenAI request shapes; decoding, batching and swaps are the replica's.
+OpenAI request shapes; the answers' JSON is built by `dvi.serving.openai_shapes`; decoding, batching and swaps are
+the replica's.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -45,17 +47,19 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.datastructures import Headers
 
-from dvi.engine_api import LogProb
+from dvi.engine_api import LogProb, Result, TokenHook
+from dvi.engine_api import Request as EngineRequest  # FastAPI's Request is the HTTP one
 from dvi.errors import DviError
 from dvi.records import DOMAIN
-from dvi.serving.replica import Replica, Unavailable
+from dvi.serving import openai_shapes as shapes
+from dvi.serving.replica import Job, Replica, Unavailable
 
 log = logging.getLogger("dvi.serving.api")
 
@@ -338,36 +342,65 @@ class Output:
         return self.detok.ids[start:end], self.logprobs[start:end]
 
 
+def authorized(key: str | None, headers) -> bool:
+    """Whether the request's headers carry the API key (always true without one)."""
+    given = headers.get("authorization", "")
+    return not key or hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
+
+def refusal(replica: Replica, key: str | None, origins: frozenset[str], scope) -> JSONResponse | None:
+    """Browser pages of other sites may not drive the API (their requests carry an Origin this server does not
+    list); with an API key, everything but /health needs it."""
+    headers = Headers(scope=scope)
+    origin = headers.get("origin")
+    if origin is not None and origin not in origins:
+        replica.metrics.error(403)
+        return JSONResponse(ApiError(403, f"requests from the web page at {origin[:100]!r} are not allowed; list the "
+                                          "origin in serve.allowed_origins to allow it", kind="permission_error").body(),
+                            status_code=403)
+    if scope["path"] != "/health" and not authorized(key, headers):
+        replica.metrics.error(401)
+        return JSONResponse(ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                                     kind="authentication_error").body(), status_code=401)
+    return None
+
+
+class ClientSlots:
+    """The requests each client (its API key, else its address) has in flight, at most `cap` (0: no cap). Touched on
+    the event loop only."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.inflight: Counter[str] = Counter()
+
+    def take(self, client: str) -> Callable[[], None]:
+        """A slot for `client` (ApiError 429 when it has `cap` in flight already), and the function that frees it:
+        once, however often it is called."""
+        if self.cap and self.inflight[client] >= self.cap:
+            raise ApiError(429, f"{self.inflight[client]} requests of this client are already in flight "
+                                f"(serve.max_inflight_per_client={self.cap}); retry when one has finished",
+                           kind="rate_limit_error")
+        self.inflight[client] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.inflight[client] -= 1
+                if not self.inflight[client]:
+                    del self.inflight[client]
+
+        return release
+
+
 def create_app(replica: Replica) -> Any:
     """The FastAPI application over a replica."""
 
     app = FastAPI(title="dvi", version="1", docs_url=None, redoc_url=None)
     key = replica.api_key
-    origins = frozenset(replica.cfg.serve.allowed_origins)
-    per_client = replica.cfg.serve.max_inflight_per_client
-    inflight: Counter[str] = Counter()  # client -> requests in flight (touched on the event loop only)
-
-    def authorized(headers) -> bool:
-        given = headers.get("authorization", "")
-        return not key or hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
-
-    def refusal(scope) -> JSONResponse | None:
-        """Browser pages of other sites may not drive the API (their requests carry an Origin this server does not
-        list); with an API key, everything but /health needs it."""
-        headers = Headers(scope=scope)
-        origin = headers.get("origin")
-        if origin is not None and origin not in origins:
-            replica.metrics.error(403)
-            return JSONResponse(ApiError(403, f"requests from the web page at {origin[:100]!r} are not allowed; list the "
-                                              "origin in serve.allowed_origins to allow it", kind="permission_error").body(),
-                                status_code=403)
-        if scope["path"] != "/health" and not authorized(headers):
-            replica.metrics.error(401)
-            return JSONResponse(ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                                         kind="authentication_error").body(), status_code=401)
-        return None
-
-    app.add_middleware(_Guard, refusal=refusal)
+    slots = ClientSlots(replica.cfg.serve.max_inflight_per_client)
+    app.add_middleware(_Guard, refusal=functools.partial(refusal, replica, key, frozenset(replica.cfg.serve.allowed_origins)))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -378,7 +411,7 @@ def create_app(replica: Replica) -> Any:
     @app.get("/health")
     def health(request: Request):
         # with an API key, a caller without it learns that the replica is up, and nothing about the host
-        return replica.health() if authorized(request.headers) else {"status": "ok"}
+        return replica.health() if authorized(key, request.headers) else {"status": "ok"}
 
     @app.get("/metrics")
     def metrics():
@@ -388,34 +421,14 @@ def create_app(replica: Replica) -> Any:
     async def models():
         return {"object": "list", "data": [{"id": replica.model_name, "object": "model", "owned_by": "dvi"}]}
 
-    def submit(req, domain, on_tokens=None):
-        try:
-            return replica.submit(req, domain, on_tokens)
-        except Unavailable as e:
-            raise ApiError(503, str(e), kind="server_error") from None
-
     async def complete(request: Request, chat: bool):
         media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
         if media != "application/json":
             raise ApiError(415, f"the body must be JSON (Content-Type: application/json), not {media[:80]!r}")
         client = f"key:{request.headers.get('authorization', '')}" if key else f"addr:{request.client.host if request.client else '-'}"
-        if per_client and inflight[client] >= per_client:
-            raise ApiError(429, f"{inflight[client]} requests of this client are already in flight "
-                                f"(serve.max_inflight_per_client={per_client}); retry when one has finished",
-                           kind="rate_limit_error")
-        inflight[client] += 1
-        released = False
-
-        def release() -> None:  # once decoding is done (a streamed answer: when its job finishes)
-            nonlocal released
-            if not released:
-                released = True
-                inflight[client] -= 1
-                if not inflight[client]:
-                    del inflight[client]
-
+        release = slots.take(client)  # freed once decoding is done (a streamed answer: when its jobs finish)
         try:
-            response = await _complete(request, chat, release)
+            response = await respond(request, chat, release)
         except BaseException:
             release()
             raise
@@ -423,195 +436,15 @@ def create_app(replica: Replica) -> Any:
             release()
         return response
 
-    def prepare(raw: bytes, chat: bool, domain_header: str | None) -> tuple[Completion, Any]:
-        """The parsed request and its engine request: JSON parsing, chat templating and tokenization, CPU work that
-        runs on a worker thread, never on the event loop (`/health` and other clients answer meanwhile)."""
-        c = parse_completion(raw, chat, model_name=replica.model_name, default_max_tokens=replica.defaults.max_new_tokens,
-                             max_max_tokens=replica.cfg.serve.max_max_tokens, default_temperature=replica.defaults.temperature,
-                             default_top_p=replica.defaults.top_p, domain_header=domain_header)
-        try:
-            return c, replica.request(c)
-        except DviError as e:  # the engine's checks: prompt too long, ids out of the vocabulary, ...
-            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
-
-    async def _complete(request: Request, chat: bool, release):
+    async def respond(request: Request, chat: bool, release: Callable[[], None]):
         raw = await read_body(request, MAX_BODY_BYTES)
-        c, req = await off_loop(len(raw), prepare, raw, chat, request.headers.get("x-dvi-domain"))
-        # n choices: n engine requests of the same prompt, each its own seed (the given one + i) and request id
-        reqs = [req] + [dataclasses.replace(req, seed=None if c.seed is None else (c.seed + i) % 2**63, request_id=uuid.uuid4().hex)
-                        for i in range(1, c.n)]
-        kind = "chat.completion" if chat else "text_completion"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id}"
-        created = int(time.time())
-        loop = asyncio.get_running_loop()
-
-        def choice(i: int, text: str | None, finish: str | None, out: Output | None, delta: bool,
-                   logprobs: dict | None = None) -> dict:
-            ch: dict = {"index": i}
-            if chat:
-                ch["delta" if delta else "message"] = ({"content": text} if text is not None else {}) if delta else \
-                    {"role": "assistant", "content": text}
-            else:
-                ch["text"] = text or ""
-            ch.update(logprobs=logprobs, finish_reason=finish)
-            if finish is not None:
-                ch["stop_reason"] = out.stopped if out is not None else None  # vLLM's: the stop string that ended it
-            return ch
-
-        def tokens(result, out: Output | None) -> int:
-            return out.tokens if out is not None and out.tokens is not None else len(result.token_ids)
-
-        def usage(results, outs) -> dict:  # the prompt counts once, as OpenAI and vLLM count it
-            completion = sum(tokens(r, o) for r, o in zip(results, outs))
-            return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": completion,
-                    "total_tokens": len(req.prompt_ids) + completion}
-
-        def finish_reason(result, out: Output | None) -> str:
-            return "stop" if out is not None and out.stopped is not None else result.finish_reason
-
-        def logprobs_object(ids: list[int], pairs: list[LogProb], offset: int = 0) -> dict:
-            """OpenAI's logprobs object for these tokens: completions' token lists (`text_offset` counted from
-            `offset`), or chat's `content` entries."""
-            text = [replica.tokenizer.decode([t]) for t in ids]
-            alts = [[(replica.tokenizer.decode([a]), lp) for a, lp in top] for _, top in pairs]
-            if chat:
-                return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                                     "top_logprobs": [{"token": a, "logprob": x, "bytes": list(a.encode())} for a, x in top]}
-                                    for t, (lp, _), top in zip(text, pairs, alts)]}
-            offsets = [offset + sum(len(t) for t in text[:i]) for i in range(len(text))]
-            return {"tokens": text, "token_logprobs": [lp for lp, _ in pairs], "top_logprobs": [dict(top) for top in alts],
-                    "text_offset": offsets}
-
-        def logprobs_of(result, out: Output | None) -> dict | None:
-            """A whole choice's logprobs object (None when not asked for)."""
-            if c.logprobs is None:
-                return None
-            n_tok = tokens(result, out)
-            return logprobs_object(result.token_ids[:n_tok], [lp for r in result.rounds for lp in (r.logprobs or [])][:n_tok])
-
-        offsets = [0] * c.n  # streamed completions: characters of token text reported so far, per choice
-
-        def streamed_logprobs(i: int, out: Output) -> dict | None:
-            """The logprobs object of choice i's next chunk: its tokens not yet reported (None when none or not asked)."""
-            if c.logprobs is None:
-                return None
-            ids, pairs = out.take_logprobs()
-            if not ids:
-                return None
-            obj = logprobs_object(ids, pairs, offsets[i])
-            if not chat:
-                offsets[i] += sum(len(t) for t in obj["tokens"])
-            return obj
-
-        def extension(results) -> dict:
-            ext = replica.extension(results[0])
-            return ext if len(results) == 1 else {**ext, "choices": [replica.extension(r) for r in results]}
-
-        def submit_all(watch: bool) -> list:
-            """Queue every choice's request (all or none); `watch`: their tokens go to `chunks` round by round."""
-            jobs = []
-            try:
-                for i, r in enumerate(reqs):
-                    hook = (lambda ids, lps, i=i: loop.call_soon_threadsafe(chunks.put_nowait, (i, ids, lps))) if watch else None
-                    jobs.append(submit(r, c.domain, hook))
-                    if watch:
-                        jobs[-1].future.add_done_callback(lambda _, i=i: loop.call_soon_threadsafe(chunks.put_nowait, (i, None, None)))
-            except BaseException:
-                for job in jobs:
-                    replica.cancel(job, "abort")
-                raise
-            return jobs
-
-        if not c.stream and not c.stop:
-            jobs = submit_all(watch=False)
-            results = await asyncio.gather(*(until_done(request, job) for job in jobs))
-            texts = await off_loop(0, lambda: [replica.tokenizer.decode(r.token_ids, skip_special_tokens=c.skip_special_tokens)
-                                               for r in results])
-            return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
-                    "choices": [choice(i, t, r.finish_reason, None, False, logprobs_of(r, None))
-                                for i, (t, r) in enumerate(zip(texts, results))],
-                    "usage": usage(results, [None] * len(results)), "dvi": extension(results)}
-
-        # tokens arrive round by round: streamed, or watched for stop strings
-        chunks: asyncio.Queue = asyncio.Queue()
-        outs = [Output(replica.tokenizer, c) for _ in reqs]
-        jobs = submit_all(watch=True)
-
-        async def deltas():
-            """(choice, text) as the text can be released; a stop string cancels its choice's request (it leaves the
-            batch at the next round)."""
-            running = len(jobs)
-            while running:
-                i, ids, lps = await chunks.get()
-                if ids is None:
-                    running -= 1
-                    if tail := outs[i].flush():
-                        yield i, tail
-                    continue
-                delta = outs[i].feed(ids, lps)
-                if outs[i].stopped is not None:
-                    replica.cancel(jobs[i], "stop")
-                if delta:
-                    yield i, delta
-
+        c, req = await off_loop(len(raw), prepare, replica, raw, chat, request.headers.get("x-dvi-domain"))
+        job = CompletionJob(replica, request, c, req, chat)
         if not c.stream:
-            finished = asyncio.gather(*(until_done(request, job) for job in jobs))  # watches for the client going away
-            async for _ in deltas():
-                pass
-            results = await finished
-            return {"id": rid, "object": kind, "created": created, "model": replica.model_name,
-                    "choices": [choice(i, "".join(o.released), finish_reason(r, o), o, False, logprobs_of(r, o))
-                                for i, (r, o) in enumerate(zip(results, outs))],
-                    "usage": usage(results, outs), "dvi": extension(results)}
-
-        decoded = asyncio.gather(*(asyncio.wrap_future(job.future) for job in jobs), return_exceptions=True)
-        decoded.add_done_callback(lambda _: release())  # decoding done: the client's slot is free
-
-        def event(choices: list[dict], **extra) -> str:
-            obj = {"id": rid, "object": "chat.completion.chunk" if chat else kind, "created": created,
-                   "model": replica.model_name, "choices": choices, **extra}
-            return f"data: {json.dumps(obj)}\n\n"
-
-        async def events():
-            try:
-                if chat:
-                    yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                                 for i in range(len(jobs))])
-                async for i, delta in deltas():
-                    yield event([choice(i, delta, None, outs[i], True, streamed_logprobs(i, outs[i]))])
-                try:
-                    results = [job.future.result() for job in jobs]
-                except Exception as e:  # shut down or failed: say so in the stream, never end it as if complete
-                    error = ApiError(503, str(e), kind="server_error") if isinstance(e, DviError) else \
-                        ApiError(500, f"decoding failed: {e}", kind="server_error")
-                    yield f"data: {json.dumps(error.body())}\n\n"
-                    return
-                yield event([choice(i, "" if not chat else None, finish_reason(r, o), o, True, streamed_logprobs(i, o))
-                             for i, (r, o) in enumerate(zip(results, outs))],
-                            usage=usage(results, outs), dvi=extension(results))
-                if c.include_usage:  # vLLM's last chunk: no choices, the usage
-                    yield event([], usage=usage(results, outs))
-                yield "data: [DONE]\n\n"
-            finally:  # the client went away mid-stream (the generator is closed): stop decoding for it
-                for job in jobs:
-                    replica.cancel(job, "abort")
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def until_done(request: Request, job):
-        """The job's result; a client that goes away meanwhile cancels it (it leaves the batch at the next round)."""
-        future = asyncio.wrap_future(job.future)
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=0.25)
-            if done:
-                break
-            if await request.is_disconnected():
-                replica.cancel(job, "abort")
-                break
-        try:
-            return await future
-        except DviError as e:  # the server drained it on shutdown
-            raise ApiError(503, str(e), kind="server_error") from None
+            return await job.answer()
+        job.submit(watch=True)
+        job.decoded().add_done_callback(lambda _: release())  # decoding done: the client's slot is free
+        return StreamingResponse(job.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -622,6 +455,188 @@ def create_app(replica: Replica) -> Any:
         return await complete(request, chat=True)
 
     return app
+
+
+def prepare(replica: Replica, raw: bytes, chat: bool, domain_header: str | None) -> tuple[Completion, EngineRequest]:
+    """The parsed request and its engine request: JSON parsing, chat templating and tokenization, CPU work that runs
+    on a worker thread, never on the event loop (`/health` and other clients answer meanwhile)."""
+    c = parse_completion(raw, chat, model_name=replica.model_name, default_max_tokens=replica.defaults.max_new_tokens,
+                         max_max_tokens=replica.cfg.serve.max_max_tokens, default_temperature=replica.defaults.temperature,
+                         default_top_p=replica.defaults.top_p, domain_header=domain_header)
+    try:
+        return c, replica.request(c)
+    except DviError as e:  # the engine's checks: prompt too long, ids out of the vocabulary, ...
+        raise ApiError(400, str(e), "messages" if chat else "prompt") from None
+
+
+def enqueue(replica: Replica, req: EngineRequest, domain: str | None, on_tokens: TokenHook | None) -> Job:
+    """`req` queued on the replica; ApiError 503 when it takes none now."""
+    try:
+        return replica.submit(req, domain, on_tokens)
+    except Unavailable as e:
+        raise ApiError(503, str(e), kind="server_error") from None
+
+
+async def until_done(replica: Replica, request: Request, job: Job) -> Result:
+    """The job's result; a client that goes away meanwhile cancels it (it leaves the batch at the next round)."""
+    future = asyncio.wrap_future(job.future)
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=0.25)
+        if done:
+            break
+        if await request.is_disconnected():
+            replica.cancel(job, "abort")
+            break
+    try:
+        return await future
+    except DviError as e:  # the server drained it on shutdown
+        raise ApiError(503, str(e), kind="server_error") from None
+
+
+class CompletionJob:
+    """One completion request on the replica: its parsed Completion, the engine requests of its n choices (the same
+    prompt, each its own seed and request id), their replica jobs and, where their tokens are watched (streamed, or
+    cut at stop strings), each choice's Output as they arrive. `answer` is the whole JSON answer, `events` a streamed
+    one's server-sent events; a client that goes away cancels the choices' requests either way."""
+
+    def __init__(self, replica: Replica, request: Request, c: Completion, req: EngineRequest, chat: bool):
+        self.replica, self.request, self.c, self.chat = replica, request, c, chat
+        # n choices: n engine requests of the same prompt, each its own seed (the given one + i) and request id
+        self.reqs = [req] + [dataclasses.replace(req, seed=None if c.seed is None else (c.seed + i) % 2**63, request_id=uuid.uuid4().hex)
+                             for i in range(1, c.n)]
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id}"
+        self.created = int(time.time())
+        self.loop = asyncio.get_running_loop()
+        self.jobs: list[Job] = []
+        self.outs: list[Output] = []  # watched: each choice's text as its tokens arrive
+        self.chunks: asyncio.Queue = asyncio.Queue()  # watched: (choice, ids, logprobs) round by round; ids None: done
+        self.offsets = [0] * c.n  # streamed completions: characters of token text reported so far, per choice
+
+    def submit(self, watch: bool) -> None:
+        """Queue every choice's request (all or none); `watch`: their tokens go to `chunks` round by round."""
+        if watch:
+            self.outs = [Output(self.replica.tokenizer, self.c) for _ in self.reqs]
+        loop, chunks, jobs = self.loop, self.chunks, []
+        try:
+            for i, r in enumerate(self.reqs):
+                hook = (lambda ids, lps, i=i: loop.call_soon_threadsafe(chunks.put_nowait, (i, ids, lps))) if watch else None
+                jobs.append(enqueue(self.replica, r, self.c.domain, hook))
+                if watch:
+                    jobs[-1].future.add_done_callback(lambda _, i=i: loop.call_soon_threadsafe(chunks.put_nowait, (i, None, None)))
+        except BaseException:
+            for job in jobs:
+                self.replica.cancel(job, "abort")
+            raise
+        self.jobs = jobs
+
+    async def answer(self) -> dict:
+        """The whole answer. With stop strings the tokens are watched: a stop string cancels its choice's request
+        as soon as it shows (it leaves the batch at the next round)."""
+        self.submit(watch=bool(self.c.stop))
+        finished = asyncio.gather(*(until_done(self.replica, self.request, job) for job in self.jobs))  # watches for the client going away
+        if not self.c.stop:
+            results = await finished
+            texts = await off_loop(0, self.texts, results)
+        else:
+            async for _ in self.deltas():
+                pass
+            results = await finished
+            texts = ["".join(o.released) for o in self.outs]
+        choices = [shapes.choice(i, t, self.chat, delta=False, finish=self.finish(i, r), stop_reason=self.stopped(i),
+                                 logprobs=self.logprobs(i, r)) for i, (t, r) in enumerate(zip(texts, results))]
+        return shapes.completion(self.rid, self.kind, self.created, self.replica.model_name, choices,
+                                 usage=self.usage(results), dvi=self.extension(results))
+
+    def texts(self, results: list[Result]) -> list[str]:
+        """The choices' whole texts (CPU work, for a worker thread)."""
+        return [self.replica.tokenizer.decode(r.token_ids, skip_special_tokens=self.c.skip_special_tokens) for r in results]
+
+    async def deltas(self):
+        """(choice, text) as the text can be released; a stop string cancels its choice's request (it leaves the
+        batch at the next round)."""
+        running = len(self.jobs)
+        while running:
+            i, ids, lps = await self.chunks.get()
+            out = self.outs[i]
+            if ids is None:
+                running -= 1
+                if tail := out.flush():
+                    yield i, tail
+                continue
+            delta = out.feed(ids, lps)
+            if out.stopped is not None:
+                self.replica.cancel(self.jobs[i], "stop")
+            if delta:
+                yield i, delta
+
+    def decoded(self) -> asyncio.Future:
+        """Done once every choice's decoding is, however it ended."""
+        return asyncio.gather(*(asyncio.wrap_future(job.future) for job in self.jobs), return_exceptions=True)
+
+    async def events(self):
+        """The server-sent events of a streamed answer: the text as it can be released, then the finish, usage and
+        `dvi` field, or an error event (never an end as if complete). A client that goes away mid-stream (the
+        generator is closed) stops the decoding for it."""
+        try:
+            if self.chat:
+                yield self.event([shapes.role_delta(i) for i in range(len(self.jobs))])
+            async for i, text in self.deltas():
+                yield self.event([shapes.choice(i, text, self.chat, delta=True, logprobs=self.streamed_logprobs(i))])
+            try:
+                results = [job.future.result() for job in self.jobs]
+            except Exception as e:  # shut down or failed: say so in the stream, never end it as if complete
+                error = ApiError(503, str(e), kind="server_error") if isinstance(e, DviError) else \
+                    ApiError(500, f"decoding failed: {e}", kind="server_error")
+                yield shapes.sse(error.body())
+                return
+            yield self.event([shapes.choice(i, "" if not self.chat else None, self.chat, delta=True, finish=self.finish(i, r),
+                                            stop_reason=self.stopped(i), logprobs=self.streamed_logprobs(i))
+                              for i, r in enumerate(results)], usage=self.usage(results), dvi=self.extension(results))
+            if self.c.include_usage:  # vLLM's last chunk: no choices, the usage
+                yield self.event([], usage=self.usage(results))
+            yield "data: [DONE]\n\n"
+        finally:
+            for job in self.jobs:
+                self.replica.cancel(job, "abort")
+
+    def event(self, choices: list[dict], **extra: Any) -> str:
+        kind = "chat.completion.chunk" if self.chat else self.kind
+        return shapes.sse(shapes.completion(self.rid, kind, self.created, self.replica.model_name, choices, **extra))
+
+    def stopped(self, i: int) -> str | None:
+        """The stop string that ended choice i (None: none did, or its tokens were not watched)."""
+        return self.outs[i].stopped if self.outs else None
+
+    def finish(self, i: int, result: Result) -> str:
+        return shapes.finish_reason(result, self.stopped(i))
+
+    def tokens(self, i: int, result: Result) -> int:
+        return shapes.completion_tokens(result, self.outs[i].tokens if self.outs else None)
+
+    def usage(self, results: list[Result]) -> dict:
+        return shapes.usage(len(self.reqs[0].prompt_ids), [self.tokens(i, r) for i, r in enumerate(results)])
+
+    def extension(self, results: list[Result]) -> dict:
+        return shapes.extension([self.replica.extension(r) for r in results])
+
+    def logprobs(self, i: int, result: Result) -> dict | None:
+        """Choice i's whole logprobs object (None when not asked for)."""
+        if self.c.logprobs is None:
+            return None
+        return shapes.choice_logprobs(self.replica.tokenizer, result, self.tokens(i, result), self.chat)
+
+    def streamed_logprobs(self, i: int) -> dict | None:
+        """The logprobs object of choice i's next chunk: its tokens not yet reported (None when none or not asked)."""
+        if self.c.logprobs is None:
+            return None
+        ids, pairs = self.outs[i].take_logprobs()
+        if not ids:
+            return None
+        obj = shapes.logprobs_object(self.replica.tokenizer, ids, pairs, self.chat, self.offsets[i])
+        if not self.chat:
+            self.offsets[i] += shapes.text_length(obj)
+        return obj
 
 
 class _Guard:

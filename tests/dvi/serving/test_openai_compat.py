@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -17,6 +18,7 @@ from test_replica import PROMPTS
 
 from dvi.config import DviConfig, ModelConfig, TrackingConfig
 from dvi.models import load_tokenizer
+from dvi.serving import openai_shapes as shapes
 from dvi.serving.api import Output, StopText, parse_completion
 
 
@@ -195,6 +197,30 @@ def test_a_chunk_reports_the_tokens_decoded_since_the_last_and_none_past_a_stop(
         reported += got
     assert out.stopped == " end" and reported == ids[: out.tokens] and out.tokens < len(ids)
     assert tokenizer.decode(reported).startswith("Hello world, the end") and out.take_logprobs() == ([], [])
+
+
+def test_the_answer_shapes_are_openai_and_vllm_ones_without_a_server(tiny_dirs):
+    tokenizer = load_tokenizer(tiny_dirs[0])
+    ids = tokenizer.encode("Hello world, the end is near")[:3]
+    assert len(ids) == 3
+    result = SimpleNamespace(token_ids=ids, finish_reason="length",
+                             rounds=[SimpleNamespace(logprobs=[(-0.5, [(ids[0], -0.5)])]), SimpleNamespace(logprobs=None),
+                                     SimpleNamespace(logprobs=[(-1.0, [(ids[1], -1.0)]), (-2.0, [(ids[2], -2.0)])])])
+    assert shapes.choice(0, "hi", False, delta=False, finish="length") == \
+        {"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+    assert shapes.choice(1, None, True, delta=True) == {"index": 1, "delta": {}, "logprobs": None, "finish_reason": None}
+    assert shapes.choice(0, "x", True, delta=False, finish="stop", stop_reason="y")["message"] == {"role": "assistant", "content": "x"}
+    assert shapes.finish_reason(result, " end") == "stop" and shapes.finish_reason(result, None) == "length"
+    counted = [shapes.completion_tokens(result, None), shapes.completion_tokens(result, 2)]
+    assert shapes.usage(4, counted) == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    lp = shapes.choice_logprobs(tokenizer, result, 2, chat=False)
+    assert lp["token_logprobs"] == [-0.5, -1.0] and lp["text_offset"] == [0, len(lp["tokens"][0])]
+    assert shapes.logprobs_object(tokenizer, ids[1:2], [(-1.0, [])], False, offset=7)["text_offset"] == [7]
+    assert [e["logprob"] for e in shapes.choice_logprobs(tokenizer, result, 3, chat=True)["content"]] == [-0.5, -1.0, -2.0]
+    assert shapes.extension([{"a": 1}]) == {"a": 1}
+    assert shapes.extension([{"a": 1}, {"a": 2}]) == {"a": 1, "choices": [{"a": 1}, {"a": 2}]}
+    assert shapes.sse(shapes.completion("cmpl-1", "text_completion", 0, "m", [])) == \
+        'data: {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": []}\n\n'
 
 
 def test_streamed_logprobs_are_the_unstreamed_ones_chunk_by_chunk(running):
