@@ -16,9 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from dvi.mlflow_login import PASSWORD_VAR, USER_VAR
 from dvi.mlflow_server import AUTH_CACHE_S, LocalMlflow
 from dvi.procs import free_port
-from dvi.tracking import PASSWORD_VAR, USER_VAR, rest
+from dvi.tracking import rest
 
 
 def median_call_s(uri: str, calls: int) -> float:

@@ -5,7 +5,7 @@ it renders each page with headless Chromium (`apt-get install -y chromium`) into
 
     python -m benchmarks.mlflow_screenshots --out outputs/mlflow
 
-It logs in as dvi's parts do: the local server's login (`dvi.tracking.local_login`), or for `--uri` the MLflow client's
+It logs in as dvi's parts do: the local server's login (`dvi.mlflow_login.local_login`), or for `--uri` the MLflow client's
 variables. Chromium gets the login over its DevTools pipe, as a header on every request, never on its command line.
 
 Pages: the experiment list, experiment `dvi` as dvi links it (the saved view `dvi`: runs with their key figures as
@@ -33,7 +33,8 @@ import urllib.request
 from pathlib import Path
 
 from dvi.config import load_config
-from dvi.tracking import CLASSIC_VIEW, auth_headers, experiment_link, local_login, rest
+from dvi.mlflow_login import auth_headers, local_login
+from dvi.tracking import CLASSIC_VIEW, experiment_link, rest
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--hide-scrollbars"]

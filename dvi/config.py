@@ -571,7 +571,7 @@ class TrackingConfig:
     queue_size: int = 100000  # metric points buffered while MLflow is unreachable (older ones are dropped, counted)
     retry_s: float = 5.0  # wait between attempts to reach an unreachable MLflow
     enabled: bool = True
-    auth: bool = True  # the local server requires a login (MLflow's basic-auth app; see dvi.tracking.local_login)
+    auth: bool = True  # the local server requires a login (MLflow's basic-auth app; see dvi.mlflow_login.local_login)
 
     def __post_init__(self) -> None:
         _check(self.uri is None or bool(str(self.uri).strip()), "tracking.uri", self.uri, "null (the local server) or a URI")

@@ -9,7 +9,7 @@ With `auth=True` (`tracking.auth`, the default) the server is MLflow's basic-aut
 every request but `/health` needs a login, and the admin account is the one clients present, MLFLOW_TRACKING_USERNAME
 and MLFLOW_TRACKING_PASSWORD (MLflow's own client variables, so dvi's parts, the mlflow client and `dvi status` all log
 in with them): from the environment, or else from `<root>/login.env`, made once with a random password
-(`dvi.tracking.use_login`). The server gets them in its environment; its config (`<root>/basic_auth.ini`) holds no
+(`dvi.mlflow_login.use_login`). The server gets them in its environment; its config (`<root>/basic_auth.ini`) holds no
 secret and keeps users in `<root>/auth.db`; the Flask session key is new at every start. An admin account in
 auth.db whose password is not the login's is one clear error at start.
 
@@ -27,8 +27,9 @@ import urllib.error
 from pathlib import Path
 
 from dvi.errors import DviError
+from dvi.mlflow_login import LOGIN_FILE, PASSWORD_VAR, USER_VAR, use_login
 from dvi.procs import HOST, ServerProcess, http_ok, port_in_use
-from dvi.tracking import LOGIN_FILE, PASSWORD_VAR, USER_VAR, rest, use_login
+from dvi.tracking import rest
 
 log = logging.getLogger("dvi.mlflow_server")
 

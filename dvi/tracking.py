@@ -29,13 +29,12 @@ where it is first used, not at the top: it takes seconds to import, and a proces
 MLflow's usage telemetry is off (MLFLOW_DISABLE_TELEMETRY, unless the environment sets it): it would report out and
 write under the home directory.
 
-This module is dvi's one MLflow client. It knows MLflow, not training or serving: what the metrics mean, when to
-log and what a drafter version holds are its callers' business.
+This module is dvi's one MLflow client; the login it presents is `dvi.mlflow_login`'s. It knows MLflow, not training
+or serving: what the metrics mean, when to log and what a drafter version holds are its callers' business.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import logging
@@ -43,7 +42,6 @@ import math
 import os
 import platform
 import re
-import secrets
 import tempfile
 import threading
 import time
@@ -57,9 +55,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dvi import mlflow_view
-from dvi.config import TrackingConfig, mlflow_root
-from dvi.errors import DviError
-from dvi.files import write_once
+from dvi.config import TrackingConfig
+from dvi.mlflow_login import PASSWORD_VAR, TOKEN_VAR, USER_VAR, auth_headers, local_login
 
 log = logging.getLogger("dvi.tracking")
 
@@ -80,10 +77,6 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development",
 # MLflow 3.17 opens experiments in its GenAI view unless the page asks for the classic one (the experiment kind above
 # is not enough while its workflow switch is shown): links dvi prints carry this
 CLASSIC_VIEW = "?workflowType=machine_learning"
-# the MLflow client's login variables: dvi's REST calls (`auth_headers`) and the local server's admin account use them too
-USER_VAR, PASSWORD_VAR, TOKEN_VAR = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"
-LOGIN_FILE = "login.env"  # the local server's login, in its folder (`local_login`)
-_logins: dict[Path, tuple[str, str]] = {}  # the login files this process took its login from
 # the MLflow client's defaults (7 retries with backoff, 120 s timeout) would stall the thread for minutes
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 _IDLE_S = 0.5  # how often the thread looks for new points when all is sent
@@ -597,49 +590,6 @@ def flatten(params: dict, prefix: str = "") -> dict[str, str]:
         else:
             out[name] = str(value)
     return out
-
-
-def local_login(cfg: TrackingConfig) -> Path | None:
-    """Log this process in to the local server when it asks for a login (`tracking.auth`, `tracking.uri` null):
-    `use_login` of its folder. None when no local login is used."""
-    if not (cfg.enabled and cfg.auth and cfg.uri is None):
-        return None
-    return use_login(mlflow_root(cfg))
-
-
-def use_login(root: Path) -> Path | None:
-    """The mlflow client and `auth_headers` read USER_VAR / PASSWORD_VAR, so those are set (unless the environment
-    sets them both) from LOGIN_FILE in the local server's folder `root`, which the first process that needs it makes
-    (user `dvi`, a random password, 0600). Returns that file (None when the environment gives the login). A user
-    reads it (or sources it: it is an env file) to log in to the UI or use the mlflow client."""
-    path = Path(root) / LOGIN_FILE
-    if os.environ.get(USER_VAR) and os.environ.get(PASSWORD_VAR):
-        return path if _logins.get(path) == (os.environ[USER_VAR], os.environ[PASSWORD_VAR]) else None
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            write_once(path, f"{USER_VAR}=dvi\n{PASSWORD_VAR}={secrets.token_urlsafe(24)}\n".encode(), mode=0o600)
-        except OSError as e:
-            raise DviError(f"cannot write the local MLflow's login {path} ({e}): set tracking.root=<writable folder>") from None
-    try:
-        pairs = dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
-    except OSError as e:
-        raise DviError(f"cannot read the local MLflow's login {path} ({e})") from None
-    if not pairs.get(USER_VAR) or not pairs.get(PASSWORD_VAR):
-        raise DviError(f"{path} is not a login ({USER_VAR}=... and {PASSWORD_VAR}=... lines): remove it to make a new one")
-    os.environ[USER_VAR], os.environ[PASSWORD_VAR] = _logins[path] = pairs[USER_VAR], pairs[PASSWORD_VAR]
-    return path
-
-
-def auth_headers() -> dict[str, str]:
-    """The login the mlflow client would present, from its own variables: a bearer token (TOKEN_VAR), or basic auth
-    (USER_VAR / PASSWORD_VAR); none when they are not set."""
-    if token := os.environ.get(TOKEN_VAR):
-        return {"Authorization": f"Bearer {token}"}
-    user, password = os.environ.get(USER_VAR), os.environ.get(PASSWORD_VAR)
-    if user and password:
-        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
-    return {}
 
 
 def rest(uri: str, endpoint: str, query: dict | None = None, body: dict | None = None, timeout_s: float = 1.5) -> dict:

@@ -7,9 +7,9 @@ import argparse
 from dvi.cli.output import out
 from dvi.config import load_config, mlflow_root, overrides_of
 from dvi.errors import DviError
+from dvi.mlflow_login import local_login
 from dvi.mlflow_server import LocalMlflow
 from dvi.procs import run_foreground
-from dvi.tracking import local_login
 
 
 def mlflow(args: argparse.Namespace) -> int:

@@ -36,8 +36,9 @@ from dvi.cli.output import ERROR_PREFIX, out
 from dvi.config import cache_dir, load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
+from dvi.mlflow_login import local_login
 from dvi.procs import REGISTRY_ENV, Child, http_ok, port_in_use, sigterm_interrupts, spawn, start_time, stop_leftovers, wait_ready
-from dvi.tracking import find_experiment_link, local_login
+from dvi.tracking import find_experiment_link
 
 PARTS = ("broker", "mlflow", "serve", "train")
 

@@ -825,7 +825,7 @@ def test_mlflow_runs_the_basic_auth_app(tmp_path, monkeypatch):
 
 
 def test_dvi_services_log_in_to_mlflow_as_their_own_account():
-    from dvi.tracking import PASSWORD_VAR, USER_VAR
+    from dvi.mlflow_login import PASSWORD_VAR, USER_VAR
 
     # mlflow-users keeps dvi's account (made if missing, password set from .env), logged in as the admin
     users = services()["mlflow-users"]

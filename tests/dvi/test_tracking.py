@@ -327,7 +327,8 @@ def test_a_local_mlflow_with_auth_refuses_anonymous_clients_and_dvi_logs_in_with
 def test_without_the_variables_the_local_server_makes_a_login_that_every_dvi_part_uses(tmp_path, monkeypatch):
     import urllib.error
 
-    from dvi.tracking import LOGIN_FILE, local_login, rest
+    from dvi.mlflow_login import LOGIN_FILE, local_login
+    from dvi.tracking import rest
 
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)

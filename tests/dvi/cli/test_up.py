@@ -23,8 +23,9 @@ from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, Part, Supervisor, next_backoff, 
 from dvi.config import load_config
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
+from dvi.mlflow_login import local_login
 from dvi.procs import REGISTRY_ENV, _zombie, free_port, spawn
-from dvi.tracking import local_login, rest
+from dvi.tracking import rest
 
 
 def test_backoff_doubles_to_a_cap_and_starts_over_after_a_stable_run():
