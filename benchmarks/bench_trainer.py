@@ -64,10 +64,10 @@ from dvi.record_codec import decode, encode  # noqa: E402
 from dvi.records import records_from_result  # noqa: E402
 from trainers.data import Ahead, FileSource  # noqa: E402
 from trainers.ds import merged_state_dict  # noqa: E402
-from trainers.losses import position_loss  # noqa: E402
 from trainers.gate import chunks, evaluate, teacher_for  # noqa: E402
-from trainers.recipe import Trainer, gpu_busy_share  # noqa: E402
-from trainers.students import Eagle3PositionLM, PositionLM, ttt_position_loss  # noqa: E402
+from trainers.recipe import Trainer  # noqa: E402
+from trainers.students import Eagle3PositionLM, PositionLM, student_loss  # noqa: E402
+from trainers.telemetry import gpu_busy_share  # noqa: E402
 
 TASKS = ["reverses a string", "checks whether a number is prime", "returns the largest element of a list",
          "counts the vowels in a string", "computes the factorial of n", "merges two sorted lists",
@@ -170,13 +170,8 @@ def plain_loop(trainer: Trainer, drafter_dir: Path, seconds: float) -> dict:
     def one(batch) -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=trainer.precision != "fp32"):
             teacher = teacher_for(batch, trainer.vocab_size, trainer.vocab_map, trainer.teacher_lm)
-            if trainer.eagle3 and t.eagle3_ttt_steps > 1:
-                loss, _ = ttt_position_loss(module, batch, teacher, t.eagle3_ttt_steps, t.divergence, 1.0, 0.0, t.jsd_beta,
-                                            trainer.vocab_map)
-            else:
-                logits = module(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, features=batch.features)
-                loss, _ = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight, t.divergence,
-                                        1.0, 0.0, t.jsd_beta, trainer.vocab_map)
+            loss, _ = student_loss(module, batch, teacher, t.eagle3_ttt_steps if trainer.eagle3 else 1, t.divergence, 1.0, 0.0,
+                                   t.jsd_beta, trainer.vocab_map)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         opt.step()
@@ -240,7 +235,7 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
         if not delivered:
             break
         trainer.ingest(delivered)
-    eval_examples = [trainer._example(r) for r in eval_records]
+    eval_examples = [trainer.intake.example(r) for r in eval_records]
 
     def held_out() -> dict:
         return evaluate(trainer.student.module, eval_examples, vocab, trainer.vocab_map, trainer.teacher_lm, args.batch_tokens,

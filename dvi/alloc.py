@@ -17,7 +17,7 @@ resident memory 3,396 MiB (median of the first half, after two minutes) then 3,6
 rising. With `release_free` (glibc's `malloc_trim`: every whole free page back to the system) after every step:
 3,155 then 3,108 MiB, its low points at about 2,000 MiB, for 6% more time per step (the pages freed are faulted
 in again). The trainer (`dvi train`, `dvi drafter distill`) calls it after a step at most once a minute,
-and on an idle turn of its loop after a step (`trainers.recipe.release_due`). (glibc's
+and on an idle turn of its loop after a step (`trainers.triggers.release_due`). (glibc's
 mmap threshold fixed at 128 KiB held it at 2,100 MiB too, but took 1.7x as long per step.)
 
 `heap_figures` tells the two apart in a running process: memory the program keeps, or fragments the heap keeps

@@ -1,7 +1,8 @@
 """The DeepSpeed engine of the distillation trainer, built from `TrainerConfig`.
 
-This module owns the process group (`init_distributed`), the DeepSpeed config (`ds_config`, a pure function
-of the trainer config), the engine with its client AdamW (`build_engine`), LoRA (`apply_lora`) and the plain
+This module owns the process group (`init_distributed`) and the collectives the trainer's ranks agree through
+(`all_gathered`, `on_every_rank`, `from_rank0`), the DeepSpeed config (`ds_config`, a pure function of the trainer
+config), the engine with its client AdamW (`build_engine`), LoRA (`apply_lora`) and the plain
 weights a published drafter is made of (`merged_state_dict`). It knows nothing about records, losses, Kafka
 or checkpoints on disk (trainers/checkpoint.py): callers pass a model in and get an engine back.
 
@@ -47,6 +48,33 @@ def init_distributed() -> tuple[int, int]:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir() / "torch_extensions"))
     deepspeed.init_distributed()
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def all_gathered(obj: dict, world: int) -> list[dict]:
+    """Every rank's `obj`, in rank order (in a world of one, `obj` alone)."""
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def on_every_rank(flag: bool, world: int) -> bool:
+    """True on every rank when `flag` is true on every rank."""
+    if world == 1:
+        return flag
+    t = torch.tensor([0.0 if flag else 1.0])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t[0] == 0)
+
+
+def from_rank0(value, world: int):
+    """Rank 0's `value` on every rank (a decision only rank 0 takes)."""
+    if world == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def resolve_precision(cfg: TrainerConfig, device_type: str | None = None) -> str:

@@ -54,8 +54,10 @@ Every decision (a trigger fired, a retrain request acknowledged, a gate passed, 
 held-out records, a publish) is one line on the logger `dvi.decision.trainer`, which the CLI shows at its default
 level; the counters go to the tracker after every gate and every `COUNTERS_EVERY_S`. This module knows records, DeepSpeed (through
 `trainers.ds`) and the model store; the modules it trains are `trainers.students`', the gate's figures
-`trainers.gate`'s, the maths is in `trainers.losses`, the record layout in `trainers.data`,
-checkpoint files in `trainers.checkpoint`. It does not know Kafka or MLflow clients: its source, control
+`trainers.gate`'s, the maths is in `trainers.losses`, the record layout in `trainers.data`, what a record is to this
+trainer in `trainers.intake`, the counters and checkpoint state in `trainers.state`, checkpoint files in
+`trainers.checkpoint`, a version's store write, registration and announcement in `trainers.publishing`, the system
+and source figures in `trainers.telemetry`. It does not know Kafka or MLflow clients: its source, control
 reader, publisher and tracker are passed in.
 """
 
@@ -67,82 +69,36 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 
-from dvi import __version__, eagle3, store
-from dvi.alloc import RELEASE_EVERY_S, heap_figures, release_free
+from dvi import eagle3, store
+from dvi.alloc import release_free
 from dvi.config import DviConfig
-from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, RetrainRequested
+from dvi.control import DrafterPromoted, DrafterRejected, RetrainRequested
 from dvi.errors import DviError
-from dvi.models import EAGLE3, cache_dir, drafter_kind, resolve_device, resolve_dtype
+from dvi.models import EAGLE3, Drafter, cache_dir, drafter_kind, resolve_device, resolve_dtype
 from dvi.pairs import load_any_drafter, pair_dirs, resolve_pair
-from dvi.records import DecisionRecord, Delivered
+from dvi.records import Delivered
 from trainers import checkpoint, ds
-from trainers.data import Ahead, Buffer, Example, Fate, Item, Ledger, Offsets, example_from_record, pending_age_limit
+from trainers.data import Ahead, Buffer, Example, Fate, Item, Ledger, Offsets, pending_age_limit
 from trainers.gate import Figures, evaluate, evaluate_each, gate_rule, pooled, teacher_for
-from trainers.losses import kl_reward_weights, position_loss
-from trainers.students import Eagle3PositionLM, PositionLM, autocast, ttt_position_loss
-from trainers.triggers import Trigger
+from trainers.intake import Intake
+from trainers.losses import kl_reward_weights
+from trainers.publishing import announce, record_verdict, version_meta, write_version
+from trainers.state import Counters, State, merged, rank_part, restore
+from trainers.students import Eagle3PositionLM, PositionLM, autocast, params_finite, student_loss, zero_loss
+from trainers.telemetry import source_counts, source_lag, system_metrics
+from trainers.triggers import Trigger, next_gate_in, release_due
 
 log = logging.getLogger("dvi.trainer")
 decision = logging.getLogger("dvi.decision.trainer")  # one line per decision, shown at the CLI's default level
 
 COUNTERS_EVERY_S = 30.0  # the counters go to the tracker at least this often while the trainer runs
-
-
-def next_gate_in(every_s: float, took_s: float, max_share: float) -> float:
-    """Seconds from the start of a gate check that took `took_s` to the start of the next timed one: `every_s`, or
-    longer where checks that slow would otherwise take more than `max_share` of the trainer's time
-    (trainer.gate_max_share)."""
-    return max(every_s, took_s / max_share)
-
-
-def release_due(step: int, released_step: int, now: float, released_at: float) -> bool:
-    """Whether the loop gives freed heap memory back now (`dvi.alloc.release_free`): a step ran since the last release
-    (at step `released_step`, time `released_at`), and that was RELEASE_EVERY_S ago or more. Checked on every turn of
-    the loop, stepping or idle: a trainer that goes idle after a step gives that step's memory back too, instead of
-    holding it for as long as it idles."""
-    return step != released_step and now - released_at >= RELEASE_EVERY_S
-
-
-@dataclass
-class Counters:
-    records: int = 0  # records for this target received (not duplicates, not foreign)
-    duplicates: int = 0  # records whose id was already in the ledger
-    foreign: int = 0  # records for another target vocabulary or without generated tokens
-    trained: int = 0
-    held_out: int = 0
-    skipped: int = 0  # fresh records dropped without training: from a full queue, or expired
-    expired: int = 0  # of those, the records that waited longer than trainer.pending_max_age_s
-    nonfinite: int = 0  # batches skipped for a non-finite loss
-    published: int = 0
-    refused: int = 0  # gate checks the candidate lost
-    checkpoint_failures: int = 0  # checkpoints that could not be written (disk full, I/O error): the previous one stands
-    positions: int = 0  # teacher positions trained on (fresh and replayed)
-    gates: int = 0  # gate checks run (passed or refused)
-    retrains: int = 0  # retrain requests acknowledged
-    no_features: int = 0  # records skipped (and counted in skipped): an EAGLE-3 drafter's features neither carried nor computable
-    no_teacher: int = 0  # records skipped (and counted in skipped): no top-k logged and no copy of the target
-    with_features: int = 0  # records whose features (serving's) the trainer took
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass
-class State:
-    """What a checkpoint holds besides the weights and optimizer state."""
-
-    step: int = 0
-    lineage: list[str] = field(default_factory=list)  # drafter versions served, oldest first; [-1] serves now
-    serving_dir: str = ""  # the serving drafter's directory (the parent of the next publish)
-    counters: Counters = field(default_factory=Counters)
 
 
 class Trainer:
@@ -160,9 +116,19 @@ class Trainer:
         self.cache = cache_dir(cfg.model)
         self.run_dir = Path(self.tcfg.run_dir).expanduser() if self.tcfg.run_dir else self.cache / "trainer"
         self.store = store.default_root(cfg)
+        drafter = self._setup_models()
+        self._setup_student(drafter.model)
+        last = self._resume()
+        self._setup_loop()
+        if last is None:
+            self.checkpoint()  # step 0: there is always a complete checkpoint to roll back to
 
-        # the drafter to train, and the vocabulary its records must use
-        model_cfg = cfg.model
+    # -- setup -----------------------------------------------------------------------------------
+
+    def _setup_models(self) -> Drafter:
+        """The drafter to train (returned), the vocabulary its records must use, and the trainer's copy of the target
+        where something needs it; what the auto settings picked is said once, at the default level."""
+        model_cfg, t = self.cfg.model, self.tcfg
         device = resolve_device(model_cfg.device)
         self.precision = ds.resolve_precision(self.tcfg, device.type)  # bf16 (GPU), bf16-mixed (CPU with native bf16), fp32
         if model_cfg.dtype == "auto" and device.type == "cpu":
@@ -170,7 +136,6 @@ class Trainer:
         self.eagle3 = drafter_kind(pair_dirs(model_cfg)[1]) == EAGLE3  # drafts from the target's features
         # the trainer's copy of the target, only where something needs it (trainer.features, trainer.teacher): the
         # teacher of records logged without top-k, an EAGLE-3 drafter's features where records do not carry them
-        t = self.tcfg
         with_target = t.teacher == "logits" or (t.features == "recompute" and (self.eagle3 or t.teacher == "auto"))
         pair = resolve_pair(model_cfg, with_drafter=True, eagle3=True, target_weights=with_target)
         self.target_dir, self.vocab_size = pair.target_dir, int(pair.target.config.vocab_size)
@@ -187,23 +152,28 @@ class Trainer:
         self.teacher_lm = PositionLM(self.target) if self.target is not None and t.teacher in ("auto", "logits") else None
         # an EAGLE-3 drafter's features from the records (trainer.features records or auto), else from the target
         self.takes_features = self.eagle3 and t.features != "recompute"
-        self.layer_ids = tuple(sorted(drafter.model.layer_ids)) if self.eagle3 else ()
-        self.feature_width = len(self.layer_ids) * drafter.model.target_hidden_size if self.eagle3 else 0
+        layer_ids = tuple(sorted(drafter.model.layer_ids)) if self.eagle3 else ()
+        self.feature_width = len(layer_ids) * drafter.model.target_hidden_size if self.eagle3 else 0
         # the target for an EAGLE-3 drafter's features: in the dtype serving computes them in (a copy where that differs)
         self.features_target = None
         if self.eagle3 and self.target is not None:
-            features_dtype = resolve_dtype(cfg.model.dtype if t.features_dtype == "auto" else t.features_dtype, device)
+            features_dtype = resolve_dtype(self.cfg.model.dtype if t.features_dtype == "auto" else t.features_dtype, device)
             same = features_dtype == self.target.dtype
             self.features_target = self.target if same else copy.deepcopy(self.target).to(features_dtype)
-        self.gate_rule = gate_rule(cfg)
-        # what the auto settings picked, said once at the default level
+        self.intake = Intake(self.vocab_size, t.max_seq_len, t.reward_penalty, self.eagle3, self.takes_features, layer_ids,
+                             self.feature_width, self.features_target is not None, self.teacher_lm is not None)
+        self.gate_rule = gate_rule(self.cfg)
         decision.info("training %s drafter, precision %s, features %s, gate rule %s", "an EAGLE-3" if self.eagle3 else "a layer",
                  self.precision, ("from records" + (", else recomputed" if self.features_target is not None else ""))
                  if self.takes_features else ("recomputed by the trainer's copy of the target" if self.eagle3 else "none"),
                  self.gate_rule)
-        model = drafter.model
-        if t.finetune == "lora":
-            model = ds.apply_lora(model, t)
+        return drafter
+
+    def _setup_student(self, model: torch.nn.Module) -> None:
+        """The DeepSpeed engine training the drafter's module `model` (`Trainer.student`), on the precision and
+        adapters the config asks for, and the batch builder and ledger beside it."""
+        if self.tcfg.finetune == "lora":
+            model = ds.apply_lora(model, self.tcfg)
         if self.precision in ("fp32", "bf16-mixed"):
             model = model.float()  # model.dtype may have loaded it in bf16 (a GPU's default); fp32 training keeps fp32 weights
         self.student = ds.build_engine(self._position_lm(model), self.tcfg)  # the DeepSpeed engine training the drafter
@@ -212,7 +182,9 @@ class Trainer:
         self.ledger = Ledger(self.tcfg.ledger_size)
         self.published: list[str] = []  # versions this trainer published in this run, oldest first
 
-        # resume from the last complete checkpoint
+    def _resume(self) -> Path | None:
+        """Resume from the last complete checkpoint in the run directory, if there is one (returned); the gate's
+        baseline is then the drafter serving."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         last = checkpoint.latest(self.run_dir)
         if last is not None:
@@ -220,21 +192,25 @@ class Trainer:
             self._restore(saved)
             log.info("resumed from %s at step %d (%d records in the ledger)", last, self.state.step, len(self.ledger))
         self.baseline = self._baseline_model()
+        return last
 
+    def _setup_loop(self) -> None:
+        """The loop's queues, trigger and clocks: the fresh, held-out and replayed records, the offsets and record ids
+        in flight, and when the last checkpoint, gate, counters and memory release were."""
+        t = self.tcfg
         self.buffer = Buffer(t.pending_size, t.replay_size, t.holdout_size, t.replay_share, t.holdout_share,
                              t.version_decay, t.max_version_age, seed=t.seed, holdout_first=t.holdout_first,
                              replay_bytes=int(t.replay_mb * (1 << 20)), holdout_bytes=int(t.holdout_mb * (1 << 20)),
                              pending_bytes=int(t.pending_mb * (1 << 20)))
-        self.unusable_logged_at = -math.inf
         self.offsets = Offsets()
         self.inflight: set[str] = set()  # ids read but not yet done (waiting in the fresh queue)
-        self.trigger = Trigger(cfg.trigger, time.monotonic())
+        self.trigger = Trigger(self.cfg.trigger, time.monotonic())
         self.stop_requested = False
         self.started_at = self.last_record_at = time.monotonic()
         self.last_checkpoint_step = self.state.step
         self.checkpointed_at = time.monotonic()
         self.committed: dict = {}  # the offsets the last checkpoint committed (a time checkpoint is due when they moved)
-        self.pending_max_age_s = pending_age_limit(t.pending_max_age_s, cfg.stream.retention_hours)
+        self.pending_max_age_s = pending_age_limit(t.pending_max_age_s, self.cfg.stream.retention_hours)
         self.expired_since_log = 0
         self.expired_logged_at = 0.0
         self.checkpoint_ok = True  # the last checkpoint written (or resumed from) is complete
@@ -244,27 +220,10 @@ class Trainer:
         self.next_gate_at = time.monotonic() + (t.gate_every_s or math.inf)
         self.counters_logged_at = self.released_at = time.monotonic()
         self.released_step = self.state.step
-        if last is None:
-            self.checkpoint()  # step 0: there is always a complete checkpoint to roll back to
-
-    # -- setup helpers ---------------------------------------------------------------------------
 
     def _restore(self, saved: dict) -> None:
-        self.state.step = int(saved["step"])
-        self.state.lineage = list(saved["lineage"])
-        self.state.serving_dir = saved["serving_dir"]
-        ranks = saved.get("ranks") or [saved["counters"]]
-        # every rank's own counters (they sum to the checkpoint's totals); the ledger is shared: partitions may
-        # be assigned to another rank after a restart
-        self.state.counters = Counters(**ranks[self.rank]) if self.rank < len(ranks) else Counters()
-        self.ledger = Ledger(self.tcfg.ledger_size, saved["ledger"])
-
-    def _gathered(self, obj: dict) -> list[dict]:
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        restore(self.state, saved, self.rank)  # this rank's own counters
+        self.ledger = Ledger(self.tcfg.ledger_size, saved["ledger"])  # shared: partitions may move to another rank
 
     def _position_lm(self, model: torch.nn.Module) -> torch.nn.Module:
         """The drafter as a module answering at teacher positions: a `PositionLM`, or an `Eagle3PositionLM`."""
@@ -277,15 +236,6 @@ class Trainer:
         drafter = load_any_drafter(self.state.serving_dir, self.vocab_size, dtype=like.dtype, device=like.device,
                                    target=self.target if self.eagle3 else None, embed=self.embed)
         return self._position_lm(drafter.model.eval()).requires_grad_(False)
-
-    def version_age(self, version: str | None) -> int | None:
-        """Publishes between `version` and the serving drafter (0: serving); None for a version not in the lineage.
-        A record no drafter drafted for (version None: drafting was off, or the engine served target-only) carries
-        the target's choices alone, as current for any drafter as the newest record: age 0."""
-        if version is None:
-            return 0
-        lineage = self.state.lineage
-        return len(lineage) - 1 - lineage.index(version) if version in lineage else None
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -305,7 +255,7 @@ class Trainer:
                 reason = self.trigger.poll(now)
                 if reason:
                     decision.info("trigger fired: %s", reason if reason.startswith(Trigger.FORCED) else f"training session starts: {reason}")
-                if self._from_rank0(bool(reason) and reason.startswith(Trigger.FORCED)):
+                if ds.from_rank0(bool(reason) and reason.startswith(Trigger.FORCED), self.world):
                     self.gate_and_publish(why="retrain requested")
                 if time.monotonic() - self.counters_logged_at >= COUNTERS_EVERY_S:
                     self.log_counters()
@@ -325,7 +275,7 @@ class Trainer:
                     self.trigger.step_done()
                 if self.state.step % self.tcfg.checkpoint_every == 0:
                     self.checkpoint()
-                session_over = self._from_rank0(self.cfg.trigger.kind != "continuous" and self.trigger.session_over())
+                session_over = ds.from_rank0(self.cfg.trigger.kind != "continuous" and self.trigger.session_over(), self.world)
                 if session_over or self._gate_due():
                     published = self.gate_and_publish(why="session over" if session_over else "due")
                     if session_over:
@@ -365,22 +315,6 @@ class Trainer:
     def _committable(self) -> dict:
         return self.offsets.committable({(tp[0], tp[1]): off for tp, off in self.source.positions().items()})
 
-    def _all(self, flag: bool) -> bool:
-        """True on every rank when `flag` is true on every rank."""
-        if self.world == 1:
-            return flag
-        t = torch.tensor([0.0 if flag else 1.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t[0] == 0)
-
-    def _from_rank0(self, value):
-        """Rank 0's `value` on every rank (a decision only rank 0 takes)."""
-        if self.world == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def _on_signal(self, signum, frame) -> None:
         log.info("signal %d: finishing the current step, checkpointing and stopping", signum)
         self.stop_requested = True
@@ -401,7 +335,7 @@ class Trainer:
     def _gate_due(self) -> bool:
         """Every `gate_every` steps, or `gate_every_s` after the last gate (decided by rank 0's clock)."""
         due = self.state.step % self.tcfg.gate_every == 0 or time.monotonic() >= self.next_gate_at
-        return self._from_rank0(due and self.state.step > self.last_gate_step)
+        return ds.from_rank0(due and self.state.step > self.last_gate_step, self.world)
 
     def _batch_ready(self, now: float) -> bool:
         """A full batch of fresh positions is waiting, or some are and the stream paused for a second."""
@@ -421,7 +355,7 @@ class Trainer:
                 c.duplicates += 1
                 self.offsets.seen(where, d.offset)
                 continue
-            why = self._foreign(record)
+            why = self.intake.foreign(record)
             if why is not None:
                 c.foreign += 1
                 log.warning("record %s at %s[%d]@%d is not for this target: %s", record.record_id, d.topic, d.partition, d.offset, why)
@@ -430,10 +364,10 @@ class Trainer:
             c.records += 1
             self.last_record_at = time.monotonic()
             self.trigger.observe(record.accepted, record.drafted, self.last_record_at)
-            example = self._example(record)
+            example = self.intake.example(record)
             self.offsets.consumed(where, d.offset)
             self.inflight.add(record.record_id)
-            lacks = self._lacks(example)
+            lacks = self.intake.lacks(example)
             if lacks is not None:  # nothing to train it with: skipped, and counted by what it lacks
                 self._done(example.record_id, where, d.offset, Fate.SKIPPED)
                 c.skipped += 1
@@ -447,34 +381,6 @@ class Trainer:
             for item in dropped:
                 self._done(item.example.record_id, item.partition, item.offset, Fate.SKIPPED)
                 c.skipped += 1
-
-    def _example(self, record: DecisionRecord) -> Example:
-        """The record as an `Example`, keeping its features where the drafter reads them (its layers, the target's
-        width) and the trainer takes them (trainer.features)."""
-        f = record.features
-        fits = self.takes_features and f is not None and f.layers == self.layer_ids and f.width == self.feature_width
-        if f is not None and self.takes_features and not fits and time.monotonic() - self.unusable_logged_at >= 60.0:
-            self.unusable_logged_at = time.monotonic()
-            log.warning("record %s carries features of layers %s (%d values a token); the drafter reads layers %s (%d): "
-                        "not taken", record.record_id, list(f.layers), f.width, list(self.layer_ids), self.feature_width)
-        return example_from_record(record, self.tcfg.max_seq_len, self.tcfg.reward_penalty, features=fits)
-
-    def _lacks(self, example: Example) -> str | None:
-        """The counter of what a record lacks for this trainer (features, a teacher), or None: it can train."""
-        if self.eagle3 and example.features is None and self.features_target is None:
-            self._say_unusable("carry no features an EAGLE-3 drafter reads and the trainer has no copy of the target "
-                               "(trainer.features=recompute loads one; serving sends them: stream.features.share)")
-            return "no_features"
-        if example.topk_ids is None and self.teacher_lm is None:
-            self._say_unusable("carry no teacher log-probs (stream.topk=0) and the trainer has no copy of the target "
-                               "(trainer.teacher=logits, or trainer.features=recompute with trainer.teacher=auto, loads one)")
-            return "no_teacher"
-        return None
-
-    def _say_unusable(self, why: str) -> None:
-        if time.monotonic() - self.unusable_logged_at >= 60.0:
-            self.unusable_logged_at = time.monotonic()
-            log.warning("records skipped: they %s", why)
 
     def _expire(self) -> None:
         """Skip the fresh records that have waited longer than the age limit (`pending_age_limit`)."""
@@ -491,14 +397,6 @@ class Trainer:
                         "stream.retention_hours) and were skipped untrained: the trainer is behind the stream",
                         self.expired_since_log, self.pending_max_age_s)
             self.expired_since_log, self.expired_logged_at = 0, time.monotonic()
-
-    def _foreign(self, record: DecisionRecord) -> str | None:
-        """Why a valid record is of no use to this trainer (another target vocabulary, no generated tokens), or None."""
-        if record.target.vocab_size != self.vocab_size:
-            return f"target.vocab_size: record says {record.target.vocab_size}, this trainer's target has {self.vocab_size}"
-        if not record.generated_ids:
-            return "generated_ids: empty"
-        return None
 
     def _done(self, record_id: str, partition, offset: int, fate: Fate) -> None:
         self.inflight.discard(record_id)
@@ -519,20 +417,10 @@ class Trainer:
                     self.tracker.log_metrics({"count/retrains": self.state.counters.retrains}, step=self.state.step)
             elif isinstance(msg, DrafterRejected):
                 self.rejected(msg.version, msg.reason)
-                self._verdict(msg, store.REJECTED)
-            elif isinstance(msg, DrafterPromoted):
-                self._verdict(msg, store.PRODUCTION)
-
-    def _verdict(self, msg: DrafterRejected | DrafterPromoted, verdict: str) -> None:
-        """Record what a replica decided about one of this store's versions (a restarting replica reads it)."""
-        version = msg.version
-        if self.rank != 0 or not (self.store / version / store.SUMS).is_file():
-            return
-        reason = msg.reason if isinstance(msg, DrafterRejected) else None
-        try:
-            store.record_verdict(self.store, version, verdict, replica_id=msg.replica_id, reason=reason)
-        except (OSError, DviError) as e:
-            log.warning("could not record the verdict %s on %s in the store %s: %s", verdict, version, self.store, e)
+                if self.rank == 0:
+                    record_verdict(self.store, msg, store.REJECTED)
+            elif isinstance(msg, DrafterPromoted) and self.rank == 0:
+                record_verdict(self.store, msg, store.PRODUCTION)
 
     def rejected(self, version: str, reason: str) -> None:
         """A replica rolled back `version`: if it is the drafter the gate compares against, the one before it
@@ -552,7 +440,7 @@ class Trainer:
 
     def _take(self) -> tuple[list[Item], list[Example], list[float]]:
         """The next batch's fresh items, replayed examples and the weights of all its examples."""
-        fresh, replayed, weights = self.buffer.take(self.tcfg.batch_tokens, self.version_age)
+        fresh, replayed, weights = self.buffer.take(self.tcfg.batch_tokens, self.state.version_age)
         return fresh, [i.example for i in fresh] + replayed, [1.0] * len(fresh) + weights
 
     def step(self) -> None:
@@ -572,21 +460,14 @@ class Trainer:
                     self.ahead.submit(following, following[1], following[2])
             teacher = teacher_for(batch, self.vocab_size, self.vocab_map, self.teacher_lm)
             with autocast(self.device, self.precision):
-                if self.eagle3 and t.eagle3_ttt_steps > 1:
-                    loss, metrics = ttt_position_loss(self.student, batch, teacher, t.eagle3_ttt_steps, t.divergence, w_kl,
-                                                      w_reward, t.jsd_beta, self.vocab_map)
-                else:
-                    logits = self.student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, features=batch.features)
-                    loss, metrics = position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight,
-                                                  t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
+                loss, metrics = student_loss(self.student, batch, teacher, t.eagle3_ttt_steps if self.eagle3 else 1,
+                                             t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
         else:  # another rank has a batch: join its step with a zero gradient (every rank must step together)
             batch, metrics = None, {}
-            one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-            feats = torch.zeros(1, 1, self.feature_width, device=self.device) if self.eagle3 else None
-            loss = self.student(one, torch.ones_like(one), one[0], one[0], features=feats).sum() * 0.0
-        if not self._all(math.isfinite(loss.item())):  # every rank skips the backward together, or none does
+            loss = zero_loss(self.student, self.device, self.feature_width if self.eagle3 else None)
+        if not ds.on_every_rank(math.isfinite(loss.item()), self.world):  # every rank skips the backward together, or none does
             c.nonfinite += 1
-            if not self._all(_params_finite(self.student.module)):
+            if not ds.on_every_rank(params_finite(self.student.module), self.world):
                 self.rollback(f"step {self.state.step}: the drafter's weights are not finite")
                 return
             log.warning("step %d: non-finite loss (%s): batch of %d records skipped", self.state.step, loss.item(), len(fresh))
@@ -596,7 +477,8 @@ class Trainer:
             return  # no backward: nothing of this batch reaches the weights
         self.student.backward(loss)
         self.student.step()
-        if not self._all(_params_finite(self.student.module)):  # a step that blew up never reaches a checkpoint or the store
+        # a step that blew up never reaches a checkpoint or the store
+        if not ds.on_every_rank(params_finite(self.student.module), self.world):
             c.nonfinite += 1
             self.rollback(f"step {self.state.step}: the optimizer step made the drafter's weights non-finite")
             return
@@ -628,21 +510,14 @@ class Trainer:
         t = self.tcfg
         next_in = self.next_gate_at - time.monotonic() if t.gate_every_s else math.nan
         self.tracker.log_metrics({
-            **{f"count/{k}": v for k, v in self.state.counters.to_dict().items()}, **self._lag(),
+            **{f"count/{k}": v for k, v in self.state.counters.to_dict().items()}, **source_lag(self.source),
             **{f"trigger/{k}": v for k, v in self.trigger.snapshot().items()},
             "holdout/records": len(self.buffer.holdout), "holdout/needed": t.gate_min_records,
             "gate/next_in_s": max(0.0, next_in), "gate/next_step": (self.state.step // t.gate_every + 1) * t.gate_every,
             "buffer/replay_mb": self.buffer.replay.nbytes / (1 << 20), "buffer/holdout_mb": self.buffer.holdout.nbytes / (1 << 20),
             "buffer/pending": len(self.buffer.pending), "buffer/pending_mb": self.buffer.pending_nbytes() / (1 << 20),
-            **system_metrics(self._process, next(self.student.module.parameters()).device), **self._source_counts(),
+            **system_metrics(self._process, next(self.student.module.parameters()).device), **source_counts(self.source),
         }, step=self.state.step)
-
-    def _source_counts(self) -> dict[str, float]:
-        """What the source saw (`stream/received`, `stream/invalid`, `stream/dead_lettered`, `stream/batches_refused`, ...
-        of a DecisionConsumer; `stream/invalid` of a file)."""
-        stats = getattr(self.source, "stats", None)
-        counts = stats.to_dict() if hasattr(stats, "to_dict") else vars(stats) if stats is not None else {}
-        return {f"stream/{k}": float(v) for k, v in counts.items() if isinstance(v, (int, float))}
 
     @property
     def _process(self) -> psutil.Process:
@@ -650,10 +525,6 @@ class Trainer:
             self._proc = psutil.Process()
             self._proc.cpu_percent()  # the first reading is 0: start the interval now
         return self._proc
-
-    def _lag(self) -> dict[str, float]:
-        lag = self.source.lag() if hasattr(self.source, "lag") else None
-        return {} if lag is None else {"consumer_lag": float(lag)}
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -675,17 +546,13 @@ class Trainer:
 
     def checkpoint(self) -> Path | None:
         """Write a complete checkpoint, then commit the offsets it covers."""
-        if not _params_finite(self.student.module):
+        if not params_finite(self.student.module):
             raise DviError(f"step {self.state.step}: the drafter's weights are not finite; not checkpointing them "
                            "(restart resumes from the last complete checkpoint)")
         committable = self._committable()
         s = self.state
         self.checkpoint_ok = False
-        ranks = self._gathered({"counters": s.counters.to_dict(), "ledger": self.ledger.entries(),
-                                "offsets": {f"{topic}:{part}": off for (topic, part), off in committable.items()}})
-        state = {"step": s.step, "lineage": s.lineage, "serving_dir": s.serving_dir, "counters": _summed(ranks),
-                 "ledger": _merged_ledgers(ranks), "offsets": {k: v for r in ranks for k, v in r["offsets"].items()},
-                 "ranks": [r["counters"] for r in ranks]}
+        state = merged(s, ds.all_gathered(rank_part(s.counters, self.ledger, committable), self.world))
         try:
             path = checkpoint.save(self.student, self.run_dir, s.step, state, keep=self.tcfg.keep_checkpoints)
         except (OSError, RuntimeError) as e:  # torch reports a failed write (ENOSPC) as a RuntimeError
@@ -725,7 +592,7 @@ class Trainer:
         gate = self._gate(why) if self.rank == 0 else None
         if self.tcfg.gate_every_s:  # a slow check (a full held-out set) spaces the next ones out
             self.next_gate_at = started + next_gate_in(self.tcfg.gate_every_s, time.monotonic() - started, self.tcfg.gate_max_share)
-        gate = self._from_rank0(gate)
+        gate = ds.from_rank0(gate, self.world)
         published = gate is not None and self.publish(gate)
         self.log_counters()
         return published
@@ -746,7 +613,7 @@ class Trainer:
         gate = {"candidate_acceptance": cand["realized"], "serving_acceptance": base["realized"],
                 "candidate_expected": cand["acceptance"], "serving_expected": base["acceptance"],
                 "candidate_greedy": cand["greedy"], "serving_greedy": base["greedy"], "holdout_records": len(holdout)}
-        passed = cand["realized"] > base["realized"] + self.tcfg.min_gain and _params_finite(self.student.module)
+        passed = cand["realized"] > base["realized"] + self.tcfg.min_gain and params_finite(self.student.module)
         if self.tracker is not None:
             self.tracker.log_metrics({**{f"gate/{k}": v for k, v in gate.items()}, "gate/passed": float(passed)}, step=self.state.step)
         self.last_gate = {"step": self.state.step, "time": time.time(), "outcome": "passed" if passed else "refused", **gate}
@@ -758,7 +625,7 @@ class Trainer:
             self.state.counters.refused += 1
             decision.info("%s: refused: %s", at, figures)
             return None
-        if not _params_finite(self.student.module):
+        if not params_finite(self.student.module):
             decision.warning("%s: refused: the candidate's weights are not finite", at)
             return None
         decision.info("%s: passed: %s", at, figures)
@@ -796,19 +663,15 @@ class Trainer:
         written = None
         if self.rank == 0:
             version = store.next_version(self.store)
-            meta = {"parent": parent, "step": self.state.step, "records_trained": self.state.counters.trained,
-                    "offsets": {f"{t}:{p}": o for (t, p), o in self.offsets.committable().items()}, "gate": gate}
-            try:
-                written = store.publish(self.store, version, weights, Path(self.state.serving_dir), meta, self.vocab_map)
-            except (OSError, SafetensorError) as e:  # full or unwritable: nothing half-written is left, nothing announced
-                log.error("could not write drafter %s into the store %s (%s); not published", version, self.store, e)
+            meta = version_meta(self.state, self.offsets.committable(), gate)
+            written = write_version(self.store, version, weights, Path(self.state.serving_dir), meta, self.vocab_map)
         if self.rank == 0 and written is not None:
             decision.info("%s published (parent %s, step %d, %d records trained): held-out acceptance %.4f -> %.4f (%s rule); %s",
                           version, parent, self.state.step, self.state.counters.trained, gate["serving_acceptance"],
                           gate["candidate_acceptance"], self.gate_rule, written.path)
-            self._announce(written, parent, gate, meta)
+            announce(written, meta, self.state, gate, self.tracker, self.publisher)
             self.state.counters.published += 1
-        shared = self._from_rank0((written.version, str(written.path)) if written else None)
+        shared = ds.from_rank0((written.version, str(written.path)) if written else None, self.world)
         if shared is None:
             return False
         version, path = shared
@@ -820,80 +683,14 @@ class Trainer:
         self.checkpoint()
         return True
 
-    def _announce(self, published: store.Published, parent: str, gate: dict, meta: dict) -> None:
-        tags = {"parent_version": parent, "records_trained": str(self.state.counters.trained), "step": str(self.state.step),
-                "dvi.release": __version__, "records_held_out": str(self.state.counters.held_out),
-                "offsets": ",".join(f"{k}={v}" for k, v in meta["offsets"].items()), "sha256": published.sha256,
-                **{f"gate.{k}": f"{v:.6g}" for k, v in gate.items()}}
-        if self.tracker is not None:
-            self.tracker.register_drafter(str(published.path), published.version, tags, alias="candidate")
-        if self.publisher is not None:
-            try:
-                self.publisher(DrafterPublished(version=published.version, uri=str(published.path),
-                                                sha256=published.sha256, parent=parent, gate=gate))
-            except DviError as e:  # the version is in the store and the registry; servers can still be pointed at it
-                log.warning("published %s but could not announce it on the control topic: %s", published.version, e)
-
     # -- cleanup ---------------------------------------------------------------------------------
 
     def close(self) -> None:
         self.ahead.close()  # a batch built ahead is not trained: its records stay uncommitted and are read again
-        stepped, uncommitted = self.state.step > self.last_checkpoint_step, not self._all(not self._uncommitted())
+        stepped, uncommitted = self.state.step > self.last_checkpoint_step, not ds.on_every_rank(not self._uncommitted(), self.world)
         if stepped or uncommitted:  # what was trained, held out or skipped since the last checkpoint is committed
             try:
                 self.checkpoint()
             except DviError as e:
                 log.error("final checkpoint failed: %s", e)
         self.log_counters()
-
-
-def _summed(ranks: list[dict]) -> dict:
-    """Counters of all ranks added up."""
-    return {k: sum(r["counters"][k] for r in ranks) for k in ranks[0]["counters"]}
-
-
-def _merged_ledgers(ranks: list[dict]) -> list[list[str]]:
-    """The union of the ranks' ledgers (each holds the restored shared part, then its own records)."""
-    merged: dict[str, str] = {}
-    for r in ranks:
-        for rid, fate in r["ledger"]:
-            merged.setdefault(rid, fate)
-    return [[rid, fate] for rid, fate in merged.items()]
-
-
-def _params_finite(module: torch.nn.Module) -> bool:
-    """Every parameter finite: one reduction on the device, read once (not one device sync per tensor)."""
-    params = list(module.parameters())
-    return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
-
-
-def system_metrics(process: psutil.Process, device: torch.device) -> dict[str, float]:
-    """The trainer process's system figures for MLflow (`system/*`): CPU (percent of one core, since the last call),
-    resident memory, the C heap's memory in use and free (`dvi.alloc.heap_figures`), the host's memory in use and, on
-    CUDA, the memory PyTorch holds."""
-    out = {"system/cpu_percent": process.cpu_percent(), "system/rss_mb": process.memory_info().rss / (1 << 20),
-           "system/memory_percent": psutil.virtual_memory().percent}
-    heap = heap_figures()
-    if heap is not None:
-        out.update({"system/heap_in_use_mb": heap["in_use"], "system/heap_free_mb": heap["free"],
-                    "system/heap_mmap_mb": heap["mmap"], "system/py_blocks": heap["py_blocks"]})
-    if device.type == "cuda":
-        out["system/gpu_memory_allocated_mb"] = torch.cuda.memory_allocated(device) / (1 << 20)
-        out["system/gpu_memory_reserved_mb"] = torch.cuda.memory_reserved(device) / (1 << 20)
-        busy = gpu_busy_share(device)
-        if busy is not None:
-            out["system/gpu_busy_share"] = busy
-    return out
-
-
-def gpu_busy_share(device: torch.device) -> float | None:
-    """The share of the last sample period (about a second) in which a kernel ran on `device`, from NVML; None on
-    a CPU or where NVML cannot be read (no nvidia-ml-py)."""
-    if device.type != "cuda":
-        return None
-    try:
-        return torch.cuda.utilization(device) / 100.0
-    except Exception:  # ModuleNotFoundError (pynvml), or an NVML error: the figure is optional
-        return None
-
-

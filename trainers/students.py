@@ -4,6 +4,9 @@
 - `Eagle3PositionLM`: an EAGLE-3 drafter (`dvi.eagle3`) the same way, from the target's features (the records' or a
   frozen copy of the target's), and unrolled over training-time-test drafting steps;
 - `ttt_position_loss`: an EAGLE-3 drafter's loss over those steps (`trainers.losses.position_loss` at each);
+- `student_loss`: a batch's training loss, over one step or those unrolled steps; `zero_loss`: the loss of a rank
+  without a batch, which joins the others' step with a zero gradient;
+- `params_finite`: whether a module's weights are all finite;
 - `autocast`: the forward's precision (`trainer.precision`).
 
 This module knows drafters' forwards and the batch layout (`trainers.data.Batch`); the maths of the loss is
@@ -125,6 +128,31 @@ def ttt_position_loss(student, batch: Batch, teacher: Teacher, steps: int, diver
         else:
             metrics[f"acceptance_step{k}"] = m["acceptance"]
     return torch.stack(losses).mean(), metrics
+
+
+def student_loss(student, batch: Batch, teacher: Teacher, steps: int, divergence: str, w_kl: float, w_reward: float,
+                 beta: float, vocab_map) -> tuple[torch.Tensor, dict[str, float]]:
+    """A batch's training loss and metrics: one forward and `position_loss` at its teacher positions, or over `steps` > 1
+    unrolled drafting steps (an EAGLE-3 drafter's `trainer.eagle3_ttt_steps`) `ttt_position_loss`."""
+    if steps > 1:
+        return ttt_position_loss(student, batch, teacher, steps, divergence, w_kl, w_reward, beta, vocab_map)
+    logits = student(batch.input_ids, batch.attention_mask, batch.rows, batch.cols, features=batch.features)
+    return position_loss(logits, teacher, batch.drafted, batch.reward, batch.judged, batch.weight, divergence, w_kl,
+                         w_reward, beta, vocab_map)
+
+
+def zero_loss(student, device: torch.device, feature_width: int | None) -> torch.Tensor:
+    """A zero loss through the drafter, for a rank without a batch to join the others' step with a zero gradient (every
+    rank must step together). `feature_width`: an EAGLE-3 drafter's features per token; None for a layer drafter."""
+    one = torch.zeros(1, 1, dtype=torch.long, device=device)
+    feats = torch.zeros(1, 1, feature_width, device=device) if feature_width is not None else None
+    return student(one, torch.ones_like(one), one[0], one[0], features=feats).sum() * 0.0
+
+
+def params_finite(module: torch.nn.Module) -> bool:
+    """Every parameter finite: one reduction on the device, read once (not one device sync per tensor)."""
+    params = list(module.parameters())
+    return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
 
 def autocast(device: torch.device, precision: str):

@@ -18,6 +18,9 @@ Drift score: the reference is the highest rolling acceptance seen since the last
 drift = (reference - current) / reference, in [0, 1], 0 while there is no reference. A publish resets the
 reference: the new drafter's acceptance is the new normal.
 
+The trainer loop's other timing decisions are pure logic here too: how far apart timed gate checks are spaced when
+they are slow (`next_gate_in`), and when the loop gives freed heap memory back to the system (`release_due`).
+
 This module knows acceptance counts and time; it knows nothing about records, Kafka or models.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from dvi.alloc import RELEASE_EVERY_S
 from dvi.config import TriggerConfig
 
 
@@ -143,3 +147,18 @@ class Trigger:
             self._reference = None
             self._window.clear()
             self._accepted = self._drafted = self._seen = 0
+
+
+def next_gate_in(every_s: float, took_s: float, max_share: float) -> float:
+    """Seconds from the start of a gate check that took `took_s` to the start of the next timed one: `every_s`, or
+    longer where checks that slow would otherwise take more than `max_share` of the trainer's time
+    (trainer.gate_max_share)."""
+    return max(every_s, took_s / max_share)
+
+
+def release_due(step: int, released_step: int, now: float, released_at: float) -> bool:
+    """Whether the loop gives freed heap memory back now (`dvi.alloc.release_free`): a step ran since the last release
+    (at step `released_step`, time `released_at`), and that was RELEASE_EVERY_S ago or more. Checked on every turn of
+    the loop, stepping or idle: a trainer that goes idle after a step gives that step's memory back too, instead of
+    holding it for as long as it idles."""
+    return step != released_step and now - released_at >= RELEASE_EVERY_S

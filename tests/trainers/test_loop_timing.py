@@ -1,10 +1,11 @@
 """The trainer loop's timing decisions, as pure logic on an explicit clock: when it gives freed heap memory back to the
-system (`trainers.recipe.release_due`; the release itself, glibc's `malloc_trim`, is tested against glibc in
+system (`trainers.triggers.release_due`; the release itself, glibc's `malloc_trim`, is tested against glibc in
 tests/dvi/test_alloc.py) and how far apart slow gate checks are spaced (`next_gate_in`)."""
 
 from __future__ import annotations
 
-from trainers.recipe import RELEASE_EVERY_S, next_gate_in, release_due
+from dvi.alloc import RELEASE_EVERY_S
+from trainers.triggers import next_gate_in, release_due
 
 
 def test_freed_memory_goes_back_after_a_step_at_most_once_a_minute_also_when_the_loop_then_idles():

@@ -715,7 +715,7 @@ def test_servers_verdicts_are_recorded_in_the_store_for_restarting_replicas(stre
 def test_system_metrics_describe_this_process():
     import psutil
 
-    from trainers.recipe import gpu_busy_share, system_metrics
+    from trainers.telemetry import gpu_busy_share, system_metrics
 
     process = psutil.Process()
     process.cpu_percent()
@@ -730,12 +730,12 @@ def test_system_metrics_describe_this_process():
 
 
 def test_one_non_finite_value_in_any_parameter_is_found():
-    from trainers.recipe import _params_finite
+    from trainers.students import params_finite
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    assert _params_finite(model) and _params_finite(torch.nn.Module())  # no parameters: nothing non-finite
+    assert params_finite(model) and params_finite(torch.nn.Module())  # no parameters: nothing non-finite
     for value in (float("nan"), float("inf")):
         with torch.no_grad():
             model[1].bias[1] = value
-        assert not _params_finite(model)
+        assert not params_finite(model)
 
