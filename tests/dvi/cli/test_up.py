@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from child_env import clean_env
 
 from dvi import mlflow_view
 from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, Part, Supervisor, next_backoff, plan, prepare_pair
@@ -163,7 +164,7 @@ def test_dvi_up_answers_restarts_a_killed_part_and_stops_everything(demo_target_
         f"serve.port={api}", f"trainer.store={tmp_path / 'store'}", f"trainer.run_dir={tmp_path / 'run'}",
         "serve.metrics_every_s=5",
     ]  # fmt: skip
-    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"}
+    env = clean_env(**{marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"})
     proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
     out = Lines(proc)
@@ -235,7 +236,7 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
     ]  # fmt: skip
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):  # the stack makes its own MLflow login
         monkeypatch.delenv(name, raising=False)
-    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"}
+    env = clean_env(**{marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"})
     cli = [sys.executable, "-m", "dvi.cli"]
     try:
         up = subprocess.run([*cli, "up", "--detach", *overrides], capture_output=True, text=True, env=env, timeout=900)
@@ -300,7 +301,7 @@ def test_a_dvi_up_killed_outright_leaves_nothing_the_next_one_does_not_stop(tmp_
     marker = f"DVI_UP_TEST={uuid.uuid4().hex}"
     port = free_port()
     overrides = [f"model.cache_dir={tmp_path / 'cache'}", f"stream.port={port}", "tracking.enabled=false"]
-    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"}
+    env = clean_env(**{marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"})
 
     def start() -> tuple[subprocess.Popen, Lines]:
         proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", "--only", "broker", *overrides], stdout=subprocess.PIPE,
