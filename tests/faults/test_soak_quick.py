@@ -1,7 +1,7 @@
 """The soak's quick run in the suite: `python -m benchmarks.soak --quick` (see its docstring) on the default stack, `dvi up
 --detach` with vLLM and a second replica, under mixed traffic for 10 minutes (longer while a fault recovers, at most
 20), each fault once: the trainer, the broker, MLflow and the first replica killed with SIGKILL, a hostile burst, then
-`dvi up` itself killed and started again. About 16 minutes with the start and the end.
+`dvi up` itself killed and started again. About 15 minutes with the start and the end.
 
 Asserted, as the benchmark decides them: every killed part came back; every record the trainer committed is in its
 ledger exactly once; no request failed but at a killed replica; only versions the gate and the signature allowed were
