@@ -20,7 +20,7 @@ from dvi.models import drafter_kind, load_drafter
 from dvi.pairs import load_any_drafter
 from dvi.swap import load_announced_eagle3
 from trainers.data import Batch
-from trainers.losses import Teacher, position_loss, teacher_from_logits
+from trainers.losses import position_loss, teacher_from_logits
 from trainers.students import Eagle3PositionLM, PositionLM, ttt_position_loss
 
 VOCAB = 97
