@@ -12,9 +12,11 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import replace
 
@@ -179,10 +181,29 @@ class _Loop:
         self.replica.close()
 
 
+def answer_fields(answered: list[tuple[str, dict]], answer_id: str) -> list[dict]:
+    """The `dvi` fields of the requests behind vLLM's answer `answer_id`, in the answer's choice order. vLLM 0.32 names
+    the engine's request `<answer id>-<8 hex>`; a completion of several prompts gives prompt i `<answer id>-<i>-<8 hex>`,
+    and n > 1 makes choice j of each `<j>_<that id>`."""
+    own = re.compile(rf"(?:(\d+)_)?{re.escape(answer_id)}(?:-(\d+))?-[0-9a-f]{{8}}")
+    found = []
+    for request_id, fields in answered:
+        m = own.fullmatch(request_id)
+        if m:
+            found.append(((int(m.group(2) or 0), int(m.group(1) or 0)), fields))
+    return [fields for _, fields in sorted(found, key=lambda x: x[0])]
+
+
 def _handler(replica):
     class View(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
-            if self.path == "/health":  # the replica's view, and the pid of vLLM's API server (which started this process)
+            if self.path.startswith("/requests/"):  # an answer's dvi field (dvi.cli.vllm_http)
+                fields = answer_fields(replica.answered(), urllib.parse.unquote(self.path.removeprefix("/requests/")))
+                if not fields:
+                    self.send_error(404)
+                    return
+                body, kind = json.dumps({"fields": fields}).encode(), "application/json"
+            elif self.path == "/health":  # the replica's view, and the pid of vLLM's API server (which started this process)
                 body, kind = json.dumps({**replica.health(), "server_pid": os.getppid()}, default=str).encode(), "application/json"
             elif self.path == "/metrics":
                 body, kind = replica.prometheus().encode(), "text/plain; version=0.0.4"
@@ -233,9 +254,17 @@ class DviEndpoints:
     required_tasks = ("generate",)
 
     def attach_router(self, app) -> None:
+        """The `/dvi/*` relay, and dvi's request middleware (dvi.cli.vllm_http.DviRequests) around vLLM's completions:
+        the domain tag, the per-client cap, and, where the loop's view answers, each JSON answer's `dvi` field."""
         from fastapi import Response
 
+        from dvi.cli.vllm_http import DviRequests, relayed_fields
+
         port = int(os.environ.get(PORT, 0))
+        args = getattr(app.state, "args", None)  # vLLM's command line: its API key, where it has one
+        app.add_middleware(DviRequests, fields=relayed_fields(view, port) if port else None,
+                           cap=_config().serve.max_inflight_per_client,
+                           keyed=bool(getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY")))
 
         def relay(path: str, kind: str):
             async def route() -> Response:

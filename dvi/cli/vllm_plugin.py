@@ -14,7 +14,8 @@ Enabled (`DVI_LOOP=1`), in vLLM's engine-core process, the one whose busy loop s
 
 In vLLM's API-server process, `dvi.cli.vllm_loop.DviCollector` adds those counters to vLLM's own `/metrics`, and the endpoint plugin
 `dvi.cli.vllm_loop.DviEndpoints` (entry point `vllm.endpoint_plugins`, loaded when `VLLM_PLUGINS` names `dvi`) relays the view at
-`/dvi/health` and `/dvi/metrics` on vLLM's port.
+`/dvi/health` and `/dvi/metrics` on vLLM's port and puts `dvi.cli.vllm_http.DviRequests` around vLLM's completions: dvi's
+domain tag (`X-DVI-Domain`, the body's `dvi` object), the per-client cap and each JSON answer's `dvi` field.
 
 Configuration: `DVI_LOOP_OVERRIDES`, a JSON list of Hydra overrides of conf/ (`["stream.bootstrap_servers=kafka:9092"]`);
 the target and drafter are vLLM's (`--model`, the `model` of `--speculative-config`), the batch size its

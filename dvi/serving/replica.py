@@ -63,6 +63,7 @@ decisions = logging.getLogger("dvi.decision.serve")  # swaps, promotions, rollba
 
 
 REJECTED_KEPT = 1024  # rejected version names a replica remembers
+ANSWERED_KEPT = 4096  # followed requests whose `dvi` field the server that decoded them may still ask for (answered)
 
 
 def sends_features(cfg) -> bool:
@@ -139,6 +140,8 @@ class Replica:
         # bound vLLM's own server applies: tokens times the longest vocabulary entry)
         self.max_prompt_chars = self.max_prompt_tokens * longest_token_chars(self.tokenizer)
         self.rejected: OrderedDict[str, None] = OrderedDict()  # versions never to serve again, oldest first
+        self._answered: OrderedDict[str, dict] = OrderedDict()  # followed requests' `dvi` fields, by request id, oldest first
+        self._answered_lock = threading.Lock()
         # the target's features the records carried (dvi.features): requests, rows, and positions fed that had none (a
         # prefix-cache hit) or were given twice (a preempted request recomputed)
         self.features = {"requests": 0, "rows": 0, "bytes": 0, "missing": 0, "recomputed": 0}
@@ -376,6 +379,16 @@ class Replica:
         self._decoding = [j for j in self._decoding if j is not job]
         self._finish(job, result)
         self._log_routing()
+        with self._answered_lock:
+            self._answered[result.request_id] = self.extension(result)
+            while len(self._answered) > ANSWERED_KEPT:
+                self._answered.popitem(last=False)
+
+    def answered(self) -> list[tuple[str, dict]]:
+        """The `dvi` fields of the last ANSWERED_KEPT followed requests (`finish`), by request id: what the server that
+        decoded them adds to their answers (dvi.cli.vllm_http). Any thread."""
+        with self._answered_lock:
+            return list(self._answered.items())
 
     def _join(self, batch, job: Job) -> None:
         emit = self._emitter(job)

@@ -119,12 +119,28 @@ def test_clients_see_vllms_api_and_every_request_leaves_records_that_reproduce_i
         model=model, messages=[{"role": "user", "content": "Name three primary colors."}], max_tokens=24, temperature=0, stream=True)
         if ch.choices)
     assert streamed == chat.choices[0].message.content  # streamed as answered
+    # dvi's API's request and answer fields on vLLM's server (dvi.cli.vllm_http): the domain tag as a header or the dvi
+    # object, the answer's dvi field with the counts its records carry, a malformed tag refused
+    tagged = requests.post(server.url + "/v1/chat/completions", headers={"X-DVI-Domain": "qa"}, timeout=120, json={
+        "model": model, "messages": [{"role": "user", "content": "What is a prime number?"}], "max_tokens": 24, "temperature": 0,
+        "return_token_ids": True}).json()
+    answers[tagged["id"]], domains[tagged["id"]] = tagged["choices"][0]["token_ids"], "qa"
+    both = requests.post(server.url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0.8, "seed": 1, "n": 2,
+        "dvi": {"domain": "math"}}).json()
+    refused = requests.post(server.url + "/v1/completions", headers={"X-DVI-Domain": "no spaces"}, timeout=30,
+                            json={"model": model, "prompt": PROMPTS[0], "max_tokens": 4})
+    assert refused.status_code == 400 and "domain tag" in refused.json()["error"]["message"], refused.text
+    ext = tagged["dvi"]
+    assert ext["request_id"].startswith(tagged["id"]) and ext["drafter_versions"] == ["d0000"] and ext["replica_id"] == "plugin-test"
+    assert ext["stats"]["drafted"] > 0 and ext["stats"]["rounds"] > 0
+    assert [f["request_id"][:2] for f in both["dvi"]["choices"]] == ["0_", "1_"]  # n = 2: a field for each choice, in order
     structured = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Give a JSON object with a key a."}],
                                            max_tokens=32, temperature=0, response_format={"type": "json_object"})
     assert structured.choices[0].message.content.strip().startswith("{")  # vLLM's structured output, which dvi's API ignores
 
     # the loop's view, relayed on vLLM's port, and its counters in vLLM's own /metrics
-    h = wait_for(lambda: (h := server.health())["records"]["sent"] >= len(answers) + 2 and h, 30, "the records to be sent")
+    h = wait_for(lambda: (h := server.health())["records"]["sent"] >= len(answers) + 4 and h, 30, "the records to be sent")
     assert h["replica_id"] == "plugin-test" and h["drafter_version"] == "d0000" and h["engine"] == "vllm"
     metrics = scrape(server.url)
     assert metrics[("dvi_records_sent_total", ("model_name", server.target.name))] == h["records"]["sent"]
@@ -142,9 +158,14 @@ def test_clients_see_vllms_api_and_every_request_leaves_records_that_reproduce_i
         assert mine, f"no record of {response_id}"
         assert mine[-1].prefix_ids + mine[-1].generated_ids == tokens  # the records reproduce the answer
         assert {r.domain for r in mine} == {domains.get(response_id)}  # the domain from vllm_xargs, none without it
+        if response_id == tagged["id"]:  # the answer's dvi field says what its records carry
+            assert ext["stats"]["accepted"] == sum(x.accepted for r in mine for x in r.rounds)
+            assert ext["stats"]["drafted"] == sum(x.k for r in mine for x in r.rounds)
         for rec in mine:
             for x in rec.rounds:  # greedy: the target's top choice is each accepted draft, then its own token
                 assert x.topk_ids[: x.accepted, 0].tolist() == x.drafted[: x.accepted] and int(x.topk_ids[x.accepted, 0]) == x.token
+    twins = {r.request_id: r.domain for r in records if both["id"] in r.request_id}  # n = 2: two requests, one tag
+    assert len(twins) == 2 and set(twins.values()) == {"math"}, twins
     # every drafted and accepted token vLLM counted is in the records, and no other
     assert sum(x.k for r in records for x in r.rounds) == drafted1 - drafted0 > 0
     assert sum(x.accepted for r in records for x in r.rounds) == accepted1 - accepted0
