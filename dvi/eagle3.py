@@ -213,7 +213,7 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(nn.Module):
     """An EAGLE-3 drafter (see the module docstring). `config`: its one-layer Llama config (vocab_size is the
     target's); `embed`: the target's input embedding [vocab, hidden], held frozen and never saved. Loaded as a
-    version (`load_eagle3`, `dvi.swap.load_announced_eagle3`) it has a `version`; `kind` tells it from a layer
+    version (`load_eagle3`, `dvi.swap.load_announced`) it has a `version`; `kind` tells it from a layer
     drafter (`dvi.models.Drafter`) where either may serve."""
 
     kind = KIND

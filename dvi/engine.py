@@ -231,7 +231,7 @@ class SpeculativeEngine:
 
 def draft_model(drafter: Drafter | Eagle3Drafter) -> tuple[torch.nn.Module, torch.Tensor | None]:
     """What drafts for `drafter`, and the target ids of its output rows (None: all of them): a layer drafter's
-    causal LM, or an EAGLE-3 drafter, bare (`dvi.swap.load_announced_eagle3`) or held by a `Drafter`."""
+    causal LM, or an EAGLE-3 drafter, bare (`dvi.swap.load_announced`) or held by a `Drafter`."""
     if isinstance(drafter, Eagle3Drafter):
         return drafter, target_ids(drafter.d2t)
     return drafter.model, drafter.vocab_map

@@ -1,6 +1,7 @@
 """The exception types a user is meant to read.
 
-`DviError` carries a message that says what was wrong, where, and what to do. Entry points catch it
+`DviError` carries a message that says what was wrong, where, and what to do (`Refused`: a drafter version that will
+not be served, with a reason code). Entry points catch it
 and print it as a single line; anything else escaping is a bug in dvi, not bad input. `RecordError` is a
 DecisionRecord (object or bytes) that is malformed: the consumer dead-letters it and goes on.
 """
@@ -16,3 +17,11 @@ class RecordError(ValueError):
     def __init__(self, field_name: str, problem: str):
         super().__init__(f"{field_name}: {problem}")
         self.field = field_name
+
+
+class Refused(DviError):
+    """A published drafter that will not be served; `reason` is one of the codes `dvi.swap`'s docstring lists."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason

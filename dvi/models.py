@@ -534,15 +534,7 @@ class Pair:
     drafter_dir: Path | None
 
 
-EAGLE3_VOCAB = 8192  # an EAGLE-3 drafter's draft vocabulary where none is given
-
-
-def demo_drafter_dir(cache_dir: Path, layers: int, vocab: int | None, kind: str = LAYERS) -> Path:
-    """Where the demo drafter of `kind` is built in the cache: a layer drafter of `layers` layers and a head over
-    `vocab` tokens (None: all), or an EAGLE-3 drafter over `vocab` tokens (None: EAGLE3_VOCAB)."""
-    if kind == EAGLE3:
-        return cache_dir / "models" / f"eagle3-v{vocab or EAGLE3_VOCAB}"
-    return cache_dir / "models" / f"drafter-L{layers}-{'v' + str(vocab) if vocab else 'full'}"
+EAGLE3_VOCAB = 8192  # an EAGLE-3 drafter's draft vocabulary where none is given (`dvi.drafter_kinds.Eagle3Kind`)
 
 
 def target_dir_of(cfg) -> Path:

@@ -1,6 +1,7 @@
 """A target and its drafter, loaded: `resolve_pair` for a `dvi.config.ModelConfig`, `load_any_drafter` for a drafter
-directory of either kind. Layer drafters are `dvi.models`', EAGLE-3 drafters `dvi.eagle3`'s (which builds on
-`dvi.models`); this module only picks which (`dvi.models.drafter_kind`) and knows nothing of decoding or training.
+directory of either kind. Each kind of drafter loads as its `dvi.drafter_kinds.DrafterKind` says (layer drafters
+`dvi.models`', EAGLE-3 drafters `dvi.eagle3`'s); this module only picks the kind (`dvi.drafter_kinds.kind_of_dir`) and
+knows nothing of decoding or training.
 """
 
 from __future__ import annotations
@@ -11,31 +12,27 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from dvi.eagle3 import build_eagle3, load_eagle3, load_for_target, target_ids
-from dvi.errors import DviError
-from dvi.models import (DRAFTER_META, EAGLE3, EAGLE3_VOCAB, Drafter, Pair, build_drafter, cache_dir, check_same_tokenizer,
-                        demo_drafter_dir, drafter_kind, load_causal_lm, load_drafter, load_tokenizer, resolve_device, resolve_dtype,
-                        target_dir_of, target_skeleton)
+from dvi.drafter_kinds import kind_of, kind_of_dir
+from dvi.models import (DRAFTER_META, Drafter, Pair, cache_dir, check_same_tokenizer, load_causal_lm, load_tokenizer, resolve_device,
+                        resolve_dtype, target_dir_of, target_skeleton)
 
 log = logging.getLogger(__name__)
 
 
 def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
     """The target and drafter directories a `dvi.config.ModelConfig` names; null paths mean the demo pair, whose
-    target is fetched and whose drafter (`model.drafter_kind`: a layer drafter, `dvi.models.build_drafter`, or an
-    EAGLE-3 one, `dvi.eagle3.build_eagle3`) is built on first use. Loads no model."""
+    target is fetched and whose drafter (of kind `model.drafter_kind`: a layer drafter, `dvi.models.build_drafter`, or an
+    EAGLE-3 one, `dvi.eagle3.build_eagle3`; `DrafterKind.build`) is built on first use. Loads no model."""
     target_dir = target_dir_of(cfg)
     if not with_drafter:
         return target_dir, None
     if cfg.drafter:
         return target_dir, Path(cfg.drafter).expanduser()
-    drafter_dir = demo_drafter_dir(cache_dir(cfg), cfg.drafter_layers, cfg.drafter_vocab, cfg.drafter_kind)
+    kind = kind_of(cfg.drafter_kind)
+    drafter_dir = kind.demo_dir(cache_dir(cfg), cfg.drafter_layers, cfg.drafter_vocab)
     if not (drafter_dir / DRAFTER_META).exists():
-        log.info("building the demo %s drafter at %s", cfg.drafter_kind, drafter_dir)
-        if cfg.drafter_kind == EAGLE3:
-            build_eagle3(target_dir, drafter_dir, cfg.drafter_vocab or EAGLE3_VOCAB)
-        else:
-            build_drafter(target_dir, drafter_dir, cfg.drafter_layers, cfg.drafter_vocab)
+        log.info("building the demo %s drafter at %s", kind.name, drafter_dir)
+        kind.build(target_dir, drafter_dir, cfg.drafter_layers, cfg.drafter_vocab)
     return target_dir, drafter_dir
 
 
@@ -54,24 +51,15 @@ def load_any_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtyp
     """A drafter directory as a `Drafter`: a layer drafter (`dvi.models.load_drafter`), or with `target` (the loaded
     target) an EAGLE-3 one too (`dvi.eagle3.load_for_target`: its `.model` an `Eagle3Drafter` over the target's
     features, its `.vocab_map` the draft vocabulary's target ids); or, with `embed` (the target's input embedding, for
-    a process that holds no copy of the target), an EAGLE-3 one sharing that embedding."""
-    if drafter_kind(path) == EAGLE3 and (target is not None or embed is not None):
-        if target is None:
-            model = load_eagle3(Path(path).expanduser(), dtype=dtype, embed=embed).to(device)
-            if int(model.config.vocab_size) != target_vocab_size:
-                raise DviError(f"eagle3 drafter at {str(path)!r} has vocabulary size {model.config.vocab_size}, not {target_vocab_size}")
-            return Drafter(model=model, version=model.version, vocab_map=target_ids(model.d2t))
-        if int(target.config.vocab_size) != target_vocab_size:
-            raise DviError(f"the target has vocabulary size {target.config.vocab_size}, not {target_vocab_size}")
-        return load_for_target(Path(path).expanduser(), target, dtype, device)
-    return load_drafter(path, target_vocab_size, dtype, device)
+    a process that holds no copy of the target), an EAGLE-3 one sharing that embedding (`DrafterKind.load`)."""
+    return kind_of_dir(path).load(path, target_vocab_size, dtype, device, target, embed)
 
 
 def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, eagle3: bool = False) -> Pair:
     """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
     tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads).
     `target_weights=False`: the target is its skeleton (`target_skeleton`) and the drafter stays on the CPU, for an
-    engine that loads the target itself (serve.engine=vllm). An EAGLE-3 drafter's directory (`drafter_kind`) gives a
+    engine that loads the target itself (serve.engine=vllm). An EAGLE-3 drafter's directory (`kind_of_dir`) gives a
     `dvi.eagle3.Eagle3Drafter` (its version and kind as a Drafter's; the target's embedding read from `target_dir`),
     which vLLM (method eagle3) and dvi's own engine serve; with `eagle3` (the trainer's) and the target's
     weights, a `Drafter` over the loaded target instead (`load_any_drafter`)."""
@@ -87,9 +75,9 @@ def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, ea
         target, device = target_skeleton(target_dir, dtype), torch.device("cpu")
     drafter = None
     if drafter_dir is not None:
-        if drafter_kind(drafter_dir) == EAGLE3 and not (eagle3 and target_weights):
-            drafter = load_eagle3(drafter_dir, target_dir, dtype).to(device)
+        kind, vocab = kind_of_dir(drafter_dir), int(target.config.vocab_size)
+        if eagle3 and target_weights:
+            drafter = kind.load(drafter_dir, vocab, dtype, device, target=target)
         else:
-            drafter = load_any_drafter(drafter_dir, int(target.config.vocab_size), dtype, device,
-                                       target=target if eagle3 and target_weights else None)
+            drafter = kind.load_served(drafter_dir, target_dir, vocab, dtype, device)
     return Pair(target, tokenizer, drafter, target_dir, drafter_dir)

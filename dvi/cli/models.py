@@ -10,10 +10,9 @@ from pathlib import Path
 from dvi.cli.output import out
 from dvi import keys
 from dvi.config import load_config, overrides_of
-from dvi.eagle3 import build_eagle3
+from dvi.drafter_kinds import kind_of
 from dvi.errors import DviError
-from dvi.models import (EAGLE3, EAGLE3_VOCAB, build_drafter, cache_dir, demo_drafter_dir, import_gguf, resolve_device, resolve_dtype,
-                        target_dir_of)
+from dvi.models import EAGLE3, EAGLE3_VOCAB, cache_dir, import_gguf, resolve_device, resolve_dtype, target_dir_of
 from dvi.pairs import pair_dirs
 
 
@@ -34,20 +33,17 @@ def drafter_init(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args)).model
     cache = cache_dir(cfg)
     target_dir = target_dir_of(cfg)
-    if args.kind == "eagle3":
+    kind = kind_of(args.kind)
+    if kind.name == EAGLE3:
         if args.layers is not None:
             raise DviError("--layers is for --kind layers; an eagle3 drafter is one layer over the target's features")
         if args.vocab == 0:
             raise DviError("an eagle3 drafter's head covers a reduced vocabulary: give --vocab N (default 8192)")
-        vocab = args.vocab or EAGLE3_VOCAB
-        out(build_eagle3(target_dir, Path(args.out) if args.out else demo_drafter_dir(cache, cfg.drafter_layers, vocab, EAGLE3), vocab))
-        return 0
-    layers = args.layers if args.layers is not None else cfg.drafter_layers
-    vocab = args.vocab if args.vocab is not None else cfg.drafter_vocab
-    if args.vocab == 0:
-        vocab = None
-    where = Path(args.out) if args.out else demo_drafter_dir(cache, layers, vocab)
-    out(build_drafter(target_dir, where, layers=layers, vocab=vocab))
+        layers, vocab = cfg.drafter_layers, args.vocab or EAGLE3_VOCAB
+    else:
+        layers = args.layers if args.layers is not None else cfg.drafter_layers
+        vocab = None if args.vocab == 0 else args.vocab if args.vocab is not None else cfg.drafter_vocab
+    out(kind.build(target_dir, Path(args.out) if args.out else kind.demo_dir(cache, layers, vocab), layers, vocab))
     return 0
 
 

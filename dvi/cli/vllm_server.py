@@ -17,9 +17,9 @@ from pathlib import Path
 from dvi.cli.vllm_plugin import ENABLE, NAME, OVERRIDES, PORT
 from dvi.config import DviConfig, api_key
 from dvi.engine_api import MAX_LOGPROBS
+from dvi.drafter_kinds import kind_of_dir
 from dvi.errors import DviError
-from dvi.models import drafter_kind
-from dvi.serving.vllm_engine import speculative_method, vllm_env
+from dvi.serving.vllm_engine import vllm_env
 from dvi.serving.vllm_worker import runner_problem
 
 SERVER = [sys.executable, "-m", "dvi.cli.vllm_cli", "serve"]  # `vllm serve`, on either build (dvi.cli.vllm_cli)
@@ -31,8 +31,8 @@ def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, p
     target's directory name), the drafter (None: none) as its `draft_model` speculator drafting up to `k` tokens
     (default: serve.spec.k_max with adaptive K, which dvi's planner lowers where drafting does not pay, else
     serve.spec.k), serve.max_batch requests at once, browser calls from serve.allowed_origins only, serve.drain_s for
-    the requests in flight on SIGTERM. An EAGLE-3 drafter's directory (`dvi.models.drafter_kind`) is its `eagle3`
-    speculator instead."""
+    the requests in flight on SIGTERM. An EAGLE-3 drafter's directory is its `eagle3` speculator instead
+    (`DrafterKind.vllm_method`, `dvi.drafter_kinds.kind_of_dir`)."""
     s, v = cfg.serve, cfg.serve.vllm
     cmd = [*SERVER, str(target), "--dtype", dtype, "--max-model-len", str(v.max_model_len),
            "--max-num-seqs", str(s.max_batch), "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0", "--disable-uvicorn-access-log",
@@ -47,7 +47,7 @@ def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, p
         cmd.append("--no-enable-prefix-caching")
     if drafter is not None:
         k = k or (s.spec.k_max if s.spec.adaptive else s.spec.k)
-        method = speculative_method(drafter_kind(drafter))
+        method = kind_of_dir(drafter).vllm_method
         cmd += ["--speculative-config", json.dumps({"method": method, "model": str(drafter), "num_speculative_tokens": k})]
     return cmd
 

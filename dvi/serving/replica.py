@@ -8,8 +8,8 @@
   `serve.max_batch` are decoding, and a finished one leaves in the round it finishes: its future is fulfilled,
   `ServingMetrics` fed and its DecisionRecords handed to the producer;
 - **swap** (when handed a control channel): a `DrafterPublished` drafter is checked and loaded off the decode
-  thread (`dvi.swap.load_announced`; `load_announced_eagle3` where the configured drafter is an EAGLE-3 one: a
-  replica serves versions of its configured drafter's kind) and swapped in
+  thread (`dvi.swap.load_announced`, for the configured drafter's kind: a replica serves versions of that kind only)
+  and swapped in
   between rounds; after `serve.swap.window_tokens` drafted tokens the live check (`dvi.swap.judge`) either promotes
   it (MLflow alias `production`, `DrafterPromoted` on the control channel) or swaps the previous drafter back, tags
   the version rejected in the registry and announces `DrafterRejected` to trainers and the other replicas (which
@@ -52,11 +52,11 @@ from dvi.errors import DviError
 from dvi.files import sha256_file
 from dvi.hardware import pick_engine
 from dvi.metrics import ServingMetrics, drift_plot
-from dvi.models import EAGLE3, LAYERS, Drafter, Pair, encode_chat, encode_prompt, end_ids, longest_token_chars
+from dvi.models import LAYERS, Drafter, Pair, encode_chat, encode_prompt, end_ids, longest_token_chars
 from dvi.procs import default_replica_id
 from dvi.records import records_from_result
 from dvi.serving.vllm_engine import VllmEngine
-from dvi.swap import Refused, judge, load_announced, load_announced_eagle3
+from dvi.swap import Refused, judge, load_announced
 
 log = logging.getLogger("dvi.serving.replica")
 decisions = logging.getLogger("dvi.decision.serve")  # swaps, promotions, rollbacks, refusals: one line each
@@ -482,11 +482,8 @@ class Replica:
     def _load(self, ann: DrafterPublished) -> Drafter | Eagle3Drafter:
         """The announced drafter, checked and loaded where this engine takes drafters from (or Refused): a version of
         the kind this replica serves (a layer drafter, or an EAGLE-3 one where it was started with one)."""
-        if self.drafter_kind == EAGLE3:
-            drafter = load_announced_eagle3(ann, self.store_root, self.engine.target, self.engine.target.dtype)
-        else:
-            drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens,
-                                     self.engine.target.dtype, self.family, device=self.engine.device)
+        drafter = load_announced(ann, self.store_root, self.engine.target, self.cfg.serve.swap.smoke_tokens,
+                                 self.engine.target.dtype, self.family, device=self.engine.device, kind=self.drafter_kind)
         try:
             self.engine.check_drafter(drafter)
         except DviError as e:

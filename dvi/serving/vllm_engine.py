@@ -63,13 +63,14 @@ import torch
 from transformers import PreTrainedModel
 
 from dvi.config import SpecConfig, VllmConfig, default_cache_dir
+from dvi.drafter_kinds import kind_of
 from dvi.eagle3 import Eagle3Drafter
 from dvi.engine_api import MAX_LOGPROBS, Request, Result, Round, SpecStats, TokenHook, check_request
 from dvi.planner import CostTable, Routing, StepPlanner
 from dvi.errors import DviError
 from dvi.features import Captured
 from dvi.hardware import VLLM_RELEASE
-from dvi.models import EAGLE3, LAYERS, Drafter
+from dvi.models import Drafter
 from dvi.records import DOMAIN
 from dvi.serving.vllm_worker import runner_problem, select_v1_runner
 
@@ -166,7 +167,7 @@ class VllmEngine:
         self._loaded = drafter  # the drafter whose weights vLLM's draft model holds
         self._failures: list[tuple[str, str]] = []  # drafters vLLM failed to load (take_load_failures)
         self._drafted_by = drafter.version if drafter is not None else None  # who proposed the drafts of the next step
-        self._shape = _shape(drafter) if drafter is not None else None
+        self._shape = kind_of(drafter.kind).vllm_shape(drafter) if drafter is not None else None
         self.costs = CostTable(spec)  # seconds of this machine's steps, by batch size and K (where drafting pays)
         self.planner = StepPlanner(spec, max_batch, self.costs, trial_tokens) if drafter is not None and spec.adaptive else None
         self._routing: list[tuple[Routing, list[int]]] = []  # decisions for the replica (take_routing)
@@ -179,7 +180,7 @@ class VllmEngine:
         self.adopt = None
         self.on_finish = None
         # the target's features of each request's tokens, where vLLM computes them (an EAGLE-3 drafter's aux layers)
-        self.features_layers = tuple(_eagle(drafter).layer_ids) if features and drafter is not None and drafter.kind == EAGLE3 else None
+        self.features_layers = kind_of(drafter.kind).feature_layers(drafter) if features and drafter is not None else None
         core.collective_rpc("dvi_capture", args=(max(self.topk, MAX_LOGPROBS), self.features_layers is not None))
         self._lookup = self._schedule_lookup() if self.planner is not None else None
         self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.skips_pass)
@@ -232,10 +233,10 @@ class VllmEngine:
         config = core.vllm_config
         if drafter is not None:
             check_vllm_drafter(drafter, int(target.config.vocab_size))
-            method = getattr(config.speculative_config, "method", None)
-            if method != speculative_method(drafter.kind):
+            method, kind = getattr(config.speculative_config, "method", None), kind_of(drafter.kind)
+            if method != kind.vllm_method:
                 raise DviError(f"this vLLM server drafts with method {method}; drafter {drafter.version!r} is "
-                               f"{_kind_name(drafter.kind)}, which vLLM serves with method {speculative_method(drafter.kind)}")
+                               f"{kind.description}, which vLLM serves with method {kind.vllm_method}")
         return cls(core, target, drafter, spec, max_batch=config.scheduler_config.max_num_seqs, window=config.model_config.max_model_len,
                    trial_tokens=trial_tokens, features=features)
 
@@ -433,18 +434,15 @@ class VllmEngine:
         (a layer drafter) the full vocabulary, and the shape of the draft model vLLM was started with."""
         if self._shape is None:
             raise DviError("this vLLM engine was started without a drafter (--no-draft): it cannot take one while serving")
-        started = self._shape["kind"]
-        if drafter.kind != started:
-            raise DviError(f"drafter {drafter.version!r} is {_kind_name(drafter.kind)}; this vLLM engine was started with "
-                           f"{_kind_name(started)} (method {speculative_method(started)}) and builds its speculator once "
+        started, kind = kind_of(self._shape["kind"]), kind_of(drafter.kind)
+        if kind is not started:
+            raise DviError(f"drafter {drafter.version!r} is {kind.description}; this vLLM engine was started with "
+                           f"{started.description} (method {started.vllm_method}) and builds its speculator once "
                            "(restart the server with such a drafter to serve it)")
-        check_vllm_drafter(drafter, self.vocab_size)
-        if _shape(drafter) != self._shape:
-            what = (f"{drafter.model.config.num_hidden_layers} layers and other shapes" if drafter.kind == LAYERS else
-                    f"aux layers {list(_eagle(drafter).layer_ids)}, a draft vocabulary of {_eagle(drafter).draft_vocab_size} "
-                    "or other shapes")
-            raise DviError(f"drafter {drafter.version!r} has {what} than the draft model vLLM was started with; vLLM sizes its "
-                           "draft model once (restart the server to change it)")
+        kind.check_vllm(drafter, self.vocab_size)
+        if kind.vllm_shape(drafter) != self._shape:
+            raise DviError(f"drafter {drafter.version!r} has {kind.vllm_shape_text(drafter)} than the draft model vLLM was "
+                           "started with; vLLM sizes its draft model once (restart the server to change it)")
 
     def swap_drafter(self, drafter: Drafter | Eagle3Drafter | None) -> None:
         """Install a new drafter: its weights go into vLLM's draft model before the next step."""
@@ -479,14 +477,9 @@ class VllmEngine:
         log.info("drafter %s loaded into vLLM's draft model in %.2f s", want.version, seconds)
 
     def _load(self, drafter: Drafter | Eagle3Drafter) -> float:
-        """`drafter`'s tensors into vLLM's draft model: a layer drafter's state dict, or an EAGLE-3 drafter's checkpoint
-        tensors (`Eagle3Drafter.weights`: vLLM's eagle3 `load_weights` names; d2t stays int64, the embedding is
-        the target's)."""
-        if drafter.kind == EAGLE3:
-            weights = {k: v.float() if v.is_floating_point() else v for k, v in _eagle(drafter).weights().items()}
-            return self.core.collective_rpc("dvi_load_drafter", args=(weights, True))[0]
-        weights = {k: v.detach().float() for k, v in drafter.model.state_dict().items()}
-        return self.core.collective_rpc("dvi_load_drafter", args=(weights,))[0]
+        """`drafter`'s tensors into vLLM's draft model, as its kind gives them (`DrafterKind.vllm_load_args`: a layer
+        drafter's state dict, or an EAGLE-3 drafter's checkpoint tensors)."""
+        return self.core.collective_rpc("dvi_load_drafter", args=kind_of(drafter.kind).vllm_load_args(drafter))[0]
 
     def take_load_failures(self) -> list[tuple[str, str]]:
         """(version, reason) of each swapped-in drafter vLLM failed to load since the last call."""
@@ -542,43 +535,14 @@ class VllmEngine:
 
 
 def speculative_method(kind: str) -> str:
-    """vLLM's speculative method for a drafter of `kind` (`dvi.models.LAYERS` or `EAGLE3`, `Drafter.kind`)."""
-    return "eagle3" if kind == EAGLE3 else "draft_model"
-
-
-def _eagle(drafter: Drafter | Eagle3Drafter) -> Eagle3Drafter:
-    """The EAGLE-3 drafter itself, served bare or held by a `Drafter` (its model)."""
-    return drafter.model if isinstance(drafter, Drafter) else drafter
-
-
-def _kind_name(kind: str) -> str:
-    return "an EAGLE-3 drafter" if kind == EAGLE3 else "a layer drafter"
+    """vLLM's speculative method for a drafter of `kind` (`Drafter.kind`: `DrafterKind.vllm_method`)."""
+    return kind_of(kind).vllm_method
 
 
 def check_vllm_drafter(drafter: Drafter | Eagle3Drafter, vocab_size: int) -> None:
-    """DviError unless vLLM's draft model can take `drafter`: a layer drafter over the target's whole vocabulary, or
-    an EAGLE-3 drafter for this vocabulary (vLLM maps its reduced head with its d2t)."""
-    if drafter.kind == EAGLE3:
-        vocab = int(_eagle(drafter).config.vocab_size)
-        if vocab != vocab_size:
-            raise DviError(f"EAGLE-3 drafter {drafter.version!r} is for a vocabulary of {vocab}, the "
-                           f"target has {vocab_size}")
-        return
-    if drafter.vocab_map is not None:
-        raise DviError(f"drafter {drafter.version!r} has a reduced vocabulary head ({drafter.vocab_size} rows); "
-                       "vLLM's draft model drafts over the target's whole vocabulary")
-    if int(drafter.model.config.vocab_size) != vocab_size:
-        raise DviError(f"drafter {drafter.version!r} has vocabulary size {drafter.model.config.vocab_size}, the target has {vocab_size}")
-
-
-def _shape(drafter: Drafter | Eagle3Drafter) -> dict[str, object]:
-    """What vLLM fixes when it builds its draft model: the drafter's kind and tensor shapes and, for an EAGLE-3
-    drafter, which target layers feed it and where its norm sits."""
-    if drafter.kind == EAGLE3:
-        e = _eagle(drafter)
-        return {"kind": EAGLE3, "layer_ids": tuple(e.layer_ids), "norm_before_residual": e.norm_before_residual,
-                **{k: tuple(v.shape) for k, v in e.weights().items()}}
-    return {"kind": LAYERS, **{k: tuple(v.shape) for k, v in drafter.model.state_dict().items()}}
+    """DviError unless vLLM's draft model can take `drafter` (`DrafterKind.check_vllm`): a layer drafter over the
+    target's whole vocabulary, or an EAGLE-3 drafter for this vocabulary (vLLM maps its reduced head with its d2t)."""
+    kind_of(drafter.kind).check_vllm(drafter, vocab_size)
 
 
 @dataclass

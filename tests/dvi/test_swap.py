@@ -20,7 +20,7 @@ from dvi.control import ControlError, DrafterPublished, decode
 from dvi.files import sha256_file
 from dvi.models import load_causal_lm
 from dvi.eagle3 import build_eagle3, load_eagle3
-from dvi.swap import Refused, judge, load_announced, load_announced_eagle3, resolve_in_store
+from dvi.swap import Refused, judge, load_announced, resolve_in_store
 
 
 def publish_version(store_root: Path, source_dir: Path, version: str, mutate=None) -> store.Published:
@@ -238,7 +238,7 @@ def publish_eagle3(store_root: Path, parent: Path, target_dir: Path, version: st
 def test_an_eagle3_version_loads_and_is_not_served_as_a_layer_drafter(tiny_dirs, target, eagle3_parent, tmp_path):
     p = publish_eagle3(tmp_path, eagle3_parent, tiny_dirs[0], "d0001")
     assert json.loads((p.path / "dvi_drafter.json").read_text())["kind"] == "eagle3"  # the parent's kind
-    drafter = load_announced_eagle3(announcement(p), tmp_path, target)
+    drafter = load_announced(announcement(p), tmp_path, target, kind="eagle3")
     assert drafter.version == "d0001"
     ref = load_eagle3(eagle3_parent, tiny_dirs[0]).weights()
     assert all(torch.equal(v, ref[k]) for k, v in drafter.weights().items())
@@ -248,7 +248,7 @@ def test_an_eagle3_version_loads_and_is_not_served_as_a_layer_drafter(tiny_dirs,
     assert e.value.reason == "load" and "EAGLE-3" in str(e.value)
     layer = publish_version(tmp_path, tiny_dirs[1], "d0002")
     with pytest.raises(Refused, match="not an EAGLE-3 drafter"):
-        load_announced_eagle3(announcement(layer), tmp_path, target)
+        load_announced(announcement(layer), tmp_path, target, kind="eagle3")
 
 
 @pytest.mark.faults
@@ -273,7 +273,7 @@ def test_eagle3_versions_that_do_not_fit_the_target_are_refused(tiny_dirs, targe
         path = publish_eagle3(tmp_path, eagle3_parent, tiny_dirs[0], f"c{i:04d}").path
         (path / "config.json").write_text(json.dumps(change(json.loads((path / "config.json").read_text()))))
         with pytest.raises(Refused) as e:
-            load_announced_eagle3(resum(path), tmp_path, target)
+            load_announced(resum(path), tmp_path, target, kind="eagle3")
         assert e.value.reason == "config" and words in str(e.value), (what, e.value)
 
     def shrink(w):
@@ -292,12 +292,12 @@ def test_eagle3_versions_that_do_not_fit_the_target_are_refused(tiny_dirs, targe
                                            ("s0003", shuffle, "load", "d2t and t2d"), ("s0004", poison, "nonfinite", "up_proj")):
         p = publish_eagle3(tmp_path, eagle3_parent, tiny_dirs[0], version, mutate)
         with pytest.raises(Refused) as e:
-            load_announced_eagle3(announcement(p), tmp_path, target)
+            load_announced(announcement(p), tmp_path, target, kind="eagle3")
         assert e.value.reason == reason and words in str(e.value), (version, e.value)
     linked = publish_eagle3(tmp_path, eagle3_parent, tiny_dirs[0], "f0001").path  # the weights, a link
     (tmp_path / "w.safetensors").write_bytes((linked / store.WEIGHTS).read_bytes())
     (linked / store.WEIGHTS).unlink()
     (linked / store.WEIGHTS).symlink_to(tmp_path / "w.safetensors")
     with pytest.raises(Refused) as e:
-        load_announced_eagle3(resum(linked), tmp_path, target)
+        load_announced(resum(linked), tmp_path, target, kind="eagle3")
     assert e.value.reason == "files" and "not a regular file" in str(e.value)

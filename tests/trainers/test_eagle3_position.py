@@ -18,7 +18,7 @@ from dvi.eagle3 import (Eagle3Drafter, init_from_target, layer_config, save_eagl
 from dvi.errors import DviError
 from dvi.models import drafter_kind, load_drafter
 from dvi.pairs import load_any_drafter
-from dvi.swap import load_announced_eagle3
+from dvi.swap import load_announced
 from trainers.data import Batch
 from trainers.losses import position_loss, teacher_from_logits
 from trainers.students import Eagle3PositionLM, PositionLM, ttt_position_loss
@@ -233,7 +233,7 @@ def test_a_published_eagle3_version_is_the_speculators_format_the_servers_accept
     assert json.loads((published.path / "dvi_drafter.json").read_text())["kind"] == "eagle3"
     tensors = load_file(str(published.path / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in tensors.items()} == weight_shapes(d.config, DRAFT, len(LAYER_IDS))
-    served = load_announced_eagle3(DrafterPublished("d0001", str(published.path), published.sha256), root, tiny_target)
+    served = load_announced(DrafterPublished("d0001", str(published.path), published.sha256), root, tiny_target, kind="eagle3")
     assert all(torch.equal(v, d.weights()[k]) for k, v in served.weights().items())
     again = load_any_drafter(published.path, VOCAB, target=tiny_target)  # the gate's next baseline
     assert again.version == "d0001" and torch.equal(again.model.fc.weight, d.fc.weight)

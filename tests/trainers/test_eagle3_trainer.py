@@ -23,7 +23,7 @@ from dvi.config import DviConfig, ModelConfig, TrackingConfig, TrainerConfig
 from dvi.control import DrafterPublished
 from dvi.eagle3 import Eagle3Drafter, init_from_target, layer_config, save_eagle3
 from dvi.models import load_causal_lm, load_tokenizer
-from dvi.swap import load_announced_eagle3
+from dvi.swap import load_announced
 from trainers.data import FileSource, collate, example_from_record
 from trainers.gate import teacher_for
 from trainers.recipe import Trainer
@@ -108,7 +108,7 @@ def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes
     assert meta["kind"] == "eagle3" and meta["parent"] == "e3-init" and meta["step"] == STEPS
     target = load_causal_lm(tiny_dirs[0], "target")
     from dvi.files import sha256_file
-    served = load_announced_eagle3(DrafterPublished(version, str(where), sha256_file(where / store.SUMS)), root, target)
+    served = load_announced(DrafterPublished(version, str(where), sha256_file(where / store.SUMS)), root, target, kind="eagle3")
     trained = trainer.student.module.model.weights()
     assert all(torch.equal(v, trained[k]) for k, v in served.weights().items())
     # the gate's next baseline is the published version, reloaded from the store

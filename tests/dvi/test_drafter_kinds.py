@@ -1,0 +1,90 @@
+"""The table of drafter kinds (`dvi.drafter_kinds`): each kind's names, the look-ups, and what vLLM is told of a
+drafter of each kind, on tiny random drafters (no files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from dvi.drafter_kinds import KINDS, DrafterKind, Eagle3Kind, LayersKind, kind_of, kind_of_config, kind_of_dir
+from dvi.eagle3 import Eagle3Drafter
+from dvi.errors import DviError
+from dvi.models import DRAFTER_META, EAGLE3, LAYERS, Drafter
+
+VOCAB = 97
+
+
+def test_each_kind_is_looked_up_by_its_name_with_vllms_method_for_it():
+    assert sorted(KINDS) == [EAGLE3, LAYERS]
+    assert all(isinstance(k, DrafterKind) and kind_of(name) is k and k.name == name for name, k in KINDS.items())
+    layers, eagle = kind_of("layers"), kind_of("eagle3")
+    assert isinstance(layers, LayersKind) and isinstance(eagle, Eagle3Kind)
+    assert (layers.vllm_method, eagle.vllm_method) == ("draft_model", "eagle3")
+    assert (layers.description, eagle.description) == ("a layer drafter", "an EAGLE-3 drafter")
+
+
+@pytest.mark.parametrize("name", ["dflash", "", "Eagle3", None])
+def test_an_unknown_kind_is_an_error_naming_the_known_ones(name):
+    with pytest.raises(DviError, match="unknown drafter kind .*: dvi knows eagle3, layers"):
+        kind_of(name)
+
+
+def test_a_config_names_its_kind_and_a_directory_its_own(tmp_path):
+    speculators = {"speculators_model_type": "eagle3", "model_type": "llama", "transformer_layer_config": {}}
+    assert kind_of_config(speculators) is kind_of(EAGLE3)  # before the causal LM any config with a model_type is
+    assert kind_of_config({"model_type": "llama"}) is kind_of(LAYERS)
+    assert kind_of_config({"architectures": ["LlamaForCausalLM"]}) is None
+    (tmp_path / DRAFTER_META).write_text('{"kind": "eagle3"}')
+    assert kind_of_dir(tmp_path) is kind_of(EAGLE3) and kind_of_dir(tmp_path / "none") is kind_of(LAYERS)
+
+
+def test_demo_drafters_live_where_each_kind_names_them():
+    cache = Path("/cache")
+    assert kind_of(LAYERS).demo_dir(cache, 2, None) == cache / "models" / "drafter-L2-full"
+    assert kind_of(LAYERS).demo_dir(cache, 3, 300) == cache / "models" / "drafter-L3-v300"
+    assert kind_of(EAGLE3).demo_dir(cache, 2, None) == cache / "models" / "eagle3-v8192"
+    assert kind_of(EAGLE3).demo_dir(cache, 2, 300) == cache / "models" / "eagle3-v300"
+
+
+def tiny_eagle3(layer_ids=(0, 1)) -> Eagle3Drafter:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2)
+    drafter = Eagle3Drafter(config, 40, layer_ids, torch.randn(VOCAB, 32))
+    drafter.set_vocab(torch.arange(40))
+    drafter.version = "e1"
+    return drafter
+
+
+def test_what_vllm_is_told_of_each_kind(make_tiny_llama):
+    layers, eagle = kind_of(LAYERS), kind_of(EAGLE3)
+    drafter = Drafter(make_tiny_llama(seed=0, layers=1), "d1")
+    bare = tiny_eagle3()
+    held = Drafter(bare, "e1", bare.d2t)
+    assert layers.feature_layers(drafter) is None
+    assert eagle.feature_layers(bare) == eagle.feature_layers(held) == (0, 1)
+    assert layers.vllm_shape(drafter)["kind"] == LAYERS and eagle.vllm_shape(held)["kind"] == EAGLE3
+    assert eagle.vllm_shape(bare) == eagle.vllm_shape(held) != eagle.vllm_shape(tiny_eagle3((0, 2)))
+    assert "1 layers" in layers.vllm_shape_text(drafter) and "aux layers [0, 1]" in eagle.vllm_shape_text(bare)
+    weights, = layers.vllm_load_args(drafter)
+    assert weights.keys() == drafter.model.state_dict().keys()
+    weights, flagged = eagle.vllm_load_args(bare)
+    assert flagged is True and weights["d2t"].dtype == torch.long and weights["fc.weight"].dtype == torch.float32
+    layers.check_vllm(drafter, VOCAB)
+    eagle.check_vllm(bare, VOCAB)
+    with pytest.raises(DviError, match="vocabulary size 97, the target has 98"):
+        layers.check_vllm(drafter, VOCAB + 1)
+    with pytest.raises(DviError, match="for a vocabulary of 97, the target has 98"):
+        eagle.check_vllm(held, VOCAB + 1)
+    with pytest.raises(DviError, match="reduced vocabulary head"):
+        layers.check_vllm(Drafter(drafter.model, "d2", torch.arange(10)), VOCAB)
+
+
+def test_a_server_of_one_kind_refuses_a_version_of_the_other_naming_both():
+    layers, eagle = kind_of(LAYERS), kind_of(EAGLE3)
+    refused = layers.refuse_other("d0001", eagle)
+    assert refused.reason == "load" and "d0001 is an EAGLE-3 drafter" in str(refused) and "method eagle3" in str(refused)
+    refused = eagle.refuse_other("d0002", layers)
+    assert refused.reason == "load" and "d0002 is a layer drafter, not an EAGLE-3 drafter" in str(refused)
