@@ -105,6 +105,19 @@ class DrafterKind(ABC):
         """The target's layers whose aux hidden states `drafter` drafts from (None: it reads none)."""
 
     @abstractmethod
+    def check_target(self, drafter, target_config) -> None:
+        """DviError unless the target `target_config` describes has the features `drafter` reads."""
+
+    @abstractmethod
+    def draft_model(self, drafter) -> tuple[torch.nn.Module, torch.Tensor | None]:
+        """What drafts for `drafter` (a `Drafter`, or this kind's model served bare) and the target ids of its output
+        rows (None: all of them)."""
+
+    @abstractmethod
+    def place(self, drafter, device: torch.device) -> None:
+        """Move `drafter` to the target's `device` where it was not loaded there."""
+
+    @abstractmethod
     def check_vllm(self, drafter, vocab_size: int) -> None:
         """DviError unless vLLM's draft model can take `drafter` for a target of `vocab_size`."""
 
@@ -183,6 +196,15 @@ class LayersKind(DrafterKind):
 
     def feature_layers(self, drafter) -> None:
         return None
+
+    def check_target(self, drafter, target_config) -> None:
+        return None
+
+    def draft_model(self, drafter) -> tuple[torch.nn.Module, torch.Tensor | None]:
+        return drafter.model, drafter.vocab_map
+
+    def place(self, drafter, device: torch.device) -> None:
+        """Nothing: a layer drafter is loaded on the target's device."""
 
     def check_vllm(self, drafter, vocab_size: int) -> None:
         """Over the target's whole vocabulary: vLLM's draft model has no reduced head."""
@@ -302,6 +324,23 @@ class Eagle3Kind(DrafterKind):
 
     def feature_layers(self, drafter) -> tuple[int, ...]:
         return tuple(_eagle(drafter).layer_ids)
+
+    def check_target(self, drafter, target_config) -> None:
+        """Its aux layers are the target's and its fc reads the target's width."""
+        model, tc = _eagle(drafter), target_config
+        if model.target_hidden_size != tc.hidden_size or not all(0 <= i <= tc.num_hidden_layers for i in model.layer_ids):
+            raise DviError(f"EAGLE-3 drafter {drafter.version!r} reads aux layers {list(model.layer_ids)} of width "
+                           f"{model.target_hidden_size}; the target has layers 0..{tc.num_hidden_layers} of width {tc.hidden_size}")
+
+    def draft_model(self, drafter) -> tuple[torch.nn.Module, torch.Tensor | None]:
+        if isinstance(drafter, Drafter):
+            return drafter.model, drafter.vocab_map
+        return drafter, eagle3.target_ids(drafter.d2t)
+
+    def place(self, drafter, device: torch.device) -> None:
+        """A bare `Eagle3Drafter`, loaded on the CPU (`load_version`), moves to the target's device."""
+        if not isinstance(drafter, Drafter) and drafter.fc.weight.device != device:
+            drafter.to(device)
 
     def check_vllm(self, drafter, vocab_size: int) -> None:
         """For this vocabulary (vLLM maps its reduced head with its d2t)."""

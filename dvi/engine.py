@@ -41,7 +41,8 @@ import torch
 from transformers import PreTrainedModel
 
 from dvi.config import SpecConfig
-from dvi.eagle3 import Eagle3Drafter, aux_hidden_states, target_features, target_ids
+from dvi.drafter_kinds import kind_of
+from dvi.eagle3 import Eagle3Drafter, aux_hidden_states, target_features
 from dvi.engine_api import LogProb, Request, Result, Round, SpecStats, TokenHook, check_request
 from dvi.errors import DviError
 from dvi.features import Captured
@@ -136,11 +137,7 @@ class SpeculativeEngine:
                 f"drafter {drafter.version!r} has vocabulary size {model.config.vocab_size}, "
                 f"the target has {self.vocab_size}"
             )
-        if isinstance(model, Eagle3Drafter):
-            tc = self.target.config
-            if model.target_hidden_size != tc.hidden_size or not all(0 <= i <= tc.num_hidden_layers for i in model.layer_ids):
-                raise DviError(f"EAGLE-3 drafter {drafter.version!r} reads aux layers {list(model.layer_ids)} of width "
-                               f"{model.target_hidden_size}; the target has layers 0..{tc.num_hidden_layers} of width {tc.hidden_size}")
+        kind_of(drafter.kind).check_target(drafter, self.target.config)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -231,10 +228,8 @@ class SpeculativeEngine:
 
 def draft_model(drafter: Drafter | Eagle3Drafter) -> tuple[torch.nn.Module, torch.Tensor | None]:
     """What drafts for `drafter`, and the target ids of its output rows (None: all of them): a layer drafter's
-    causal LM, or an EAGLE-3 drafter, bare (`dvi.swap.load_announced`) or held by a `Drafter`."""
-    if isinstance(drafter, Eagle3Drafter):
-        return drafter, target_ids(drafter.d2t)
-    return drafter.model, drafter.vocab_map
+    causal LM, or an EAGLE-3 drafter, bare (`dvi.swap.load_announced`) or held by a `Drafter` (`DrafterKind.draft_model`)."""
+    return kind_of(drafter.kind).draft_model(drafter)
 
 
 def _layers_of(states: torch.Tensor, hooked, layers) -> torch.Tensor:
@@ -249,8 +244,7 @@ def _layers_of(states: torch.Tensor, hooked, layers) -> torch.Tensor:
 
 def _to_device(drafter: Drafter | Eagle3Drafter, device: torch.device) -> None:
     """A bare EAGLE-3 drafter, loaded on the CPU, moves to the target's device (a layer drafter is loaded there)."""
-    if isinstance(drafter, Eagle3Drafter) and drafter.fc.weight.device != device:
-        drafter.to(device)
+    kind_of(drafter.kind).place(drafter, device)
 
 
 def _emitted_logprobs(log_p: torch.Tensor, emitted: list[int], n_top: int) -> list[LogProb]:

@@ -88,3 +88,20 @@ def test_a_server_of_one_kind_refuses_a_version_of_the_other_naming_both():
     assert refused.reason == "load" and "d0001 is an EAGLE-3 drafter" in str(refused) and "method eagle3" in str(refused)
     refused = eagle.refuse_other("d0002", layers)
     assert refused.reason == "load" and "d0002 is a layer drafter, not an EAGLE-3 drafter" in str(refused)
+
+
+def test_what_drafts_for_each_kind_and_the_target_it_needs(make_tiny_llama):
+    layers, eagle = kind_of(LAYERS), kind_of(EAGLE3)
+    target = make_tiny_llama(seed=0, layers=2)
+    drafter = Drafter(make_tiny_llama(seed=1, layers=1), "d1", torch.arange(10))
+    bare = tiny_eagle3()
+    assert layers.draft_model(drafter) == (drafter.model, drafter.vocab_map)
+    model, ids = eagle.draft_model(bare)
+    assert model is bare and ids.tolist() == list(range(40))
+    assert eagle.draft_model(Drafter(bare, "e1", ids))[0] is bare
+    layers.check_target(drafter, target.config)
+    eagle.check_target(bare, target.config)  # aux layers 0 and 1 of a 2-layer target, its width
+    with pytest.raises(DviError, match=r"aux layers \[0, 3\] of width 32; the target has layers 0..2"):
+        eagle.check_target(tiny_eagle3((0, 3)), target.config)
+    eagle.place(bare, torch.device("meta"))
+    assert bare.fc.weight.is_meta
