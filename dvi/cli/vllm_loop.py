@@ -22,6 +22,7 @@ from dataclasses import replace
 
 from dvi.cli import setup_logging
 from dvi.cli.replicas import replica_channels
+from dvi.cli.vllm_http import DviRequests, relayed_fields
 from dvi.cli.vllm_plugin import NAME, OVERRIDES, PORT
 from dvi.config import load_config
 from dvi.errors import DviError
@@ -257,8 +258,6 @@ class DviEndpoints:
         """The `/dvi/*` relay, and dvi's request middleware (dvi.cli.vllm_http.DviRequests) around vLLM's completions:
         the domain tag, the per-client cap, and, where the loop's view answers, each JSON answer's `dvi` field."""
         from fastapi import Response
-
-        from dvi.cli.vllm_http import DviRequests, relayed_fields
 
         port = int(os.environ.get(PORT, 0))
         args = getattr(app.state, "args", None)  # vLLM's command line: its API key, where it has one
