@@ -13,7 +13,7 @@ Printed, and written with `--json`: per engine, the median and worst latency of 
 A server that tokenizes on its event loop answers `/health` only after the large prompts are done (seconds);
 one that bounds prompts by length before the work, and tokenizes off the loop, answers at once.
 
-Run (from the checkout root): .venv/bin/python -m benchmarks.bench_stall [--engines dvi,vllm,vllm-server] [--json PATH]
+Run (from the checkout root): .venv/bin/python -m benchmarks.bench_stall [--engines dvi,vllm-server] [--json PATH]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def stall(url: str, model: str | None, prompt_mb: float, n_large: int = 4) -> di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", default="vllm-server,vllm,dvi", help="serve.engine values, comma-separated")
+    ap.add_argument("--engines", default="vllm-server,dvi", help="serve.engine values, comma-separated")
     ap.add_argument("--prompt-mb", default="3,0.6", help="sizes of the large prompts, comma-separated: 3 MB is refused by its "
                     "length in characters where the server bounds it; 0.6 MB is under the demo target's bound (8191 tokens) "
                     "and is tokenized before it is refused")

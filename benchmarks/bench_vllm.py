@@ -27,9 +27,7 @@ The servers:
   records (`stream.features.share=0`): what sending them costs serving;
 - `dvi serve K=k`: fixed K (`serve.spec.adaptive=false`): against `vLLM + drafter K=k`, what dvi's loop costs;
 - `dvi serve, trained`: the defaults with the trained drafter;
-- `dvi serve, bfloat16` (or float32): the defaults in the other dtype;
-- `dvi serve, in process`, `dvi serve, in process, trained`: `serve.engine=vllm`, dvi's own API over vLLM's engine
-  stepped in dvi's process.
+- `dvi serve, bfloat16` (or float32): the defaults in the other dtype.
 
 The trained drafter is the demo drafter distilled offline (`dvi drafter distill --steps`) on records of the target's
 own answers to the benchmark's prompts (its prompts: the acceptance it reaches there is what a loop trained on a
@@ -192,9 +190,6 @@ def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, brok
         Server(f"dvi serve K={k}", dvi + [f"model.drafter={drafter}", "serve.spec.adaptive=false", f"serve.spec.k={k}"], base, None, "dvi"),
         Server("dvi serve, trained", dvi + [f"model.drafter={trained}"], base, None, "dvi"),
         Server(f"dvi serve, {other}", dvi + [f"model.drafter={drafter}", f"model.dtype={other}"], base, None, "dvi"),
-        # dvi's own API over vLLM's engine in its process (serve.engine=vllm)
-        Server("dvi serve, in process", dvi + [f"model.drafter={drafter}", "serve.engine=vllm"], base, None, "dvi"),
-        Server("dvi serve, in process, trained", dvi + [f"model.drafter={trained}", "serve.engine=vllm"], base, None, "dvi"),
     ]
     return [s for s in out if only is None or s.name in only]
 

@@ -12,8 +12,9 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    `dvi train` distills from the online replica's decisions and publishes better drafters, which `online`
    hot-swaps in. `--stack` picks what serves: `dvi` (`+experiment=drift`: dvi's engine, fixed K, a drafter over the
    8,192 most frequent tokens, `plain` is `dvi serve --no-draft`) or `vllm` (`+experiment=drift_vllm`, the default
-   stack: vLLM's engine in dvi's server at the model's dtype, compiled, adaptive K, the drafter's full head, and
-   `plain` is plain vLLM's own OpenAI server at the same settings, as a vLLM user runs it); with `--trainer-cores`
+   stack: `dvi serve` as vLLM's own OpenAI server with dvi's loop as its plugin (serve.engine=vllm-server) at the
+   model's dtype, compiled, adaptive K, the drafter's full head, and `plain` is plain vLLM's own OpenAI server at the
+   same settings, as a vLLM user runs it); with `--trainer-cores`
    (the vllm stack) the trainer runs on those cores alone (`trainer.cpu_bind`) and the three servers on the others
    (`serve.vllm.cpu_bind`, and plain vLLM's server likewise), as on a machine whose trainer has a device of its own;
 4. replay: the schedule (A -> B -> C -> A by default) of `live` prompts from `benchmarks.workloads`, each prompt
@@ -333,7 +334,7 @@ class Options:
     plain_every: int = 4  # every n-th prompt also goes to the target-only replica
     window: int = 300  # rounds of the trailing acceptance window (level and recovery)
     seed: int = 0
-    stack: str = "dvi"  # what serves (STACKS): dvi's engine, or vLLM's with plain vLLM as the target-only side
+    stack: str = "dvi"  # what serves (STACKS): dvi's engine, or vLLM's own server with plain vLLM as the target-only side
     trainer_cores: str | None = None  # vllm stack: the trainer on these cores, every server on the others (None: all share)
     serial: bool = False  # each prompt to the sides one after another (each timed alone), not to all at once
     out: Path = Path("outputs/drift")
@@ -373,9 +374,15 @@ def ask(base: str, prompt, max_tokens: int, model: str | None = None) -> tuple[d
 
 
 def sample_of(answer: dict, seconds: float, *, slot: int, phase: int, domain: str, side: str, t: float) -> Sample:
-    """A Sample of an answer: dvi's extension gives its rounds and drafts; plain vLLM's (none) decoded a token a round."""
+    """A Sample of an answer: dvi's extension (the answer's `dvi` field) gives its rounds and drafts; plain vLLM's
+    (none) decoded a token a round. A replica's answer without it is a DviError: its drafts would count as none."""
     tokens = int(answer["usage"]["completion_tokens"])
-    ext = answer.get("dvi") or {"stats": {"rounds": tokens, "drafted": 0, "accepted": 0}}
+    ext = answer.get("dvi")
+    if ext is None:
+        if side != "plain":
+            raise DviError(f"the {side} replica's answer has no `dvi` field (its drafted and accepted counts), which dvi's "
+                           "API and dvi's plugin in vLLM's own server add to a JSON answer")
+        ext = {"stats": {"rounds": tokens, "drafted": 0, "accepted": 0}}
     stats, versions = ext["stats"], ext.get("drafter_versions") or []
     return Sample(slot=slot, phase=phase, domain=domain, side=side, t=round(t, 3), version=versions[-1] if versions else None,
                   rounds=int(stats["rounds"]), drafted=int(stats["drafted"]), accepted=int(stats["accepted"]),
@@ -630,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, help="rounds of the trailing acceptance window (default 300)")
     p.add_argument("--seed", type=int, help="workload shuffle seed (default 0)")
     p.add_argument("--stack", choices=sorted(STACKS), help="what serves: dvi's engine (dvi, the default) or the default stack, "
-                   "vLLM's engine with plain vLLM's own server as the target-only side (vllm)")
+                   "vLLM's own server with dvi's loop, plain vLLM's own server as the target-only side (vllm)")
     p.add_argument("--trainer-cores", dest="trainer_cores", help="the vllm stack: the trainer on these cores (a list "
                    "such as 1 or 2-3), the three servers on the others (default: every part on every core)")
     p.add_argument("--serial", action="store_true", help="each prompt to the sides one after another, each timed "

@@ -178,12 +178,14 @@ class SwapConfig:
         _check(bool(self.initial), "serve.swap.initial", self.initial, "production, latest, none or a version name")
 
 
-ENGINES = ("auto", "dvi", "vllm", "vllm-server")
+ENGINES = ("auto", "dvi", "vllm-server")
+RETIRED_ENGINES = {"vllm": "serve.engine=vllm (vLLM's engine inside dvi's own HTTP server) is retired: serve.engine=vllm-server "
+                           "serves with vLLM's own OpenAI server and dvi's loop as its plugin; dvi's own API stays on serve.engine=dvi"}
 
 
 @dataclass(frozen=True)
 class VllmConfig:
-    """vLLM as the serving engine (serve.engine=vllm; dvi.serving.vllm_engine): what dvi passes to vLLM's engine."""
+    """vLLM as the serving engine (serve.engine=vllm-server; dvi.cli.vllm_server): what dvi passes to vLLM's server."""
 
     max_model_len: int = 2048  # tokens of context per request (prompt and output)
     # no CUDA graphs or torch.compile: starts in seconds instead of minutes, decodes slower (compiled is the default;
@@ -213,9 +215,9 @@ class ServeConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     swap: SwapConfig = field(default_factory=SwapConfig)
-    # auto: vLLM where it is installed, else dvi's (dvi.hardware.pick_engine); dvi: dvi's own engine (dvi.engine); vllm:
-    # vLLM's engine in dvi's server, with the same API, records and swaps; vllm-server: vLLM's own OpenAI server with
-    # dvi's loop as its plugin (vLLM's API; the same records, swaps and tracking)
+    # auto: vLLM where it is installed, else dvi's (dvi.hardware.pick_engine); dvi: dvi's own engine (dvi.engine) behind
+    # dvi's own API; vllm-server: vLLM's own OpenAI server with dvi's loop as its plugin (vLLM's API; the same records,
+    # swaps and tracking)
     engine: str = "auto"
     vllm: VllmConfig = field(default_factory=VllmConfig)
     max_batch: int = 8  # requests decoded together
@@ -240,6 +242,8 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_batch >= 1, "serve.max_batch", self.max_batch, "an integer >= 1")
+        if self.engine in RETIRED_ENGINES:
+            raise DviError(RETIRED_ENGINES[self.engine])
         _check(self.engine in ENGINES, "serve.engine", self.engine, " or ".join(ENGINES))
         _check(bool(str(self.host).strip()), "serve.host", self.host, "a host name or address")
         _check(0 <= self.port <= 65535, "serve.port", self.port, "a TCP port in [0, 65535] (0: any free port)")

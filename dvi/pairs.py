@@ -59,7 +59,7 @@ def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, ea
     """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
     tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads).
     `target_weights=False`: the target is its skeleton (`target_skeleton`) and the drafter stays on the CPU, for an
-    engine that loads the target itself (serve.engine=vllm). An EAGLE-3 drafter's directory (`kind_of_dir`) gives a
+    engine that loads the target itself (vLLM's, serve.engine=vllm-server). An EAGLE-3 drafter's directory (`kind_of_dir`) gives a
     `dvi.eagle3.Eagle3Drafter` (its version and kind as a Drafter's; the target's embedding read from `target_dir`),
     which vLLM (method eagle3) and dvi's own engine serve; with `eagle3` (the trainer's) and the target's
     weights, a `Drafter` over the loaded target instead (`load_any_drafter`)."""

@@ -1,7 +1,7 @@
 """The built wheel holds every package and conf/ (as dvi/conf), and a copy of it outside any checkout loads the
 configuration from there: a non-editable install runs. The base install is a serving replica: what serving
 imports comes from the base dependencies only, none from the `train`, `local` and vLLM extras (vLLM is imported only
-when serve.engine=vllm builds its engine)."""
+inside vLLM's own server, serve.engine=vllm-server, where dvi's plugin runs)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One builder for a serving replica's channels, used by `dvi serve` (dvi's engine, in-process vLLM) and by dvi's
+"""One builder for a serving replica's channels, used by `dvi serve` (serve.engine=dvi) and by dvi's
 plugin inside vLLM's own server: the decision producer, the control channel for hot swaps and the MLflow tracker, from
 the config, for `dvi.serving.replica.Replica`, which is handed them and knows none of their construction.
 """

@@ -2,7 +2,7 @@
 
 `generate` decodes one prompt with the configured pair and prints it (optionally logging its DecisionRecords).
 `serve` on serve.engine=vllm-server (auto, where vLLM is installed) becomes vLLM's own OpenAI server with dvi's loop
-as its plugin; on dvi or vllm it builds a replica's channels (the decision producer, the control channel, the MLflow
+as its plugin; on dvi it builds a replica's channels (the decision producer, the control channel, the MLflow
 tracker: `dvi.cli.replicas`, as the plugin does) from the config, hands them to `dvi.serving.replica.Replica`, and runs
 dvi's HTTP API until SIGINT or SIGTERM.
 """
@@ -112,18 +112,16 @@ def serve(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     replica_id = cfg.stream.replica_id or default_replica_id(cfg.serve.port)
     cfg = replace(cfg, stream=replace(cfg.stream, replica_id=replica_id))  # one name for records, control and MLflow
-    if pick_engine(cfg.serve.engine).value == "vllm-server":
+    engine = pick_engine(cfg.serve.engine)
+    if engine.value == "vllm-server":
         return serve_vllm_server(cfg, args)
     quiet_kafka_logs(args.verbose)
     channels = replica_channels(cfg)
-    # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed.
-    # serve.engine=vllm: vLLM loads the target's weights; dvi keeps its skeleton (config, shapes) for its checks
-    engine = pick_engine(cfg.serve.engine, in_process=True)
+    # no reference to the pair here: once a newer drafter is swapped in, the configured one can be freed
     dtype = pick_dtype(cfg.model.dtype, resolve_device(cfg.model.device).type)
     out(f"dvi serve: engine {engine}, dtype {dtype}", flush=True)
     with waiting_for(f"the model pair to load (target {cfg.model.target}, engine {engine.value})"):
-        replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft, target_weights=engine.value != "vllm"),
-                          **channels)
+        replica = Replica(cfg, resolve_pair(cfg.model, with_drafter=not args.no_draft), **channels)
     replica.start()
     server = draining_server(uvicorn.Config(create_app(replica), host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
                                             timeout_graceful_shutdown=5, access_log=False,

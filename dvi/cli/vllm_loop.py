@@ -130,7 +130,7 @@ def _config(core_config=None):
     k = spec.num_speculative_tokens if spec is not None else cfg.serve.spec.k
     named = core_config.model_config.served_model_name  # vLLM's --served-model-name (the first), else its --model
     named = named[0] if isinstance(named, (list, tuple)) else named
-    serve = replace(cfg.serve, engine="vllm", max_batch=core_config.scheduler_config.max_num_seqs,
+    serve = replace(cfg.serve, engine="vllm-server", max_batch=core_config.scheduler_config.max_num_seqs,
                     served_model_name=named if named and named != core_config.model_config.model else cfg.serve.served_model_name,
                     spec=replace(cfg.serve.spec, k=min(cfg.serve.spec.k, k), k_max=k, k_min=min(cfg.serve.spec.k_min, k)))
     return replace(cfg, model=model, serve=serve)

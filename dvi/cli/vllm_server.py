@@ -36,7 +36,7 @@ def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, p
     s, v = cfg.serve, cfg.serve.vllm
     cmd = [*SERVER, str(target), "--dtype", dtype, "--max-model-len", str(v.max_model_len),
            "--max-num-seqs", str(s.max_batch), "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0", "--disable-uvicorn-access-log",
-           "--gpu-memory-utilization", str(v.gpu_memory_utilization),  # as the in-process engine (a CPU ignores it)
+           "--gpu-memory-utilization", str(v.gpu_memory_utilization),  # serve.vllm's (a CPU ignores it)
            "--host", host or s.host, "--port", str(port or s.port),
            "--served-model-name", s.served_model_name or target.name,  # the name dvi serve answers to
            "--allowed-origins", json.dumps(list(s.allowed_origins)),  # no web page of another site may call it (CORS)

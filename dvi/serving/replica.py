@@ -1,7 +1,7 @@
 """A serving replica: the engine behind a request queue, its decision log, hot swaps and metrics.
 
-`Replica` owns three threads around one engine (a `dvi.engine_api.Engine`): `dvi.engine.SpeculativeEngine`, or vLLM's
-(serve.engine=vllm, `dvi.serving.vllm_engine.VllmEngine`):
+`Replica` owns three threads around one engine (a `dvi.engine_api.Engine`), `dvi.engine.SpeculativeEngine`
+(serve.engine=dvi):
 
 - **decode** (after `start()` has measured the engine's cost table, `serve.spec.warmup_reps`): one continuously
   refilled batch (the engine's `Batch`): a waiting request joins at the next round boundary while fewer than
@@ -18,8 +18,8 @@
 - **tracking**: every `serve.metrics_every_s` the interval's metrics go to the tracker, and every
   `serve.plot_every_s` a drift plot (acceptance and tokens/s over time, swap markers) as an artifact.
 
-Handed an engine that another loop steps (`VllmEngine.attach` inside vLLM's own server, `dvi.cli.vllm_plugin`),
-the replica has no decode thread and no queue: the engine hands it each request vLLM starts (`adopt`) and each
+Handed an engine that another loop steps (serve.engine=vllm-server: `VllmEngine.attach` inside vLLM's own server,
+`dvi.cli.vllm_plugin`), the replica has no decode thread and no queue: the engine hands it each request vLLM starts (`adopt`) and each
 Result (`finish`), which are measured and logged exactly as the decode thread's; swaps and tracking are the same.
 
 The replica is handed its channels, each optional: `producer` (takes DecisionRecords without blocking, e.g.
@@ -50,7 +50,7 @@ from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Engine, LogProb, Request, Result, TokenHook
 from dvi.errors import DviError
 from dvi.files import sha256_file
-from dvi.hardware import pick_engine
+from dvi.hardware import Pick, pick_engine
 from dvi.metrics import ServingMetrics, drift_plot
 from dvi.models import LAYERS, Drafter, Pair, encode_chat, encode_prompt, end_ids, longest_token_chars
 from dvi.procs import default_replica_id
@@ -122,16 +122,17 @@ class Replica:
         self.family = pair.drafter.model.config if layered else pair.target.config
         # the kind of drafter this replica serves: the configured one's (vLLM sizes its draft model once, by method)
         self.drafter_kind = pair.drafter.kind if pair.drafter is not None else LAYERS
-        self.engine_kind = pick_engine(cfg.serve.engine, in_process=True)  # auto: vLLM's engine here, where installed
         self.engine: Engine
         if engine is not None:  # vLLM's own server steps it (dvi.cli.vllm_plugin): this replica follows its requests
+            self.engine_kind = Pick("vllm", "vLLM's own server steps its engine (serve.engine=vllm-server)")
             self.engine = engine
             engine.adopt, engine.on_finish = self.adopt, self.finish
-        elif self.engine_kind.value == "vllm":
-            self.engine = VllmEngine.start(pair.target_dir, pair.target, pair.drafter, pair.drafter_dir, cfg.serve.spec, cfg.serve.vllm,
-                                           stop_ids=stop_ids, max_batch=cfg.serve.max_batch, trial_tokens=cfg.serve.swap.window_tokens,
-                                           features=sends_features(cfg))
-        else:
+        else:  # the replica decodes here, on dvi's engine
+            self.engine_kind = pick_engine(cfg.serve.engine)
+            if self.engine_kind.value != "dvi":
+                why = f" ({self.engine_kind.why})" if cfg.serve.engine == "auto" else ""
+                raise DviError(f"serve.engine={cfg.serve.engine} is vLLM's own server here{why}, which `dvi serve` starts with "
+                               "dvi's loop as its plugin; a replica that decodes in this process runs serve.engine=dvi")
             self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
         window = self.engine.window - 1  # the longest prompt the engine takes: one token of room to answer
         self.max_prompt_tokens = min(cfg.serve.max_prompt_tokens or window, window)

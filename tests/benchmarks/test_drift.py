@@ -124,11 +124,17 @@ def test_the_stack_picks_the_experiment_config_and_plain_vllms_answers_are_targe
     assert drift.options_of(drift.build_parser().parse_args([])).stack == "dvi"
     assert drift.options_of(drift.build_parser().parse_args(["--stack", "vllm"])).stack == "vllm"
     cfg = drift.load_config([f"+experiment={drift.STACKS['vllm']}"])
-    assert cfg.serve.engine == "vllm" and cfg.serve.spec.adaptive and cfg.model.drafter_vocab is None
+    assert cfg.serve.engine == "vllm-server" and cfg.serve.spec.adaptive and cfg.model.drafter_vocab is None
     assert cfg.trainer.gate_every == drift.load_config([f"+experiment={drift.STACKS['dvi']}"]).trainer.gate_every
     plain = {"choices": [{"text": "x"}], "usage": {"completion_tokens": 12}}  # plain vLLM: no dvi extension
     sample = drift.sample_of(plain, 0.5, slot=3, phase=1, domain="prose", side="plain", t=1.0)
     assert (sample.rounds, sample.drafted, sample.accepted, sample.version, sample.tokens_per_s) == (12, 0, 0, None, 24.0)
+    # a replica's answer carries dvi's extension (dvi's API, or dvi's plugin on vLLM's own server): its rounds and drafts
+    ext = {"drafter_versions": ["d0001", "d0002"], "stats": {"rounds": 5, "drafted": 12, "accepted": 7}}
+    sample = drift.sample_of({**plain, "dvi": ext}, 0.5, slot=3, phase=1, domain="prose", side="online", t=1.0)
+    assert (sample.rounds, sample.drafted, sample.accepted, sample.version) == (5, 12, 7, "d0002")
+    with pytest.raises(DviError, match="the frozen replica's answer has no `dvi` field"):  # never counted as drafting nothing
+        drift.sample_of(plain, 0.5, slot=3, phase=1, domain="prose", side="frozen", t=1.0)
 
 
 def test_the_serial_replay_turns_the_order_of_the_sides_and_the_trainer_cores_need_the_vllm_stack(capsys):

@@ -91,6 +91,16 @@ def test_features_and_the_trainers_new_settings_are_checked(override, why):
         load_config([override])
 
 
+def test_the_retired_engine_is_one_error_naming_its_replacement():
+    """serve.engine=vllm (vLLM's engine inside dvi's own HTTP server) is gone: one error at load names vllm-server and
+    dvi; the engines left load, and an unknown one lists them."""
+    with pytest.raises(DviError, match=r"serve.engine=vllm .*is retired: serve.engine=vllm-server .*serve.engine=dvi$"):
+        load_config(["serve.engine=vllm"])
+    assert [load_config([f"serve.engine={e}"]).serve.engine for e in ("auto", "dvi", "vllm-server")] == ["auto", "dvi", "vllm-server"]
+    with pytest.raises(DviError, match=r"serve.engine='vllm-in-process': expected auto or dvi or vllm-server$"):
+        load_config(["serve.engine=vllm-in-process"])
+
+
 def test_a_trainer_without_the_target_cannot_take_its_teacher_from_the_targets_logits():
     with pytest.raises(DviError, match=r"trainer.features='records'.*trainer.teacher=logits"):
         load_config(["trainer.features=records", "trainer.teacher=logits"])

@@ -8,7 +8,6 @@ import pytest
 from dvi import hardware
 from dvi.config import SpecConfig
 from dvi.planner import CostTable, KController, StepPlanner
-from dvi.errors import DviError
 from dvi.speculative import expected_tokens_per_round, ideal_speedup
 
 SPEC = SpecConfig(k=4, k_min=1, k_max=6, probe_every=8, min_speedup=1.0)
@@ -259,10 +258,8 @@ def test_auto_engine_is_vllm_only_at_the_release_dvi_reads(monkeypatch):
     assert hardware.pick_engine("auto").value == "dvi" and "0.33.1" in hardware.pick_engine("auto").why
     monkeypatch.setattr(hardware, "vllm_version", lambda: hardware.VLLM_RELEASE + ".0")
     assert hardware.pick_engine("auto").value == "vllm-server"  # vLLM's own server, dvi's loop as its plugin
-    assert hardware.pick_engine("auto", in_process=True).value == "vllm"  # a replica in this process: vLLM's engine here
     assert hardware.pick_engine("dvi") == hardware.Pick("dvi", "serve.engine")
-    with pytest.raises(DviError, match="vllm-server is vLLM's own server"):
-        hardware.pick_engine("vllm-server", in_process=True)
+    assert hardware.pick_engine("vllm-server") == hardware.Pick("vllm-server", "serve.engine")  # named: as named, installed or not
 
 
 def test_drafting_stays_on_only_while_the_steps_that_draft_yield_more_tokens_per_second():

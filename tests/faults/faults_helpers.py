@@ -24,22 +24,22 @@ def stream_overrides(stream_cfg) -> list[str]:
 
 # the serving engines a scenario runs on, vLLM's eager here (compiling takes minutes on 2 cores; tests/dvi/cli/test_up.py
 # runs the compiled default end to end): the loop's scenarios on the default, vLLM's own server with dvi's loop as its
-# plugin, and on dvi's own engine; scenarios about dvi's HTTP server on vLLM's engine under it, and on dvi's engine
+# plugin, and on dvi's own engine; scenarios about dvi's HTTP server run serve.engine=dvi, the engine behind it
 LOOP_ENGINES = ("vllm-server", "dvi")
-ENGINES = ("vllm", "dvi")
 
 
 def engine_overrides(engine: str) -> list[str]:
-    if engine in ("vllm", "vllm-server"):
+    if engine == "vllm-server":
         return [f"serve.engine={engine}", "serve.vllm.enforce_eager=true", "serve.vllm.cpu_kv_cache_gb=1"]
     return [f"serve.engine={engine}"]
 
 
 class Serve:
-    """A `dvi serve` process on a free port, on `engine` (see ENGINES), waited on until /health answers."""
+    """A `dvi serve` process on a free port, on `engine` (dvi, or vllm-server: see LOOP_ENGINES), waited on until
+    /health answers."""
 
     def __init__(self, log_dir: Path, *overrides: str, name: str = "serve", no_draft: bool = False, ready_s: float = 240,
-                 env: dict[str, str] | None = None, engine: str = "vllm"):
+                 env: dict[str, str] | None = None, engine: str = "dvi"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.engine = engine

@@ -223,6 +223,14 @@ def test_serve_on_vllms_server_refuses_a_bad_drafter_before_vllm_starts():
     assert "once vLLM's server is up" not in proc.stdout, proc.stdout
 
 
+def test_serve_on_the_retired_in_process_engine_is_one_line_naming_its_replacement():
+    """serve.engine=vllm (vLLM's engine inside dvi's own HTTP server) is retired: `dvi serve` and `dvi config show` say
+    so in one line naming vllm-server and dvi, before anything loads."""
+    for proc in (dvi("serve", "serve.engine=vllm", f"serve.port={free_port()}", timeout=120), dvi("config", "show", "serve.engine=vllm")):
+        one_line_error(proc, "serve.engine=vllm (vLLM's engine inside dvi's own HTTP server) is retired: serve.engine=vllm-server "
+                             "serves with vLLM's own OpenAI server and dvi's loop as its plugin; dvi's own API stays on serve.engine=dvi")
+
+
 def test_a_command_whose_extra_is_not_installed_says_which_to_install():
     """The base install has no DeepSpeed: `dvi train` there is one line naming the extra, not a traceback."""
     code = "import sys; sys.modules['deepspeed'] = None; from dvi.cli import main; sys.exit(main(['train']))"

@@ -1,9 +1,10 @@
 """Serving an EAGLE-3 drafter (`dvi.eagle3`), without starting vLLM: the configured pair gives an `Eagle3Drafter`, vLLM
-is told method eagle3 (in process and on its own server's command line), a replica on dvi's own engine drafts with it
+is told method eagle3 (on its own server's command line), a replica on dvi's own engine drafts with it
 and swaps EAGLE-3 versions in and out, and a replica over vLLM's engine (here a stand-in for vLLM's engine core that
 records what the worker is handed) swaps EAGLE-3 versions in as checkpoint tensors, refuses a layer drafter's version (`load`) and one vLLM's draft
-model cannot take, and rolls back to the previous weights. vLLM itself serving and swapping one:
-tests/dvi/serving/test_vllm_eagle3.py.
+model cannot take, and rolls back to the previous weights. Over a layer drafter, vLLM's engine refuses a version of
+another shape than its draft model, dropping the drafter, and a request vLLM would refuse. vLLM itself serving a dvi
+EAGLE-3 drafter: tests/dvi/serving/test_vllm_eagle3.py; vLLM's own server with dvi's loop: tests/dvi/cli/test_vllm_plugin.py.
 
 The tiny target (tests/conftest.py) with an EAGLE-3 drafter built over its two layers.
 """
@@ -54,7 +55,7 @@ def announce(p: store.Published) -> DrafterPublished:
     return DrafterPublished(p.version, str(p.path), p.sha256)
 
 
-def config(target: Path, drafter: Path, store_root: Path, engine: str = "vllm", **swap) -> DviConfig:
+def config(target: Path, drafter: Path, store_root: Path, engine: str = "vllm-server", **swap) -> DviConfig:
     sw = {"store": str(store_root), "initial": "none", "window_tokens": 10**9, **swap}
     return DviConfig(model=ModelConfig(target=str(target), drafter=str(drafter), dtype="float32"),
                      serve=ServeConfig(engine=engine, spec=SpecConfig(k=3, adaptive=False), max_batch=4, swap=SwapConfig(**sw),
@@ -182,6 +183,39 @@ def test_a_vllm_engine_started_with_one_kind_takes_no_drafter_of_the_other(tiny_
         engine.check_drafter(eagle)
     with pytest.raises(DviError, match="drafts with method draft_model"):  # vLLM's own server started otherwise
         VllmEngine.attach(Core("draft_model"), target, eagle, SpecConfig(k=3, adaptive=False))
+
+
+def test_vllms_engine_refuses_what_vllm_cannot_take_and_the_current_drafter_keeps_serving(tiny_dirs, tmp_path):
+    """A replica following vLLM's engine with a layer drafter (one layer): a published version of another shape (the
+    target's two layers) is refused (`load`) and the configured drafter keeps serving, nothing loaded into vLLM; the
+    drafter cannot be dropped while serving; a request vLLM would refuse (a temperature over vLLM's limit, a prompt
+    beyond vLLM's context window) fails with the reason."""
+    from replica_fixtures import publish_noisy
+
+    store_root = tmp_path / "store"
+    whole = publish_noisy(store_root, tiny_dirs[0], "d0001", noise=0.05, seed=1)
+    cfg = config(tiny_dirs[0], tiny_dirs[1], store_root)
+    pair = resolve_pair(cfg.model, target_weights=False)
+    core = Core("draft_model")
+    service = Replica(cfg, pair, engine=VllmEngine.attach(core, pair.target, pair.drafter, cfg.serve.spec))
+    engine = service.engine
+    assert service.health()["engine"] == "vllm" and engine.drafter.version == "init-L1-full"
+
+    service.on_control(announce(whole))
+    assert engine.drafter.version == "init-L1-full" and service.rollout is None and service.metrics.events["refused:load"] == 1
+    with pytest.raises(DviError, match="has 2 layers and other shapes than the draft model vLLM was started with"):
+        engine.check_drafter(load_drafter(whole.path, engine.vocab_size))
+    core.step_fn()
+    assert not core.loaded  # vLLM's draft model keeps the configured weights
+    with pytest.raises(DviError, match="cannot drop its drafter"):
+        engine.swap_drafter(None)
+    assert engine.drafter.version == "init-L1-full"
+
+    engine.check_request(Request([1, 2, 3], temperature=2.0))  # vLLM's limit itself: taken
+    with pytest.raises(DviError, match=r"temperature must be in \[0, 2\] on vLLM's engine \(vLLM's limit\), got 2.5"):
+        engine.check_request(Request([1, 2, 3], temperature=2.5))
+    with pytest.raises(DviError, match=r"prompt of 256 tokens does not fit the context window \(serve.vllm.max_model_len\) of 256"):
+        engine.check_request(Request([1] * 256))
 
 
 def test_the_workers_reload_warns_of_no_layer_an_eagle3_checkpoint_leaves_to_the_target():

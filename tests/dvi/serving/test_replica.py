@@ -158,32 +158,20 @@ def test_refused_drafters_leave_the_current_one_serving(running, tiny_dirs, tmp_
     assert scrape(running.url)[("dvi_drafter_events_total", ("event", "refused:nonfinite"), ("model_name", "target"))] == 1
 
 
-@pytest.fixture(params=["dvi", "vllm"])
-def any_engine(request, stream_cfg, tiny_dirs, tmp_path):
-    """(a running replica, its target directory) on dvi's engine (the tiny pair) or vLLM's (the demo target, eager, a
-    noisy copy of it as the drafter: vLLM's draft model takes drafters of its configured shape only)."""
-    if request.param == "dvi":
-        running, target = Running(replica(service_config(stream_cfg, tiny_dirs, tmp_path / "store"))), tiny_dirs[0]
-    else:
-        from dvi.config import VllmConfig
-        from dvi.models import fetch_demo_target
-        from streams.control import ControlChannel
-
-        target = fetch_demo_target()
-        start = publish_noisy(tmp_path / "configured", target, "d0000", noise=0.05, seed=0)
-        cfg = service_config(stream_cfg, (target, start.path), tmp_path / "store", engine="vllm",
-                             vllm=VllmConfig(enforce_eager=True, cpu_kv_cache_gb=1))
-        running = Running(Replica(cfg, resolve_pair(cfg.model, target_weights=False),
-                                  control=ControlChannel(cfg.stream, client_id="test-replica")))
-    yield running, target
+@pytest.fixture
+def signed_replica(stream_cfg, tiny_dirs, tmp_path):
+    """(a running replica on dvi's engine with its control channel, its target directory)."""
+    running = Running(replica(service_config(stream_cfg, tiny_dirs, tmp_path / "store")))
+    yield running, tiny_dirs[0]
     running.close()
 
 
 @pytest.mark.faults
-def test_only_the_trainer_decides_what_a_replica_serves(any_engine, stream_cfg, tmp_path):
+def test_only_the_trainer_decides_what_a_replica_serves(signed_replica, stream_cfg, tmp_path):
     """Announcements that are unsigned, signed with a replica's key, or a replay of a genuine one are refused (no
-    swap); genuine ones swap. Anyone who can write to the broker cannot pick the drafter. On both engines."""
-    running, target = any_engine
+    swap); genuine ones swap. Anyone who can write to the broker cannot pick the drafter. The replica's swap thread
+    decides, whichever engine it serves (vLLM's own server: tests/dvi/cli/test_vllm_plugin.py)."""
+    running, target = signed_replica
     service, root = running.service, tmp_path / "store"
     d1, d2 = (publish_noisy(root, target, f"d000{i}", noise=0.05, seed=i) for i in (1, 2))
     local = keys.load(keys_dir(stream_cfg), sign_as=("trainer", "replica"))
@@ -293,6 +281,28 @@ def test_the_api_key_comes_from_the_environment_or_a_file(tiny_dirs, tmp_path, m
     (tmp_path / "key").write_text("short")
     with pytest.raises(DviError, match="fewer than 8"):
         Replica(cfg, pair)
+
+
+def test_a_replica_that_decodes_here_runs_dvis_engine_and_follows_one_handed_to_it(tiny_dirs, tmp_path, monkeypatch):
+    """serve.engine=vllm-server, or auto where vLLM is installed, is vLLM's own server: a replica handed no engine to
+    follow refuses it with the reason; on dvi (or auto without vLLM) it decodes here with dvi's engine."""
+    from dvi import hardware
+
+    pair = resolve_pair(ModelConfig(target=str(tiny_dirs[0]), drafter=str(tiny_dirs[1])))
+
+    def on(engine: str) -> Replica:
+        return Replica(DviConfig(model=ModelConfig(target=str(tiny_dirs[0]), drafter=str(tiny_dirs[1])),
+                                 serve=ServeConfig(engine=engine, swap=SwapConfig(store=str(tmp_path / "store"), initial="none")),
+                                 tracking=TrackingConfig(enabled=False)), pair)
+
+    with pytest.raises(DviError, match=r"^serve.engine=vllm-server is vLLM's own server here, .*runs serve.engine=dvi$"):
+        on("vllm-server")
+    monkeypatch.setattr(hardware, "vllm_version", lambda: hardware.VLLM_RELEASE + ".0")
+    with pytest.raises(DviError, match=r"^serve.engine=auto is vLLM's own server here \(auto: vLLM .* is installed"):
+        on("auto")
+    assert on("dvi").health()["engine"] == "dvi"
+    monkeypatch.setattr(hardware, "vllm_version", lambda: None)
+    assert on("auto").health()["engine"] == "dvi"
 
 
 @pytest.mark.faults
@@ -606,7 +616,7 @@ def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_
         # the domain tag: vllm_xargs on vLLM's API, the dvi field on dvi's
         body.update({"vllm_xargs": {"dvi_domain": "math"}} if vllm_server else {"dvi": {"domain": "math"}})
         view = requests.get(url + ("/dvi/health" if vllm_server else "/health"), timeout=10).json()
-        assert view["engine"] == pick_engine("auto", in_process=True).value and view["drafter_version"] == "init-eagle3-v8192"  # the default kind
+        assert view["engine"] == ("vllm" if vllm_server else "dvi") and view["drafter_version"] == "init-eagle3-v8192"  # the default kind
         assert requests.post(url + "/v1/chat/completions", json=body, timeout=120).status_code == 401  # no key
         r = requests.post(url + "/v1/chat/completions", json=body, timeout=120,
                           headers={"Authorization": "Bearer a-key-only-this-test-knows"})
