@@ -1,10 +1,15 @@
-"""`dvi up`: the restart backoff and the plan as pure logic; then the real stack (broker, MLflow, serve, train)
-started, asked, a part killed and restarted, and stopped with no process left behind."""
+"""`dvi up`: the restart backoff and the plan as pure logic; then the real stack (broker, MLflow, serve, train), one
+detached start checked from start to stop: asked, its serve killed and restarted, a first drafter published and swapped
+in, the README's own `vllm serve` with dvi's plugin run beside it on its broker, and stopped with `dvi down` with no
+process left behind (a vLLM start costs minutes on a small CPU: one stack serves all of it)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -25,8 +30,9 @@ from dvi.config import load_config
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
 from dvi.mlflow_login import local_login
-from dvi.procs import REGISTRY_ENV, _zombie, free_port, spawn
+from dvi.procs import REGISTRY_ENV, _zombie, free_port, http_ok, spawn, wait_ready
 from dvi.tracking import rest
+from streams.consumer import DecisionConsumer
 
 
 def test_backoff_doubles_to_a_cap_and_starts_over_after_a_stable_run():
@@ -62,12 +68,15 @@ def processes_with(marker: str) -> list[int]:
 
 
 class Lines:
-    """The stdout of a process, collected by a thread, waited on line by line."""
+    """What a `dvi up` says, line by line, waited on: its stdout (`proc`, read by a thread) or, for a detached one, its
+    log (`path`, <cache>/logs/up.log, read again at each look)."""
 
-    def __init__(self, proc: subprocess.Popen):
+    def __init__(self, source: subprocess.Popen | Path):
         self.lines: list[str] = []
         self._cv = threading.Condition()
-        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        self._path = source if isinstance(source, Path) else None
+        if self._path is None:
+            threading.Thread(target=self._read, args=(source,), daemon=True).start()
 
     def _read(self, proc):
         for line in proc.stdout:
@@ -75,16 +84,22 @@ class Lines:
                 self.lines.append(line.rstrip("\n"))
                 self._cv.notify_all()
 
+    def text(self) -> str:
+        if self._path is not None and self._path.exists():
+            self.lines = self._path.read_text(errors="replace").splitlines()
+        return "\n".join(self.lines)
+
     def wait_for(self, text: str, timeout_s: float, after: int = 0) -> int:
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while True:
+                self.text()
                 for i in range(after, len(self.lines)):
                     if text in self.lines[i]:
                         return i
                 left = deadline - time.monotonic()
                 assert left > 0, f"no '{text}' within {timeout_s} s:\n" + "\n".join(self.lines)
-                self._cv.wait(left)
+                self._cv.wait(left if self._path is None else min(left, 0.5))
 
 
 # a part for the supervision tests: it starts a worker of its own (recorded, as a part's broker or MLflow server is),
@@ -152,78 +167,91 @@ def test_a_part_stopped_for_not_coming_back_in_time_has_its_own_leftovers_stoppe
     assert _registry(registry) == []
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
-@pytest.mark.broker
-def test_dvi_up_answers_restarts_a_killed_part_and_stops_everything(demo_target_dir, demo_drafter_dir, tmp_path):
-    marker = f"DVI_UP_TEST={uuid.uuid4().hex}"
-    api, mlflow_port = free_port(), free_port()
-    overrides = [
-        f"model.target={demo_target_dir}", f"model.drafter={demo_drafter_dir}", f"model.cache_dir={tmp_path / 'cache'}",
-        f"stream.port={free_port()}", f"tracking.port={mlflow_port}", f"tracking.root={tmp_path / 'mlflow'}",
-        f"serve.port={api}", f"trainer.store={tmp_path / 'store'}", f"trainer.run_dir={tmp_path / 'run'}",
-        "serve.metrics_every_s=5",
-    ]  # fmt: skip
-    env = clean_env(**{marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"})
-    proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
-    out = Lines(proc)
+README = Path(__file__).resolve().parents[3] / "README.md"
+PLUGIN_SECTION = "**Keep your vLLM server.**"  # the README section whose command starts vLLM's server with dvi's loop
+
+
+def readme_command(section: str) -> str:
+    """The first ```bash block after `section` in README.md, as it stands there."""
+    text = README.read_text()
+    start = text.index("```bash\n", text.index(section)) + len("```bash\n")
+    return text[start : text.index("\n```", start)]
+
+
+def substituted(command: str, changes: dict[str, str]) -> str:
+    """`command` with each key, which must stand in it once, replaced by its value."""
+    for old, new in changes.items():
+        assert command.count(old) == 1, f"the README's command does not hold {old!r} once:\n{command}"
+        command = command.replace(old, new)
+    return command
+
+
+class ReadmeServer:
+    """vLLM's own server with dvi's plugin, started by the README's command (PLUGIN_SECTION) run with bash as written,
+    but for what a test must change: HOME (a folder whose .cache/dvi/models links the demo target and EAGLE-3 drafter
+    under the names the README uses), the README's `.venv/bin/python` (this interpreter), its broker (the stack's) and
+    its fixed ports (free ones: a fixed port clashes with any other run on the machine)."""
+
+    def __init__(self, tmp_path: Path, target: Path, drafter: Path, bootstrap: str, marker: dict[str, str]):
+        models = tmp_path / "home" / ".cache" / "dvi" / "models"
+        models.mkdir(parents=True)
+        for model in (target, drafter):
+            (models / model.name).symlink_to(model)
+        self.port, loop_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = substituted(readme_command(PLUGIN_SECTION), {
+            ".venv/bin/python": shlex.quote(sys.executable), "127.0.0.1:19092": bootstrap,
+            "--port 8001": f"--port {self.port}", "DVI_LOOP_PORT=8101": f"DVI_LOOP_PORT={loop_port}"})
+        # outside the checkout, as a user's own server runs: a stale dvi.egg-info there would hide the installed entry points
+        self.child = spawn("readme-vllm", ["bash", "-c", self.command], log_path=tmp_path / "readme-vllm.log",
+                           env=clean_env(HOME=str(tmp_path / "home"), **marker), cwd=tmp_path)
+
+    def health(self) -> dict:
+        return requests.get(self.url + "/dvi/health", timeout=10).json()
+
+
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
+
+
+@contextlib.contextmanager
+def adopting_orphans():
+    """While inside, a process orphaned below this one becomes its child (Linux's child subreaper), as the background
+    `dvi up` of `dvi up --detach` does when that returns: its exit status can then be waited for (`exit_status`)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0, os.strerror(ctypes.get_errno())
     try:
-        out.wait_for("Ctrl-C stops everything", 600)
-        assert any(f"API     http://127.0.0.1:{api}/v1" in line for line in out.lines), out.lines
-        # the supervisor itself never loads torch (the pair is prepared in a child: dvi.cli.up.prepare_pair)
-        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
-        for part in ("broker", "mlflow", "serve", "train"):
-            assert (tmp_path / "cache" / "logs" / f"{part}.log").exists()
-
-        def ask() -> dict:
-            r = requests.post(f"http://127.0.0.1:{api}/v1/completions", json={"model": demo_target_dir.name, "prompt": "The capital "
-                                                                              "of France is", "max_tokens": 8, "temperature": 0}, timeout=120)
-            assert r.status_code == 200, r.text
-            return r.json()
-
-        # the default engine: vLLM's own server with dvi's loop as its plugin where vLLM is installed (its view at
-        # /dvi/health), else dvi's server
-        loop_view = f"http://127.0.0.1:{api}" + ("/dvi/health" if pick_engine("auto").value == "vllm-server" else "/health")
-        first = ask()
-        assert first["usage"]["completion_tokens"] == 8
-        serving = requests.get(loop_view, timeout=10).json()
-        assert serving["drafter_version"] == "init-L2-full" and serving["requests"] >= 1
-        status = subprocess.run([sys.executable, "-m", "dvi.cli", "status", "--json", *overrides], capture_output=True, text=True,
-                                timeout=120)
-        assert status.returncode == 0, status.stderr
-        view = json.loads(status.stdout)
-        assert view["replicas"][0]["status"] == "ok" and view["replicas"][0]["drafter_version"] == serving["drafter_version"]
-        assert view["mlflow"]["uri"] == f"http://127.0.0.1:{mlflow_port}" and "error" not in view["mlflow"], view
-
-        serve_pid = serving.get("server_pid", serving["pid"])  # the process dvi up started (vLLM's API server)
-        os.kill(serve_pid, signal.SIGKILL)  # a crash: the supervisor reports it and starts serve again
-        i = out.wait_for("serve exited (status -9)", 30)
-        out.wait_for("serve ready again", 300, after=i)
-        assert ask()["choices"][0]["text"] == first["choices"][0]["text"]
-        assert processes_with(marker), "the stack's processes carry the marker"
+        yield
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(120)
-    assert code == 0, "\n".join(out.lines)
-    time.sleep(0.5)
-    assert processes_with(marker) == [], "processes left behind after `dvi up` stopped"
-    stopped = [line for line in out.lines if line.startswith("dvi up:") and " stopped (status" in line]
-    assert [line.split()[2] for line in stopped] == ["train", "serve", "mlflow", "broker"], out.lines
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def exit_status(pid: int, timeout_s: float) -> int | None:
+    """The exit status of this process's child `pid` (negative: the signal that killed it), or None while it runs."""
+    deadline = time.monotonic() + timeout_s
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+    return os.waitstatus_to_exitcode(done[1])
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.real_model
 @pytest.mark.broker
-def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops_with_dvi_down(demo_target_dir, demo_eagle3_dir,
-                                                                                               tmp_path, monkeypatch):
-    """`dvi up --detach` returns once ready; README-style chat requests get a first published drafter that the replica
-    swaps in; the decision lines reach up.log (dvi up's terminal) with timestamps; `dvi status` says it; a second
-    `dvi up` on the same ports refuses; `dvi down` stops the parts in order and leaves no process behind. The drafter
-    is the default kind, EAGLE-3: the trainer holds no copy of the target and trains on the features vLLM's server
-    sends with the records."""
-    marker = f"DVI_UP_TEST={uuid.uuid4().hex}"
+def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter_feeds_the_readme_vllm_server_and_stops(
+        demo_target_dir, demo_eagle3_dir, tmp_path, monkeypatch):
+    """One `dvi up` stack, the default engine (vLLM's server, compiled) and drafter (EAGLE-3), checked from start to stop.
+
+    `dvi up --detach` returns once ready, its supervisor never having loaded torch; a second `dvi up` on the same ports
+    refuses. The stack answers with its configured drafter, as `dvi status --json` says; its serve killed (a crash), the
+    supervisor reports it, starts it again and it answers as before. README-style chat requests get a first published
+    drafter that the replica swaps in; the decision lines reach up.log (dvi up's terminal) with timestamps; `dvi status`
+    and MLflow say it. The trainer holds no copy of the target and trains on the features vLLM's server sends with the
+    records. Beside the stack, the README's own `vllm serve` with dvi's plugin (ReadmeServer) answers, shows the request
+    in its loop's view and sends its records to the stack's broker, and stops on Ctrl-C. `dvi down` stops the parts in
+    order, the supervisor exits with status 0, and no process is left behind."""
+    marker, readme_marker = f"DVI_UP_TEST={uuid.uuid4().hex}", uuid.uuid4().hex
     api, mlflow_port = free_port(), free_port()
     cache = tmp_path / "cache"
     overrides = [
@@ -231,20 +259,56 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
         f"stream.port={free_port()}", f"tracking.port={mlflow_port}", f"tracking.root={tmp_path / 'mlflow'}", f"serve.port={api}",
         # a gate every 15 s that any gain passes: the defaults (60 s, a gain of 0.02) publish within minutes
         # (benchmarks/first_publish.py measures them); this test is about the publish, the swap and what says so
-        "trainer.gate_every_s=15", "trainer.min_gain=0",
-        "serve.vllm.enforce_eager=true",  # the default engine, uncompiled: the test above starts it compiled
+        "trainer.gate_every_s=15", "trainer.min_gain=0", "serve.metrics_every_s=5",
     ]  # fmt: skip
+    cfg = load_config(overrides)
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):  # the stack makes its own MLflow login
         monkeypatch.delenv(name, raising=False)
     env = clean_env(**{marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"})
     cli = [sys.executable, "-m", "dvi.cli"]
+    up_log = Lines(cache / "logs" / "up.log")
+    supervisor, readme = None, None
     try:
-        up = subprocess.run([*cli, "up", "--detach", *overrides], capture_output=True, text=True, env=env, timeout=900)
+        with adopting_orphans():  # the background `dvi up` becomes this process's child: its exit status is checked
+            up = subprocess.run([*cli, "up", "--detach", *overrides], capture_output=True, text=True, env=env, timeout=900)
         assert up.returncode == 0 and "Ctrl-C stops everything" in up.stdout and "detached (pid" in up.stdout, up.stdout + up.stderr
+        supervisor = int(up.stdout.split("detached (pid ")[1].split(")")[0])
+        assert f"API     http://127.0.0.1:{api}/v1" in up.stdout, up.stdout
+        # the supervisor itself never loads torch (the pair is prepared in a child: dvi.cli.up.prepare_pair)
+        assert "libtorch" not in Path(f"/proc/{supervisor}/maps").read_text()
+        for part in ("broker", "mlflow", "serve", "train"):
+            assert (cache / "logs" / f"{part}.log").exists()
         again = subprocess.run([*cli, "up", *overrides], capture_output=True, text=True, env=env, timeout=120)
         assert again.returncode == 2 and "already running" in again.stderr, again.stderr
 
-        up_log = cache / "logs" / "up.log"
+        def ask() -> dict:
+            r = requests.post(f"http://127.0.0.1:{api}/v1/completions", json={"model": demo_target_dir.name, "prompt": "The capital "
+                                                                              "of France is", "max_tokens": 8, "temperature": 0}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        # the default engine: vLLM's own server with dvi's loop as its plugin, its view at /dvi/health
+        assert pick_engine("auto").value == "vllm-server"
+        first = ask()
+        assert first["usage"]["completion_tokens"] == 8
+        serving = requests.get(f"http://127.0.0.1:{api}/dvi/health", timeout=10).json()
+        assert serving["drafter_version"] == "init-eagle3-v8192" and serving["requests"] >= 1
+        status = subprocess.run([*cli, "status", "--json", *overrides], capture_output=True, text=True, env=env, timeout=120)
+        assert status.returncode == 0, status.stderr
+        view = json.loads(status.stdout)
+        assert view["replicas"][0]["status"] == "ok" and view["replicas"][0]["drafter_version"] == serving["drafter_version"]
+        assert view["mlflow"]["uri"] == f"http://127.0.0.1:{mlflow_port}" and "error" not in view["mlflow"], view
+
+        # a crash, before anything is published (the restarted serve decodes with the same drafter): the supervisor
+        # reports it and starts serve again
+        os.kill(serving["server_pid"], signal.SIGKILL)  # the process dvi up started (vLLM's API server)
+        i = up_log.wait_for("serve exited (status -9)", 30)
+        up_log.wait_for("serve ready again", 300, after=i)
+        assert ask()["choices"][0]["text"] == first["choices"][0]["text"]
+        assert processes_with(marker), "the stack's processes carry the marker"
+
+        # the README's server starts (a vLLM start: minutes) while the stack's traffic leads to a first publish
+        readme = ReadmeServer(tmp_path, demo_target_dir, demo_eagle3_dir, cfg.stream.bootstrap, {"DVI_README_TEST": readme_marker})
         prompts = ["Write a Python function that reverses a string.", "Write a short paragraph about the sea at night."]
         deadline = time.monotonic() + 900
         for i in range(60):
@@ -252,9 +316,9 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
                 "model": demo_target_dir.name, "messages": [{"role": "user", "content": prompts[i % 2]}], "max_tokens": 32,
                 "vllm_xargs": {"dvi_domain": ("code", "prose")[i % 2]}})  # vLLM's server: the domain tag in vllm_xargs
             assert r.status_code == 200, r.text
-            if " swapped in (was " in up_log.read_text() or time.monotonic() > deadline:
+            if " swapped in (was " in up_log.text() or time.monotonic() > deadline:
                 break
-        text = up_log.read_text()
+        text = up_log.text()
         # the trainer said what it trains, and that the features come from the records alone (it loaded no target)
         assert "training an EAGLE-3 drafter, precision " in text and "features from records, gate rule" in text, text[-4000:]
         decisions = [line for line in text.splitlines() if " dvi.decision." in line]
@@ -270,12 +334,12 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
         assert "None" not in status.stdout and "last gate at step" in status.stdout, status.stdout
         print(f"dvi status answered in {took:.2f} s:\n{status.stdout}")
 
-        # MLflow asks for a login, the one in the file `dvi up` names; the serve run's name is the same across restarts,
-        # and the link dvi prints opens the saved view
+        # MLflow asks for a login, the one in the file `dvi up` names; the serve run's name is the same across restarts
+        # (one run name for the serve started twice), and the link dvi prints opens the saved view
         uri = f"http://127.0.0.1:{mlflow_port}"
         with pytest.raises(urllib.error.HTTPError, match="401"):
             rest(uri, "experiments/get-by-name", {"experiment_name": "dvi"})
-        login = local_login(load_config(overrides).tracking)
+        login = local_login(cfg.tracking)
         assert login == tmp_path / "mlflow" / "login.env" and f"login: user and password in {login}" in up.stdout, up.stdout
         exp = rest(uri, "experiments/get-by-name", {"experiment_name": "dvi"})["experiment"]
         assert f"mlflow: {uri}/#/experiments/{exp['experiment_id']}/runs?viewStateShareKey=dvi" in status.stdout, status.stdout
@@ -283,12 +347,35 @@ def test_detached_stack_publishes_and_swaps_in_a_first_drafter_says_so_and_stops
         assert {r["info"]["run_name"] for r in runs} == {"trainer", f"serve-{socket.gethostname()}-{api}"}, runs
         view = json.loads(json.loads({t["key"]: t["value"] for t in exp["tags"]}[mlflow_view.TAG_KEY])["state"])
         assert view["compareRunCharts"] and view["selectedColumns"] == mlflow_view.view_state([])["selectedColumns"], view
+
+        # the README's server: it answers, its loop's view on its port shows the request, its records reach the stack's topic
+        wait_ready(readme.child, lambda: http_ok(readme.url + "/health"), 600, "the README's vllm serve", interval_s=0.5)
+        chat = requests.post(readme.url + "/v1/chat/completions", timeout=300, json={
+            "model": demo_target_dir.name, "messages": [{"role": "user", "content": "Name three primary colors."}], "max_tokens": 16})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"], chat.text
+        deadline = time.monotonic() + 60
+        while (h := readme.health())["requests"] < 1 or h["records"]["sent"] < 1:
+            assert time.monotonic() < deadline, h
+            time.sleep(0.5)
+        assert h["drafter_version"] == "init-eagle3-v8192" and h["engine"] == "vllm", h
+        with DecisionConsumer(cfg.stream, group_id=None, dead_letter=False) as consumer:
+            deadline = time.monotonic() + 120
+            while not any(d.record.replica_id == h["replica_id"] and d.record.request_id.startswith(chat.json()["id"])
+                          for d in consumer.poll(1.0)):
+                assert time.monotonic() < deadline, f"no record of {chat.json()['id']} from {h['replica_id']} on {cfg.stream.topic}"
+        stopped = readme.child.stop(signal.SIGINT, grace_s=60)  # Ctrl-C in the terminal it runs in
+        assert stopped == 0, readme.child.log_tail(3000)
+        assert processes_with(f"DVI_README_TEST={readme_marker}") == [], "the README's server left processes behind"
     finally:
+        if readme is not None:
+            readme.child.stop(grace_s=30)
         down = subprocess.run([*cli, "down", *overrides], capture_output=True, text=True, env=env, timeout=300)
+        code = exit_status(supervisor, 60) if supervisor is not None else None
     assert down.returncode == 0 and "stopped dvi up" in down.stdout, down.stdout + down.stderr
+    assert code == 0, up_log.text()[-4000:]
     time.sleep(0.5)
     assert processes_with(marker) == [], "processes left behind after `dvi down`"
-    stopped = [line for line in (cache / "logs" / "up.log").read_text().splitlines() if line.startswith("dvi up:") and " stopped (status" in line]
+    stopped = [line for line in up_log.text().splitlines() if line.startswith("dvi up:") and " stopped (status" in line]
     assert [line.split()[2] for line in stopped] == ["train", "serve", "mlflow", "broker"], stopped
 
 
