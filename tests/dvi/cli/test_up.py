@@ -22,14 +22,17 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 from child_env import clean_env
 
 from dvi import mlflow_view
 from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, Part, Supervisor, next_backoff, plan, prepare_pair
 from dvi.config import load_config
+from dvi.eagle3 import target_features
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
 from dvi.mlflow_login import local_login
+from dvi.models import load_causal_lm
 from dvi.procs import REGISTRY_ENV, _zombie, free_port, http_ok, spawn, wait_ready
 from dvi.tracking import rest
 from streams.consumer import DecisionConsumer
@@ -325,6 +328,20 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
         assert any(line.startswith("[train] 20") and " published (parent " in line for line in decisions), text[-4000:]
         assert any(line.startswith("[serve] 20") and " swapped in (was " in line for line in decisions), text[-4000:]
         assert any("gate at step" in line and ": passed: candidate" in line for line in decisions), decisions
+
+        # the features vLLM's server sent with its records are the target's own aux hidden states (Hugging Face's, to
+        # the rounding of vLLM's bf16), for the positions each record says
+        with DecisionConsumer(cfg.stream, group_id=None, dead_letter=False) as consumer:
+            deadline, carried = time.monotonic() + 60, None
+            while carried is None:
+                assert time.monotonic() < deadline, f"no record with features on {cfg.stream.topic}"
+                carried = next((d.record for d in consumer.poll(1.0) if d.record.features is not None), None)
+        f, target = carried.features, load_causal_lm(demo_target_dir, "target")
+        rows = f.tensor().float()
+        sequence = [*carried.prompt_ids, *carried.prefix_ids, *carried.generated_ids][: f.start + len(rows)]
+        own = target_features(target, torch.tensor([sequence]), f.layers)[0, f.start:]
+        cos = torch.nn.functional.cosine_similarity(rows.unflatten(-1, (len(f.layers), -1)), own.unflatten(-1, (len(f.layers), -1)), dim=-1)
+        assert own.shape == rows.shape and cos.min() > 0.98, (f.layers, f.start, own.shape, rows.shape, cos.min())
 
         t0 = time.monotonic()
         status = subprocess.run([*cli, "status", *overrides], capture_output=True, text=True, env=env, timeout=60)

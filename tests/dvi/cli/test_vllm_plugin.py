@@ -18,6 +18,7 @@ import time
 import openai
 import pytest
 import requests
+import torch
 from kafka import KafkaProducer
 from broker_fixtures import stream_config
 from child_env import clean_env
@@ -28,13 +29,14 @@ from dvi.cli.vllm_plugin import ENABLE, NAME, OVERRIDES, PORT
 from dvi.config import keys_dir
 from dvi.control import DrafterPublished
 from dvi.control import encode as encode_control
-from dvi.models import fetch_demo_target
+from dvi.models import fetch_demo_target, load_causal_lm, load_tokenizer
 from dvi.procs import free_port, http_ok, spawn, wait_ready
 from dvi.records import validate
 from streams.broker import EmbeddedBroker
 from streams.consumer import DecisionConsumer
 from streams.control import send as control_send
 from streams.topics import ensure_topics
+from trainers.data import example_from_record
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model]
 
@@ -166,12 +168,25 @@ def test_clients_see_vllms_api_and_every_request_leaves_records_that_reproduce_i
                 assert x.topk_ids[: x.accepted, 0].tolist() == x.drafted[: x.accepted] and int(x.topk_ids[x.accepted, 0]) == x.token
     twins = {r.request_id: r.domain for r in records if both["id"] in r.request_id}  # n = 2: two requests, one tag
     assert len(twins) == 2 and set(twins.values()) == {"math"}, twins
+    # greedy answers are the target's own, whatever the drafter drafted (four prompts, up to 24 tokens each)
+    tokenizer, target = load_tokenizer(server.target), load_causal_lm(server.target, "target")
+    for text, response_id in zip(PROMPTS, answers):  # the first answers are the completions of PROMPTS, in order
+        prompt = tokenizer(text).input_ids
+        with torch.no_grad():
+            own = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        got = answers[response_id]
+        assert got == own[: len(got)] and len(got) >= len(own) - 1, (text, got, own)  # an end token ends both
+    for rec in records:  # the trainer takes them as it takes dvi's engine's
+        ex = example_from_record(rec, max_seq_len=512)
+        assert ex.positions == len(rec.generated_ids) and ex.topk_ids is not None
+        assert (ex.accepted, ex.drafted_total) == (sum(x.accepted for x in rec.rounds), sum(x.k for x in rec.rounds))
     # every drafted and accepted token vLLM counted is in the records, and no other
     assert sum(x.k for r in records for x in r.rounds) == drafted1 - drafted0 > 0
     assert sum(x.accepted for r in records for x in r.rounds) == accepted1 - accepted0
 
 
-def test_a_signed_better_drafter_is_swapped_in_a_forged_one_refused_and_a_dead_broker_costs_no_request(server, tmp_path):
+def test_a_signed_better_drafter_is_swapped_in_a_worse_one_rolled_back_forged_and_stale_ones_refused_and_a_dead_broker_costs_no_request(
+        server, tmp_path):
     c, model = server.client, str(server.target)
 
     def acceptance_of(version: str, drafted: int) -> float:
@@ -201,6 +216,26 @@ def test_a_signed_better_drafter_is_swapped_in_a_forged_one_refused_and_a_dead_b
     wait_for(lambda: server.health()["rollout"] is None, 60, "d0001 to be judged")
     h = server.health()
     assert h["drafter_version"] == "d0001" and h["events"].get("promote") == 1 and "d0002" not in h["rejected"]
+
+    # a worse drafter, signed: swapped in, judged on live traffic, rolled back to the one before; answers stay greedy
+    bad = publish_noisy(server.store, server.target, "d0003", noise=10.0, seed=3)
+    control_send(server.stream, DrafterPublished(bad.version, str(bad.path), bad.sha256, parent="d0001"))
+    wait_for(lambda: server.health()["drafter_version"] == "d0003", 120, "d0003 to be swapped in")
+    reference = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+
+    def judged():
+        for p in PROMPTS:
+            c.completions.create(model=model, prompt=p, max_tokens=24, temperature=0)
+        return (h := server.health())["rollout"] is None and h
+
+    h = wait_for(judged, 300, "d0003 to be judged")
+    assert h["drafter_version"] == "d0001" and "d0003" in h["rejected"] and h["events"].get("rollback") == 1, h["events"]
+    again = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+    assert again.choices[0].token_ids == reference.choices[0].token_ids
+    # a signed announcement of a version older than one served (a replay) is refused: a rollback is the replica's own
+    control_send(server.stream, DrafterPublished(forged.version, str(forged.path), forged.sha256))
+    wait_for(lambda: server.health()["events"].get("refused:stale") == 1, 60, "the replayed announcement to be refused")
+    assert server.health()["drafter_version"] == "d0001"
 
     # the broker dies: requests are answered as before, their records wait or are dropped and counted
     server.broker.kill()
