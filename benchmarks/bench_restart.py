@@ -3,7 +3,7 @@
 vLLM's CPU worker pins its OpenMP threads to cores from the moment its process starts (`serve.vllm.cpu_bind`, vLLM's
 VLLM_CPU_OMP_THREADS_BIND). A soak of the default stack with two replicas on one 2-core machine saw a killed replica
 not come back within 20 minutes while the other served. This benchmark takes that moment apart, with every part real:
-vLLM's own OpenAI server as `dvi serve` starts it (`dvi.serving.vllm_engine.vllm_env`: bf16, compiled, the compile
+vLLM's own OpenAI server as `dvi serve` starts it (`dvi.cli.vllm.engine.vllm_env`: bf16, compiled, the compile
 cache under dvi's cache), without dvi's plugin (its loop does not change how the engine starts), on the demo target.
 
 For each binding scheme, in turn and alone on the machine:
@@ -40,7 +40,7 @@ from dvi.errors import DviError
 from dvi.hardware import pick_dtype, vllm_version
 from dvi.pairs import pair_dirs
 from dvi.procs import free_port, http_ok, spawn, wait_ready
-from dvi.serving.vllm_engine import vllm_env
+from dvi.cli.vllm.engine import vllm_env
 
 SCHEMES = ("auto", "split", "nobind")
 OUTPUT_LEN = 64

@@ -8,7 +8,7 @@ throughputs are divided by the peer's of the same round and the medians of those
 
 The servers:
 
-- `vLLM` (the peer): `vllm serve` (`dvi.cli.vllm_server.SERVER`, vLLM's own CLI on either build), target only, at its best settings on this machine:
+- `vLLM` (the peer): `vllm serve` (`dvi.cli.vllm.server.SERVER`, vLLM's own CLI on either build), target only, at its best settings on this machine:
   compiled, the dtype `model.dtype: auto` picks (bf16 only where the CPU has native bf16), every core for the engine
   (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`: the CPU build's default keeps one back for the API server, 0.7x here);
 - `vLLM, bfloat16` (or float32, where auto picks bf16): the other dtype. On a CPU without native bf16, bf16 is
@@ -54,7 +54,7 @@ from pathlib import Path
 import requests
 
 from benchmarks import load_client, workloads
-from dvi.cli.vllm_server import SERVER
+from dvi.cli.vllm.server import SERVER
 from dvi.eagle3 import eagle3_config
 from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Request
@@ -65,7 +65,7 @@ from dvi.cli.status import replica as replica_view
 from dvi.config import ModelConfig, SpecConfig, VllmConfig
 from dvi.procs import Child, free_port, http_ok, spawn, wait_ready
 from dvi.records import records_from_result
-from dvi.serving.vllm_engine import vllm_env
+from dvi.cli.vllm.engine import vllm_env
 from streams.broker import EmbeddedBroker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,7 +147,7 @@ class Server:
 
 
 def server_env() -> dict[str, str]:
-    """Every server's environment: vLLM's settings as `dvi serve` gives them (`dvi.serving.vllm_engine.vllm_env`: a 2 GiB
+    """Every server's environment: vLLM's settings as `dvi serve` gives them (`dvi.cli.vllm.engine.vllm_env`: a 2 GiB
     KV cache, no usage reports, and the compile caches `dvi serve` uses, so that a compiled start of any server reuses
     what an earlier one compiled), but for the core reserved for vLLM's API server, the CPU build's default."""
     env = {**os.environ, **vllm_env(VllmConfig(cpu_kv_cache_gb=2))}

@@ -185,7 +185,7 @@ RETIRED_ENGINES = {"vllm": "serve.engine=vllm (vLLM's engine inside dvi's own HT
 
 @dataclass(frozen=True)
 class VllmConfig:
-    """vLLM as the serving engine (serve.engine=vllm-server; dvi.cli.vllm_server): what dvi passes to vLLM's server."""
+    """vLLM as the serving engine (serve.engine=vllm-server; dvi.cli.vllm.server): what dvi passes to vLLM's server."""
 
     max_model_len: int = 2048  # tokens of context per request (prompt and output)
     # no CUDA graphs or torch.compile: starts in seconds instead of minutes, decodes slower (compiled is the default;

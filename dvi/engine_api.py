@@ -2,7 +2,7 @@
 replica drives (`Engine`, and its running batch, `Batch`).
 
 Two engines implement it: dvi's own over Hugging Face models (`dvi.engine.SpeculativeEngine`) and vLLM's engine core
-(`dvi.serving.vllm_engine.VllmEngine`), so that the replica's API, decision records, hot swaps, live judge and metrics
+(`dvi.cli.vllm.engine.VllmEngine`), so that the replica's API, decision records, hot swaps, live judge and metrics
 are one code for both. An engine verifies drafts and reports every decision as data (`Round`: drafted ids, accepted
 count, the target's token and top-k log-probs; `Result`: a finished request's rounds, tokens and, where the engine
 keeps them, the target's features); this module does not know how an engine decodes, nor where its results go.
@@ -210,3 +210,12 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release what the engine holds."""
+
+
+class FollowedEngine(Engine, Protocol):
+    """An engine that another loop steps (`dvi.cli.vllm.engine.VllmEngine` inside vLLM's own server): instead of a
+    running batch, it hands the replica each request that loop starts (`adopt(request, domain, arrived)` -> (key,
+    token hook)) and each Result as its request finishes (`on_finish(key, result)`); the replica sets both."""
+
+    adopt: Callable[[Request, str | None, float], tuple[object, TokenHook]] | None
+    on_finish: Callable[[object, Result], None] | None

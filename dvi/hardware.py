@@ -32,7 +32,7 @@ from dvi.errors import DviError
 
 VLLM_WORKER = "VLLM::Worker"  # the process name vLLM's CPU worker gives itself (/proc/<pid>/comm)
 
-VLLM_RELEASE = "0.32"  # the vLLM release whose worker internals dvi.serving.vllm_worker reads
+VLLM_RELEASE = "0.32"  # the vLLM release whose worker internals dvi.cli.vllm.worker reads
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 arithmetic
 
 

@@ -25,7 +25,7 @@ that were hashed. In order, it refuses (raising `Refused` with a reason code and
 The checks that differ by kind of drafter (its config, its tensors, how it loads and its smoke run) are its
 `dvi.drafter_kinds.DrafterKind`'s: a layer drafter's are above; an EAGLE-3 version's (`Eagle3Kind`) load it as a
 `dvi.eagle3.Eagle3Drafter` (d2t and t2d checked: `load`, its smoke run one forward), which vLLM serves with method
-eagle3 (a server started with an EAGLE-3 drafter, `dvi.serving.vllm_engine`). Each kind loads only where that kind
+eagle3 (a server started with an EAGLE-3 drafter, `dvi.cli.vllm.engine`). Each kind loads only where that kind
 serves: `load_announced(..., kind=...)` refuses a version of another kind than the one it is asked for (`load`).
 
 It runs on the caller's thread (the server's swap thread), never on the decoding thread; the engine's

@@ -76,7 +76,7 @@ def make_tiny_llama():
 
 _SET_NUM_THREADS = torch.set_num_threads
 # what vLLM's CPU platform and worker (vllm/platforms/cpu.py, v1/worker/cpu_worker.py) and dvi's vLLM engine
-# (dvi.serving.vllm_engine.set_vllm_env) write into the process environment, which every process a later test
+# (dvi.cli.vllm.engine.set_vllm_env) write into the process environment, which every process a later test
 # spawns would inherit: LD_PRELOAD of tcmalloc and libgomp, OpenMP and inductor thread settings, vLLM's own
 VLLM_ENV_PREFIXES = ("VLLM_", "TORCHINDUCTOR_", "KMP_", "OMP_", "LD_PRELOAD", "LD_LIBRARY_PATH", "LOCAL_WORLD_SIZE",
                      "NUMEXPR_MAX_THREADS", "TRITON_", "TILELANG_", "PYTORCH_NVML_BASED_CUDA_CHECK")

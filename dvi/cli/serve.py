@@ -20,7 +20,7 @@ from dataclasses import replace
 import uvicorn
 
 from dvi.cli import args as checked
-from dvi.cli import vllm_server
+from dvi.cli.vllm import server as vllm_server
 from dvi.cli.output import out
 from dvi.cli.replicas import replica_channels
 from dvi.config import DviConfig, load_config, overrides_of
@@ -144,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def serve_vllm_server(cfg: DviConfig, args: argparse.Namespace) -> int:
     """serve.engine=vllm-server (auto, where vLLM is installed): this process becomes vLLM's own OpenAI server on the
-    configured pair (`dvi.cli.vllm_server`), dvi's loop in it as its plugin (`dvi.cli.vllm_plugin`): its signals, exit
+    configured pair (`dvi.cli.vllm.server`), dvi's loop in it as its plugin (`dvi.cli.vllm.plugin`): its signals, exit
     status and processes are vLLM's (a supervisor that stops or kills this process stops the server)."""
     pinned = bound_cores(cfg.serve.vllm.cpu_bind)  # a replica with cores of its own runs on them alone (dvi.cli.args.serve)
     target_dir, drafter_dir = pair_dirs(cfg.model, with_drafter=not args.no_draft)

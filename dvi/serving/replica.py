@@ -18,8 +18,8 @@
 - **tracking**: every `serve.metrics_every_s` the interval's metrics go to the tracker, and every
   `serve.plot_every_s` a drift plot (acceptance and tokens/s over time, swap markers) as an artifact.
 
-Handed an engine that another loop steps (serve.engine=vllm-server: `VllmEngine.attach` inside vLLM's own server,
-`dvi.cli.vllm_plugin`), the replica has no decode thread and no queue: the engine hands it each request vLLM starts (`adopt`) and each
+Handed an engine that another loop steps (`dvi.engine_api.FollowedEngine`; serve.engine=vllm-server: `VllmEngine.attach`
+inside vLLM's own server, `dvi.cli.vllm`), the replica has no decode thread and no queue: the engine hands it each request vLLM starts (`adopt`) and each
 Result (`finish`), which are measured and logged exactly as the decode thread's; swaps and tracking are the same.
 
 The replica is handed its channels, each optional: `producer` (takes DecisionRecords without blocking, e.g.
@@ -47,7 +47,7 @@ from dvi.config import DviConfig, api_key
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, Message
 from dvi.eagle3 import Eagle3Drafter
 from dvi.engine import SpeculativeEngine
-from dvi.engine_api import Engine, LogProb, Request, Result, TokenHook
+from dvi.engine_api import Engine, FollowedEngine, LogProb, Request, Result, TokenHook
 from dvi.errors import DviError
 from dvi.files import sha256_file
 from dvi.hardware import Pick, pick_engine
@@ -55,7 +55,6 @@ from dvi.metrics import ServingMetrics, drift_plot
 from dvi.models import LAYERS, Drafter, Pair, encode_chat, encode_prompt, end_ids, longest_token_chars
 from dvi.procs import default_replica_id
 from dvi.records import records_from_result
-from dvi.serving.vllm_engine import VllmEngine
 from dvi.swap import Refused, judge, load_announced
 
 log = logging.getLogger("dvi.serving.replica")
@@ -105,7 +104,7 @@ class Rollout:
 class Replica:
     """One serving replica (see the module docstring). `start()`, then `submit` from any thread; `close()`."""
 
-    def __init__(self, cfg: DviConfig, pair: Pair, *, producer=None, control=None, tracker=None, engine: VllmEngine | None = None):
+    def __init__(self, cfg: DviConfig, pair: Pair, *, producer=None, control=None, tracker=None, engine: FollowedEngine | None = None):
         self.cfg = cfg  # no reference to `pair` is kept: its drafter is freed once newer ones have replaced it
         self.tokenizer = pair.tokenizer
         self.defaults = cfg.serve.sampling
@@ -123,7 +122,7 @@ class Replica:
         # the kind of drafter this replica serves: the configured one's (vLLM sizes its draft model once, by method)
         self.drafter_kind = pair.drafter.kind if pair.drafter is not None else LAYERS
         self.engine: Engine
-        if engine is not None:  # vLLM's own server steps it (dvi.cli.vllm_plugin): this replica follows its requests
+        if engine is not None:  # vLLM's own server steps it (dvi.cli.vllm.plugin): this replica follows its requests
             self.engine_kind = Pick("vllm", "vLLM's own server steps its engine (serve.engine=vllm-server)")
             self.engine = engine
             engine.adopt, engine.on_finish = self.adopt, self.finish
@@ -387,7 +386,7 @@ class Replica:
 
     def answered(self) -> list[tuple[str, dict]]:
         """The `dvi` fields of the last ANSWERED_KEPT followed requests (`finish`), by request id: what the server that
-        decoded them adds to their answers (dvi.cli.vllm_http). Any thread."""
+        decoded them adds to their answers (dvi.cli.vllm.middleware). Any thread."""
         with self._answered_lock:
             return list(self._answered.items())
 

@@ -1,5 +1,5 @@
 """serve.vllm.cpu_bind: the cores vLLM's worker pins its threads to, checked against this machine and against the vLLM
-engines already pinned on it (dvi.hardware), handed to vLLM's server (dvi.cli.vllm_server), and, for a list of cores,
+engines already pinned on it (dvi.hardware), handed to vLLM's server (dvi.cli.vllm.server), and, for a list of cores,
 the only cores every process of the replica runs on (`dvi serve`, the real demo target, a real broker)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dvi.cli import vllm_server
+from dvi.cli.vllm import server as vllm_server
 from dvi.config import TrainerConfig, VllmConfig, load_config
 from dvi.errors import DviError
 from dvi.hardware import VLLM_WORKER, bound_cores, parse_cores, pinned_engines, replica_cores, shared_cores

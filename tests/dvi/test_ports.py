@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from dvi import procs
-from dvi.cli import vllm_loop
-from dvi.cli.vllm_plugin import PORT
+from dvi.cli.vllm import loop as vllm_loop
+from dvi.cli.vllm.plugin import PORT
 from dvi.errors import DviError
 
 

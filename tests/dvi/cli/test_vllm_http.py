@@ -1,5 +1,5 @@
-"""dvi's request middleware in vLLM's API-server process (dvi.cli.vllm_http) and the engine-core view's lookup of an
-answer's requests (dvi.cli.vllm_loop.answer_fields), as pure logic: the middleware around a stand-in ASGI application
+"""dvi's request middleware in vLLM's API-server process (dvi.cli.vllm.middleware) and the engine-core view's lookup of an
+answer's requests (dvi.cli.vllm.loop.answer_fields), as pure logic: the middleware around a stand-in ASGI application
 that answers as vLLM's completions route does. `tests/dvi/cli/test_vllm_plugin.py` drives both in a real `vllm serve`."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from dvi.cli.vllm_http import DviRequests, client_of, tagged, with_extension
-from dvi.cli.vllm_loop import answer_fields
+from dvi.cli.vllm.middleware import DviRequests, client_of, tagged, with_extension
+from dvi.cli.vllm.loop import answer_fields
 from dvi.serving.api import ApiError
 
 

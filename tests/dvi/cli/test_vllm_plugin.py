@@ -1,5 +1,5 @@
-"""dvi's loop inside an unmodified `vllm serve` (dvi.cli.vllm_plugin): vLLM's own OpenAI server, started as a vLLM
-user starts it (`vllm serve`, as `python -m dvi.cli.vllm_cli serve` on the CPU build, eager) with `DVI_LOOP=1` in its
+"""dvi's loop inside an unmodified `vllm serve` (dvi.cli.vllm.plugin): vLLM's own OpenAI server, started as a vLLM
+user starts it (`vllm serve`, as `python -m dvi.cli.vllm serve` on the CPU build, eager) with `DVI_LOOP=1` in its
 environment, the real demo target, the real broker and model store, the official `openai` client.
 
 Its clients see vLLM's API unchanged (chat, completions, streaming, `response_format`); every request leaves
@@ -25,7 +25,7 @@ from child_env import clean_env
 from replica_fixtures import publish_noisy, scrape
 
 from dvi import keys
-from dvi.cli.vllm_plugin import ENABLE, NAME, OVERRIDES, PORT
+from dvi.cli.vllm.plugin import ENABLE, NAME, OVERRIDES, PORT
 from dvi.config import keys_dir
 from dvi.control import DrafterPublished
 from dvi.control import encode as encode_control
@@ -62,7 +62,7 @@ class Server:
                      "serve.spec.adaptive=false", "serve.spec.k=3"]
         env = clean_env(**{ENABLE: "1", OVERRIDES: json.dumps(overrides), PORT: str(self.loop_port), "VLLM_PLUGINS": NAME,
                            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
-        cmd = [sys.executable, "-m", "dvi.cli.vllm_cli", "serve", str(self.target), "--dtype", "float32",
+        cmd = [sys.executable, "-m", "dvi.cli.vllm", "serve", str(self.target), "--dtype", "float32",
                "--port", str(self.port), "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager",
                "--no-enable-prefix-caching", "--speculative-config",
                json.dumps({"method": "draft_model", "model": str(start.path), "num_speculative_tokens": 3})]
@@ -121,7 +121,7 @@ def test_clients_see_vllms_api_and_every_request_leaves_records_that_reproduce_i
         model=model, messages=[{"role": "user", "content": "Name three primary colors."}], max_tokens=24, temperature=0, stream=True)
         if ch.choices)
     assert streamed == chat.choices[0].message.content  # streamed as answered
-    # dvi's API's request and answer fields on vLLM's server (dvi.cli.vllm_http): the domain tag as a header or the dvi
+    # dvi's API's request and answer fields on vLLM's server (dvi.cli.vllm.middleware): the domain tag as a header or the dvi
     # object, the answer's dvi field with the counts its records carry, a malformed tag refused
     tagged = requests.post(server.url + "/v1/chat/completions", headers={"X-DVI-Domain": "qa"}, timeout=120, json={
         "model": model, "messages": [{"role": "user", "content": "What is a prime number?"}], "max_tokens": 24, "temperature": 0,
@@ -262,7 +262,7 @@ def test_a_loop_that_cannot_start_stops_vllms_server_with_the_reason(tmp_path):
     overrides = ["stream.replica_id=plugin-port-test", "tracking.enabled=false", "serve.log_decisions=false"]
     env = clean_env(**{ENABLE: "1", OVERRIDES: json.dumps(overrides), PORT: str(loop_port), "VLLM_PLUGINS": NAME,
                        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
-    cmd = [sys.executable, "-m", "dvi.cli.vllm_cli", "serve", str(target), "--dtype", "float32",
+    cmd = [sys.executable, "-m", "dvi.cli.vllm", "serve", str(target), "--dtype", "float32",
            "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager", "--no-enable-prefix-caching"]
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", loop_port))

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dvi import store
-from dvi.cli import vllm_server
+from dvi.cli.vllm import server as vllm_server
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig
 from dvi.control import DrafterPublished, DrafterRejected
 from dvi.eagle3 import Eagle3Drafter, build_eagle3, load_eagle3
@@ -29,7 +29,7 @@ from dvi.errors import DviError
 from dvi.models import EAGLE3, LAYERS, Drafter, drafter_kind, load_causal_lm, load_drafter
 from dvi.pairs import resolve_pair
 from dvi.serving.replica import Replica
-from dvi.serving.vllm_engine import VllmEngine
+from dvi.cli.vllm.engine import VllmEngine
 
 TEXTS = ["def f(x):\n    return x\n"]
 
@@ -219,7 +219,7 @@ def test_vllms_engine_refuses_what_vllm_cannot_take_and_the_current_drafter_keep
 
 
 def test_the_workers_reload_warns_of_no_layer_an_eagle3_checkpoint_leaves_to_the_target():
-    from dvi.serving.vllm_worker import EAGLE3_NOT_LOADED, _NotLoaded
+    from dvi.cli.vllm.worker import EAGLE3_NOT_LOADED, _NotLoaded
 
     quiet = _NotLoaded(EAGLE3_NOT_LOADED)
 

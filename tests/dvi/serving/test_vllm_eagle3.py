@@ -16,7 +16,7 @@ import torch
 from dvi.config import VllmConfig
 from dvi.eagle3 import Eagle3Drafter, build_eagle3, load_eagle3, target_features, target_ids
 from dvi.models import load_causal_lm
-from dvi.serving.vllm_engine import import_vllm, set_vllm_env
+from dvi.cli.vllm.engine import import_vllm, set_vllm_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dvi.errors import DviError
-from dvi.serving.vllm_worker import V2_RUNNER, DviWorkerExtension, expand_tokens, fix_cpu_expand, runner_problem, select_v1_runner
+from dvi.cli.vllm.worker import V2_RUNNER, DviWorkerExtension, expand_tokens, fix_cpu_expand, runner_problem, select_v1_runner
 
 
 def reference(values: list, counts: list[int], replace_from, replace_to) -> list:
@@ -50,7 +50,7 @@ def test_the_loop_runs_on_vllms_v1_runner_where_vllm_would_pick_v2_and_refuses_v
     from vllm.config import VllmConfig
     from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
 
-    from dvi.cli import vllm_loop, vllm_server
+    from dvi.cli.vllm import loop as vllm_loop, server as vllm_server
     from dvi.config import load_config
 
     monkeypatch.delenv(V2_RUNNER, raising=False)

@@ -3,7 +3,7 @@
 Registered under vLLM's `vllm.general_plugins` entry point (`register`, which vLLM calls in each of its processes).
 Enabled (`DVI_LOOP=1`), in vLLM's engine-core process, the one whose busy loop steps the engine, it:
 
-- makes dvi's worker extension (`dvi.serving.vllm_worker`) vLLM's `--worker-extension-cls` (another extension there is
+- makes dvi's worker extension (`dvi.cli.vllm.worker`) vLLM's `--worker-extension-cls` (another extension there is
   one clear error) and, with adaptive K, gives the speculative config the batch-size schedule dvi's planner rewrites;
 - before the busy loop starts, builds a `dvi.serving.replica.Replica` around `VllmEngine.attach(core)`: every request
   vLLM decodes leaves its DecisionRecords on the decision stream, drafter announcements on the control topic are
@@ -12,9 +12,9 @@ Enabled (`DVI_LOOP=1`), in vLLM's engine-core process, the one whose busy loop s
 - serves that replica's view on 127.0.0.1:`DVI_LOOP_PORT` when the variable is set: `GET /health` (its JSON: drafter,
   acceptance by version, records sent and dropped, routing) and `GET /metrics` (dvi's Prometheus counters).
 
-In vLLM's API-server process, `dvi.cli.vllm_loop.DviCollector` adds those counters to vLLM's own `/metrics`, and the endpoint plugin
-`dvi.cli.vllm_loop.DviEndpoints` (entry point `vllm.endpoint_plugins`, loaded when `VLLM_PLUGINS` names `dvi`) relays the view at
-`/dvi/health` and `/dvi/metrics` on vLLM's port and puts `dvi.cli.vllm_http.DviRequests` around vLLM's completions: dvi's
+In vLLM's API-server process, `dvi.cli.vllm.loop.DviCollector` adds those counters to vLLM's own `/metrics`, and the endpoint plugin
+`dvi.cli.vllm.loop.DviEndpoints` (entry point `vllm.endpoint_plugins`, loaded when `VLLM_PLUGINS` names `dvi`) relays the view at
+`/dvi/health` and `/dvi/metrics` on vLLM's port and puts `dvi.cli.vllm.middleware.DviRequests` around vLLM's completions: dvi's
 domain tag (`X-DVI-Domain`, the body's `dvi` object), the per-client cap and each JSON answer's `dvi` field.
 
 Configuration: `DVI_LOOP_OVERRIDES`, a JSON list of Hydra overrides of conf/ (`["stream.bootstrap_servers=kafka:9092"]`);
@@ -43,9 +43,9 @@ def enabled() -> bool:
 
 def register() -> None:
     """vLLM's `vllm.general_plugins` entry point, called in every vLLM process. Inert (it imports nothing more) unless
-    `DVI_LOOP` is set; then `dvi.cli.vllm_loop.install` hooks vLLM."""
+    `DVI_LOOP` is set; then `dvi.cli.vllm.loop.install` hooks vLLM."""
     global _registered
     if _registered or not enabled():
         return
     _registered = True
-    importlib.import_module("dvi.cli.vllm_loop").install()
+    importlib.import_module("dvi.cli.vllm.loop").install()

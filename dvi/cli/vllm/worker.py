@@ -1,9 +1,9 @@
 """The part of dvi that runs inside vLLM's worker: it reads every verification and swaps the draft model's weights.
 
-vLLM mixes this class into its worker (`worker_extension_cls`); `dvi.serving.vllm_engine` calls its methods through
+vLLM mixes this class into its worker (`worker_extension_cls`); `dvi.cli.vllm.engine` calls its methods through
 the engine core's `collective_rpc`, from inside vLLM's engine-core process (dvi's loop runs there: no RPC server, no
 HTTP route, nothing an API client can reach). It reads vLLM at a private interface, `GPUModelRunner._sample(logits,
-spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi.serving.vllm_engine.VLLM_VERSION`):
+spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi.cli.vllm.engine.VLLM_VERSION`):
 
 - `dvi_capture(topk)` wraps `_sample`: for every step it keeps the batch's request ids, each request's drafted ids,
   the tokens the rejection sampler emitted (vLLM pads a row with -1 after a rejection; the row of a prefill chunk

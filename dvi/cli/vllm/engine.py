@@ -2,8 +2,8 @@
 
 `VllmEngine` follows one of vLLM's V1 `EngineCore`s, the target as its model and the drafter as its speculator: a
 layer drafter (`dvi.models.Drafter`) with method `draft_model`, an EAGLE-3 drafter (`dvi.eagle3.Eagle3Drafter`,
-drafting from the target's features) with method `eagle3` (`speculative_method`). It is attached
-(`VllmEngine.attach`, from `dvi.cli.vllm_plugin` inside an unmodified `vllm serve`, which `dvi serve` becomes on
+drafting from the target's features) with method `eagle3` (`DrafterKind.vllm_method`). It is attached
+(`VllmEngine.attach`, from `dvi.cli.vllm.plugin` inside an unmodified `vllm serve`, which `dvi serve` becomes on
 serve.engine=vllm-server): vLLM's own engine-core process steps its core from its busy loop, and every request vLLM
 schedules is adopted (its prompt and sampling parameters from vLLM's scheduler, its domain from `vllm_xargs`'
 `dvi_domain`). It answers the replica as `dvi.engine.SpeculativeEngine` does (`check_request`, `check_drafter`,
@@ -23,7 +23,7 @@ dvi's work wraps each of the core's steps (the `step_fn` its loop calls):
   queued for the replica (`take_routing`). With `serve.spec.adaptive=false` vLLM drafts `serve.spec.k` every step;
 - compiled by default (`serve.vllm.enforce_eager=false`): vLLM's and torch inductor's caches live under
   `<cache>/compile`, so only the first start on a machine compiles;
-- every verification is read inside vLLM's worker by `dvi.serving.vllm_worker` and becomes the same `Round`s the
+- every verification is read inside vLLM's worker by `dvi.cli.vllm.worker` and becomes the same `Round`s the
   native engine returns (drafted ids, accepted count, the target's token, its top-k log-probs at each drafted and
   bonus position), so the records on the topic do not say which engine wrote them;
 - with `features` and an EAGLE-3 drafter, the target's aux hidden states of every token vLLM fed for a request (its
@@ -68,12 +68,12 @@ from dvi.features import Captured
 from dvi.hardware import VLLM_RELEASE
 from dvi.models import Drafter
 from dvi.records import DOMAIN
-from dvi.serving.vllm_worker import runner_problem, select_v1_runner
+from dvi.cli.vllm.worker import runner_problem, select_v1_runner
 
 log = logging.getLogger("dvi.serving.vllm")
 
-VLLM_VERSION = VLLM_RELEASE  # the vLLM release whose worker internals dvi.serving.vllm_worker reads
-EXTENSION = "dvi.serving.vllm_worker.DviWorkerExtension"
+VLLM_VERSION = VLLM_RELEASE  # the vLLM release whose worker internals dvi.cli.vllm.worker reads
+EXTENSION = "dvi.cli.vllm.worker.DviWorkerExtension"
 DOMAIN_ARG = "dvi_domain"  # the key of a request's vllm_xargs (SamplingParams.extra_args) that names its domain
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
 
@@ -85,7 +85,7 @@ def compile_cache_dir() -> Path:
 
 def vllm_env(cfg: VllmConfig) -> dict[str, str]:
     """vLLM's settings that are environment variables, read when its engine starts, for a vLLM server dvi starts
-    (`dvi.cli.vllm_server`) or a vLLM engine built in this process (`set_vllm_env`): the compile caches under dvi's
+    (`dvi.cli.vllm.server`) or a vLLM engine built in this process (`set_vllm_env`): the compile caches under dvi's
     cache, the KV cache's size, every core for the engine, the cores its worker pins its threads to (serve.vllm.cpu_bind;
     an engine in this process has no worker process and pins nothing), no usage reports."""
     cache = compile_cache_dir()
@@ -105,7 +105,7 @@ def vllm_env(cfg: VllmConfig) -> dict[str, str]:
 def set_vllm_env(cfg: VllmConfig) -> None:
     """`vllm_env` in this process's environment for a vLLM engine built in this process (`vllm.LLM`; no engine process, its start-up report at
     WARNING); a value the user set wins, but for the KV cache's size (the config's, per engine). vLLM's V1 model runner
-    is selected unless a value is set; one asking for V2 is refused (`dvi.serving.vllm_worker.runner_problem`)."""
+    is selected unless a value is set; one asking for V2 is refused (`dvi.cli.vllm.worker.runner_problem`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: steps from our thread
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up report is dozens of INFO lines
     for key, value in vllm_env(cfg).items():
@@ -134,7 +134,7 @@ def import_vllm():
 class VllmEngine:
     """The target and drafter in vLLM's engine, behind dvi's engine interface (see the module docstring).
 
-    `attach(core, ...)` follows an engine core that vLLM's own server runs and steps (`dvi.cli.vllm_plugin`),
+    `attach(core, ...)` follows an engine core that vLLM's own server runs and steps (`dvi.cli.vllm.plugin`),
     adopting every request vLLM schedules. dvi's work sits around each of the core's steps (`_step`): the drafter swapped in since the last step is loaded, K is planned, and after the step the
     captured verifications become the requests' rounds; a finished request's Result goes to `on_finish`.
 
@@ -179,12 +179,12 @@ class VllmEngine:
     @classmethod
     def attach(cls, core, target: PreTrainedModel, drafter: Drafter | None, spec: SpecConfig, *, trial_tokens: int = 0,
                features: bool = False) -> VllmEngine:
-        """Follow `core`, an engine core that vLLM's own server runs (dvi.cli.vllm_plugin): its limits (batch,
+        """Follow `core`, an engine core that vLLM's own server runs (dvi.cli.vllm.plugin): its limits (batch,
         context window) are vLLM's; `spec.k_max` is the K vLLM was started with."""
         config = core.vllm_config
         if drafter is not None:
-            check_vllm_drafter(drafter, int(target.config.vocab_size))
             method, kind = getattr(config.speculative_config, "method", None), kind_of(drafter.kind)
+            kind.check_vllm(drafter, int(target.config.vocab_size))  # vLLM's draft model can take it
             if method != kind.vllm_method:
                 raise DviError(f"this vLLM server drafts with method {method}; drafter {drafter.version!r} is "
                                f"{kind.description}, which vLLM serves with method {kind.vllm_method}")
@@ -333,7 +333,7 @@ class VllmEngine:
             log.exception("handing over the result of request %s failed", row.internal_id)
 
     def _rounds(self, s: dict, drafted_by: str | None) -> None:
-        """The Rounds of one captured step (see dvi.serving.vllm_worker), appended to their requests."""
+        """The Rounds of one captured step (see dvi.cli.vllm.worker), appended to their requests."""
         first_row = 0
         topk = self.topk
         d0 = 0
@@ -450,17 +450,6 @@ class VllmEngine:
         check_request(r, self.window, self.vocab_size, "the context window (serve.vllm.max_model_len)")
         if r.temperature > MAX_TEMPERATURE:
             raise DviError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] on vLLM's engine (vLLM's limit), got {r.temperature:g}")
-
-
-def speculative_method(kind: str) -> str:
-    """vLLM's speculative method for a drafter of `kind` (`Drafter.kind`: `DrafterKind.vllm_method`)."""
-    return kind_of(kind).vllm_method
-
-
-def check_vllm_drafter(drafter: Drafter | Eagle3Drafter, vocab_size: int) -> None:
-    """DviError unless vLLM's draft model can take `drafter` (`DrafterKind.check_vllm`): a layer drafter over the
-    target's whole vocabulary, or an EAGLE-3 drafter for this vocabulary (vLLM maps its reduced head with its d2t)."""
-    kind_of(drafter.kind).check_vllm(drafter, vocab_size)
 
 
 @dataclass

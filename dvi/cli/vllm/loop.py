@@ -1,4 +1,4 @@
-"""dvi's loop in vLLM's processes, once `dvi.cli.vllm_plugin` found it enabled (see that module): the hooks on vLLM's
+"""dvi's loop in vLLM's processes, once `dvi.cli.vllm.plugin` found it enabled (see that module): the hooks on vLLM's
 executor, engine-core busy loop and shutdown, the replica that follows the engine core, the loop's HTTP view, and
 what vLLM's API-server process adds (dvi's counters in its `/metrics`, the `/dvi/*` relay). It knows how vLLM 0.32
 starts its engine core; the policies (what to log, what to serve) are the replica's.
@@ -22,24 +22,24 @@ from dataclasses import replace
 
 from dvi.cli import setup_logging
 from dvi.cli.replicas import replica_channels
-from dvi.cli.vllm_http import DviRequests, relayed_fields
-from dvi.cli.vllm_plugin import NAME, OVERRIDES, PORT
+from dvi.cli.vllm.middleware import DviRequests, relayed_fields
+from dvi.cli.vllm.plugin import NAME, OVERRIDES, PORT
 from dvi.config import load_config
 from dvi.errors import DviError
 from dvi.pairs import resolve_pair
 from dvi.procs import default_replica_id
 from dvi.serving.replica import Replica, sends_features
-from dvi.serving.vllm_engine import EXTENSION, VllmEngine, import_vllm
-from dvi.serving.vllm_worker import SELECTED, V2_RUNNER, runner_problem, select_v1_runner
+from dvi.cli.vllm.engine import EXTENSION, VllmEngine, import_vllm
+from dvi.cli.vllm.worker import SELECTED, V2_RUNNER, runner_problem, select_v1_runner
 from streams.client import quiet_kafka_logs
 
-log = logging.getLogger("dvi.cli.vllm_plugin")
+log = logging.getLogger("dvi.cli.vllm.plugin")
 
 
 def install() -> None:
     """In every vLLM process: the engine core's executor, busy loop and shutdown get dvi's hooks (they act only in the
     process that runs the engine core), and the API server's metrics registry dvi's collector. vLLM's V1 model runner
-    is selected where nothing names one (`dvi.serving.vllm_worker.select_v1_runner`), before vLLM reads the setting."""
+    is selected where nothing names one (`dvi.cli.vllm.worker.select_v1_runner`), before vLLM reads the setting."""
     select_v1_runner(os.environ)
     import_vllm()  # another release is one clear error here, before vLLM loads a model
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
@@ -198,7 +198,7 @@ def answer_fields(answered: list[tuple[str, dict]], answer_id: str) -> list[dict
 def _handler(replica):
     class View(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
-            if self.path.startswith("/requests/"):  # an answer's dvi field (dvi.cli.vllm_http)
+            if self.path.startswith("/requests/"):  # an answer's dvi field (dvi.cli.vllm.middleware)
                 fields = answer_fields(replica.answered(), urllib.parse.unquote(self.path.removeprefix("/requests/")))
                 if not fields:
                     self.send_error(404)
@@ -255,7 +255,7 @@ class DviEndpoints:
     required_tasks = ("generate",)
 
     def attach_router(self, app) -> None:
-        """The `/dvi/*` relay, and dvi's request middleware (dvi.cli.vllm_http.DviRequests) around vLLM's completions:
+        """The `/dvi/*` relay, and dvi's request middleware (dvi.cli.vllm.middleware.DviRequests) around vLLM's completions:
         the domain tag, the per-client cap, and, where the loop's view answers, each JSON answer's `dvi` field."""
         from fastapi import Response
 
