@@ -66,7 +66,6 @@ from trainers.data import Ahead, FileSource  # noqa: E402
 from trainers.ds import merged_state_dict  # noqa: E402
 from trainers.gate import chunks, evaluate, teacher_for  # noqa: E402
 from trainers.recipe import Trainer  # noqa: E402
-from trainers.students import Eagle3PositionLM, PositionLM, student_loss  # noqa: E402
 from trainers.telemetry import gpu_busy_share  # noqa: E402
 
 TASKS = ["reverses a string", "checks whether a number is prime", "returns the largest element of a list",
@@ -156,9 +155,9 @@ def plain_loop(trainer: Trainer, drafter_dir: Path, seconds: float) -> dict:
     t, device = trainer.tcfg, trainer.device
     cuda = device.type == "cuda"
     drafter = load_any_drafter(drafter_dir, trainer.vocab_size, torch.float32, device,
-                               target=trainer.target if trainer.eagle3 else None, embed=trainer.embed)
+                               target=trainer.target, embed=trainer.embed)
     model = drafter.model.train()
-    module = Eagle3PositionLM(model, trainer.features_target) if trainer.eagle3 else PositionLM(model)
+    module = trainer.kind.student(model, trainer.features_target)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=cuda or None)
     examples = [i.example for i in trainer.buffer.pending] + list(trainer.buffer.replay)
@@ -170,8 +169,7 @@ def plain_loop(trainer: Trainer, drafter_dir: Path, seconds: float) -> dict:
     def one(batch) -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=trainer.precision != "fp32"):
             teacher = teacher_for(batch, trainer.vocab_size, trainer.vocab_map, trainer.teacher_lm)
-            loss, _ = student_loss(module, batch, teacher, t.eagle3_ttt_steps if trainer.eagle3 else 1, t.divergence, 1.0, 0.0,
-                                   t.jsd_beta, trainer.vocab_map)
+            loss, _ = trainer.kind.loss(module, batch, teacher, t, 1.0, 0.0, trainer.vocab_map)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         opt.step()
@@ -275,8 +273,8 @@ def run_kind(kind: str, args, device: torch.device, tmp: Path) -> dict:
            "eval_records": len(eval_records), "train_s": train_s, "steps": trainer.state.step - warm[0],
            "positions": positions, "positions_per_s": positions / train_s, "median_step_s": statistics.median(step_times),
            "gpu_busy_share": statistics.median(busy) if busy else None, "checkpoint_s": checkpoint_s,
-           "precision": trainer.precision, "features": args.features if trainer.eagle3 else None,
-           "encoding": args.encoding if trainer.eagle3 else None, "target_loaded": trainer.target is not None,
+           "precision": trainer.precision, "features": args.features if trainer.kind.reads_features else None,
+           "encoding": args.encoding if trainer.kind.reads_features else None, "target_loaded": trainer.target is not None,
            "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts), "wire": wire,
            "rss_mb": psutil.Process().memory_info().rss / (1 << 20),
            "gpu_peak_mb": torch.cuda.max_memory_allocated(device) / (1 << 20) if device.type == "cuda" else None,
@@ -367,7 +365,7 @@ def decode_table(trainer: Trainer, eval_prompts, new_tokens: int, model_cfg: Mod
     pair = resolve_pair(model_cfg)
     stop_ids = end_ids(pair.target, pair.tokenizer)
     trained_model = load_any_drafter(trainer.initial_dir, trainer.vocab_size, torch.float32, trainer.device,
-                                     target=pair.target if trainer.eagle3 else None).model
+                                     target=pair.target).model
     trained_model.load_state_dict(merged_state_dict(trainer.student.module.model))
     trained = Drafter(model=trained_model.eval(), version="trained", vocab_map=trainer.vocab_map)
     spec = SpecConfig(k=4, adaptive=False, topk_logprobs=8)

@@ -55,13 +55,13 @@ def load_any_drafter(path: str | Path, target_vocab_size: int, dtype: torch.dtyp
     return kind_of_dir(path).load(path, target_vocab_size, dtype, device, target, embed)
 
 
-def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, eagle3: bool = False) -> Pair:
+def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, over_target: bool = False) -> Pair:
     """Load the target and drafter named by a `dvi.config.ModelConfig` (see `pair_dirs`). The drafter's
     tokenizer must match the target's. Both go to `model.device` in `model.dtype` (checked before anything loads).
     `target_weights=False`: the target is its skeleton (`target_skeleton`) and the drafter stays on the CPU, for an
     engine that loads the target itself (vLLM's, serve.engine=vllm-server). An EAGLE-3 drafter's directory (`kind_of_dir`) gives a
     `dvi.eagle3.Eagle3Drafter` (its version and kind as a Drafter's; the target's embedding read from `target_dir`),
-    which vLLM (method eagle3) and dvi's own engine serve; with `eagle3` (the trainer's) and the target's
+    which vLLM (method eagle3) and dvi's own engine serve; with `over_target` (the trainer's) and the target's
     weights, a `Drafter` over the loaded target instead (`load_any_drafter`)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -76,7 +76,7 @@ def resolve_pair(cfg, with_drafter: bool = True, target_weights: bool = True, ea
     drafter = None
     if drafter_dir is not None:
         kind, vocab = kind_of_dir(drafter_dir), int(target.config.vocab_size)
-        if eagle3 and target_weights:
+        if over_target and target_weights:
             drafter = kind.load(drafter_dir, vocab, dtype, device, target=target)
         else:
             drafter = kind.load_served(drafter_dir, target_dir, vocab, dtype, device)

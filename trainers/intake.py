@@ -31,11 +31,11 @@ class Intake:
     vocab_size: int  # the target's: a record for another vocabulary is foreign
     max_seq_len: int  # trainer.max_seq_len
     reward_penalty: float  # trainer.reward_penalty
-    eagle3: bool = False  # the drafter drafts from the target's features
+    reads_features: bool = False  # the drafter drafts from the target's features (`StudentKind.reads_features`)
     takes_features: bool = False  # the records' features are taken (trainer.features records or auto)
-    layer_ids: tuple[int, ...] = ()  # the target's layers an EAGLE-3 drafter reads
+    layer_ids: tuple[int, ...] = ()  # the target's layers the drafter reads
     feature_width: int = 0  # their values a token
-    computes_features: bool = False  # the trainer has a copy of the target to compute an EAGLE-3 drafter's features
+    computes_features: bool = False  # the trainer has a copy of the target to compute the drafter's features
     has_teacher: bool = False  # the trainer has a copy of the target as the teacher of records without top-k
     logged_at: float = -math.inf  # when it last said what it could not take
 
@@ -60,7 +60,7 @@ class Intake:
 
     def lacks(self, example: Example) -> str | None:
         """The counter of what a record lacks for this trainer (features, a teacher), or None: it can train."""
-        if self.eagle3 and example.features is None and not self.computes_features:
+        if self.reads_features and example.features is None and not self.computes_features:
             self._say_unusable("carry no features an EAGLE-3 drafter reads and the trainer has no copy of the target "
                                "(trainer.features=recompute loads one; serving sends them: stream.features.share)")
             return "no_features"

@@ -53,7 +53,8 @@ own, or over a file of records, stopping when it is idle.
 Every decision (a trigger fired, a retrain request acknowledged, a gate passed, refused or not run for lack of
 held-out records, a publish) is one line on the logger `dvi.decision.trainer`, which the CLI shows at its default
 level; the counters go to the tracker after every gate and every `COUNTERS_EVERY_S`. This module knows records, DeepSpeed (through
-`trainers.ds`) and the model store; the modules it trains are `trainers.students`', the gate's figures
+`trainers.ds`) and the model store; the modules it trains and their losses are `trainers.students`', picked for the
+drafter's kind by `trainers.student_kinds`, the gate's figures
 `trainers.gate`'s, the maths is in `trainers.losses`, the record layout in `trainers.data`, what a record is to this
 trainer in `trainers.intake`, the counters and checkpoint state in `trainers.state`, checkpoint files in
 `trainers.checkpoint`, a version's store write, registration and announcement in `trainers.publishing`, the system
@@ -63,7 +64,6 @@ reader, publisher and tracker are passed in.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import signal
@@ -76,12 +76,13 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from dvi import eagle3, store
+from dvi import store
 from dvi.alloc import release_free
 from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterRejected, RetrainRequested
+from dvi.drafter_kinds import kind_of_dir
 from dvi.errors import DviError
-from dvi.models import EAGLE3, Drafter, cache_dir, drafter_kind, resolve_device, resolve_dtype
+from dvi.models import Drafter, cache_dir, resolve_device, resolve_dtype
 from dvi.pairs import load_any_drafter, pair_dirs, resolve_pair
 from dvi.records import Delivered
 from trainers import checkpoint, ds
@@ -91,7 +92,8 @@ from trainers.intake import Intake
 from trainers.losses import kl_reward_weights
 from trainers.publishing import announce, record_verdict, version_meta, write_version
 from trainers.state import Counters, State, merged, rank_part, restore
-from trainers.students import Eagle3PositionLM, PositionLM, autocast, params_finite, student_loss, zero_loss
+from trainers.student_kinds import student_kind
+from trainers.students import PositionLM, autocast, params_finite
 from trainers.telemetry import source_counts, source_lag, system_metrics
 from trainers.triggers import Trigger, next_gate_in, release_due
 
@@ -133,15 +135,15 @@ class Trainer:
         self.precision = ds.resolve_precision(self.tcfg, device.type)  # bf16 (GPU), bf16-mixed (CPU with native bf16), fp32
         if model_cfg.dtype == "auto" and device.type == "cpu":
             model_cfg = replace(model_cfg, dtype="float32")  # fp32 weights on a CPU (bf16-mixed: bf16 products, autocast)
-        self.eagle3 = drafter_kind(pair_dirs(model_cfg)[1]) == EAGLE3  # drafts from the target's features
+        self.kind = student_kind(kind_of_dir(pair_dirs(model_cfg)[1]).name)  # what the trainer trains, and how
         # the trainer's copy of the target, only where something needs it (trainer.features, trainer.teacher): the
-        # teacher of records logged without top-k, an EAGLE-3 drafter's features where records do not carry them
-        with_target = t.teacher == "logits" or (t.features == "recompute" and (self.eagle3 or t.teacher == "auto"))
-        pair = resolve_pair(model_cfg, with_drafter=True, eagle3=True, target_weights=with_target)
+        # teacher of records logged without top-k, the drafter's features where records do not carry them
+        with_target = t.teacher == "logits" or (t.features == "recompute" and (self.kind.reads_features or t.teacher == "auto"))
+        pair = resolve_pair(model_cfg, with_drafter=True, over_target=True, target_weights=with_target)
         self.target_dir, self.vocab_size = pair.target_dir, int(pair.target.config.vocab_size)
         self.target = pair.target.eval().requires_grad_(False) if with_target else None
-        # without the target, an EAGLE-3 drafter shares the target's embedding, read alone from its files
-        self.embed = eagle3.read_target_embedding(self.target_dir) if self.eagle3 and not with_target else None
+        # without the target, the drafter shares what it reads of it (an EAGLE-3 drafter's embedding) from its files
+        self.embed = self.kind.shared_embedding(self.target_dir) if not with_target else None
         drafter = pair.drafter
         if not with_target:  # loaded on the CPU beside the target's skeleton: the trainer's own drafter
             drafter = load_any_drafter(pair.drafter_dir, self.vocab_size, resolve_dtype(model_cfg.dtype, device), device,
@@ -150,22 +152,19 @@ class Trainer:
         self.state = State(lineage=[drafter.version], serving_dir=str(pair.drafter_dir))
         self.initial_dir = pair.drafter_dir  # serves again if every published version is rejected
         self.teacher_lm = PositionLM(self.target) if self.target is not None and t.teacher in ("auto", "logits") else None
-        # an EAGLE-3 drafter's features from the records (trainer.features records or auto), else from the target
-        self.takes_features = self.eagle3 and t.features != "recompute"
-        layer_ids = tuple(sorted(drafter.model.layer_ids)) if self.eagle3 else ()
-        self.feature_width = len(layer_ids) * drafter.model.target_hidden_size if self.eagle3 else 0
-        # the target for an EAGLE-3 drafter's features: in the dtype serving computes them in (a copy where that differs)
-        self.features_target = None
-        if self.eagle3 and self.target is not None:
-            features_dtype = resolve_dtype(self.cfg.model.dtype if t.features_dtype == "auto" else t.features_dtype, device)
-            same = features_dtype == self.target.dtype
-            self.features_target = self.target if same else copy.deepcopy(self.target).to(features_dtype)
-        self.intake = Intake(self.vocab_size, t.max_seq_len, t.reward_penalty, self.eagle3, self.takes_features, layer_ids,
-                             self.feature_width, self.features_target is not None, self.teacher_lm is not None)
+        # the drafter's features from the records (trainer.features records or auto), else from the target
+        self.takes_features = self.kind.reads_features and t.features != "recompute"
+        layer_ids, self.feature_width = self.kind.features(drafter)
+        # the target for the drafter's features: in the dtype serving computes them in (a copy where that differs)
+        self.features_target = self.kind.features_target(
+            self.target, self.cfg.model.dtype if t.features_dtype == "auto" else t.features_dtype, device)
+        self.intake = Intake(self.vocab_size, t.max_seq_len, t.reward_penalty, self.kind.reads_features,
+                             self.takes_features, layer_ids, self.feature_width, self.features_target is not None,
+                             self.teacher_lm is not None)
         self.gate_rule = gate_rule(self.cfg)
-        decision.info("training %s drafter, precision %s, features %s, gate rule %s", "an EAGLE-3" if self.eagle3 else "a layer",
+        decision.info("training %s, precision %s, features %s, gate rule %s", self.kind.drafter.description,
                  self.precision, ("from records" + (", else recomputed" if self.features_target is not None else ""))
-                 if self.takes_features else ("recomputed by the trainer's copy of the target" if self.eagle3 else "none"),
+                 if self.takes_features else ("recomputed by the trainer's copy of the target" if self.kind.reads_features else "none"),
                  self.gate_rule)
         return drafter
 
@@ -226,15 +225,15 @@ class Trainer:
         self.ledger = Ledger(self.tcfg.ledger_size, saved["ledger"])  # shared: partitions may move to another rank
 
     def _position_lm(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The drafter as a module answering at teacher positions: a `PositionLM`, or an `Eagle3PositionLM`."""
-        return Eagle3PositionLM(model, self.features_target) if self.eagle3 else PositionLM(model)
+        """The drafter as a module answering at teacher positions (its kind's: `StudentKind.student`)."""
+        return self.kind.student(model, self.features_target)
 
     def _baseline_model(self) -> PositionLM:
         """A frozen copy of the drafter now serving (the gate's baseline), read from its directory onto the device and
         into the dtype of the drafter being trained, beside which the gate runs it."""
         like = next(self.student.module.parameters())
         drafter = load_any_drafter(self.state.serving_dir, self.vocab_size, dtype=like.dtype, device=like.device,
-                                   target=self.target if self.eagle3 else None, embed=self.embed)
+                                   target=self.target, embed=self.embed)
         return self._position_lm(drafter.model.eval()).requires_grad_(False)
 
     # -- the loop --------------------------------------------------------------------------------
@@ -460,11 +459,10 @@ class Trainer:
                     self.ahead.submit(following, following[1], following[2])
             teacher = teacher_for(batch, self.vocab_size, self.vocab_map, self.teacher_lm)
             with autocast(self.device, self.precision):
-                loss, metrics = student_loss(self.student, batch, teacher, t.eagle3_ttt_steps if self.eagle3 else 1,
-                                             t.divergence, w_kl, w_reward, t.jsd_beta, self.vocab_map)
+                loss, metrics = self.kind.loss(self.student, batch, teacher, t, w_kl, w_reward, self.vocab_map)
         else:  # another rank has a batch: join its step with a zero gradient (every rank must step together)
             batch, metrics = None, {}
-            loss = zero_loss(self.student, self.device, self.feature_width if self.eagle3 else None)
+            loss = self.kind.zero_loss(self.student, self.device, self.feature_width)
         if not ds.on_every_rank(math.isfinite(loss.item()), self.world):  # every rank skips the backward together, or none does
             c.nonfinite += 1
             if not ds.on_every_rank(params_finite(self.student.module), self.world):

@@ -22,7 +22,7 @@ from dvi import store
 from dvi.config import DviConfig, ModelConfig, TrackingConfig, TrainerConfig
 from dvi.control import DrafterPublished
 from dvi.eagle3 import Eagle3Drafter, init_from_target, layer_config, save_eagle3
-from dvi.models import load_causal_lm, load_tokenizer
+from dvi.models import EAGLE3, load_causal_lm, load_tokenizer
 from dvi.swap import load_announced
 from trainers.data import FileSource, collate, example_from_record
 from trainers.gate import teacher_for
@@ -75,7 +75,7 @@ def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes
     trainer = Trainer(cfg, FileSource(str(path)), tracker=tracker, offline=True)
     # the records carry the drafter's features: the trainer holds no copy of the target, and reads the target's
     # embedding alone (the drafter shares it)
-    assert trainer.eagle3 and trainer.teacher_lm is None and trainer.target is None and trainer.features_target is None
+    assert trainer.kind.name == EAGLE3 and trainer.kind.reads_features and trainer.teacher_lm is None and trainer.target is None and trainer.features_target is None
     assert trainer.student.module.target is None and trainer.embed is not None
     assert isinstance(trainer.student.module, Eagle3PositionLM) and isinstance(trainer.baseline, Eagle3PositionLM)
     assert all(k.startswith("model.") for k in trainer.student.module.state_dict())
@@ -121,7 +121,7 @@ def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes
     # its own copy of the target this time (trainer.features=recompute; fp32: the target itself gives them)
     again = Trainer(replace_steps(cfg, STEPS, features="recompute", features_dtype="float32"), FileSource(str(path)), offline=True)
     assert again.target is not None and again.features_target is again.target and not again.takes_features
-    assert again.eagle3 and again.state.step == STEPS and again.state.lineage == ["e3-init", version]
+    assert again.kind.name == EAGLE3 and again.state.step == STEPS and again.state.lineage == ["e3-init", version]
     assert again.state.serving_dir == str(where)
     resumed = again.student.module.model.weights()
     assert all(torch.equal(v, trained[k]) for k, v in resumed.items())
