@@ -22,6 +22,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dvi.drafter_kind_names import EAGLE3, KIND_NAMES
 from dvi.errors import DviError
 
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -85,7 +86,7 @@ class ModelConfig:
 
     target: str | None = None
     drafter: str | None = None
-    drafter_kind: str = "eagle3"  # demo drafter: eagle3 (dvi.eagle3) or layers (the target's first layers and head)
+    drafter_kind: str = EAGLE3  # demo drafter: eagle3 (dvi.eagle3) or layers (the target's first layers and head)
     drafter_layers: int = 2  # demo layer drafter: target embeddings, first L layers, final norm, head
     drafter_vocab: int | None = None  # demo drafter: reduced head over the N most frequent tokens (None = full; eagle3: 8192)
     cache_dir: str | None = None  # None: $DVI_CACHE or ~/.cache/dvi
@@ -94,7 +95,7 @@ class ModelConfig:
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
 
     def __post_init__(self) -> None:
-        _check(self.drafter_kind in ("layers", "eagle3"), "model.drafter_kind", self.drafter_kind, "layers or eagle3")
+        _check(self.drafter_kind in KIND_NAMES, "model.drafter_kind", self.drafter_kind, " or ".join(KIND_NAMES))
         _check(self.drafter_layers >= 1, "model.drafter_layers", self.drafter_layers, "an integer >= 1")
         _check(self.drafter_vocab is None or self.drafter_vocab >= 2, "model.drafter_vocab", self.drafter_vocab, "null or >= 2")
         _check(_DEVICE.fullmatch(str(self.device)) is not None, "model.device", self.device, "auto, cpu, cuda or cuda:N")

@@ -1,7 +1,7 @@
 """Drafter kinds: what differs between the kinds of drafter dvi builds, serves and trains, behind one interface.
 
 A `DrafterKind` says, for its kind: its name (what dvi_drafter.json, `model.drafter_kind` and `Drafter.kind` say),
-vLLM's speculative method for it, where the demo drafter lives and how an initial one is built from a target, how a
+vLLM's speculative method for it, whether it drafts from the target's features, where the demo drafter lives and how an initial one is built from a target, how a
 drafter directory loads, how an announced version's config and tensors are checked against the target and loaded
 (`dvi.swap` runs the checks every kind shares, then these, raising `dvi.errors.Refused` with its reason codes), which
 of the target's features it drafts from, and what vLLM fixes of it when it builds its draft model. Two kinds:
@@ -59,6 +59,7 @@ class DrafterKind(ABC):
     name: str  # what dvi_drafter.json, model.drafter_kind and Drafter.kind say
     vllm_method: str  # vLLM's speculative method for it
     description: str  # how messages name a drafter of this kind ("a layer drafter")
+    reads_features: bool  # it drafts from the target's features: what runs it alone loads the target too
 
     @abstractmethod
     def owns_config(self, raw: dict) -> bool:
@@ -137,7 +138,7 @@ class DrafterKind(ABC):
 class LayersKind(DrafterKind):
     """A layer drafter: a causal LM of the target's family (`dvi.models`), maybe with a reduced head."""
 
-    name, vllm_method, description = LAYERS, "draft_model", "a layer drafter"
+    name, vllm_method, description, reads_features = LAYERS, "draft_model", "a layer drafter", False
 
     def owns_config(self, raw: dict) -> bool:
         return isinstance(raw.get("model_type"), str)
@@ -227,7 +228,7 @@ class LayersKind(DrafterKind):
 class Eagle3Kind(DrafterKind):
     """An EAGLE-3 drafter (`dvi.eagle3`), served bare (an `Eagle3Drafter`) or held by a `Drafter` (its model)."""
 
-    name, vllm_method, description = EAGLE3, "eagle3", "an EAGLE-3 drafter"
+    name, vllm_method, description, reads_features = EAGLE3, "eagle3", "an EAGLE-3 drafter", True
 
     def owns_config(self, raw: dict) -> bool:
         return eagle3.is_eagle3_config(raw)

@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from dvi.config import cache_dir, default_cache_dir
+from dvi.drafter_kind_names import EAGLE3, LAYERS
 from dvi.errors import DviError
 from dvi.files import check_sha256, sha256_file
 from dvi.hardware import pick_dtype
@@ -331,10 +332,6 @@ def check_same_tokenizer(target: PreTrainedTokenizerBase, drafter: PreTrainedTok
         a, b = getattr(target, name), getattr(drafter, name)
         if a != b:
             raise DviError(f"drafter and target tokenizers differ in {name}: target {a}, drafter {b}")
-
-
-LAYERS = "layers"  # the kind of a layer drafter (a plain causal LM: vLLM's method draft_model)
-EAGLE3 = "eagle3"  # the kind of an EAGLE-3 drafter (`dvi.eagle3`: vLLM's method eagle3)
 
 
 @dataclass

@@ -22,8 +22,8 @@ import torch
 
 from dvi.eagle3 import target_features, target_ids
 from dvi.errors import DviError
-from dvi.models import EAGLE3, Drafter, drafter_kind, load_causal_lm, load_drafter, load_tokenizer
-from dvi.pairs import load_any_drafter
+from dvi.drafter_kinds import kind_of_dir
+from dvi.models import Drafter, load_causal_lm, load_tokenizer
 
 
 class DrafterModel:
@@ -32,12 +32,12 @@ class DrafterModel:
     def __init__(self, path: str | Path):
         p = Path(path)
         config = json.loads((p / "config.json").read_text())
+        kind = kind_of_dir(p)
         self.target = None
-        if drafter_kind(p) == EAGLE3:
+        if kind.reads_features:  # the target it drafts from is the verifier its config.json names
             self.target = load_causal_lm(config["speculators_config"]["verifier"]["name_or_path"], "target")
-            self.drafter: Drafter = load_any_drafter(p, int(self.target.config.vocab_size), target=self.target)
-        else:
-            self.drafter = load_drafter(p, int(config["vocab_size"]))
+        vocab = int(self.target.config.vocab_size if self.target is not None else config["vocab_size"])
+        self.drafter: Drafter = kind.load(p, vocab, torch.float32, "cpu", target=self.target)
         self.tokenizer = load_tokenizer(p, "drafter") if (p / "tokenizer_config.json").exists() else None
 
     @torch.inference_mode()

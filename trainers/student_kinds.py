@@ -37,11 +37,15 @@ class StudentKind(ABC):
     """The trainer's side of one drafter kind (see the module docstring)."""
 
     drafter: DrafterKind  # the kind of drafter it trains (its name, how messages name it)
-    reads_features: bool  # the drafter drafts from the target's features (aux hidden states)
 
     @property
     def name(self) -> str:
         return self.drafter.name
+
+    @property
+    def reads_features(self) -> bool:
+        """The drafter drafts from the target's features (aux hidden states)."""
+        return self.drafter.reads_features
 
     @abstractmethod
     def shared_embedding(self, target_dir: Path) -> torch.Tensor | None:
@@ -77,7 +81,7 @@ class StudentKind(ABC):
 class LayersStudent(StudentKind):
     """A layer drafter: a `PositionLM` over its causal LM, no features, one drafting step."""
 
-    drafter, reads_features = KINDS[LAYERS], False
+    drafter = KINDS[LAYERS]
 
     def shared_embedding(self, target_dir: Path) -> None:
         return None
@@ -102,7 +106,7 @@ class Eagle3Student(StudentKind):
     """An EAGLE-3 drafter (`dvi.eagle3`): an `Eagle3PositionLM` over the target's features, its loss unrolled over
     `trainer.eagle3_ttt_steps` drafting steps."""
 
-    drafter, reads_features = KINDS[EAGLE3], True
+    drafter = KINDS[EAGLE3]
 
     def shared_embedding(self, target_dir: Path) -> torch.Tensor:
         """The target's input embedding, read alone from its files."""

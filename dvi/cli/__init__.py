@@ -24,6 +24,7 @@ from typing import Callable
 from dvi.alloc import limit_arenas
 from dvi.cli import output
 from dvi.config import default_cache_dir, scratch_dir
+from dvi.drafter_kind_names import KIND_NAMES, LAYERS
 from dvi.errors import DviError
 
 
@@ -96,7 +97,7 @@ def _fetch(p: argparse.ArgumentParser) -> None:
 
 
 def _drafter_init(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kind", choices=("layers", "eagle3"), default="layers",
+    p.add_argument("--kind", choices=KIND_NAMES, default=LAYERS,
                    help="layers: the target's first layers (default); eagle3: an EAGLE-3 drafter in the speculators "
                         "format, for vLLM's method eagle3 (its head over --vocab tokens, default 8192)")
     p.add_argument("--layers", type=int, help="target layers to keep (default model.drafter_layers; kind layers)")

@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from dvi.config import ModelConfig
+from dvi.drafter_kind_names import KIND_NAMES
 from dvi.drafter_kinds import KINDS, DrafterKind, Eagle3Kind, LayersKind, kind_of, kind_of_config, kind_of_dir
 from dvi.eagle3 import Eagle3Drafter
 from dvi.errors import DviError
@@ -24,6 +26,14 @@ def test_each_kind_is_looked_up_by_its_name_with_vllms_method_for_it():
     assert isinstance(layers, LayersKind) and isinstance(eagle, Eagle3Kind)
     assert (layers.vllm_method, eagle.vllm_method) == ("draft_model", "eagle3")
     assert (layers.description, eagle.description) == ("a layer drafter", "an EAGLE-3 drafter")
+    assert (layers.reads_features, eagle.reads_features) == (False, True)  # what runs an EAGLE-3 drafter runs the target
+
+
+def test_the_names_the_config_and_the_command_line_take_are_the_kinds():
+    assert sorted(KIND_NAMES) == sorted(KINDS) and (LAYERS, EAGLE3) == KIND_NAMES  # dvi drafter init --kind's order
+    assert ModelConfig(drafter_kind=LAYERS).drafter_kind == LAYERS and ModelConfig().drafter_kind == EAGLE3
+    with pytest.raises(DviError, match="model.drafter_kind.*layers or eagle3"):
+        ModelConfig(drafter_kind="medusa")
 
 
 @pytest.mark.parametrize("name", ["dflash", "", "Eagle3", None])
