@@ -201,7 +201,7 @@ def test_three_kill_9s_one_mid_checkpoint_lose_nothing_and_never_publish_a_torn_
     after the restart, once."""
     from dvi import store
 
-    records = engine_records(*tiny_dirs, n=96, new_tokens=32, seed=3)
+    records = engine_records(*tiny_dirs, n=64, new_tokens=32, seed=3)  # about 16 steps trained when the last kill lands
     cfg = config(stream_cfg, tiny_dirs, tmp_path, batch_tokens=32, checkpoint_every=2, idle_exit_s=4.0,
                  holdout_share=0.2, gate_min_records=2, gate_every=4, min_gain=-1.0)  # publish often: kills meet publishes
     produce(stream_cfg, records)
@@ -279,7 +279,7 @@ def test_two_ranks_share_the_stream_and_train_every_record_once(stream_cfg, tiny
 
     records = engine_records(*tiny_dirs, n=30, new_tokens=24, seed=2)
     produce(stream_cfg, records)
-    cfg = config(stream_cfg, tiny_dirs, tmp_path, batch_tokens=48, checkpoint_every=4, idle_exit_s=6.0)
+    cfg = config(stream_cfg, tiny_dirs, tmp_path, batch_tokens=48, checkpoint_every=4, idle_exit_s=4.0)
     cmd = [sys.executable, "-m", "dvi.cli", "train", *train_overrides(cfg, stream_cfg)]
     port = str(free_port())
     procs = [subprocess.Popen(cmd, env=clean_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
