@@ -313,10 +313,9 @@ class VllmEngine:
                 if row is None:
                     continue
                 new = list(o.new_token_ids)
-                before = len(row.out)
                 row.out.extend(new)
                 if row.on_tokens is not None and new:
-                    row.on_tokens(new, row.logprobs[before : len(row.out)] if row.req.logprobs is not None else None)
+                    row.on_tokens(new, None)  # log-probs are vLLM's own answer's, not dvi's
                 if o.finish_reason is not None:
                     self._finish(row, str(o.finish_reason))  # stop, length, abort; error
         gone = [r for r in self.rows.values() if r.internal_id not in self.core.scheduler.requests]
@@ -360,15 +359,9 @@ class VllmEngine:
                     self.planner.observe(k, n)
             top_ids = s["top_ids"][rows] if s["top_ids"] is not None else None
             top_lps = s["top_logprobs"][rows] if s["top_logprobs"] is not None else None
-            logprobs = None
-            if row.req.logprobs is not None:
-                chosen = s["chosen"][i, : len(tokens)].tolist()
-                n_top = row.req.logprobs
-                logprobs = [(c, list(zip(top_ids[j, :n_top].tolist(), top_lps[j, :n_top].tolist()))) for j, c in enumerate(chosen)]
             row.rounds.append(Round(position=row.emitted, k=k, drafted=drafted, accepted=n, token=tokens[-1], drafter_version=version,
                                     topk_ids=top_ids[:, :topk].clone() if topk else None,
-                                    topk_logprobs=top_lps[:, :topk].clone() if topk else None, logprobs=logprobs))
-            row.logprobs.extend(logprobs or [])
+                                    topk_logprobs=top_lps[:, :topk].clone() if topk else None))
             row.emitted += len(tokens)
 
     # -- drafter pointer ----------------------------------------------------------------------
@@ -464,7 +457,6 @@ class _Row:
     out: list[int] = field(default_factory=list)  # tokens vLLM returned
     emitted: int = 0  # tokens the captured rounds emitted (ahead of `out` only within a step)
     rounds: list[Round] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # the rounds' LogProbs, one per emitted token, in order
     versions: list[str] = field(default_factory=list)
     whole: bool = True  # its draft KV cache covers every token, computed by the weights drafting now (acceptance counts)
     captured: Captured = field(default_factory=Captured)  # the target's features of its tokens (VllmEngine features)

@@ -271,19 +271,14 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
 
 def _step(log_p: torch.Tensor, sampled: torch.Tensor, req_ids: list[str], drafts: list[int], drafted: list[int], topk: int,
           meta: dict) -> dict:
-    """One captured step: the top-k log-probs at every verified row and the log-prob of each emitted token; `meta`,
-    what the step scheduled and the proposer's seconds (filled in after the sampler, read once the step is over)."""
+    """One captured step: the top-k log-probs at every verified row; `meta`, what the step scheduled and the proposer's
+    seconds (filled in after the sampler, read once the step is over)."""
     top = log_p.topk(topk, -1) if topk else None
-    width = torch.tensor([k + 1 for k in drafts])
-    first = (width.cumsum(0) - width).to(log_p.device)  # each request's first logits row
-    emitted = sampled.clamp(min=0)  # [B, J]
-    rows = (first.unsqueeze(1) + torch.arange(emitted.shape[1], device=log_p.device)).clamp(max=log_p.shape[0] - 1)
     return {
         "req_ids": req_ids,
         "num_draft": drafts,
         "drafted": drafted,
         "sampled": sampled.tolist(),
-        "chosen": log_p[rows, emitted.to(log_p.device)].cpu(),  # [B, J]
         "top_ids": top.indices.cpu() if top is not None else None,  # [sum(k + 1), topk]
         "top_logprobs": top.values.cpu() if top is not None else None,
         "meta": meta,
