@@ -74,6 +74,19 @@ class DrafterKind(ABC):
         """Build an initial drafter of this kind for the target at `target_dir` and save it at `out_dir`."""
 
     @abstractmethod
+    def init_size(self, layers: int | None, vocab: int | None, default_layers: int, default_vocab: int | None
+                  ) -> tuple[int, int | None]:
+        """(layers, vocab) of an initial drafter asked for with `layers` and `vocab` (None: not given; vocab 0: the
+        target's whole vocabulary), else the configured defaults; DviError for a size this kind does not take."""
+
+    @abstractmethod
+    def version_tensors(self, weights: dict[str, torch.Tensor], config: dict, vocab_map: torch.Tensor | None
+                        ) -> dict[str, dict[str, torch.Tensor]]:
+        """A published version's tensors by file name (WEIGHTS, and any file of this kind's own) from the student's
+        `weights` (its parent's `config`; `vocab_map`, a reduced head's target ids): what `read_tensors` and vLLM
+        read back."""
+
+    @abstractmethod
     def load(self, path: str | Path, target_vocab_size: int, dtype: torch.dtype, device: torch.device | str,
              target=None, embed: torch.Tensor | None = None) -> Drafter:
         """A drafter directory of this kind as a `Drafter` (see `dvi.pairs.load_any_drafter`)."""
@@ -148,6 +161,20 @@ class LayersKind(DrafterKind):
 
     def build(self, target_dir: Path, out_dir: Path, layers: int, vocab: int | None) -> Path:
         return build_drafter(target_dir, out_dir, layers, vocab)
+
+    def init_size(self, layers, vocab, default_layers, default_vocab):
+        return (default_layers if layers is None else layers,
+                None if vocab == 0 else default_vocab if vocab is None else vocab)
+
+    def version_tensors(self, weights, config, vocab_map):
+        """Its weights with the base model's keys; a reduced head (`vocab_map` its target ids) in DRAFT_HEAD apart,
+        and a head tied to the embeddings left out (the same tensor)."""
+        weights, files = dict(weights), {}
+        if vocab_map is not None:
+            files[DRAFT_HEAD] = {"token_ids": vocab_map.detach().cpu().long().contiguous(), "weight": weights.pop("lm_head.weight")}
+        elif config.get("tie_word_embeddings") and "model.embed_tokens.weight" in weights:
+            weights.pop("lm_head.weight", None)
+        return {WEIGHTS: weights, **files}
 
     def load(self, path, target_vocab_size, dtype, device, target=None, embed=None) -> Drafter:
         return load_drafter(path, target_vocab_size, dtype, device)
@@ -239,6 +266,18 @@ class Eagle3Kind(DrafterKind):
 
     def build(self, target_dir: Path, out_dir: Path, layers: int, vocab: int | None) -> Path:
         return eagle3.build_eagle3(target_dir, out_dir, vocab or EAGLE3_VOCAB)
+
+    def init_size(self, layers, vocab, default_layers, default_vocab):
+        if layers is not None:
+            raise DviError("--layers is for --kind layers; an eagle3 drafter is one layer over the target's features")
+        if vocab == 0:
+            raise DviError("an eagle3 drafter's head covers a reduced vocabulary: give --vocab N (default 8192)")
+        return default_layers, vocab or EAGLE3_VOCAB
+
+    def version_tensors(self, weights, config, vocab_map):
+        """Its own tensors, as vLLM reads them (the head's d2t and t2d among them); not the target's embedding it
+        shares."""
+        return {WEIGHTS: {k: v for k, v in weights.items() if not k.startswith(eagle3.SHARED_PREFIXES)}}
 
     def load(self, path, target_vocab_size, dtype, device, target=None, embed=None) -> Drafter:
         """Over the loaded `target` (`dvi.eagle3.load_for_target`), or sharing `embed` (the target's input embedding,

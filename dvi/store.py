@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dvi import control, eagle3
+from dvi import control
+from dvi.drafter_kinds import kind_of_config
 from dvi.errors import DviError
 from dvi.files import fsync_path, sha256_file
 from dvi.models import DRAFT_HEAD, DRAFTER_META, cache_dir, read_drafter_meta
@@ -109,14 +110,14 @@ def publish(store: Path, version: str, state_dict: dict[str, torch.Tensor], sour
                 shutil.copy2(f, tmp / f.name)
         weights = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
         config = json.loads((source_dir / "config.json").read_text())
-        if eagle3.is_eagle3_config(config):
-            weights = {k: v for k, v in weights.items() if not k.startswith(eagle3.SHARED_PREFIXES)}
-        elif vocab_map is not None:
-            head = weights.pop("lm_head.weight")
-            save_file({"token_ids": vocab_map.detach().cpu().long().contiguous(), "weight": head}, str(tmp / DRAFT_HEAD))
-        elif config.get("tie_word_embeddings") and "model.embed_tokens.weight" in weights:
-            weights.pop("lm_head.weight", None)  # tied: the same tensor as the embeddings
-        save_file(_unshared(weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        kind = kind_of_config(config)
+        if kind is None:
+            raise DviError(f"the parent drafter directory {source_dir}: its config.json is no kind of drafter dvi knows")
+        for name, tensors in kind.version_tensors(weights, config, vocab_map).items():  # the files its kind reads back
+            if name == WEIGHTS:
+                save_file(_unshared(tensors), str(tmp / WEIGHTS), metadata={"format": "pt"})
+            else:
+                save_file(tensors, str(tmp / name))
         kind = read_drafter_meta(source_dir).get("kind")
         meta = {**({"kind": kind} if kind else {}), **meta, "version": version, "created": time.time()}
         (tmp / DRAFTER_META).write_text(json.dumps(meta, indent=2, default=str))

@@ -11,8 +11,7 @@ from dvi.cli.output import out
 from dvi import keys
 from dvi.config import load_config, overrides_of
 from dvi.drafter_kinds import kind_of
-from dvi.errors import DviError
-from dvi.models import EAGLE3, EAGLE3_VOCAB, cache_dir, import_gguf, resolve_device, resolve_dtype, target_dir_of
+from dvi.models import cache_dir, import_gguf, resolve_device, resolve_dtype, target_dir_of
 from dvi.pairs import pair_dirs
 
 
@@ -34,15 +33,7 @@ def drafter_init(args: argparse.Namespace) -> int:
     cache = cache_dir(cfg)
     target_dir = target_dir_of(cfg)
     kind = kind_of(args.kind)
-    if kind.name == EAGLE3:
-        if args.layers is not None:
-            raise DviError("--layers is for --kind layers; an eagle3 drafter is one layer over the target's features")
-        if args.vocab == 0:
-            raise DviError("an eagle3 drafter's head covers a reduced vocabulary: give --vocab N (default 8192)")
-        layers, vocab = cfg.drafter_layers, args.vocab or EAGLE3_VOCAB
-    else:
-        layers = args.layers if args.layers is not None else cfg.drafter_layers
-        vocab = None if args.vocab == 0 else args.vocab if args.vocab is not None else cfg.drafter_vocab
+    layers, vocab = kind.init_size(args.layers, args.vocab, cfg.drafter_layers, cfg.drafter_vocab)
     out(kind.build(target_dir, Path(args.out) if args.out else kind.demo_dir(cache, layers, vocab), layers, vocab))
     return 0
 

@@ -115,3 +115,27 @@ def test_what_drafts_for_each_kind_and_the_target_it_needs(make_tiny_llama):
         eagle.check_target(tiny_eagle3((0, 3)), target.config)
     eagle.place(bare, torch.device("meta"))
     assert bare.fc.weight.is_meta
+
+
+def test_an_initial_drafters_size_is_its_kinds_to_take_or_refuse():
+    layers, eagle = kind_of(LAYERS), kind_of(EAGLE3)
+    assert layers.init_size(None, None, 2, 8192) == (2, 8192)  # the configured defaults
+    assert layers.init_size(4, 0, 2, 8192) == (4, None)  # vocab 0: the target's whole vocabulary
+    assert eagle.init_size(None, None, 2, None) == (2, 8192) and eagle.init_size(None, 2048, 2, None) == (2, 2048)
+    with pytest.raises(DviError, match="--layers is for --kind layers"):
+        eagle.init_size(3, None, 2, None)
+    with pytest.raises(DviError, match="reduced vocabulary"):
+        eagle.init_size(None, 0, 2, None)
+
+
+def test_a_versions_files_hold_what_its_kind_reads_back():
+    w = {"model.embed_tokens.weight": torch.zeros(5, 2), "lm_head.weight": torch.ones(3, 2), "model.norm.weight": torch.ones(2)}
+    layers = kind_of(LAYERS)
+    reduced = layers.version_tensors(w, {}, torch.tensor([0, 2, 4]))  # a reduced head: apart, with its target ids
+    assert set(reduced) == {"model.safetensors", "draft_head.safetensors"} and "lm_head.weight" not in reduced["model.safetensors"]
+    assert reduced["draft_head.safetensors"]["token_ids"].tolist() == [0, 2, 4]
+    assert "lm_head.weight" not in layers.version_tensors(w, {"tie_word_embeddings": True}, None)["model.safetensors"]
+    assert "lm_head.weight" in layers.version_tensors(w, {}, None)["model.safetensors"] and "lm_head.weight" in w  # w untouched
+    shared = {"embed_tokens.weight": torch.zeros(5, 2), "rotary.inv_freq": torch.ones(1), "fc.weight": torch.ones(2, 6)}
+    assert set(kind_of(EAGLE3).version_tensors(shared, {}, None)) == {"model.safetensors"}
+    assert list(kind_of(EAGLE3).version_tensors(shared, {}, None)["model.safetensors"]) == ["fc.weight"]  # not the target's
