@@ -193,8 +193,8 @@ def test_records_waiting_past_the_age_limit_are_skipped_and_committed_without_a_
 
 @pytest.mark.faults
 def test_three_kill_9s_one_mid_checkpoint_lose_nothing_and_never_publish_a_torn_drafter(stream_cfg, tiny_dirs, tmp_path):
-    """Fault scenario 1: the trainer is SIGKILLed three times while it trains and publishes, the second time while
-    a checkpoint is being written. After each kill the newest complete checkpoint loads, covers part of the stream,
+    """Fault scenario 1: the trainer is SIGKILLed three times while it trains and publishes (each life publishes a
+    version before its kill), the second time while a checkpoint is being written. After each kill the newest complete checkpoint loads, covers part of the stream,
     and every published version verifies; after the last restart every acked record is in the ledger exactly once,
     after the ledgers the kills left. Batches are built ahead on a thread (a GPU's default, forced here): a batch
     built but not trained when the process dies holds records the checkpoint does not cover, and they are trained
@@ -204,19 +204,24 @@ def test_three_kill_9s_one_mid_checkpoint_lose_nothing_and_never_publish_a_torn_
     records = engine_records(*tiny_dirs, n=64, new_tokens=32, seed=3)  # about 16 steps trained when the last kill lands
     cfg = config(stream_cfg, tiny_dirs, tmp_path, batch_tokens=32, checkpoint_every=2, idle_exit_s=4.0,
                  holdout_share=0.2, gate_min_records=2, gate_every=4, min_gain=-1.0)  # publish often: kills meet publishes
-    produce(stream_cfg, records)
+    # the records arrive in three parts, one before each life: a restarted trainer holds out none of the records it
+    # read before (they are committed), so each life gets fresh ones for its gate, and publishes before it is killed
+    parts = [records[:40], records[40:52], records[52:]]
     run_dir, store_root = Path(cfg.trainer.run_dir), Path(cfg.trainer.store)
     cmd = [sys.executable, "-m", "dvi.cli", "train", *train_overrides(cfg, stream_cfg, **{"trainer.min_gain": -1.0,
                                                                                           "trainer.gate_min_records": 2,
                                                                                           "trainer.batch_ahead": "true"})]
     torn_at_kill, progress, ledgers = [], [], []
     for kill in range(3):
+        produce(stream_cfg, parts[kill])
+        published = len(store.versions(store_root))
         proc = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         start = _step_of(checkpoint.latest(run_dir, clean=False)) if checkpoint.latest(run_dir, clean=False) else 0
         deadline = time.monotonic() + 240
-        while (latest := checkpoint.latest(run_dir, clean=False)) is None or _step_of(latest) < start + 4:
+        while ((latest := checkpoint.latest(run_dir, clean=False)) is None or _step_of(latest) < start + 4
+               or len(store.versions(store_root)) <= published):  # this life has trained and published
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the trainer made no progress in time"
+            assert time.monotonic() < deadline, "the trainer made no progress or published nothing in time"
             time.sleep(0.05)
         if kill == 1:  # mid-checkpoint: the moment a checkpoint's temporary directory appears
             while not any(p.name.startswith(".tmp-step") for p in run_dir.iterdir()):
@@ -235,6 +240,7 @@ def test_three_kill_9s_one_mid_checkpoint_lose_nothing_and_never_publish_a_torn_
             store.verify(store_root / version)  # every published drafter is whole
         progress.append((_step_of(latest), len(store.versions(store_root)), state["counters"]["trained"]))
     assert torn_at_kill and torn_at_kill[0], "the second kill did not land inside a checkpoint write"
+    assert [versions for _, versions, _ in progress] == sorted(set(v for _, v, _ in progress)) and progress[0][1] > 0, progress
 
     final = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-3000:]
