@@ -211,7 +211,7 @@ def _unregister(pid: int) -> None:
 
 def stop_leftovers(folder: Path, below: int | None = None, grace_s: float = 5.0) -> list[str]:
     """Stop the recorded processes of `folder` that still run (each with its process group: SIGTERM, SIGKILL after
-    `grace_s`) and forget every record: all of them, or with `below` only those that pid spawned, and theirs in turn.
+    `grace_s`, then up to `grace_s` more until the group is gone) and forget every record: all of them, or with `below` only those that pid spawned, and theirs in turn.
     A record whose pid now belongs to another process (another start time) is forgotten, never signalled. Returns
     "name (pid N)" for each process stopped."""
     records = {}
@@ -248,6 +248,10 @@ def stop_leftovers(folder: Path, below: int | None = None, grace_s: float = 5.0)
         alive = [pid for pid in alive if left(pid)]
     for pid in alive:
         _signal_group(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s  # until they are gone: what follows takes their ports (a server draining
+    while alive and time.monotonic() < deadline:  # its requests on SIGTERM outlives `grace_s`, then dies by SIGKILL)
+        time.sleep(0.05)
+        alive = [pid for pid in alive if left(pid)]
     for pid in chosen:
         with contextlib.suppress(OSError):
             records[pid][0].unlink()
