@@ -1,5 +1,5 @@
 """The soak's quick run in the suite: `python -m benchmarks.soak --quick` (see its docstring) on the default stack, `dvi up
---detach` with vLLM (eager) and a second replica, under mixed traffic for 10 minutes (longer while a fault recovers, at most
+--detach` with vLLM and a second replica, under mixed traffic for 10 minutes (longer while a fault recovers, at most
 20), each fault once: the trainer, the broker, MLflow and the first replica killed with SIGKILL, a hostile burst, then
 `dvi up` itself killed and started again. About 15 minutes with the start and the end.
 
@@ -43,11 +43,7 @@ def test_quick_soak_each_fault_once_loses_nothing_serves_only_allowed_versions_a
     assert prepared.returncode == 0, prepared.stdout[-2000:] + prepared.stderr[-2000:]
 
     out = tmp_path_factory.mktemp("soak")  # short: vLLM's sockets go in the cache's scratch folder (dvi.config.scratch_dir)
-    # vLLM eager, as the other fault scenarios run it (faults_helpers.engine_overrides): the run's cache starts empty, so
-    # compiled, each replica would first compile the target from scratch; tests/dvi/cli/test_up.py runs the compiled
-    # default end to end, and the two-hour soak runs it compiled
-    cmd = [sys.executable, "-m", "benchmarks.soak", "--quick", "--drain-min", "1", "--out", str(out), "--json", str(out / "summary.json"),
-           "serve.vllm.enforce_eager=true"]
+    cmd = [sys.executable, "-m", "benchmarks.soak", "--quick", "--drain-min", "1", "--out", str(out), "--json", str(out / "summary.json")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=45 * 60, cwd=REPO, env=clean_env())
     print(done.stdout[-6000:])
     logs = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-1500:]}" for f in sorted((out / "cache" / "logs").glob("*.log")))
