@@ -10,7 +10,6 @@ builds argument lists and environments; it starts nothing and does not know the 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -30,8 +29,7 @@ def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, p
     """The server's command line: the target in `dtype` under dvi's model name (serve.served_model_name, else the
     target's directory name), the drafter (None: none) as its `draft_model` speculator drafting up to `k` tokens
     (default: serve.spec.k_max with adaptive K, which dvi's planner lowers where drafting does not pay, else
-    serve.spec.k), serve.max_batch requests at once, browser calls from serve.allowed_origins only, serve.drain_s for
-    the requests in flight on SIGTERM. An EAGLE-3 drafter's directory is its `eagle3` speculator instead
+    serve.spec.k), serve.max_batch requests at once, browser calls from serve.allowed_origins only. An EAGLE-3 drafter's directory is its `eagle3` speculator instead
     (`DrafterKind.vllm_method`, `dvi.drafter_kinds.kind_of_dir`)."""
     s, v = cfg.serve, cfg.serve.vllm
     cmd = [*SERVER, str(target), "--dtype", dtype, "--max-model-len", str(v.max_model_len),
@@ -39,8 +37,7 @@ def command(cfg: DviConfig, target: Path, drafter: Path | None, dtype: str, *, p
            "--gpu-memory-utilization", str(v.gpu_memory_utilization),  # serve.vllm's (a CPU ignores it)
            "--host", host or s.host, "--port", str(port or s.port),
            "--served-model-name", s.served_model_name or target.name,  # the name dvi serve answers to
-           "--allowed-origins", json.dumps(list(s.allowed_origins)),  # no web page of another site may call it (CORS)
-           "--shutdown-timeout", str(math.ceil(s.drain_s))]  # on SIGTERM, requests in flight get serve.drain_s to finish
+           "--allowed-origins", json.dumps(list(s.allowed_origins))]  # no web page of another site may call it (CORS)
     if v.enforce_eager:
         cmd.append("--enforce-eager")
     if not v.prefix_caching:
