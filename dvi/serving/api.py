@@ -96,6 +96,18 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
+def domain_tag(body: dict, header: str | None) -> str | None:
+    """A request's domain tag: its `dvi` object's `domain`, else the `X-DVI-Domain` header (None: neither); ApiError
+    (400) for a malformed one."""
+    ext = body.get("dvi") or {}
+    if not isinstance(ext, dict):
+        raise ApiError(400, "'dvi' must be an object, e.g. {\"domain\": \"code\"}", "dvi")
+    domain = ext.get("domain", header)
+    if domain is not None and (not isinstance(domain, str) or not DOMAIN.fullmatch(domain)):
+        raise ApiError(400, "the domain tag must be 1 to 64 letters, digits, '.', '_' or '-'", "dvi.domain")
+    return domain
+
+
 @dataclass(frozen=True)
 class Completion:
     """A parsed completion request."""
@@ -188,12 +200,7 @@ def parse_completion(raw: bytes, chat: bool, *, model_name: str, default_max_tok
     min_tokens = body.get("min_tokens", 0)
     if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or not 0 <= min_tokens <= max_tokens:
         raise ApiError(400, f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {min_tokens!r}", "min_tokens")
-    ext = body.get("dvi") or {}
-    if not isinstance(ext, dict):
-        raise ApiError(400, "'dvi' must be an object, e.g. {\"domain\": \"code\"}", "dvi")
-    domain = ext.get("domain", domain_header)
-    if domain is not None and (not isinstance(domain, str) or not DOMAIN.fullmatch(domain)):
-        raise ApiError(400, "the domain tag must be 1 to 64 letters, digits, '.', '_' or '-'", "dvi.domain")
+    domain = domain_tag(body, domain_header)
     return Completion(prompt, messages, max_tokens, temperature, top_p, seed, stream, domain, tuple(stop), ignore_eos,
                       min_tokens, skip_special, include_usage, n, logprobs, split_special)
 

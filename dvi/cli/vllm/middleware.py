@@ -28,8 +28,7 @@ import urllib.error
 import urllib.parse
 from collections.abc import Callable
 
-from dvi.records import DOMAIN
-from dvi.serving.api import ApiError, ClientSlots
+from dvi.serving.api import ApiError, ClientSlots, domain_tag
 from dvi.serving.openai_shapes import extension
 from dvi.cli.vllm.engine import DOMAIN_ARG
 
@@ -43,14 +42,9 @@ def tagged(body: dict, header: str | None) -> dict:
     """`body` with its domain tag (the `dvi` object's `domain`, else the `X-DVI-Domain` header) moved into vLLM's
     `vllm_xargs` as `dvi_domain`, the `dvi` object removed (vLLM knows no such field). A `dvi_domain` already in
     `vllm_xargs` is kept. ApiError (400) for a tag dvi's API would refuse."""
-    ext = body.get("dvi", {})
-    if not isinstance(ext, dict):
-        raise ApiError(400, "'dvi' must be an object, e.g. {\"domain\": \"code\"}", "dvi")
-    domain = ext.get("domain", header)
+    domain = domain_tag(body, header)  # as dvi's own API reads and checks it
     if domain is None:
         return body
-    if not isinstance(domain, str) or not DOMAIN.fullmatch(domain):
-        raise ApiError(400, "the domain tag must be 1 to 64 letters, digits, '.', '_' or '-'", "dvi.domain")
     xargs = body.get("vllm_xargs") or {}
     if not isinstance(xargs, dict):  # vLLM's own validation answers for it
         return body
