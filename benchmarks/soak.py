@@ -45,9 +45,13 @@ hour's after warm-up; the served drafter never a version the gate refused or a c
 check refused; after the supervisor's kill nothing it had started was left running; nothing written outside the
 cache directory (home, /tmp and the work tree looked at).
 
+The stack compiles vLLM's graphs into its own cache at its first start (about 100 s of a replica's start on 2 cores);
+`--compile-cache DIR` copies a compile cache that earlier starts left (`~/.cache/dvi/compile`) into the run's first,
+for runs about faults rather than first starts (the suite's quick run; `dvi up`'s first start is tests/dvi/cli/test_up.py's).
+
 Run (alone on the machine): .venv/bin/python -m benchmarks.soak [--minutes 120] [--quick] [--out DIR] [overrides]
-`--quick`: 10 minutes, the five faults and the burst once each, a fault every 1.7 minutes (or, if later, once the one
-before has recovered; the run goes on until the last has, at most 20 minutes).
+`--quick`: 5 minutes, the five faults and the burst once each, a fault every minute (or, if later, once the one
+before has recovered; the run goes on until the last has, at most 12 minutes).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import struct
@@ -104,11 +109,14 @@ class Options:
     # the decision topic's retention (`stream.retention_hours`; the stack's default is a week): shorter than the run,
     # so that the broker's store reaches the size it keeps within it (a week's growth is not seen in two hours)
     retention_hours: float = 0.5
+    compile_from: Path | None = None  # a compile cache copied into the run's before the stack starts (None: compile cold)
 
     @classmethod
     def quick(cls, out: Path | None = None) -> Options:
-        return cls(minutes=10.0, fault_every_min=10.0 / (len(FAULTS) + 1), step_min=0.5, interval_s=10.0, warmup_min=2.0, drain_min=5.0,
-                   recover_max_min=15.0, **({"out": out} if out else {}))
+        """Each fault once, back to back: a kill once the one before has recovered, a minute apart at the least (the
+        longest recoveries, a replica's and `dvi up`'s, take one and a half to two minutes with a warm compile cache)."""
+        return cls(minutes=5.0, fault_every_min=5.0 / (len(FAULTS) + 1), step_min=0.5, interval_s=10.0, warmup_min=1.0, drain_min=5.0,
+                   max_minutes=12.0, recover_max_min=8.0, **({"out": out} if out else {}))
 
     def fault_at(self) -> list[tuple[float, str]]:
         """(seconds from the start, fault) of the schedule: `faults` in turn, then again, while the run lasts; the
@@ -493,6 +501,8 @@ class Soak:
         models = default_cache_dir() / "models"
         if models.is_dir() and not (self.cache / "models").exists():
             (self.cache / "models").symlink_to(models, target_is_directory=True)
+        if opt.compile_from is not None and opt.compile_from.is_dir() and not (self.cache / "compile").exists():
+            shutil.copytree(opt.compile_from, self.cache / "compile")  # a copy: the run writes nothing outside its cache
         os.environ["DVI_CACHE"] = str(self.cache)
         if scratch_dir() is None:  # dvi's processes would fall back to /tmp, and the check of writes outside the cache fail
             raise SystemExit(f"soak: the cache {self.cache} is too deep: its scratch folder leaves no room for a socket's "
@@ -1107,7 +1117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a killed part not back within this many minutes is given up on, and the run goes on (20)")
     p.add_argument("--retention-hours", type=float, default=None,
                    help="how long the broker keeps the decision topic's records (0.5; an override stream.retention_hours=... wins)")
-    p.add_argument("--quick", action="store_true", help="10 minutes, each fault once")
+    p.add_argument("--quick", action="store_true", help="5 minutes, each fault once")
+    p.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
+                   help="start from a copy of this compile cache (~/.cache/dvi/compile) instead of compiling vLLM's graphs cold")
     p.add_argument("--judge", type=Path, default=None, metavar="SOAK_JSON",
                    help="run nothing: judge the memory and descriptors of every process life in a run's soak.json")
     p.add_argument("--out", type=Path, default=None)
@@ -1141,6 +1153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.recover_max_min is not None:
         opt.recover_max_min = args.recover_max_min
     opt.outside_ignore = tuple(args.outside_ignore)
+    opt.compile_from = args.compile_cache.expanduser() if args.compile_cache else None
     summary = Soak(opt, args.overrides).run()
     print(table(summary))
     if args.json:

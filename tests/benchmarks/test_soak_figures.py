@@ -28,7 +28,7 @@ def test_the_schedule_kills_each_part_in_turn_and_bursts_once():
                               (5400.0, "hostile"), (6000.0, "up")]
     quick = Options.quick().fault_at()
     assert [f for _, f in quick if f != "hostile"] == list(FAULTS)  # each once
-    assert sum(f == "hostile" for _, f in quick) == 1 and all(t < 600 - 30 for t, _ in quick)
+    assert sum(f == "hostile" for _, f in quick) == 1 and all(t < Options.quick().minutes * 60 - 30 for t, _ in quick)
 
 
 def test_slope_is_the_least_squares_line():
@@ -169,6 +169,18 @@ def test_a_cache_too_deep_for_a_socket_name_is_refused_before_anything_starts(tm
     with pytest.raises(SystemExit, match="too deep"):
         Soak(Options(out=deep), [])
     assert not list(tmp_path.rglob("*.pid")), "nothing was started"
+
+
+def test_a_run_starts_from_a_copy_of_the_compile_cache_it_is_given(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("DVI_CACHE", os.environ.get("DVI_CACHE", ""))  # the soak points DVI_CACHE at its own cache
+    tmp_path = tmp_path_factory.mktemp("s")  # short: the cache's scratch folder must leave room for a socket's name
+    given = tmp_path / "compile"
+    (given / "inductor" / "ab").mkdir(parents=True)
+    (given / "inductor" / "ab" / "graph.py").write_text("compiled")
+    soak = Soak(Options(out=tmp_path / "run", compile_from=given), [])
+    copied = soak.cache / "compile" / "inductor" / "ab" / "graph.py"
+    assert copied.read_text() == "compiled" and not copied.is_symlink() and not (soak.cache / "compile").is_symlink()
+    assert not (Soak(Options(out=tmp_path / "cold"), []).cache / "compile").exists()  # none given: compiled cold
 
 
 def test_two_replicas_get_disjoint_halves_of_the_cores_that_cover_them():

@@ -1,7 +1,9 @@
 """The soak's quick run in the suite: `python -m benchmarks.soak --quick` (see its docstring) on the default stack, `dvi up
---detach` with vLLM and a second replica, under mixed traffic for 10 minutes (longer while a fault recovers, at most
-20), each fault once: the trainer, the broker, MLflow and the first replica killed with SIGKILL, a hostile burst, then
-`dvi up` itself killed and started again. About 15 minutes with the start and the end.
+--detach` with vLLM and a second replica, under mixed traffic for 5 minutes (longer while a fault recovers, at most
+12), each fault once, each once the one before has recovered: the trainer, the broker, MLflow and the first replica
+killed with SIGKILL, a hostile burst, then `dvi up` itself killed and started again. The stack starts from a copy of
+the compile cache earlier tests' vLLM starts left (`--compile-cache`: this is about faults; a cold first `dvi up` is
+tests/dvi/cli/test_up.py's). About 10 minutes with the start and the end.
 
 Asserted, as the benchmark decides them: every killed part came back; every record the trainer committed is in its
 ledger exactly once; no request failed but at a killed replica; only versions the gate and the signature allowed were
@@ -9,8 +11,8 @@ served; nothing was left running by the killed supervisor; nothing was written o
 run did what those speak of: each part killed once, the hostile burst sent, records trained, both replicas serving.
 
 Printed, not asserted: the three checks that compare a run's halves (memory and descriptors flat over each process
-life, p99 latency of the last part within 1.2x of the first). In ten minutes warm-ups and where transients fall decide
-them, not growth. In two runs of this test the trainer's second life, judged over its minutes 2 to 7, rose 2,616 ->
+life, p99 latency of the last part within 1.2x of the first). In a few minutes warm-ups and where transients fall
+decide them, not growth. In two ten-minute runs of this test the trainer's second life, judged over its minutes 2 to 7, rose 2,616 ->
 2,927 MiB by its halves' medians in one (the two-hour run shows a trainer's heap rising over the first 20 minutes of
 a life, then flat) and in the other swung between 1,956 and 3,560 MiB within a minute (its heap's free pages given
 back once a minute), its trend saying +6% while its medians differed by 0.6%; MLflow's server held 23 to 29
@@ -28,13 +30,15 @@ from pathlib import Path
 import pytest
 from child_env import clean_env
 
+from dvi.cli.vllm.engine import compile_cache_dir
+
 REPO = Path(__file__).resolve().parents[2]  # `python -m benchmarks.soak` runs from the checkout root
 HALVES = ("memory flat", "descriptors flat", "p99 latency")  # the checks that compare halves of the run: printed only
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model, pytest.mark.e2e]
 
 
-@pytest.mark.timeout(50 * 60)
+@pytest.mark.timeout(35 * 60)
 def test_quick_soak_each_fault_once_loses_nothing_serves_only_allowed_versions_and_leaves_nothing(demo_target_dir,
                                                                                                   tmp_path_factory):
     # the pair `dvi up` serves, prepared where the soak's cache links it from (the run's own cache is checked for writes)
@@ -43,8 +47,9 @@ def test_quick_soak_each_fault_once_loses_nothing_serves_only_allowed_versions_a
     assert prepared.returncode == 0, prepared.stdout[-2000:] + prepared.stderr[-2000:]
 
     out = tmp_path_factory.mktemp("soak")  # short: vLLM's sockets go in the cache's scratch folder (dvi.config.scratch_dir)
-    cmd = [sys.executable, "-m", "benchmarks.soak", "--quick", "--drain-min", "1", "--out", str(out), "--json", str(out / "summary.json")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=45 * 60, cwd=REPO, env=clean_env())
+    cmd = [sys.executable, "-m", "benchmarks.soak", "--quick", "--drain-min", "1", "--out", str(out), "--json", str(out / "summary.json"),
+           "--compile-cache", str(compile_cache_dir())]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30 * 60, cwd=REPO, env=clean_env())
     print(done.stdout[-6000:])
     logs = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-1500:]}" for f in sorted((out / "cache" / "logs").glob("*.log")))
     assert (out / "summary.json").exists(), done.stdout[-4000:] + done.stderr[-4000:] + logs
