@@ -5,7 +5,7 @@ scenario is about bookkeeping), the embedded broker in memory, as `dvi up` runs 
 record and committed offset, `dvi broker` creates the topics again, and the clients have to notice.
 (The durable broker, where no acknowledged record may be lost, is test_broker_durable.py.)
 Decoding throughput with the broker down against the windows with it up (target: within 5%) is printed, not
-asserted: a speed figure, and 12-second windows on two cores vary by 20% or more on their own; benchmarks/
+asserted: a speed figure, and 8-second windows on two cores vary by 20% or more on their own; benchmarks/
 bench_outage.py measures it side by side."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from faults_helpers import LOOP_ENGINES, Serve, stream_overrides, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model]
 
-WINDOW_S = 12.0
+WINDOW_S = 8.0
 OUTAGES = 2  # each a kill, WINDOW_S down, a restart on the same port and WINDOW_S up
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time,", "import numpy as np\n"]
 
