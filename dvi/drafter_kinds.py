@@ -4,7 +4,9 @@ A `DrafterKind` says, for its kind: its name (what dvi_drafter.json, `model.draf
 vLLM's speculative method for it, whether it drafts from the target's features, where the demo drafter lives and how an initial one is built from a target, how a
 drafter directory loads, how an announced version's config and tensors are checked against the target and loaded
 (`dvi.swap` runs the checks every kind shares, then these, raising `dvi.errors.Refused` with its reason codes), which
-of the target's features it drafts from, and what vLLM fixes of it when it builds its draft model. Two kinds:
+of the target's features it drafts from, the KV cache dvi's engine drafts with (`dvi.kv`: what it is fed and keeps of
+a verified round), its greedy drafts alone (the registry's pyfunc model), and what vLLM fixes of it when it builds its
+draft model. Two kinds:
 
 - `LAYERS` (`LayersKind`): a Hugging Face causal LM made of the target's first layers (`dvi.models`), vLLM's method
   draft_model;
@@ -16,7 +18,7 @@ drafter directory's, `kind_of_config(raw)` a version's config.json's. A further 
 `KINDS`. The implementations delegate to the modules that own each kind's maths and files.
 
 This module knows the kinds' files, their checks and vLLM's names for them; not the store's layout (`dvi.store`),
-announcements (`dvi.swap`), decoding, serving or training.
+announcements (`dvi.swap`), the decoding loop, serving or training.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dvi import eagle3
 from dvi.errors import DviError, Refused
+from dvi.kv import DraftKV, FeatureKV
 from dvi.models import DRAFT_HEAD, EAGLE3, EAGLE3_VOCAB, LAYERS, Drafter, attach_head, build_drafter, drafter_kind, load_drafter
 
 WEIGHTS = "model.safetensors"  # the file a version's tensors are in (`dvi.store.WEIGHTS`)
@@ -130,6 +133,16 @@ class DrafterKind(ABC):
     @abstractmethod
     def place(self, drafter, device: torch.device) -> None:
         """Move `drafter` to the target's `device` where it was not loaded there."""
+
+    @property
+    @abstractmethod
+    def draft_cache(self) -> type[DraftKV]:
+        """The KV cache dvi's engine drafts with for this kind (`dvi.kv`): what it is fed, reads and keeps of a round."""
+
+    @abstractmethod
+    def greedy_drafts(self, drafter, ids: list[int], n: int, target: torch.nn.Module | None = None) -> list[int]:
+        """`drafter`'s n greedy drafts (target ids) after the sequence `ids`, drafting alone: what it would propose to
+        the target. `target`: the model whose features it reads (a kind that reads none ignores it)."""
 
     @abstractmethod
     def check_vllm(self, drafter, vocab_size: int) -> None:
@@ -233,6 +246,15 @@ class LayersKind(DrafterKind):
 
     def place(self, drafter, device: torch.device) -> None:
         """Nothing: a layer drafter is loaded on the target's device."""
+
+    draft_cache = DraftKV
+
+    def greedy_drafts(self, drafter, ids, n, target=None) -> list[int]:
+        new: list[int] = []
+        for _ in range(n):
+            choice = int(drafter.model(torch.tensor([ids + new])).logits[0, -1].argmax())
+            new.append(int(drafter.vocab_map[choice]) if drafter.vocab_map is not None else choice)
+        return new
 
     def check_vllm(self, drafter, vocab_size: int) -> None:
         """Over the target's whole vocabulary: vLLM's draft model has no reduced head."""
@@ -381,6 +403,13 @@ class Eagle3Kind(DrafterKind):
         """A bare `Eagle3Drafter`, loaded on the CPU (`load_version`), moves to the target's device."""
         if not isinstance(drafter, Drafter) and drafter.fc.weight.device != device:
             drafter.to(device)
+
+    draft_cache = FeatureKV
+
+    def greedy_drafts(self, drafter, ids, n, target=None) -> list[int]:
+        if target is None:
+            raise DviError("an EAGLE-3 drafter drafts from its target's features: give the target")
+        return eagle3.greedy_drafts(_eagle(drafter), target, ids, n)
 
     def check_vllm(self, drafter, vocab_size: int) -> None:
         """For this vocabulary (vLLM maps its reduced head with its d2t)."""

@@ -317,6 +317,28 @@ def to_draft_ids(ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     return torch.where(t2d[ids], draft[ids], torch.full_like(ids, -1))
 
 
+def greedy_drafts(drafter: Eagle3Drafter, target: nn.Module, ids: list[int], n: int) -> list[int]:
+    """The drafter's n greedy drafts (target ids) after `ids`, as vLLM's drafting loop runs it: its first pass reads the
+    target's features of each position beside the next token (the last one predicts the token after `ids`); each further
+    step reads its own output at the last position beside the token it drafted (`ttt_logits`' chain). A one-token
+    sequence has no feature before its token: zero features."""
+    x = torch.tensor([ids])
+    dtype = drafter.fc.weight.dtype
+    if len(ids) > 1:
+        hidden, tokens = drafter.fuse(target_features(target, x[:, :-1], drafter.layer_ids).to(dtype)), x[:, 1:]
+    else:
+        hidden, tokens = torch.zeros(1, 1, drafter.config.hidden_size, dtype=dtype), x
+    positions = torch.arange(tokens.shape[1])[None]
+    past, new, vocab = [], [], target_ids(drafter.d2t)
+    for k in range(n):
+        logits, hidden, kv = drafter.step(hidden, tokens, positions + k, past)
+        past.append(kv)
+        new.append(int(vocab[logits[0, -1].argmax()]))
+        tokens = tokens.clone()
+        tokens[0, -1] = new[-1]  # the last position's next step reads the token it drafted
+    return new
+
+
 def ttt_logits(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
     """Draft logits [B, T - 1, N] of each of `steps` drafting steps, as EAGLE-3 trains them (training-time test).
 

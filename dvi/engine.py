@@ -11,9 +11,8 @@ exactly the target's greedy tokens.
 
 The drafter is a layer drafter (a causal LM over the target's vocabulary or part of it) or an EAGLE-3 drafter
 (`dvi.eagle3`), which drafts from the target's own features: the verify forward records the target's aux hidden
-states, and each position the target kept is queued for the drafter beside the token after it (`dvi.kv.FeatureKV`); a
-request drafts from its second round on (its prefill gives the first features), and drafts made on the drafter's own
-features are dropped from its cache once verified, the target's replacing them, as vLLM's EAGLE-3 proposer does.
+states, and each position the target kept is queued for the drafter beside the token after it. What a drafter's cache
+is fed and keeps is its kind's (`dvi.kv.DraftKV`, `dvi.kv.FeatureKV`): the loop asks it, and branches on no kind.
 
 Adaptive K picks each row's K from its measured acceptance and a cost table measured on this machine
 (`dvi.planner.CostTable`: verify seconds per K and batch bucket, drafter step seconds; a start-up warm-up, then moving
@@ -42,11 +41,11 @@ from transformers import PreTrainedModel
 
 from dvi.config import SpecConfig
 from dvi.drafter_kinds import kind_of
-from dvi.eagle3 import Eagle3Drafter, aux_hidden_states, target_features
+from dvi.eagle3 import Eagle3Drafter, aux_hidden_states
 from dvi.engine_api import LogProb, Request, Result, Round, SpecStats, TokenHook, check_request
 from dvi.errors import DviError
 from dvi.features import Captured
-from dvi.kv import BatchKV, drafter_cache
+from dvi.kv import Accepted, BatchKV, DraftKV
 from dvi.models import Drafter
 from dvi.planner import CostTable, KController, Routing
 from dvi.speculative import ban_tokens, expand_draft_probs, logits_to_probs, rejection_sample, sample_from
@@ -176,7 +175,7 @@ class SpeculativeEngine:
         tgt.forward(self.target, None, keep=1)
         drafter = self.drafter
         model, _ = draft_model(drafter) if drafter is not None else (None, None)
-        dft = drafter_cache(model, [ids[:-1]], self.device)
+        dft = draft_cache_type(drafter).fresh(model, [ids[:-1]], self.device)
         if model is not None:
             dft.forward(model, None, keep=1)
         greedy = torch.zeros(1, device=self.device)
@@ -230,6 +229,11 @@ def draft_model(drafter: Drafter | Eagle3Drafter) -> tuple[torch.nn.Module, torc
     """What drafts for `drafter`, and the target ids of its output rows (None: all of them): a layer drafter's
     causal LM, or an EAGLE-3 drafter, bare (`dvi.swap.load_announced`) or held by a `Drafter` (`DrafterKind.draft_model`)."""
     return kind_of(drafter.kind).draft_model(drafter)
+
+
+def draft_cache_type(drafter: Drafter | Eagle3Drafter | None) -> type[DraftKV]:
+    """The cache `drafter`'s kind drafts with (`DrafterKind.draft_cache`); with no drafter, one that is never fed."""
+    return kind_of(drafter.kind).draft_cache if drafter is not None else DraftKV
 
 
 def _layers_of(states: torch.Tensor, hooked, layers) -> torch.Tensor:
@@ -312,21 +316,13 @@ class Decoding:
         self._use(engine.drafter, [])
 
     def _use(self, drafter: Drafter | Eagle3Drafter | None, rows: list[_Row]) -> None:
-        """Draft with `drafter` from the next round, from a fresh cache fed each of `rows`' sequence so far (an
-        EAGLE-3 drafter's beside the target's features of it, recomputed: the positions the target has seen)."""
+        """Draft with `drafter` from the next round, from a fresh cache of its kind resumed on each of `rows`' sequence
+        so far (`DraftKV.resume`: what the target has fed of each is known)."""
         self.drafter = drafter
         self.model, self.vocab_map = draft_model(drafter) if drafter is not None else (None, None)
-        self.eagle = self.model if isinstance(self.model, Eagle3Drafter) else None
-        device = self.engine.device
-        self.dft = drafter_cache(self.model, [[] if self.eagle else r.req.prompt_ids + r.out for r in rows], device)
-        if self.eagle is None:
-            return
-        for b, r in enumerate(rows):
-            seq = r.req.prompt_ids + r.out
-            seen = len(seq) - len(self.tgt.pending[b])  # tokens the target has fed: their features exist
-            if seen:
-                ids = torch.tensor([seq[:seen]], device=device)
-                self.dft.feed(b, seq[1 : seen + 1], self.eagle.fuse(target_features(self.engine.target, ids, self.eagle.layer_ids))[0])
+        seqs = [r.req.prompt_ids + r.out for r in rows]
+        seen = [len(seq) - len(self.tgt.pending[b]) for b, seq in enumerate(seqs)]  # tokens the target has fed
+        self.dft: DraftKV = draft_cache_type(drafter).resume(self.model, self.engine.target, seqs, seen, self.engine.device)
 
     @property
     def size(self) -> int:
@@ -340,7 +336,7 @@ class Decoding:
         budget = min(req.max_new_tokens, e.window - len(req.prompt_ids))
         self.rows.append(_Row(key, req, on_tokens, budget, torch.Generator().manual_seed(seed), KController(e.spec), time.perf_counter()))
         self.tgt.add_rows([req.prompt_ids])
-        self.dft.add_rows([req.prompt_ids])  # an EAGLE-3 drafter's: nothing to feed until the target has seen it
+        self.dft.add_rows([req.prompt_ids])  # a cache of target features: nothing to feed until the target has seen it
 
     def cancel(self, key: object, reason: str = "abort") -> bool:
         """End the row of `key` at the next round boundary (a client went away, a stop string was seen): `step`
@@ -392,10 +388,9 @@ class Decoding:
         temp = torch.tensor([r.req.temperature for r in rows], dtype=torch.float32, device=device)  # [B]
         top_p = torch.tensor([r.req.top_p for r in rows], dtype=torch.float32, device=device)  # [B]
         u_draft, u_accept, u_sample = self._draws(ks, kmax)
-        # a round whose rows feed only their last token is a representative cost (a prefill is not); an EAGLE-3
-        # drafter is fed each kept position, up to K + 1 a round
+        # a round whose rows feed only their last token is a representative cost (a prefill is not)
         steady_tgt = max(len(p) for p in self.tgt.pending) == 1
-        steady_dft = max(len(p) for p in self.dft.pending) <= (2 if self.eagle is None else e.spec.k_max + 1)
+        steady_dft = self.dft.steady(e.spec.k_max)
 
         timing = e.spec.cost_ratio is None  # fixed costs: nothing to measure
         t0 = _now(device) if timing else 0.0
@@ -421,14 +416,14 @@ class Decoding:
 
     def _plan(self) -> list[int]:
         """Each row's K for this round, by its own `KController` and the engine's cost table, never past its budget; 0
-        for an EAGLE-3 drafter's row whose target features are not queued yet (its prefill). The routing decisions
+        for a row its drafter's cache cannot draft for yet (`DraftKV.ready`: an EAGLE-3 drafter's, before its prefill). The routing decisions
         the rows took are queued for the engine (`take_routing`)."""
         e, batch = self.engine, len(self.rows)
         c, verify_cost = e.costs.plan(batch)
         measured = e.costs.measured
         ks, routed = [], []
         for b, r in enumerate(self.rows):
-            ready = self.drafter is not None and (self.eagle is None or self.dft.length[b] > 0 or len(self.dft.pending[b]) > 0)
+            ready = self.drafter is not None and self.dft.ready(b)
             k = r.ctrl.next_k(len(r.out), c, verify_cost, measured) if ready else 0
             ks.append(max(0, min(k, r.budget - len(r.out) - 1)))  # never draft past the budget
             if self.drafter is not None and r.ctrl.routed is not None:
@@ -451,12 +446,12 @@ class Decoding:
 
     def _verify(self, draft_ids: torch.Tensor, kmax: int) -> _Verified:
         """The target's forward over each row's pending tokens and its drafts, keeping the logits of the last Kmax + 1
-        positions, and the aux hidden states of every fed position that the serving EAGLE-3 drafter and the Results'
-        features (`features_layers`) read."""
-        e, eagle = self.engine, self.eagle
+        positions, and the aux hidden states of every fed position that the drafter's cache (`DraftKV.reads`) and the
+        Results' features (`features_layers`; by default the drafter's) read."""
+        e, reads = self.engine, self.dft.reads
         fed = [list(p) for p in self.tgt.pending]  # the tokens this forward feeds before the drafts
-        layers = e.features_layers if e.features_layers is not None else (tuple(sorted(eagle.layer_ids)) if eagle else None)
-        hooked = sorted(set(layers or ()) | set(eagle.layer_ids if eagle is not None else ()))
+        layers = e.features_layers if e.features_layers is not None else (reads or None)
+        hooked = sorted(set(layers or ()) | set(reads))
         if not hooked:
             return _Verified(self.tgt.forward(e.target, draft_ids, keep=kmax + 1), fed)  # [B, Kmax + 1, V]
         with aux_hidden_states(e.target, hooked) as aux:
@@ -464,7 +459,7 @@ class Decoding:
             hooked_states = aux()  # [B, Q, len(hooked) x hidden]: each fed position's, drafts included
         return _Verified(logits, fed, layers,
                          aux=_layers_of(hooked_states, hooked, layers) if layers is not None else None,
-                         features=eagle.fuse(_layers_of(hooked_states, hooked, eagle.layer_ids)) if eagle is not None else None)
+                         features=self.dft.fuse(_layers_of(hooked_states, hooked, reads)) if reads else None)
 
     def _accept(self, logits: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor, ks: list[int], temp: torch.Tensor,
                 top_p: torch.Tensor, u_accept: torch.Tensor, u_sample: torch.Tensor):
@@ -488,8 +483,7 @@ class Decoding:
                    token_list: list[int]) -> None:
         """Both caches back to each row's accepted prefix (the rejected drafts become holes), the token after it pending
         for the next round; each row's kept positions' features captured for its Result."""
-        batch, kmax, device = len(self.rows), draft_ids.shape[1], self.engine.device
-        j = torch.arange(1, kmax + 1, device=device)
+        j = torch.arange(1, draft_ids.shape[1] + 1, device=self.engine.device)
         self.tgt.keep_last(j.unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_Kmax
         self.tgt.pending = [[t] for t in token_list]
         width = max(len(f) for f in v.fed)
@@ -497,19 +491,7 @@ class Decoding:
             for b, r in enumerate(self.rows):
                 first = len(r.req.prompt_ids) + len(r.out) - len(v.fed[b])
                 r.captured.add(first, v.aux[b, width - len(v.fed[b]) : width + n_list[b]].clone(), v.layers)
-        if self.eagle is not None:
-            # the drafter's slots of d_1..d_{Kmax-1} came from its own features: the target's replace them
-            self.dft.keep_last(torch.zeros(batch, max(kmax - 1, 0), dtype=torch.bool, device=device))
-            for b in range(batch):  # each position the target fed and kept, beside the token after it
-                seen = v.fed[b] + drafted[b][: n_list[b]]
-                self.dft.feed(b, seen[1:] + [token_list[b]], v.features[b, width - len(v.fed[b]) : width + n_list[b]])
-        elif kmax:
-            last = draft_ids[:, -1].tolist()
-            self.dft.keep_last(j[:-1].unsqueeze(0) <= n.unsqueeze(1))  # slots of d_1..d_{Kmax-1}
-            self.dft.pending = [([last[b]] if n_list[b] == kmax else []) + [token_list[b]] for b in range(batch)]
-        else:
-            for b in range(batch):
-                self.dft.pending[b].append(token_list[b])
+        self.dft.roll_back(Accepted(drafted, n, n_list, token_list, v.fed, v.features))
 
     def _emit(self, ks: list[int], drafted: list[list[int]], n_list: list[int], token_list: list[int],
               log_p: torch.Tensor | None, top) -> list[tuple[object, Result]]:

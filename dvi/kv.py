@@ -1,20 +1,27 @@
 """The KV state of speculative decoding over a batch of sequences of different lengths: `BatchKV` for a causal LM
-(the target, a layer drafter) and `FeatureKV` for an EAGLE-3 drafter, which feeds each token beside a target feature.
+(the target), and a drafter's cache by its kind: `DraftKV` for a layer drafter (a causal LM fed the sequence's tokens,
+as the target is) and `FeatureKV` for an EAGLE-3 drafter, which feeds each token beside a target feature.
 
 Rows accept different numbers of drafted tokens each round; rather than copying caches to re-align them, a rejected
 slot stays in the cache as a masked "hole" (a 4D attention mask hides it, explicit position ids skip it) and holes are
 squeezed out when they grow (`BatchKV.compact`). Rows join (`add_rows`) and leave (`select`) between rounds.
 
-This module knows transformers' `DynamicCache` and the models' forward signatures; what is fed when, and what is
-accepted, are `dvi.engine`'s.
+A drafter's cache answers what the decoding loop asks of a drafter whatever its kind (`DraftKV`'s methods): how it
+starts on rows already decoding, which target layers' states it reads, whether a row can draft, whether a round's
+drafting is a representative cost, and what it keeps of a verified round. A third kind of drafter is a third class.
+
+This module knows transformers' `DynamicCache` and the models' forward signatures; what is drafted, verified and
+accepted is `dvi.engine`'s.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from dvi.eagle3 import Eagle3Drafter
+from dvi.eagle3 import Eagle3Drafter, target_features
 from dvi.models import cache_kwarg
 
 
@@ -148,19 +155,119 @@ class BatchKV:
             self.cache = DynamicCache()
 
 
-class FeatureKV(BatchKV):
+@dataclass
+class Accepted:
+    """A verified round as a drafter's cache rolls back to it (`DraftKV.roll_back`)."""
+
+    drafted: list[list[int]]  # each row's drafts d_1..d_Kmax (target ids)
+    accepted: torch.Tensor  # [B] how many of them the target accepted
+    accepted_list: list[int]  # the same, read once
+    tokens: list[int]  # the token after each row's accepted prefix
+    fed: list[list[int]]  # each row's tokens the verify forward fed before the drafts (right-aligned)
+    features: torch.Tensor | None = None  # [B, Q, hidden] the fused target features of its positions, drafts included
+    # (for a cache that reads them)
+
+    @property
+    def kmax(self) -> int:
+        return len(self.drafted[0]) if self.drafted else 0
+
+
+class DraftKV(BatchKV):
+    """A layer drafter's cache: fed each row's tokens as the target is (its drafts, then the accepted ones), and the
+    interface of every drafter's cache to the decoding loop (`dvi.engine.Decoding`). With no drafter, rows keep their
+    tokens pending, never fed."""
+
+    reads: tuple[int, ...] = ()  # the target layers whose aux hidden states it is fed (ascending): none
+
+    @classmethod
+    def fresh(cls, model, pending: list[list[int]], device: torch.device) -> DraftKV:
+        """An empty cache for the drafter's `model` (what drafts, `dvi.drafter_kinds.DrafterKind.draft_model`) with
+        `pending` tokens to feed (a warm-up's)."""
+        return cls(pending, device)
+
+    @classmethod
+    def resume(cls, model, target, seqs: list[list[int]], seen: list[int], device: torch.device) -> DraftKV:
+        """A fresh cache for rows decoding `seqs` so far, `seen[b]` of row b's tokens fed to the target already
+        (a drafter swapped in mid-request): a layer drafter is fed every token of each."""
+        return cls(seqs, device)
+
+    def ready(self, b: int) -> bool:
+        """Whether row b can draft this round."""
+        return True
+
+    def steady(self, k_max: int) -> bool:
+        """Whether this round's drafting is a representative cost: each row feeds its last token, and its last draft
+        where it accepted all of them (a prefill is not)."""
+        return max(len(p) for p in self.pending) <= 2
+
+    def fuse(self, states: torch.Tensor) -> torch.Tensor | None:
+        """The features it is fed, from the target's aux hidden states at `reads` [..., len(reads) x hidden]: none."""
+        return None
+
+    def roll_back(self, v: Accepted) -> None:
+        """Back to each row's accepted prefix after the verified round `v`: of its drafts d_1..d_Kmax the drafter fed
+        d_1..d_{Kmax-1}; the accepted ones stay, the token after them and an accepted d_Kmax are pending."""
+        kmax = v.kmax
+        if not kmax:
+            for b, t in enumerate(v.tokens):
+                self.pending[b].append(t)
+            return
+        j = torch.arange(1, kmax, device=self.device)
+        self.keep_last(j.unsqueeze(0) <= v.accepted.unsqueeze(1))  # slots of d_1..d_{Kmax-1}
+        self.pending = [([v.drafted[b][-1]] if v.accepted_list[b] == kmax else []) + [t] for b, t in enumerate(v.tokens)]
+
+
+class FeatureKV(DraftKV):
     """An EAGLE-3 drafter's KV cache (`dvi.eagle3.Eagle3Drafter.decode`), slots and holes as `BatchKV`'s. Each pending
     token comes with the feature it is fed beside (`hidden[b]` [n, hidden], one row per pending token): the fused
     target features of the position before it. Slot i holds (feature of position i, token i + 1), as vLLM's drafter
     cache does. An `extra` token is fed beside the drafter's own pre-norm output at the position before it (its
-    last forward's, `prenorm`): drafting on from its own guess."""
+    last forward's, `prenorm`): drafting on from its own guess. A row drafts from its second round on (its prefill
+    gives the first features), and drafts made on the drafter's own features are dropped from the cache once verified,
+    the target's replacing them, as vLLM's EAGLE-3 proposer does."""
 
-    def __init__(self, pending: list[list[int]], hidden: list[torch.Tensor], width: int, device: torch.device | str = "cpu"):
+    def __init__(self, drafter: Eagle3Drafter, pending: list[list[int]], hidden: list[torch.Tensor] | None = None,
+                 device: torch.device | str = "cpu"):
         super().__init__(pending, device)
-        self.width = width  # the drafter's hidden size
-        self.hidden = list(hidden)
+        self.drafter = drafter
+        self.reads = tuple(sorted(int(i) for i in drafter.layer_ids))
+        self.width = drafter.config.hidden_size  # the drafter's hidden size
+        self.hidden = list(hidden) if hidden is not None else [torch.zeros(len(p), self.width, device=self.device) for p in pending]
         self.prenorm: torch.Tensor | None = None  # [B, 1, hidden] the last forward's output at each row's last slot
         # (within one round's drafting: rows joining or leaving drop it)
+
+    @classmethod
+    def fresh(cls, model, pending: list[list[int]], device: torch.device) -> FeatureKV:
+        """Each pending token beside a zero feature (a warm-up's; decoding feeds the target's, `feed`)."""
+        return cls(model, pending, device=device)
+
+    @classmethod
+    def resume(cls, model, target, seqs: list[list[int]], seen: list[int], device: torch.device) -> FeatureKV:
+        """Fed, for each row, the positions the target has seen beside their features (recomputed by `target`)."""
+        kv = cls(model, [[] for _ in seqs], device=device)
+        for b, (seq, k) in enumerate(zip(seqs, seen)):
+            if k:
+                ids = torch.tensor([seq[:k]], device=device)
+                kv.feed(b, seq[1 : k + 1], model.fuse(target_features(target, ids, model.layer_ids))[0])
+        return kv
+
+    def ready(self, b: int) -> bool:
+        return self.length[b] > 0 or len(self.pending[b]) > 0  # the target's features of it are fed or queued
+
+    def steady(self, k_max: int) -> bool:
+        return max(len(p) for p in self.pending) <= k_max + 1  # each kept position of a round: up to K + 1
+
+    def fuse(self, states: torch.Tensor) -> torch.Tensor:
+        return self.drafter.fuse(states)
+
+    def roll_back(self, v: Accepted) -> None:
+        batch, kmax, width = len(v.tokens), v.kmax, max(len(f) for f in v.fed)
+        # the drafter's slots of d_1..d_{Kmax-1} came from its own features: the target's replace them
+        self.keep_last(torch.zeros(batch, max(kmax - 1, 0), dtype=torch.bool, device=self.device))
+        for b in range(batch):  # each position the target fed and kept, beside the token after it
+            n, fed = v.accepted_list[b], v.fed[b]
+            seen = fed + v.drafted[b][:n]
+            self.feed(b, seen[1:] + [v.tokens[b]], v.features[b, width - len(fed) : width + n])
 
     def forward(self, model, extra: torch.Tensor | None, keep: int) -> torch.Tensor:
         ids, ok, positions, mask = self._inputs(extra, model.dtype)
@@ -193,12 +300,3 @@ class FeatureKV(BatchKV):
         super().select(rows)
         self.hidden = [self.hidden[int(r)] for r in rows]
         self.prenorm = None  # a drafting step's: the next drafts start from a forward of pending tokens
-
-
-def drafter_cache(model, pending: list[list[int]], device: torch.device) -> BatchKV:
-    """An empty cache for a drafter's `model` (None: no drafter) with `pending` tokens to feed: an EAGLE-3 drafter's
-    feeds each beside a zero feature (a warm-up's; decoding feeds the target's, `FeatureKV.feed`)."""
-    if isinstance(model, Eagle3Drafter):
-        width = model.config.hidden_size
-        return FeatureKV(pending, [torch.zeros(len(p), width, device=device) for p in pending], width, device)
-    return BatchKV(pending, device)

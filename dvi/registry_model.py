@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from dvi.eagle3 import target_features, target_ids
 from dvi.errors import DviError
 from dvi.drafter_kinds import kind_of_dir
 from dvi.models import Drafter, load_causal_lm, load_tokenizer
@@ -32,7 +31,7 @@ class DrafterModel:
     def __init__(self, path: str | Path):
         p = Path(path)
         config = json.loads((p / "config.json").read_text())
-        kind = kind_of_dir(p)
+        self.kind = kind = kind_of_dir(p)
         self.target = None
         if kind.reads_features:  # the target it drafts from is the verifier its config.json names
             self.target = load_causal_lm(config["speculators_config"]["verifier"]["name_or_path"], "target")
@@ -52,40 +51,9 @@ class DrafterModel:
                 ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             else:
                 ids = [int(t) for t in prompt]
-            if self.target is not None:
-                new = self._eagle3_drafts(ids, n)
-                out.append({"token_ids": new, "text": self.tokenizer.decode(new) if self.tokenizer is not None else None})
-                continue
-            new: list[int] = []
-            for _ in range(n):
-                logits = self.drafter.model(torch.tensor([ids + new])).logits[0, -1]
-                choice = int(logits.argmax())
-                new.append(int(self.drafter.vocab_map[choice]) if self.drafter.vocab_map is not None else choice)
+            new = self.kind.greedy_drafts(self.drafter, ids, n, self.target)
             out.append({"token_ids": new, "text": self.tokenizer.decode(new) if self.tokenizer is not None else None})
         return out
-
-
-    def _eagle3_drafts(self, ids: list[int], n: int) -> list[int]:
-        """An EAGLE-3 drafter's n greedy drafts after `ids`: its first pass reads the target's features of each prompt
-        position beside the next prompt token (the last one predicts the token after the prompt); each further step
-        reads its own output at the last position beside the token it drafted (`dvi.eagle3.ttt_logits`' chain). A
-        one-token prompt has no feature before its token: zero features."""
-        d = self.drafter.model
-        x = torch.tensor([ids])
-        if len(ids) > 1:
-            feats = target_features(self.target, x[:, :-1], d.layer_ids).to(d.fc.weight.dtype)
-            hidden, tokens = d.fuse(feats), x[:, 1:]
-        else:
-            hidden, tokens = torch.zeros(1, 1, d.config.hidden_size, dtype=d.fc.weight.dtype), x
-        positions = torch.arange(tokens.shape[1])[None]
-        past, new, vocab = [], [], target_ids(d.d2t)
-        for k in range(n):
-            logits, hidden, kv = d.step(hidden, tokens, positions + k, past)
-            past.append(kv)
-            new.append(int(vocab[logits[0, -1].argmax()]))
-            tokens = tokens.clone()
-            tokens[0, -1] = new[-1]  # the last position's next step reads the token it drafted
-        return new
 
 
 def _load_pyfunc(path: str) -> DrafterModel:
