@@ -541,9 +541,10 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
             say(f"drift: the servers on cores {serving_cores}, the trainer on {trainer_cores}")
         pinned = [f"serve.vllm.cpu_bind={serving_cores}"] if serving_cores else []
 
+        # the replicas and the trainer start together (the broker and MLflow are up): `needs` none
         def replica(side: str, *extra: str) -> Part:
             return Part(side, ["serve", *extra, *pinned, f"serve.port={ports[side]}", f"stream.replica_id={side}"],
-                        lambda _: http_ok(f"{urls[side]}/health"), 300)
+                        lambda _: http_ok(f"{urls[side]}/health"), 300, needs=())
 
         parts = [replica("online"), replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false")]
         models, plain = {}, None
@@ -551,7 +552,7 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
             parts.append(replica("plain", "--no-draft", "serve.swap.enabled=false", "serve.log_decisions=false"))
         parts.append(Part("train", ["train", f"model.drafter={store.default_root(cfg) / version}", f"trainer.run_dir={work / 'trainer'}",
                                     *([f"trainer.cpu_bind={trainer_cores}"] if trainer_cores else [])],
-                          banner("dvi train:"), 300))
+                          banner("dvi train:"), 300, needs=()))
         services = Supervisor(parts, common, work / "logs", say=say)
         try:
             if opt.stack == "vllm":  # the peer: plain vLLM's own server at the same dtype, compiled, no drafter

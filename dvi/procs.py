@@ -306,16 +306,21 @@ def _signal_group(pid: int, sig: int) -> None:
 def wait_ready(child: Child, probe: Probe, timeout_s: float, what: str, interval_s: float = 0.1) -> None:
     """Poll `probe` until it says ready; DviError (with the log's end) when the child exits first or time runs out."""
     deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if not child.running:
-            raise DviError(f"{what} exited at start (status {child.returncode}): {child.log_tail()}")
-        missing = probe()
-        if missing is None:
-            return
-        last = missing
+    while not look_ready(child, probe, deadline, timeout_s, what):
         time.sleep(interval_s)
-    raise DviError(f"{what} did not answer within {timeout_s:.0f} s ({last}); log: {child.log_tail()}")
+
+
+def look_ready(child: Child, probe: Probe, deadline: float, timeout_s: float, what: str) -> bool:
+    """One look at a starting child: True once `probe` says it is ready; DviError (with the log's end) when it exited,
+    or when the `deadline` (`timeout_s` after its start) passed."""
+    if not child.running:
+        raise DviError(f"{what} exited at start (status {child.returncode}): {child.log_tail()}")
+    missing = probe()
+    if missing is None:
+        return True
+    if time.monotonic() >= deadline:
+        raise DviError(f"{what} did not answer within {timeout_s:.0f} s ({missing}); log: {child.log_tail()}")
+    return False
 
 
 # ----------------------------------------------------------------------------------------------

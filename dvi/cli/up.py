@@ -3,7 +3,9 @@
 Owns the plan (which parts run, in what order, how each says it is ready) and their supervision. The parts are
 `dvi broker` (unless `stream.bootstrap_servers` names a Kafka), `dvi mlflow` (unless `tracking.uri` names a
 server or tracking is off), `dvi serve` and `dvi train`, each run with this interpreter and the same overrides,
-so each loads exactly the config `dvi up` loaded. They start in that order, each waited on until ready; a part
+so each loads exactly the config `dvi up` loaded. They start in that order, each waited on until ready, but for serve
+and train, which start together once the broker and MLflow are (`Part.needs`: on a small machine each spends its
+first seconds importing on one core); a part
 that exits is reported and restarted after a backoff (1 s, doubling to 30 s, back to 1 s once a run lasted a
 minute); Ctrl-C or SIGTERM stops them in reverse order. Child logs go to <cache>/logs/<part>.log; the children's
 decision lines (loggers `dvi.decision.*`: gates, publishes, swaps, promotions, rollbacks, triggers) are relayed to
@@ -37,10 +39,11 @@ from dvi.config import cache_dir, load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
 from dvi.mlflow_login import local_login
-from dvi.procs import REGISTRY_ENV, Child, http_ok, port_in_use, sigterm_interrupts, spawn, start_time, stop_leftovers, wait_ready
+from dvi.procs import REGISTRY_ENV, Child, http_ok, look_ready, port_in_use, sigterm_interrupts, spawn, start_time, stop_leftovers
 from dvi.tracking import find_experiment_link
 
 PARTS = ("broker", "mlflow", "serve", "train")
+INFRA = ("broker", "mlflow")  # what the loop's parts need ready before they start
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
@@ -63,6 +66,8 @@ class Part:
     args: list[str]  # the dvi subcommand and its options (the overrides are added to every part)
     ready: Callable[[Child], str | None]  # a probe given the running child: None once it serves
     ready_timeout_s: float
+    # the parts that must be ready before it starts (those its supervisor runs; None: every part before it)
+    needs: tuple[str, ...] | None = None
 
 
 def banner(prefix: str) -> Callable[[Child], str | None]:
@@ -86,15 +91,17 @@ def plan(cfg, only: set[str] | None = None, train: bool = True) -> list[Part]:
     if cfg.tracking.enabled and cfg.tracking.uri is None:
         # longer than `dvi mlflow`'s own limit on its server (180 s), so that its error, not this wait, ends a start
         parts.append(Part("mlflow", ["mlflow"], lambda _: http_ok(f"{cfg.tracking.tracking_uri}/health"), 240))
-    # 900 s: the first start on a machine compiles the models (vLLM, serve.vllm.enforce_eager=false: minutes on 2 cores)
-    parts.append(Part("serve", ["serve"], lambda _: http_ok(f"{serve_url}/health"), 900))
+    # 900 s: the first start on a machine compiles the models (vLLM, serve.vllm.enforce_eager=false: minutes on 2 cores);
+    # serve and train start together once the broker and MLflow are ready (each starts on one core at first: imports)
+    parts.append(Part("serve", ["serve"], lambda _: http_ok(f"{serve_url}/health"), 900, needs=INFRA))
     if train:
-        parts.append(Part("train", ["train"], banner("dvi train:"), 300))
+        parts.append(Part("train", ["train"], banner("dvi train:"), 300, needs=INFRA))
     return [p for p in parts if only is None or p.name in only]
 
 
 class Supervisor:
-    """Starts the parts in order, restarts those that exit, stops them all in reverse order."""
+    """Starts the parts in order (a part with `needs` as soon as those are ready), restarts those that exit, stops them
+    all in reverse order."""
 
     def __init__(self, parts: list[Part], overrides: list[str], log_dir: Path, say: Callable[[str], None] = print,
                  relay: bool = True):
@@ -153,12 +160,26 @@ class Supervisor:
         return probe
 
     def start(self) -> None:
-        """Start every part and wait until each is ready; on a failure, stop what started and raise DviError."""
+        """Start every part, each once the parts it needs are ready (`Part.needs`), and wait until all are; on a failure,
+        stop what started and raise DviError."""
+        names = [p.name for p in self.parts]
+        needs = {p.name: names[:i] if p.needs is None else [n for n in p.needs if n in names] for i, p in enumerate(self.parts)}
+        ready: set[str] = set()
+        starting: dict[str, tuple[Callable[[], str | None], float]] = {}  # part -> its probe, its deadline
         try:
-            for part in self.parts:
-                child = self.children[part.name] = self._spawn(part)
-                wait_ready(child, self._waiting(part, child), part.ready_timeout_s, f"dvi {part.name}", interval_s=0.25)
-                self.say(f"dvi up: {part.name} ready (pid {child.pid}, log {child.log_path})")
+            while len(ready) < len(self.parts):
+                for part in self.parts:
+                    if part.name not in ready and part.name not in starting and all(n in ready for n in needs[part.name]):
+                        child = self.children[part.name] = self._spawn(part)
+                        starting[part.name] = (self._waiting(part, child), time.monotonic() + part.ready_timeout_s)
+                for part in [p for p in self.parts if p.name in starting]:
+                    child, (probe, deadline) = self.children[part.name], starting[part.name]
+                    if look_ready(child, probe, deadline, part.ready_timeout_s, f"dvi {part.name}"):
+                        del starting[part.name]
+                        ready.add(part.name)
+                        self.say(f"dvi up: {part.name} ready (pid {child.pid}, log {child.log_path})")
+                if starting:
+                    time.sleep(0.25)
         except BaseException:
             self.stop()
             raise

@@ -117,6 +117,40 @@ class Sleepers(Supervisor):
         return spawn(part.name, [sys.executable, "-c", SLEEPER], log_path=self.log_dir / f"{part.name}.log")
 
 
+def test_a_part_starts_once_what_it_needs_is_ready_and_beside_the_parts_that_need_the_same(tmp_path, monkeypatch):
+    """`Part.needs`: serve and train start together once the infrastructure is ready (a name the supervisor does not
+    run is not waited for); a part without `needs` starts once every part before it is ready."""
+    monkeypatch.setenv(REGISTRY_ENV, str(tmp_path / "children"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    spawned: dict[str, float] = {}
+    takes = {"infra": 1.0, "serve": 2.0, "train": 2.0, "last": 0.5}  # seconds from its start until it says it is ready
+
+    class Timed(Sleepers):
+        def _spawn(self, part):
+            spawned[part.name] = time.monotonic()
+            return super()._spawn(part)
+
+    def probe(name: str):
+        return lambda _c: None if time.monotonic() >= spawned[name] + takes[name] else "not yet"
+
+    said: list[str] = []
+    sup = Timed([Part("infra", [], probe("infra"), 30), Part("serve", [], probe("serve"), 30, needs=("infra",)),
+                 Part("train", [], probe("train"), 30, needs=("infra", "elsewhere")), Part("last", [], probe("last"), 30)],
+                [], tmp_path / "logs", say=said.append, relay=False)
+    t0 = time.monotonic()
+    sup.start()
+    try:
+        took = time.monotonic() - t0
+        assert spawned["serve"] >= spawned["infra"] + takes["infra"] and spawned["train"] >= spawned["infra"] + takes["infra"]
+        assert abs(spawned["serve"] - spawned["train"]) < 1.0, spawned  # together, not one after the other
+        assert spawned["last"] >= max(spawned["serve"], spawned["train"]) + takes["serve"]
+        assert took < sum(takes.values()) - 1.0, (took, said)
+        assert [line.split()[2] for line in said if " ready (pid" in line] == ["infra", "serve", "train", "last"], said
+    finally:
+        sup.stop()
+    assert _registry(tmp_path / "children") == []
+
+
 def _registry(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in folder.glob("*.json")]
 
