@@ -241,9 +241,13 @@ class Trainer:
     def run(self) -> Counters:
         main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        stepped = False  # the last pass took a step: a backlog is being worked off, so the next poll does not wait
         try:
             while True:
-                self.ingest(self.source.poll(timeout_s=0.5))
+                # waiting for records only when there was nothing to train: a step every pass over a backlog, not one
+                # per poll timeout (what has arrived is read either way)
+                self.ingest(self.source.poll(timeout_s=0.0 if stepped else 0.5))
+                stepped = False
                 self._expire()
                 for where in self.source.take_resets() if hasattr(self.source, "take_resets") else ():
                     self.offsets.forget(where)
@@ -269,7 +273,9 @@ class Trainer:
                     self.released_at, self.released_step = time.monotonic(), self.state.step
                 if not go:
                     continue
+                before = self.state.step
                 self.step()
+                stepped = self.state.step > before
                 if self.cfg.trigger.kind != "continuous":
                     self.trigger.step_done()
                 if self.state.step % self.tcfg.checkpoint_every == 0:
