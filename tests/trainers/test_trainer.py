@@ -115,7 +115,8 @@ def committed(cfg: DviConfig) -> dict[int, int]:
 
 def end_offsets(cfg: DviConfig) -> dict[int, int]:
     """Per partition, the offset after the last message, read by consuming the topic (Tansu's ListOffsets is
-    wrong for multi-message batches, see PLATFORM.md)."""
+    wrong for multi-message batches, see PLATFORM.md): until every partition's position reaches the high-water
+    mark its fetches report, or nothing arrived for 2 s."""
     from kafka import KafkaConsumer, TopicPartition
 
     c = KafkaConsumer(bootstrap_servers=cfg.stream.bootstrap, enable_auto_commit=False)
@@ -130,6 +131,9 @@ def end_offsets(cfg: DviConfig) -> dict[int, int]:
             for tp, messages in batches.items():
                 ends[tp.partition] = max(ends[tp.partition], messages[-1].offset + 1)
                 quiet_since = time.monotonic()
+            highs = [c.highwater(tp) for tp in tps]
+            if None not in highs and all(ends[tp.partition] >= high for tp, high in zip(tps, highs, strict=True)):
+                break  # read to the end of every partition
         return ends
     finally:
         c.close()
