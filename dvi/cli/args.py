@@ -1,7 +1,9 @@
 """A command line checked before any heavy library loads: a mistake is answered in a second, not after the seconds that
 importing torch, transformers and Kafka's client take (`Command.check` in the command table, then the command itself
-reads its settings from here). It knows the config and the options; it loads no model and opens no connection. `dvi
-serve` given cores of its own is narrowed to them here, before torch loads (`serve`), and so is the trainer (`train`)."""
+reads its settings from here). It knows the config and the options; it loads no model and opens no connection. The
+model paths a command line names are checked here too (`dvi.model_files`), and, for the commands that load the pair
+in this process, the device and dtype (`dvi.hardware.resolve_device`: torch, not transformers). `dvi serve` given
+cores of its own is narrowed to them here, before torch loads (`serve`), and so is the trainer (`train`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 from dvi.alloc import limit_kernel_caches
 from dvi.config import DviConfig, check_sampling, load_config, overrides_of
 from dvi.errors import DviError
-from dvi.hardware import bound_cores, pick_engine, replica_cores
+from dvi.hardware import bound_cores, pick_engine, replica_cores, resolve_device, resolve_dtype
+from dvi.model_files import require_gguf_file, require_model_dir
 
 
 @dataclass(frozen=True)
@@ -37,12 +40,35 @@ def generate(args: argparse.Namespace) -> Generate:
     check_sampling(temperature, top_p, max_new)
     if not args.prompt.strip():
         raise DviError("empty prompt: give some text to continue")
+    resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))  # as `dvi.pairs.resolve_pair` checks them, first
+    model_paths(cfg, with_drafter=not args.no_draft)
     return Generate(cfg, temperature, top_p, max_new, seed)
+
+
+def model_paths(cfg: DviConfig, with_drafter: bool = True) -> None:
+    """The target and drafter directories the config names, where it names them (null: the demo pair, fetched and
+    built later; a .gguf target: imported later, `fetch`), are model directories (`dvi.pairs.check_pair_dirs` reads
+    their tokenizers once the libraries load)."""
+    if cfg.model.target and not str(cfg.model.target).endswith(".gguf"):
+        require_model_dir(cfg.model.target, "target")
+    if with_drafter and cfg.model.drafter:
+        require_model_dir(cfg.model.drafter, "drafter")
 
 
 def config(args: argparse.Namespace) -> DviConfig:
     """The config of a command that takes overrides, checked."""
     return load_config(overrides_of(args))
+
+
+def fetch(args: argparse.Namespace) -> DviConfig:
+    """`dvi models fetch`'s config, checked, and its file (`--gguf`: a GGUF file) or, with `--pair`, the device and
+    dtype it checks (`dvi.hardware.resolve_dtype`)."""
+    cfg = config(args)
+    if args.gguf:
+        require_gguf_file(args.gguf)
+    elif args.pair:
+        resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
+    return cfg
 
 
 def serve(args: argparse.Namespace) -> DviConfig:
@@ -51,6 +77,7 @@ def serve(args: argparse.Namespace) -> DviConfig:
     starts: torch is not loaded yet, and its import visits every core the process may use. The cores the process
     could use before are kept in `args.usable_cores`."""
     cfg = config(args)
+    model_paths(cfg, with_drafter=not getattr(args, "no_draft", False))
     args.usable_cores = bound_cores("auto")  # before narrowing: what `dvi serve` may advise a replica to take
     if pick_engine(cfg.serve.engine).value != "vllm-server":
         return cfg

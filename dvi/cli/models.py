@@ -1,6 +1,6 @@
-"""`dvi models fetch`, `dvi drafter init` and `dvi keys init`: what a deployment prepares once (the demo target
-or an imported GGUF file, the configured pair, and drafters built from a target in the model cache: its first layers,
-or an EAGLE-3 drafter for vLLM, `dvi.eagle3`; the control channel's signing keys, `dvi.keys`)."""
+"""`dvi models fetch` and `dvi drafter init`: what a deployment prepares once (the demo target or an imported GGUF
+file, the configured pair, and drafters built from a target in the model cache: its first layers, or an EAGLE-3
+drafter for vLLM, `dvi.eagle3`). The control channel's signing keys, prepared once too, are `dvi.cli.keys`'."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import argparse
 from pathlib import Path
 
 from dvi.cli.output import out
-from dvi import keys
 from dvi.config import load_config, overrides_of
 from dvi.drafter_kinds import kind_of
 from dvi.models import cache_dir, import_gguf, resolve_device, resolve_dtype, target_dir_of
@@ -35,10 +34,4 @@ def drafter_init(args: argparse.Namespace) -> int:
     kind = kind_of(args.kind)
     layers, vocab = kind.init_size(args.layers, args.vocab, cfg.drafter_layers, cfg.drafter_vocab)
     out(kind.build(target_dir, Path(args.out) if args.out else kind.demo_dir(cache, layers, vocab), layers, vocab))
-    return 0
-
-
-def keys_init(args: argparse.Namespace) -> int:
-    keys.init_hosts(Path(args.trainer), Path(args.replica))
-    out(f"trainer keys in {Path(args.trainer).resolve()}, replica keys in {Path(args.replica).resolve()}")
     return 0
