@@ -24,9 +24,27 @@ def dvi(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dvi.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def dvis(*commands: tuple[str, ...], timeout: float = 300, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Several `dvi` processes run side by side (each its own process, as `dvi` above), once all have finished."""
+    procs = [subprocess.Popen([sys.executable, "-m", "dvi.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for args in commands]
+    done = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
+
+
 def test_generate_json_greedy_matches_target_only():
     # fp32 whatever the CPU (model.dtype auto is bf16 where the CPU has it): the two must agree exactly
-    spec = dvi("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "24", "serve.spec.k=3", "model.dtype=float32")
+    spec, plain = dvis(("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "24", "serve.spec.k=3", "model.dtype=float32"),
+                       ("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "24", "--no-draft", "model.dtype=float32"))
     assert spec.returncode == 0, spec.stderr
     out = json.loads(spec.stdout)
     for key in ("text", "token_ids", "drafter_version", "stats"):
@@ -38,7 +56,6 @@ def test_generate_json_greedy_matches_target_only():
     assert out["stats"]["mean_accepted_length"] >= 1.0
     assert out["text"].strip()
 
-    plain = dvi("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "24", "--no-draft", "model.dtype=float32")
     assert plain.returncode == 0, plain.stderr
     ref = json.loads(plain.stdout)
     assert ref["drafter_version"] is None and ref["stats"]["drafted"] == 0
@@ -48,7 +65,7 @@ def test_generate_json_greedy_matches_target_only():
 def test_generate_sampled_seed_repeats():
     args = ("generate", "Once upon a time", "--raw", "--json", "--temperature", "0.8", "--top-p", "0.95",
             "--seed", "7", "--max-new-tokens", "12", "serve.spec.adaptive=false", "serve.spec.k=3")
-    a, b = dvi(*args), dvi(*args)
+    a, b = dvis(args, args)
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
 
@@ -94,8 +111,9 @@ def test_pinning_vllm_to_a_core_this_machine_lacks_is_one_clear_line():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")
 def test_cuda_where_there_is_none_is_one_clear_line():
-    one_line_error(dvi("generate", "hi", "model.device=cuda"), "model.device=cuda: no CUDA device here")
-    one_line_error(dvi("up", "--only", "serve", "model.device=cuda"), "model.device=cuda: no CUDA device here")
+    generate, up = dvis(("generate", "hi", "model.device=cuda"), ("up", "--only", "serve", "model.device=cuda"))
+    one_line_error(generate, "model.device=cuda: no CUDA device here")
+    one_line_error(up, "model.device=cuda: no CUDA device here")
 
 
 def test_device_and_dtype_are_honoured():
@@ -165,8 +183,17 @@ def test_gguf_import_works_without_the_package_index(demo_gguf: Path, demo_targe
     offline = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1"}
     env = {**__import__("os").environ, **offline}
     cache = f"model.cache_dir={tmp_path}"
-    fetched = subprocess.run([sys.executable, "-m", "dvi.cli", "models", "fetch", "--gguf", str(demo_gguf), cache],
-                             capture_output=True, text=True, timeout=300, env=env)
+    args = ("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "8", "--no-draft")
+    reference = subprocess.Popen([sys.executable, "-m", "dvi.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # the demo target's own tokens, decoded while the import below runs
+        fetched = subprocess.run([sys.executable, "-m", "dvi.cli", "models", "fetch", "--gguf", str(demo_gguf), cache],
+                                 capture_output=True, text=True, timeout=300, env=env)
+        demo_out, demo_err = reference.communicate(timeout=300)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.wait()
+    assert reference.returncode == 0, demo_err
     assert fetched.returncode == 0, fetched.stderr
     out = Path(fetched.stdout.strip().splitlines()[-1])  # (DeepSpeed, imported by transformers' GGUF path, prints a line first)
     assert out.parent == tmp_path / "models" and out.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
@@ -174,12 +201,11 @@ def test_gguf_import_works_without_the_package_index(demo_gguf: Path, demo_targe
     mine, demo = load_file(out / "model.safetensors"), load_file(demo_target_dir / "model.safetensors")
     assert mine.keys() == demo.keys() and all(bool((mine[k] == demo[k]).all()) for k in demo)  # the same conversion
     # a .gguf path as model.target: the import above is reused, and the tokens are the demo target's
-    args = ("generate", "Name three primary colors.", "--json", "--greedy", "--max-new-tokens", "8", "--no-draft")
     gen = subprocess.run([sys.executable, "-m", "dvi.cli", *args, f"model.target={demo_gguf}", cache],
                          capture_output=True, text=True, timeout=300, env=env)
     assert gen.returncode == 0, gen.stderr
     assert "dvi: importing" not in gen.stderr
-    assert json.loads(gen.stdout)["token_ids"] == json.loads(dvi(*args).stdout)["token_ids"]
+    assert json.loads(gen.stdout)["token_ids"] == json.loads(demo_out)["token_ids"]
 
 
 def test_gguf_import_of_a_missing_or_foreign_file_is_one_clear_line(tmp_path: Path):
