@@ -6,7 +6,8 @@ The stack is what users run: `dvi up --detach` on the defaults (embedded broker,
 `dvi up` runs), all on one cache of their own (<out>/cache; the demo models are linked in from the user's cache,
 read only). The two replicas share the machine as the README says replicas on one machine should: each pins its
 engine to its own half of the cores (`serve.vllm.cpu_bind`; unless the overrides name a binding): two engines pinned
-to the same cores starve one that restarts beside the other (`benchmarks.bench_restart`). The broker keeps its data
+to the same cores starve one that restarts beside the other (`benchmarks.bench_restart`); the second starts beside the
+first, once `dvi up`'s broker is ready. The broker keeps its data
 on disk (`stream.data_dir` in the cache): a killed broker comes back with what it acknowledged, which is what "every
 acknowledged record is trained exactly once" is checked against. It keeps the decision topic's records
 `--retention-hours` (0.5; the stack's default is a week): its store holds what that retention keeps, and is judged
@@ -652,14 +653,27 @@ class Soak:
         opt = self.opt
         outside_before = outside_files(self.work)
         self.say(f"soak: {opt.minutes:g} minutes, faults at {[(round(t / 60, 1), f) for t, f in opt.fault_at()]} min; out {self.work}")
-        self.up()
-        watch = TopicWatch(self.cfg.stream.bootstrap, self.cfg.stream.topic)
-        watch.start()
+        # the second replica starts beside the stack's serve, on its own half of the cores, once the broker is up
+        log = self.cache / "logs" / "up.log"
+        stack: dict = {"log": log, "from": log.stat().st_size if log.exists() else 0}  # this start's lines only
+        starting = threading.Thread(target=self._start_stack, args=(stack,), daemon=True)
+        starting.start()
+        self.wait_broker(stack)
+        if "error" in stack:
+            raise stack["error"]
         os.environ[REGISTRY_ENV] = str(self.work / "r2.children")
         r2 = Supervisor([Part("r2", ["serve", f"serve.port={self.port2}", "stream.replica_id=r2", *self.binds["r2"]],
                               lambda _: http_ok(self.urls["r2"] + "/dvi/health"), 900)], self.overrides, self.cache / "logs",
                         say=lambda line: self.say(f"soak: {line}"), relay=False)
-        r2.start()
+        try:
+            r2.start()
+        finally:
+            starting.join()
+        if "error" in stack:
+            r2.stop()
+            raise stack["error"]
+        watch = TopicWatch(self.cfg.stream.bootstrap, self.cfg.stream.topic)
+        watch.start()
         self.t0 = time.monotonic()
         traffic = Traffic(self.urls, self.t0)
         traffic.start()
@@ -748,6 +762,30 @@ class Soak:
         (self.work / "soak.md").write_text(table(summary) + "\n")
         plot(self.rows, self.faults, str(self.work / "soak.png"))
         return summary
+
+    def _start_stack(self, stack: dict) -> None:
+        """`up` on a thread of its own: its failure goes into `stack["error"]`, and `stack["done"]` is set either way."""
+        try:
+            self.up()
+        except BaseException as e:  # raised by run(), once the second replica's start has ended
+            stack["error"] = e
+        finally:
+            stack["done"] = True
+
+    @staticmethod
+    def wait_broker(stack: dict, timeout_s: float = 1200) -> None:
+        """Until the starting `dvi up` says its broker is ready (the lines of its log, `stack["log"]`, from
+        `stack["from"]`) or its start has ended."""
+        deadline = time.monotonic() + timeout_s
+        while not stack.get("done") and time.monotonic() < deadline:
+            if stack["log"].exists():
+                if stack["log"].stat().st_size < stack["from"]:  # started afresh
+                    stack["from"] = 0
+                with stack["log"].open("rb") as f:
+                    f.seek(stack["from"])
+                    if b"dvi up: broker ready" in f.read():
+                        return
+            time.sleep(0.5)
 
     def restart_up(self, killed: dict) -> None:
         """A new `dvi up --detach` after the supervisor's kill; its failure is recorded in `killed`, not raised."""

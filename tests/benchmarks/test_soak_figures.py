@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import subprocess
+import threading
 import time
 from types import SimpleNamespace
 
@@ -239,3 +240,23 @@ def test_a_topic_that_could_not_be_read_back_leaves_its_check_open_and_says_why(
     text = table(summary)
     assert "| every record the trainer committed is in its ledger exactly once | - |" in text
     assert "Records: the topic could not be read back: broker did not start." in text
+
+
+def test_the_second_replica_waits_for_this_starts_broker_not_an_earlier_ones(tmp_path):
+    log = tmp_path / "up.log"
+    log.write_text("dvi up: broker ready (pid 1, an earlier start)\n")
+    stack = {"log": log, "from": log.stat().st_size}
+    t0 = time.monotonic()
+    Soak.wait_broker({**stack, "done": True})  # a start that ended (failed): no wait
+    assert time.monotonic() - t0 < 0.4
+
+    def starting():
+        time.sleep(1.0)
+        with log.open("a") as f:
+            f.write("dvi up: broker ready (pid 2)\n")
+
+    threading.Thread(target=starting, daemon=True).start()
+    Soak.wait_broker(stack, timeout_s=30)
+    assert time.monotonic() - t0 >= 1.0  # not the earlier start's line
+    log.write_text("dvi up: broker ready (pid 3, a log started afresh)\n")
+    Soak.wait_broker({"log": log, "from": 10_000}, timeout_s=30)
