@@ -336,6 +336,10 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
         assert view["replicas"][0]["status"] == "ok" and view["replicas"][0]["drafter_version"] == serving["drafter_version"]
         assert view["mlflow"]["uri"] == f"http://127.0.0.1:{mlflow_port}" and "error" not in view["mlflow"], view
 
+        # the README's server starts (a first vLLM start with its settings compiles: minutes) while the stack's serve is
+        # killed and restarted and its traffic leads to a first publish
+        readme = ReadmeServer(tmp_path, demo_target_dir, demo_eagle3_dir, cfg.stream.bootstrap, {"DVI_README_TEST": readme_marker})
+
         # a crash, before anything is published (the restarted serve decodes with the same drafter): the supervisor
         # reports it and starts serve again
         os.kill(serving["server_pid"], signal.SIGKILL)  # the process dvi up started (vLLM's API server)
@@ -344,8 +348,7 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
         assert ask()["choices"][0]["text"] == first["choices"][0]["text"]
         assert processes_with(marker), "the stack's processes carry the marker"
 
-        # the README's server starts (a vLLM start: minutes) while the stack's traffic leads to a first publish
-        readme = ReadmeServer(tmp_path, demo_target_dir, demo_eagle3_dir, cfg.stream.bootstrap, {"DVI_README_TEST": readme_marker})
+        # the stack's traffic leads to a first publish
         prompts = ["Write a Python function that reverses a string.", "Write a short paragraph about the sea at night."]
         deadline = time.monotonic() + 900
         for i in range(60):
