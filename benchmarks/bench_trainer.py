@@ -58,7 +58,8 @@ from dvi.config import DviConfig, ModelConfig, SpecConfig, TrackingConfig, Train
 from dvi.engine import SpeculativeEngine  # noqa: E402
 from dvi.engine_api import Request  # noqa: E402
 from dvi.features import Features  # noqa: E402
-from dvi.models import Drafter, encode_chat, end_ids, resolve_device  # noqa: E402
+from dvi.hardware import resolve_device  # noqa: E402
+from dvi.models import Drafter, encode_chat, end_ids  # noqa: E402
 from dvi.pairs import load_any_drafter, resolve_pair  # noqa: E402
 from dvi.record_codec import decode, encode  # noqa: E402
 from dvi.records import records_from_result  # noqa: E402

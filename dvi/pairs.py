@@ -13,8 +13,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from dvi.drafter_kinds import kind_of, kind_of_dir
-from dvi.models import (DRAFTER_META, Drafter, Pair, cache_dir, check_same_tokenizer, load_causal_lm, load_tokenizer, resolve_device,
-                        resolve_dtype, target_dir_of, target_skeleton)
+from dvi.hardware import resolve_device, resolve_dtype
+from dvi.models import (DRAFTER_META, Drafter, Pair, cache_dir, check_same_tokenizer, load_causal_lm, load_tokenizer, target_dir_of,
+                        target_skeleton)
 
 log = logging.getLogger(__name__)
 

@@ -82,7 +82,8 @@ from dvi.config import DviConfig
 from dvi.control import DrafterPromoted, DrafterRejected, RetrainRequested
 from dvi.drafter_kinds import kind_of_dir
 from dvi.errors import DviError
-from dvi.models import Drafter, cache_dir, resolve_device, resolve_dtype
+from dvi.hardware import resolve_device, resolve_dtype
+from dvi.models import Drafter, cache_dir
 from dvi.pairs import load_any_drafter, pair_dirs, resolve_pair
 from dvi.records import Delivered
 from trainers import checkpoint, ds

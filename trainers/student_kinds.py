@@ -27,7 +27,8 @@ from dvi import eagle3
 from dvi.config import TrainerConfig
 from dvi.drafter_kinds import KINDS, DrafterKind
 from dvi.errors import DviError
-from dvi.models import EAGLE3, LAYERS, Drafter, resolve_dtype
+from dvi.hardware import resolve_dtype
+from dvi.models import EAGLE3, LAYERS, Drafter
 from trainers.data import Batch
 from trainers.losses import Teacher
 from trainers.students import Eagle3PositionLM, PositionLM, student_loss, zero_loss

@@ -10,7 +10,8 @@ from pathlib import Path
 from dvi.cli.output import out
 from dvi.config import load_config, overrides_of
 from dvi.drafter_kinds import kind_of
-from dvi.models import cache_dir, import_gguf, resolve_device, resolve_dtype, target_dir_of
+from dvi.hardware import resolve_device, resolve_dtype
+from dvi.models import cache_dir, import_gguf, target_dir_of
 from dvi.pairs import pair_dirs
 
 

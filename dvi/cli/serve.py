@@ -26,8 +26,8 @@ from dvi.cli.replicas import replica_channels
 from dvi.config import DviConfig, load_config, overrides_of
 from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Request
-from dvi.hardware import bound_cores, pick_dtype, pick_engine, pinned_engines, shared_cores
-from dvi.models import encode_prompt, end_ids, resolve_device
+from dvi.hardware import bound_cores, pick_dtype, pick_engine, pinned_engines, resolve_device, shared_cores
+from dvi.models import encode_prompt, end_ids
 from dvi.pairs import check_pair_dirs, pair_dirs, resolve_pair
 from dvi.procs import default_replica_id, free_port
 from dvi.records import records_from_result
