@@ -76,6 +76,7 @@ VLLM_VERSION = VLLM_RELEASE  # the vLLM release whose worker internals dvi.cli.v
 EXTENSION = "dvi.cli.vllm.worker.DviWorkerExtension"
 DOMAIN_ARG = "dvi_domain"  # the key of a request's vllm_xargs (SamplingParams.extra_args) that names its domain
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
+AOT_COMPILE = "VLLM_USE_AOT_COMPILE"  # vLLM's setting for its ahead-of-time compiled artifact (`aot_compile_off`)
 
 
 def compile_cache_dir() -> Path:
@@ -94,12 +95,19 @@ def vllm_env(cfg: VllmConfig) -> dict[str, str]:
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # the CPU build keeps a core back unless told
            "VLLM_CPU_OMP_THREADS_BIND": cfg.cpu_bind,
            "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
-    # vLLM 0.32's CPU build saves an ahead-of-time compiled artifact it then fails to load ("'function' object has no
-    # attribute 'finalize_loading'") and compiles again at every start; without it, torch inductor's own cache makes a
-    # second start take seconds of compiling instead of minutes
-    if not torch.cuda.is_available():
-        env["VLLM_USE_AOT_COMPILE"] = "0"
+    aot_compile_off(env, cpu=not torch.cuda.is_available())
     return env
+
+
+def aot_compile_off(env, cpu: bool) -> bool:
+    """Turn vLLM's ahead-of-time compiled artifact off in `env` (a mutable mapping of environment variables) on vLLM's
+    CPU build (`cpu`), unless `env` sets it; True where this did. vLLM 0.32's CPU build saves that artifact, then fails
+    to load it ("'function' object has no attribute 'finalize_loading'") and compiles again at every start; without
+    it, its own compile cache makes a second start of the demo pair take about a minute instead of two."""
+    if not cpu or env.get(AOT_COMPILE, "").strip():
+        return False
+    env[AOT_COMPILE] = "0"
+    return True
 
 
 def set_vllm_env(cfg: VllmConfig) -> None:

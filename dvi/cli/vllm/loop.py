@@ -29,7 +29,7 @@ from dvi.errors import DviError
 from dvi.pairs import resolve_pair
 from dvi.procs import default_replica_id
 from dvi.serving.replica import Replica, sends_features
-from dvi.cli.vllm.engine import EXTENSION, VllmEngine, import_vllm
+from dvi.cli.vllm.engine import AOT_COMPILE, EXTENSION, VllmEngine, aot_compile_off, import_vllm
 from dvi.cli.vllm.worker import SELECTED, V2_RUNNER, runner_problem, select_v1_runner
 from streams.client import quiet_kafka_logs
 
@@ -39,9 +39,15 @@ log = logging.getLogger("dvi.cli.vllm.plugin")
 def install() -> None:
     """In every vLLM process: the engine core's executor, busy loop and shutdown get dvi's hooks (they act only in the
     process that runs the engine core), and the API server's metrics registry dvi's collector. vLLM's V1 model runner
-    is selected where nothing names one (`dvi.cli.vllm.worker.select_v1_runner`), before vLLM reads the setting."""
+    is selected where nothing names one (`dvi.cli.vllm.worker.select_v1_runner`), and on vLLM's CPU build its
+    ahead-of-time compiled artifact turned off where nothing sets it (`aot_compile_off`), before vLLM reads either."""
     select_v1_runner(os.environ)
     import_vllm()  # another release is one clear error here, before vLLM loads a model
+    from vllm.platforms import current_platform
+
+    if aot_compile_off(os.environ, cpu=current_platform.is_cpu()):  # in the first vLLM process: its children inherit it
+        log.warning("dvi's loop sets %s=0: vLLM's CPU build cannot load the ahead-of-time compiled artifact it saves, and "
+                 "would compile again at every start (set the variable to choose otherwise)", AOT_COMPILE)
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
     from vllm.v1.executor.abstract import Executor
 

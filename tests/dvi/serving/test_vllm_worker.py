@@ -1,7 +1,8 @@
 """The parts of dvi's vLLM worker extension that need no engine: the rejection sampler's `expand_kernel` in torch
 (against a plain loop), registered in place of the CPU build's stand-in, which leaves a float tensor it expands
 uninitialized (a sampled request's temperature and top-p per drafted token: its drafts verified against NaN); and the
-choice of vLLM's model runner, on vLLM's own config as a host with Triton would have it."""
+choice of vLLM's model runner, on vLLM's own config as a host with Triton would have it; and the ahead-of-time
+compiled artifact the CPU build cannot load, turned off."""
 
 from __future__ import annotations
 
@@ -83,3 +84,17 @@ def test_the_loop_runs_on_vllms_v1_runner_where_vllm_would_pick_v2_and_refuses_v
     with pytest.raises(RuntimeError, match=r"hooks vLLM's V1 model runner; this worker runs vllm\.v1\.worker\.cpu\.model_runner\."
                                            r"CPUModelRunner, which has no _sample"):
         worker.dvi_capture(8)
+
+
+def test_the_cpu_builds_ahead_of_time_artifact_is_off_unless_the_user_sets_it():
+    """vLLM 0.32's CPU build saves an ahead-of-time compiled artifact it cannot load, then compiles again at every
+    start: dvi's servers and the plugin in a user's own server turn it off, unless the variable is set; vLLM's CUDA
+    build keeps its own default."""
+    from dvi.cli.vllm.engine import AOT_COMPILE, aot_compile_off
+
+    env: dict[str, str] = {}
+    assert aot_compile_off(env, cpu=True) and env == {AOT_COMPILE: "0"}
+    assert not aot_compile_off(env, cpu=True)  # a vLLM process the first one started: inherited, nothing to do
+    for users in ("1", "0"):
+        assert not aot_compile_off(mine := {AOT_COMPILE: users}, cpu=True) and mine == {AOT_COMPILE: users}
+    assert not aot_compile_off(cuda := {}, cpu=False) and cuda == {}
