@@ -5,7 +5,8 @@ Owns the plan (which parts run, in what order, how each says it is ready) and th
 server or tracking is off), `dvi serve` and `dvi train`, each run with this interpreter and the same overrides,
 so each loads exactly the config `dvi up` loaded. They start in that order, each waited on until ready, but for serve
 and train, which start together once the broker and MLflow are (`Part.needs`: on a small machine each spends its
-first seconds importing on one core); a part
+first seconds importing on one core) and the model pair is prepared (`PairPrep`, a child process that runs while the
+broker and MLflow start); a part
 that exits is reported and restarted after a backoff (1 s, doubling to 30 s, back to 1 s once a run lasted a
 minute); Ctrl-C or SIGTERM stops them in reverse order. Child logs go to <cache>/logs/<part>.log; the children's
 decision lines (loggers `dvi.decision.*`: gates, publishes, swaps, promotions, rollbacks, triggers) are relayed to
@@ -29,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ from dvi.tracking import find_experiment_link
 
 PARTS = ("broker", "mlflow", "serve", "train")
 INFRA = ("broker", "mlflow")  # what the loop's parts need ready before they start
+PAIR_PARTS = ("serve", "train")  # the parts that load the model pair: they start once it is prepared (`PairPrep`)
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
@@ -159,9 +162,10 @@ class Supervisor:
 
         return probe
 
-    def start(self) -> None:
-        """Start every part, each once the parts it needs are ready (`Part.needs`), and wait until all are; on a failure,
-        stop what started and raise DviError."""
+    def start(self, held: Callable[[Part], bool] = lambda _part: False) -> None:
+        """Start every part, each once the parts it needs are ready (`Part.needs`) and `held` no longer holds it back
+        (`held` may raise DviError: the start fails), and wait until all are; on a failure, stop what started and raise
+        DviError."""
         names = [p.name for p in self.parts]
         needs = {p.name: names[:i] if p.needs is None else [n for n in p.needs if n in names] for i, p in enumerate(self.parts)}
         ready: set[str] = set()
@@ -169,7 +173,8 @@ class Supervisor:
         try:
             while len(ready) < len(self.parts):
                 for part in self.parts:
-                    if part.name not in ready and part.name not in starting and all(n in ready for n in needs[part.name]):
+                    if (part.name not in ready and part.name not in starting and all(n in ready for n in needs[part.name])
+                            and not held(part)):
                         child = self.children[part.name] = self._spawn(part)
                         starting[part.name] = (self._waiting(part, child), time.monotonic() + part.ready_timeout_s)
                 for part in [p for p in self.parts if p.name in starting]:
@@ -178,7 +183,7 @@ class Supervisor:
                         del starting[part.name]
                         ready.add(part.name)
                         self.say(f"dvi up: {part.name} ready (pid {child.pid}, log {child.log_path})")
-                if starting:
+                if len(ready) < len(self.parts):
                     time.sleep(0.25)
         except BaseException:
             self.stop()
@@ -321,31 +326,64 @@ def down(args: argparse.Namespace) -> int:
     return 0
 
 
-def prepare_pair(overrides: list[str], verbose: bool = False) -> tuple[str, str]:
+class PairPrep:
     """The configured pair's directories, fetched and built once before two parts race to do it, and its device and
-    dtype checked (one clear line here, not a restart loop of parts): `dvi models fetch --pair` in a child process,
-    whose waits and warnings pass through as they come. This process never loads torch (a supervisor stays small, and
-    torch's import visits every core the process may use, `dvi.hardware`). DviError with the child's reason; Ctrl-C
-    or SIGTERM stops the child too."""
-    cmd = [sys.executable, "-m", "dvi.cli", *(["-v"] if verbose else []), "models", "fetch", "--pair", *overrides]
-    reason = None
+    dtype checked (one clear line, not a restart loop of parts): `dvi models fetch --pair` in a child process, whose
+    waits and warnings pass through as they come, read on a thread so that the broker and MLflow start meanwhile. This
+    process never loads torch (a supervisor stays small, and torch's import visits every core the process may use,
+    `dvi.hardware`). DviError with the child's reason."""
+
+    def __init__(self, overrides: list[str], verbose: bool = False, say: Callable[[str], None] | None = None):
+        self.say = say  # told the directories once they are prepared (`done`)
+        cmd = [sys.executable, "-m", "dvi.cli", *(["-v"] if verbose else []), "models", "fetch", "--pair", *overrides]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._reason: str | None = None
+        self._lines: list[str] = []
+        self._reading = threading.Thread(target=self._read, name="pair-prep", daemon=True)
+        self._reading.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:  # until the child ends; its stdout is the two directories, nothing more
+            if line.startswith(ERROR_PREFIX):
+                self._reason = line.removeprefix(ERROR_PREFIX).strip()
+            else:
+                sys.stderr.write(line)
+        self._lines = self.proc.stdout.read().splitlines()
+        self.proc.wait()
+
+    def done(self) -> bool:
+        """Whether the pair is prepared (False: not yet); DviError where it could not be."""
+        if self._reading.is_alive():
+            return False
+        code, lines = self.proc.returncode, self._lines
+        if code != 0 or len(lines) < 2:
+            said = self._reason or (f"exit status {code}" if code else f"it printed {lines!r}, not the two directories")
+            raise DviError(f"the model pair could not be prepared (dvi models fetch --pair): {said}")
+        if self.say is not None:
+            self.say(f"dvi up: target {lines[-2]}, drafter {lines[-1]}")
+            self.say = None
+        return True
+
+    def wait(self) -> tuple[str, str]:
+        """The (target, drafter) directories, once prepared; DviError where they could not be."""
+        self._reading.join()
+        self.done()
+        return self._lines[-2], self._lines[-1]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def prepare_pair(overrides: list[str], verbose: bool = False) -> tuple[str, str]:
+    """The pair prepared (`PairPrep`), waited for; Ctrl-C or SIGTERM stops the child too."""
+    prep = PairPrep(overrides, verbose)
     with sigterm_interrupts():
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            for line in proc.stderr:  # until the child ends; its stdout is the two directories, nothing more
-                if line.startswith(ERROR_PREFIX):
-                    reason = line.removeprefix(ERROR_PREFIX).strip()
-                else:
-                    sys.stderr.write(line)
-            lines, code = proc.stdout.read().splitlines(), proc.wait()
+            return prep.wait()
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if code != 0 or len(lines) < 2:
-        said = reason or (f"exit status {code}" if code else f"it printed {lines!r}, not the two directories")
-        raise DviError(f"the model pair could not be prepared (dvi models fetch --pair): {said}")
-    return lines[-2], lines[-1]
+            prep.stop()
 
 
 def up(args: argparse.Namespace) -> int:
@@ -360,18 +398,18 @@ def up(args: argparse.Namespace) -> int:
     check_not_running(cfg, parts, cache)
     if args.detach:
         return detach(args, cache)
-    if any(p.name in ("serve", "train") for p in parts):
-        out("dvi up: preparing the model pair (a first run fetches and converts it: minutes)", flush=True)
-        target, drafter = prepare_pair(overrides, verbose=args.verbose)
-        out(f"dvi up: target {target}, drafter {drafter}", flush=True)
     os.environ[REGISTRY_ENV] = str(children_dir(cache))  # every process the stack spawns, recorded until stopped
     supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: out(line, flush=True))
     pid_path = pid_file(cache)
     pid_path.parent.mkdir(parents=True, exist_ok=True)
     pid_path.write_text(f"{os.getpid()} {start_time(os.getpid())}\n")
     with sigterm_interrupts():
+        prep = None
         try:
-            supervisor.start()
+            if any(p.name in PAIR_PARTS for p in parts):  # prepared while the broker and MLflow start
+                out("dvi up: preparing the model pair (a first run fetches and converts it: minutes)", flush=True)
+                prep = PairPrep(overrides, verbose=args.verbose, say=lambda line: out(line, flush=True))
+            supervisor.start(held=lambda part: part.name in PAIR_PARTS and not prep.done())
             names = {p.name for p in parts}
             lines = ["dvi up: running " + ", ".join(p.name for p in parts) + f"; {READY_LINE}"]
             if "serve" in names:
@@ -393,6 +431,8 @@ def up(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
         finally:
+            if prep is not None:
+                prep.stop()
             supervisor.stop()
             if running_pid(cache) == os.getpid():
                 pid_path.unlink(missing_ok=True)
