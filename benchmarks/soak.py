@@ -114,9 +114,10 @@ class Options:
 
     @classmethod
     def quick(cls, out: Path | None = None) -> Options:
-        """Each fault once, back to back: a kill once the one before has recovered, a minute apart at the least (the
-        longest recoveries, a replica's and `dvi up`'s, take one and a half to two minutes with a warm compile cache)."""
-        return cls(minutes=5.0, fault_every_min=5.0 / (len(FAULTS) + 1), step_min=0.5, interval_s=10.0, warmup_min=1.0, drain_min=5.0,
+        """Each fault once, back to back: a kill once the one before has recovered, 30 s apart at the least (the
+        trainer's, the broker's and MLflow's recoveries take 15 to 35 s; the longest, a replica's and `dvi up`'s, one
+        and a half to three minutes with a warm compile cache, and the run lasts as long as they need)."""
+        return cls(minutes=3.5, fault_every_min=0.5, step_min=0.5, interval_s=10.0, warmup_min=1.0, drain_min=5.0,
                    max_minutes=12.0, recover_max_min=8.0, **({"out": out} if out else {}))
 
     def fault_at(self) -> list[tuple[float, str]]:
