@@ -40,7 +40,7 @@ def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_record
     scfg = stream_config(broker.bootstrap)
     ensure_topics(scfg)
     common = [*stream_overrides(scfg), "tracking.enabled=false", f"trainer.store={tmp_path / 'store'}"]
-    serve = Serve(tmp_path, *common, "serve.spec.adaptive=false", "serve.spec.k=3", "serve.max_batch=2", engine=engine)
+    # the trainer starts while the server does (it waits for records), each importing on a core of its own
     train = spawn("train", [sys.executable, "-m", "dvi.cli", "-v", "train", *common, f"model.target={tiny_dirs[0]}",
                             f"model.drafter={tiny_dirs[1]}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.batch_tokens=32",
                             "trainer.log_every=1", "trainer.checkpoint_every=5", "trainer.gate_every=100000",
@@ -48,6 +48,12 @@ def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_record
                             # is up or down, so the windows compare decoding, not how busy the trainer was
                             "trainer.replay_when_idle=true"],
                   log_path=tmp_path / "train.log", env=clean_env())
+    try:
+        serve = Serve(tmp_path, *common, "serve.spec.adaptive=false", "serve.spec.k=3", "serve.max_batch=2", engine=engine)
+    except BaseException:
+        train.stop(grace_s=30)
+        broker.stop()
+        raise
     results: list[tuple[float, float, int | str, str, int]] = []  # (start, end, status, request id, tokens)
     stop = threading.Event()
 

@@ -40,11 +40,12 @@ def test_serving_and_training_go_on_while_mlflow_is_down_and_tracking_catches_up
     mlflow = LocalMlflow(root, port).start()
     serve = train = None
     try:
-        serve = Serve(tmp_path, *common, "serve.metrics_every_s=1", "serve.spec.adaptive=false", engine=engine)
+        # the trainer starts while the server does (it waits for records), each importing on a core of its own
         train = spawn("train", [sys.executable, "-m", "dvi.cli", "-v", "train", *common, f"trainer.run_dir={tmp_path / 'run'}",
                                 "trainer.batch_tokens=64", "trainer.replay_when_idle=true", "trainer.log_every=1",
                                 "trainer.checkpoint_every=10", "trainer.gate_every=100000"],
                       log_path=tmp_path / "train.log", env=clean_env())
+        serve = Serve(tmp_path, *common, "serve.metrics_every_s=1", "serve.spec.adaptive=false", engine=engine)
         statuses: Counter = Counter()
         stop = threading.Event()
 

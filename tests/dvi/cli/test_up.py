@@ -151,6 +151,40 @@ def test_a_part_starts_once_what_it_needs_is_ready_and_beside_the_parts_that_nee
     assert _registry(tmp_path / "children") == []
 
 
+def test_a_held_part_starts_once_released_and_a_hold_that_fails_stops_what_started(tmp_path, monkeypatch):
+    """`Supervisor.start(held=...)`: what `dvi up` does while the model pair is prepared (`PairPrep`). The parts not
+    held start at once; a held one once released; a hold that fails (the pair could not be prepared) stops what started
+    and is the start's error."""
+    monkeypatch.setenv(REGISTRY_ENV, str(tmp_path / "children"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    spawned: dict[str, float] = {}
+
+    class Timed(Sleepers):
+        def _spawn(self, part):
+            spawned[part.name] = time.monotonic()
+            return super()._spawn(part)
+
+    parts = [Part("infra", [], lambda _c: None, 30), Part("serve", [], lambda _c: None, 30, needs=("infra",))]
+    sup = Timed(parts, [], tmp_path / "logs", say=lambda _line: None, relay=False)
+    t0 = time.monotonic()
+    sup.start(held=lambda part: part.name == "serve" and time.monotonic() < t0 + 1.5)
+    try:
+        assert spawned["infra"] < t0 + 1.0 <= t0 + 1.5 <= spawned["serve"], (t0, spawned)
+    finally:
+        sup.stop()
+
+    def failed(part: Part) -> bool:
+        if part.name == "serve" and "infra" in sup.children:
+            raise DviError("the model pair could not be prepared (dvi models fetch --pair): no such target")
+        return part.name == "serve"
+
+    sup = Timed(parts, [], tmp_path / "logs", say=lambda _line: None, relay=False)
+    with pytest.raises(DviError, match="could not be prepared"):
+        sup.start(held=failed)
+    assert not any(child.running for child in sup.children.values())
+    assert _registry(tmp_path / "children") == []
+
+
 def _registry(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in folder.glob("*.json")]
 
@@ -306,6 +340,9 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
     up_log = Lines(cache / "logs" / "up.log")
     supervisor, readme = None, None
     try:
+        # the README's server first: a first vLLM start with its settings compiles (minutes on 2 cores), beside the
+        # stack's start and everything below; its loop's records wait in its queue until the stack's broker answers
+        readme = ReadmeServer(tmp_path, demo_target_dir, demo_eagle3_dir, cfg.stream.bootstrap, {"DVI_README_TEST": readme_marker})
         with adopting_orphans():  # the background `dvi up` becomes this process's child: its exit status is checked
             up = subprocess.run([*cli, "up", "--detach", *overrides], capture_output=True, text=True, env=env, timeout=900)
         assert up.returncode == 0 and "Ctrl-C stops everything" in up.stdout and "detached (pid" in up.stdout, up.stdout + up.stderr
@@ -335,10 +372,6 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
         view = json.loads(status.stdout)
         assert view["replicas"][0]["status"] == "ok" and view["replicas"][0]["drafter_version"] == serving["drafter_version"]
         assert view["mlflow"]["uri"] == f"http://127.0.0.1:{mlflow_port}" and "error" not in view["mlflow"], view
-
-        # the README's server starts (a first vLLM start with its settings compiles: minutes) while the stack's serve is
-        # killed and restarted and its traffic leads to a first publish
-        readme = ReadmeServer(tmp_path, demo_target_dir, demo_eagle3_dir, cfg.stream.bootstrap, {"DVI_README_TEST": readme_marker})
 
         # a crash, before anything is published (the restarted serve decodes with the same drafter): the supervisor
         # reports it and starts serve again
@@ -412,6 +445,10 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
             assert time.monotonic() < deadline, h
             time.sleep(0.5)
         assert h["drafter_version"] == "init-eagle3-v8192" and h["engine"] == "vllm", h
+        # vLLM's CPU build cannot load the ahead-of-time artifact it saves: the plugin turned it off (a second start reuses
+        # the compile cache instead of compiling again)
+        said = readme.child.log_since_start()
+        assert "dvi's loop sets VLLM_USE_AOT_COMPILE=0" in said and "saved AOT compiled function" not in said, said[-3000:]
         with DecisionConsumer(cfg.stream, group_id=None, dead_letter=False) as consumer:
             deadline = time.monotonic() + 120
             while not any(d.record.replica_id == h["replica_id"] and d.record.request_id.startswith(chat.json()["id"])
