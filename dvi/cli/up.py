@@ -376,16 +376,6 @@ class PairPrep:
             self.proc.wait()
 
 
-def prepare_pair(overrides: list[str], verbose: bool = False) -> tuple[str, str]:
-    """The pair prepared (`PairPrep`), waited for; Ctrl-C or SIGTERM stops the child too."""
-    prep = PairPrep(overrides, verbose)
-    with sigterm_interrupts():
-        try:
-            return prep.wait()
-        finally:
-            prep.stop()
-
-
 def up(args: argparse.Namespace) -> int:
     overrides = overrides_of(args)
     cfg = load_config(overrides)

@@ -26,7 +26,7 @@ import torch
 from child_env import clean_env
 
 from dvi import mlflow_view
-from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, Part, Supervisor, next_backoff, plan, prepare_pair
+from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, PairPrep, Part, Supervisor, next_backoff, plan
 from dvi.config import load_config
 from dvi.eagle3 import target_features
 from dvi.errors import DviError
@@ -192,7 +192,7 @@ def _registry(folder: Path) -> list[dict]:
 def test_a_pair_that_cannot_be_prepared_is_one_line_naming_the_setting():
     """The child's own check (`dvi models fetch --pair` in a fresh process), its reason carried into dvi up's error."""
     with pytest.raises(DviError, match=r"the model pair could not be prepared \(dvi models fetch --pair\): model\.device=cuda:99"):
-        prepare_pair(["model.device=cuda:99"])
+        PairPrep(["model.device=cuda:99"]).wait()
 
 
 def test_a_part_stopped_for_not_coming_back_in_time_has_its_own_leftovers_stopped_and_nothing_else(tmp_path, monkeypatch):
@@ -348,7 +348,7 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
         assert up.returncode == 0 and "Ctrl-C stops everything" in up.stdout and "detached (pid" in up.stdout, up.stdout + up.stderr
         supervisor = int(up.stdout.split("detached (pid ")[1].split(")")[0])
         assert f"API     http://127.0.0.1:{api}/v1" in up.stdout, up.stdout
-        # the supervisor itself never loads torch (the pair is prepared in a child: dvi.cli.up.prepare_pair)
+        # the supervisor itself never loads torch (the pair is prepared in a child: dvi.cli.up.PairPrep)
         assert "libtorch" not in Path(f"/proc/{supervisor}/maps").read_text()
         for part in ("broker", "mlflow", "serve", "train"):
             assert (cache / "logs" / f"{part}.log").exists()
