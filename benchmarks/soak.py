@@ -51,7 +51,7 @@ The stack compiles vLLM's graphs into its own cache at its first start (about 10
 for runs about faults rather than first starts (the suite's quick run; `dvi up`'s first start is tests/dvi/cli/test_up.py's).
 
 Run (alone on the machine): .venv/bin/python -m benchmarks.soak [--minutes 120] [--quick] [--out DIR] [overrides]
-`--quick`: 5 minutes, the five faults and the burst once each, a fault every minute (or, if later, once the one
+`--quick`: 3.5 minutes, the five faults and the burst once each, a fault every 30 s (or, if later, once the one
 before has recovered; the run goes on until the last has, at most 12 minutes).
 """
 
@@ -1154,7 +1154,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a killed part not back within this many minutes is given up on, and the run goes on (20)")
     p.add_argument("--retention-hours", type=float, default=None,
                    help="how long the broker keeps the decision topic's records (0.5; an override stream.retention_hours=... wins)")
-    p.add_argument("--quick", action="store_true", help="5 minutes, each fault once")
+    p.add_argument("--quick", action="store_true", help="3.5 minutes, each fault once")
     p.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                    help="start from a copy of this compile cache (~/.cache/dvi/compile) instead of compiling vLLM's graphs cold")
     p.add_argument("--judge", type=Path, default=None, metavar="SOAK_JSON",

@@ -19,7 +19,7 @@ def fetch(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     if args.gguf:  # offline: a local file, no package index
         out(import_gguf(args.gguf, cache_dir(cfg.model)))
-    elif args.pair:  # what `dvi up` prepares before its parts start: the dtype checked on the device, then both dirs
+    elif args.pair:  # what `dvi up` prepares before serve and train start: the dtype checked on the device, then both dirs
         resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
         target, drafter = pair_dirs(cfg.model)
         out(f"{target}\n{drafter}")

@@ -173,8 +173,9 @@ class Supervisor:
         try:
             while len(ready) < len(self.parts):
                 for part in self.parts:
-                    if (part.name not in ready and part.name not in starting and all(n in ready for n in needs[part.name])
-                            and not held(part)):
+                    # `held` first: a hold that fails (the pair could not be prepared) fails the start at once
+                    if (part.name not in ready and part.name not in starting and not held(part)
+                            and all(n in ready for n in needs[part.name])):
                         child = self.children[part.name] = self._spawn(part)
                         starting[part.name] = (self._waiting(part, child), time.monotonic() + part.ready_timeout_s)
                 for part in [p for p in self.parts if p.name in starting]:
@@ -336,7 +337,8 @@ class PairPrep:
     def __init__(self, overrides: list[str], verbose: bool = False, say: Callable[[str], None] | None = None):
         self.say = say  # told the directories once they are prepared (`done`)
         cmd = [sys.executable, "-m", "dvi.cli", *(["-v"] if verbose else []), "models", "fetch", "--pair", *overrides]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     errors="replace")
         self._reason: str | None = None
         self._lines: list[str] = []
         self._reading = threading.Thread(target=self._read, name="pair-prep", daemon=True)

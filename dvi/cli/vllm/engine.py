@@ -95,15 +95,17 @@ def vllm_env(cfg: VllmConfig) -> dict[str, str]:
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # the CPU build keeps a core back unless told
            "VLLM_CPU_OMP_THREADS_BIND": cfg.cpu_bind,
            "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
-    aot_compile_off(env, cpu=not torch.cuda.is_available())
     return env
 
 
-def aot_compile_off(env, cpu: bool) -> bool:
+def aot_compile_off(env, cpu: bool | None = None) -> bool:
     """Turn vLLM's ahead-of-time compiled artifact off in `env` (a mutable mapping of environment variables) on vLLM's
-    CPU build (`cpu`), unless `env` sets it; True where this did. vLLM 0.32's CPU build saves that artifact, then fails
-    to load it ("'function' object has no attribute 'finalize_loading'") and compiles again at every start; without
-    it, its own compile cache makes a second start of the demo pair take about a minute instead of two."""
+    CPU build (`cpu`; None: where torch sees no CUDA device), unless `env` sets it; True where this did. vLLM 0.32's CPU
+    build saves that artifact, then fails to load it ("'function' object has no attribute 'finalize_loading'") and
+    compiles again at every start; without it, its own compile cache makes a second start of the demo pair take about
+    a minute instead of two."""
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
     if not cpu or env.get(AOT_COMPILE, "").strip():
         return False
     env[AOT_COMPILE] = "0"
@@ -121,6 +123,7 @@ def set_vllm_env(cfg: VllmConfig) -> None:
             os.environ[key] = value
         else:
             os.environ.setdefault(key, value)
+    aot_compile_off(os.environ)
     select_v1_runner(os.environ)  # the model runner dvi's worker extension hooks
     problem = runner_problem(os.environ)
     if problem:

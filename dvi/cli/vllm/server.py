@@ -18,7 +18,7 @@ from dvi.config import DviConfig, api_key
 from dvi.engine_api import MAX_LOGPROBS
 from dvi.drafter_kinds import kind_of_dir
 from dvi.errors import DviError
-from dvi.cli.vllm.engine import vllm_env
+from dvi.cli.vllm.engine import aot_compile_off, vllm_env
 from dvi.cli.vllm.worker import runner_problem
 
 SERVER = [sys.executable, "-m", "dvi.cli.vllm", "serve"]  # `vllm serve`, on either build (dvi.cli.vllm)
@@ -57,6 +57,7 @@ def environment(cfg: DviConfig, base: dict[str, str], *, overrides: list[str] | 
     vLLM's ($VLLM_API_KEY), unless that is set already. A `base` that asks for vLLM's Model Runner V2, which the loop
     does not hook, is refused (`dvi.cli.vllm.worker.runner_problem`)."""
     env = {**base, **vllm_env(cfg.serve.vllm)}
+    aot_compile_off(env)  # off on vLLM's CPU build, unless `base` sets it
     for key in (ENABLE, OVERRIDES, PORT):
         env.pop(key, None)
     if plain:

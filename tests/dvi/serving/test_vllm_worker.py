@@ -98,3 +98,10 @@ def test_the_cpu_builds_ahead_of_time_artifact_is_off_unless_the_user_sets_it():
     for users in ("1", "0"):
         assert not aot_compile_off(mine := {AOT_COMPILE: users}, cpu=True) and mine == {AOT_COMPILE: users}
     assert not aot_compile_off(cuda := {}, cpu=False) and cuda == {}
+
+    from dvi.cli.vllm.server import environment
+    from dvi.config import load_config
+
+    if not torch.cuda.is_available():  # the server `dvi serve` starts: off on this CPU build, the user's value kept
+        assert environment(load_config([]), {})[AOT_COMPILE] == "0"
+        assert environment(load_config([]), {AOT_COMPILE: "1"})[AOT_COMPILE] == "1"
