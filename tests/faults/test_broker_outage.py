@@ -48,12 +48,7 @@ def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_record
                             # is up or down, so the windows compare decoding, not how busy the trainer was
                             "trainer.replay_when_idle=true"],
                   log_path=tmp_path / "train.log", env=clean_env())
-    try:
-        serve = Serve(tmp_path, *common, "serve.spec.adaptive=false", "serve.spec.k=3", "serve.max_batch=2", engine=engine)
-    except BaseException:
-        train.stop(grace_s=30)
-        broker.stop()
-        raise
+    serve = None
     results: list[tuple[float, float, int | str, str, int]] = []  # (start, end, status, request id, tokens)
     stop = threading.Event()
 
@@ -74,6 +69,7 @@ def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_record
             i += 2
 
     try:
+        serve = Serve(tmp_path, *common, "serve.spec.adaptive=false", "serve.spec.k=3", "serve.max_batch=2", engine=engine)
         steps = lambda: [int(n) for n in re.findall(r"step (\d+): loss", train.log_since_start())]  # noqa: E731
         records = lambda: max([0] + [int(n) for n in re.findall(r"(\d+) records so far", train.log_since_start())])  # noqa: E731
         clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
@@ -143,5 +139,6 @@ def test_broker_outage_under_load_fails_no_request_and_loses_only_counted_record
     finally:
         stop.set()
         train.stop(grace_s=30)
-        serve.stop()
+        if serve is not None:
+            serve.stop()
         broker.stop()

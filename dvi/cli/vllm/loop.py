@@ -43,11 +43,9 @@ def install() -> None:
     ahead-of-time compiled artifact turned off where nothing sets it (`aot_compile_off`), before vLLM reads either."""
     select_v1_runner(os.environ)
     import_vllm()  # another release is one clear error here, before vLLM loads a model
-    from vllm.platforms import current_platform
-
-    if aot_compile_off(os.environ, cpu=current_platform.is_cpu()):  # in the first vLLM process: its children inherit it
+    if aot_compile_off(os.environ):  # in the first vLLM process: its children inherit it
         log.warning("dvi's loop sets %s=0: vLLM's CPU build cannot load the ahead-of-time compiled artifact it saves, and "
-                 "would compile again at every start (set the variable to choose otherwise)", AOT_COMPILE)
+                    "would compile again at every start (set the variable to choose otherwise)", AOT_COMPILE)
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
     from vllm.v1.executor.abstract import Executor
 
