@@ -304,6 +304,9 @@ class Ledger:
     def __contains__(self, record_id: str) -> bool:
         return record_id in self._fates
 
+    def fate(self, record_id: str) -> Fate | None:
+        return self._fates.get(record_id)
+
     def __len__(self) -> int:
         return len(self._fates)
 

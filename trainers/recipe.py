@@ -360,6 +360,8 @@ class Trainer:
             if record.record_id in self.ledger or record.record_id in self.inflight:
                 c.duplicates += 1
                 self.offsets.seen(where, d.offset)
+                if self.offline and self.tcfg.replay_when_idle:
+                    self._rebuffer(record)
                 continue
             why = self.intake.foreign(record)
             if why is not None:
@@ -387,6 +389,17 @@ class Trainer:
             for item in dropped:
                 self._done(item.example.record_id, item.partition, item.offset, Fate.SKIPPED)
                 c.skipped += 1
+
+    def _rebuffer(self, record) -> None:
+        """An offline run resumed over the records it read before (a file read again from its start): what the
+        checkpoint's ledger says was trained goes back to replay, what was held out back to the gate's held-out set, so
+        the epochs go on where they stopped; in a stream, a record seen again is only a duplicate."""
+        fate = self.ledger.fate(record.record_id)
+        if fate not in (Fate.TRAINED, Fate.HELD_OUT) or self.intake.foreign(record) is not None:
+            return
+        example = self.intake.example(record)
+        if self.intake.lacks(example) is None:
+            (self.buffer.holdout.append if fate == Fate.HELD_OUT else self.buffer.replay.append)(example)
 
     def _expire(self) -> None:
         """Skip the fresh records that have waited longer than the age limit (`pending_age_limit`)."""

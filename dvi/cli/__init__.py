@@ -118,6 +118,21 @@ def _distill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (the published versions among it)")
 
 
+def _bootstrap(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="the drafter's directory (a new one: its name is its version)")
+    p.add_argument("--work", help="work directory (corpus, answers, checkpoints; a rerun resumes there); default "
+                   "<cache>/bootstrap/<out's name>")
+    p.add_argument("--prompts", type=int, help="at most this many prompts of the corpus (default: all of it)")
+    p.add_argument("--corpus", help="a corpus file made earlier (<work>/corpus.jsonl) instead of mining this Python's text")
+    p.add_argument("--samples", type=int, default=2, help="answers per training prompt: the first greedy, the others sampled")
+    p.add_argument("--new-tokens", type=int, default=192, dest="new_tokens", help="longest answer, in tokens")
+    p.add_argument("--batch", type=int, default=16, help="prompts the target answers at once")
+    p.add_argument("--answer-minutes", type=float, dest="answer_minutes",
+                   help="answer for at most this long, then train on what was answered (default: the whole corpus)")
+    p.add_argument("--minutes", type=float, default=10.0, help="training time from this start (wall)")
+    p.add_argument("--steps", type=int, help="training steps in all, instead of --minutes")
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(("generate",), "decode one prompt with the configured pair", "serve:generate", _generate, check="args:generate"),
     Command(("serve",), "the HTTP server: OpenAI-compatible completions, hot-swapped drafters", "serve:serve", _serve,
@@ -138,6 +153,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("drafter", "init"), "build a drafter from the target's first layers", "models:drafter_init", _drafter_init),
     Command(("drafter", "distill"), "distill the drafter offline from every record on the decisions topic, then publish",
             "train:distill", _distill, check="args:train"),
+    Command(("drafter", "bootstrap"), "make a general drafter for the target offline: a corpus from packaged text, "
+            "answered by the target, distilled by the trainer", "train:bootstrap", _bootstrap, check="args:train"),
     Command(("config", "show"), "print the resolved configuration (conf/ with the overrides applied, secrets masked) as YAML",
             "status:config_show", light=True),
     Command(("keys", "init"), "make the trainer's and the replicas' signing keys for a deployment on several hosts",

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -140,6 +141,27 @@ def _progress(trainer: Trainer, steps: int | None):
         thread.join()
         bar.update(trainer.state.step - bar.n)
         bar.close()
+
+
+def bootstrap(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dvi import bootstrap as boot
+
+    cfg = load_config(overrides_of(args))
+    out_dir = Path(args.out).expanduser().resolve()
+    plan = boot.Plan(work=Path(args.work).expanduser() if args.work else cache_dir(cfg.model) / "bootstrap" / out_dir.name,
+                     out=out_dir, prompts=args.prompts, corpus_file=Path(args.corpus) if args.corpus else None,
+                     samples=args.samples, new_tokens=args.new_tokens, batch=args.batch, answer_minutes=args.answer_minutes,
+                     minutes=None if args.steps else args.minutes, steps=args.steps)
+    out(f"dvi drafter bootstrap: work in {plan.work} (a rerun resumes there), the drafter to {plan.out}", flush=True)
+    report = boot.run(cfg, plan, command=" ".join(["dvi", "drafter", "bootstrap", *sys.argv[3:]]))
+    for when in ("before", "after"):
+        figures = ", ".join(f"{d} {f['realized']:.3f}" for d, f in report[when].items())
+        out(f"held-out acceptance {when} ({report['trainer']['steps']} steps): {figures}" if when == "after"
+            else f"held-out acceptance before: {figures}")
+    out(report["out"]["path"])
+    return 0
 
 
 def retrain(args: argparse.Namespace) -> int:
