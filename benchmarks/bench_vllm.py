@@ -54,6 +54,7 @@ from pathlib import Path
 import requests
 
 from benchmarks import load_client, workloads
+from dvi import corpus
 from dvi.cli.vllm.server import SERVER
 from dvi.eagle3 import eagle3_config
 from dvi.engine import SpeculativeEngine
@@ -78,9 +79,17 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    """The first `n` qa prompts of the live split, through the chat template, as token ids."""
-    return [encode_chat(tokenizer, [{"role": "user", "content": p.text}]) for p in workloads.prompts("qa", "live")[:n]]
+def chat_prompts(tokenizer, n: int, held_out: bool = False) -> list[list[int]]:
+    """The first `n` qa prompts of the live split, or with `held_out` chat prompts of code and prose (alternately) from
+    the sources the shipped bootstrap drafter's corpus held out (`dvi.corpus`: no training record came from them),
+    through the chat template, as token ids."""
+    if not held_out:
+        texts = [p.text for p in workloads.prompts("qa", "live")[:n]]
+    else:
+        held = [p for p in corpus.bootstrap_prompts() if p.split == "heldout" and p.chat]
+        code, prose = ([p.text for p in held if p.domain == d] for d in ("code", "prose"))
+        texts = [t for pair in zip(code, prose) for t in pair][:n]
+    return [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
 
 
 def train_drafter(out: Path, target: Path, drafter: Path, prompts: list[list[int]], tokens: int, steps: int) -> Path:
@@ -228,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="times every server is started and measured (default 2; --quick 1)")
     ap.add_argument("--prompts", type=int, default=16, help="chat prompts (the qa domain's live split)")
     ap.add_argument("--output-len", type=int, default=None, help="tokens per request (default 64; --quick 16)")
+    ap.add_argument("--held-out", action="store_true", dest="held_out", help="chat prompts of code and prose from the "
+                    "sources the bootstrap drafter's corpus held out, instead of the qa domain's")
     ap.add_argument("--k", type=int, default=4, help="K of the fixed-K servers")
     ap.add_argument("--trained", type=Path, help="a trained drafter to use (default: distil one into --out once)")
     ap.add_argument("--train-steps", type=int, default=200, help="distillation steps of the trained drafter")
@@ -244,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
     target, drafter = pair_dirs(ModelConfig())
     tokenizer = load_tokenizer(target, "target")
-    prompts = chat_prompts(tokenizer, args.prompts)
+    prompts = chat_prompts(tokenizer, args.prompts, args.held_out)
     dtype = pick_dtype("auto", "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     trained = args.trained or args.sweep_peer or train_drafter(args.out / f"trained-{args.prompts}p-{output_len}t-{args.train_steps}s", target, drafter,

@@ -553,7 +553,9 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
         parts.append(Part("train", ["train", f"model.drafter={store.default_root(cfg) / version}", f"trainer.run_dir={work / 'trainer'}",
                                     *([f"trainer.cpu_bind={trainer_cores}"] if trainer_cores else [])],
                           banner("dvi train:"), 300, needs=()))
-        services = Supervisor(parts, common, work / "logs", say=say)
+        # each part names its drafter (the trainer the bootstrap version, the replicas the store's newest): a
+        # model.drafter given to the run picks what the bootstrap distills, and must not override theirs
+        services = Supervisor(parts, [o for o in common if not o.startswith("model.drafter=")], work / "logs", say=say)
         try:
             if opt.stack == "vllm":  # the peer: plain vLLM's own server at the same dtype, compiled, no drafter
                 target_dir, _ = pair_dirs(cfg.model, False)

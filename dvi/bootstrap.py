@@ -101,9 +101,12 @@ class Job:
 
 def jobs(prompts: list[corpus.CorpusPrompt], tokenizer, samples: int, max_prompt_tokens: int) -> list[Job]:
     """Every answer to make, in a fixed order (by prompt length, so a batch pads little): the training prompts
-    `samples` times, the held-out ones once; prompts longer than `max_prompt_tokens` are left out."""
-    out = []
+    `samples` times, the held-out ones once, each prompt once; prompts longer than `max_prompt_tokens` are left out."""
+    out, seen = [], set()
     for p in prompts:
+        if p.id in seen:  # a prompt given twice is answered once
+            continue
+        seen.add(p.id)
         ids = tuple(encode_chat(tokenizer, [{"role": "user", "content": p.text}]) if p.chat else tokenizer(p.text)["input_ids"])
         if 0 < len(ids) <= max_prompt_tokens:
             out += [Job(p, s, ids) for s in range(samples if p.split == "train" else 1)]

@@ -85,7 +85,7 @@ class ModelConfig:
     """Which target / drafter pair to load. Null paths mean the demo pair, fetched into the cache."""
 
     target: str | None = None
-    drafter: str | None = None
+    drafter: str | None = None  # None: the demo drafter (for the demo target's EAGLE-3: the shipped bootstrap); "init": untrained
     drafter_kind: str = EAGLE3  # demo drafter: eagle3 (dvi.eagle3) or layers (the target's first layers and head)
     drafter_layers: int = 2  # demo layer drafter: target embeddings, first L layers, final norm, head
     drafter_vocab: int | None = None  # demo drafter: reduced head over the N most frequent tokens (None = full; eagle3: 8192)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from dvi import drafters
 from dvi.drafter_kinds import kind_of, kind_of_dir
 from dvi.hardware import resolve_device, resolve_dtype
 from dvi.models import (DRAFTER_META, Drafter, Pair, cache_dir, check_same_tokenizer, load_causal_lm, load_tokenizer, target_dir_of,
@@ -22,13 +23,17 @@ log = logging.getLogger(__name__)
 
 def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
     """The target and drafter directories a `dvi.config.ModelConfig` names; null paths mean the demo pair, whose
-    target is fetched and whose drafter (of kind `model.drafter_kind`: a layer drafter, `dvi.models.build_drafter`, or an
-    EAGLE-3 one, `dvi.eagle3.build_eagle3`; `DrafterKind.build`) is built on first use. Loads no model."""
+    target is fetched and whose EAGLE-3 drafter is the one dvi ships (`dvi.drafters`, installed on first use). Another
+    demo drafter, or `model.drafter=init`, is built from the target on first use, untrained (of kind
+    `model.drafter_kind`: a layer drafter, `dvi.models.build_drafter`, or an EAGLE-3 one, `dvi.eagle3.build_eagle3`;
+    `DrafterKind.build`). Loads no model."""
     target_dir = target_dir_of(cfg)
     if not with_drafter:
         return target_dir, None
-    if cfg.drafter:
+    if cfg.drafter and cfg.drafter != drafters.INIT:
         return target_dir, Path(cfg.drafter).expanduser()
+    if drafters.applies(cfg):
+        return target_dir, drafters.installed_bootstrap(cache_dir(cfg), target_dir)
     kind = kind_of(cfg.drafter_kind)
     drafter_dir = kind.demo_dir(cache_dir(cfg), cfg.drafter_layers, cfg.drafter_vocab)
     if not (drafter_dir / DRAFTER_META).exists():

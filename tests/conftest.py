@@ -148,7 +148,7 @@ def self_drafter(tiny_target) -> Drafter:
 # ----------------------------------------------------------------------------------------------
 # The real demo pair (tests marked real_model).
 
-REAL_MODEL_FIXTURES = {"demo_target_dir", "demo_drafter_dir", "demo_eagle3_dir", "demo_pair"}
+REAL_MODEL_FIXTURES = {"demo_target_dir", "demo_drafter_dir", "demo_eagle3_dir", "demo_bootstrap_dir", "demo_pair"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -182,6 +182,15 @@ def demo_eagle3_dir(demo_target_dir) -> Path:
     from dvi.pairs import pair_dirs
 
     return pair_dirs(ModelConfig(target=str(demo_target_dir), drafter_kind="eagle3"))[1]  # built once per machine
+
+
+@pytest.fixture(scope="session")
+def demo_bootstrap_dir(demo_target_dir) -> Path:
+    """The demo pair's default drafter: the bootstrap drafter dvi ships, installed as `dvi up` installs it."""
+    from dvi.drafters import installed_bootstrap
+    from dvi.models import default_cache_dir
+
+    return installed_bootstrap(default_cache_dir(), demo_target_dir)
 
 
 @pytest.fixture(scope="session")

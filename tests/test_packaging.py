@@ -29,15 +29,18 @@ def test_the_wheel_ships_conf_and_loads_it_without_a_checkout(tmp_path: Path):
     assert {f"dvi/{c}" for c in conf} <= names, sorted({f"dvi/{c}" for c in conf} - names)
     sources = {str(p.relative_to(ROOT)) for pkg in ("dvi", "streams", "trainers") for p in (ROOT / pkg).rglob("*.py")}
     assert sources <= names, sorted(sources - names)  # a new subpackage missing from pyproject's list shows here
+    shipped = {str(p.relative_to(ROOT)) for p in (ROOT / "dvi" / "drafters").rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert shipped <= names, sorted(shipped - names)  # the bootstrap drafter, every file of it
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    probe = ("import dvi.config as c; cfg = c.load_config(['serve.port=9321']); "
-             "print(c.CONF_DIR, cfg.serve.port, cfg.trigger.kind)")
+    probe = ("import dvi.config as c, dvi.drafters as d; cfg = c.load_config(['serve.port=9321']); "
+             "print(c.CONF_DIR, cfg.serve.port, cfg.trigger.kind, d.shipped_weights_sha256())")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-2000:]
-    where, port, kind = run.stdout.split()
+    where, port, kind, weights = run.stdout.split()
     assert Path(where) == site / "dvi" / "conf" and port == "9321" and kind == "continuous"
+    assert len(weights) == 64  # the shipped drafter passed the store's checks against its pinned digest
 
 
 def test_serving_imports_nothing_from_the_train_local_and_vllm_extras():

@@ -126,6 +126,13 @@ def test_an_eagle3_drafter_trains_passes_the_gate_publishes_for_vllm_and_resumes
     resumed = again.student.module.model.weights()
     assert all(torch.equal(v, trained[k]) for k, v in resumed.items())
     assert torch.equal(again.baseline.model.lm_head.weight, trained["lm_head.weight"])
+    # reading the same file again (every record is in its ledger by now), it puts what it trained back into replay and
+    # what it held out back into the gate's set, so its epochs go on where they stopped (`dvi drafter bootstrap` resumed)
+    again.ingest(again.source.poll(0.0, max_records=10**6))
+    assert again.state.counters.duplicates == len(records) and not again.buffer.pending
+    assert len(again.buffer.replay) == counters.trained and len(again.buffer.holdout) == counters.held_out > 0
+    again.step()
+    assert again.state.step == STEPS + 1
 
 
 class Recorder:

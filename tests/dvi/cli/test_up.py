@@ -28,6 +28,7 @@ from child_env import clean_env
 from dvi import mlflow_view
 from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, PairPrep, Part, Supervisor, next_backoff, plan
 from dvi.config import load_config
+from dvi.drafters import shipped_version
 from dvi.eagle3 import target_features
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
@@ -322,8 +323,9 @@ def exit_status(pid: int, timeout_s: float) -> int | None:
 @pytest.mark.real_model
 @pytest.mark.broker
 def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter_feeds_the_readme_vllm_server_and_stops(
-        demo_target_dir, demo_eagle3_dir, tmp_path, monkeypatch):
-    """One `dvi up` stack, the default engine (vLLM's server, compiled) and drafter (EAGLE-3), checked from start to stop.
+        demo_target_dir, demo_eagle3_dir, demo_bootstrap_dir, tmp_path, monkeypatch):
+    """One `dvi up` stack, the default engine (vLLM's server, compiled) and drafter kind (EAGLE-3, untrained: the shipped
+    bootstrap drafter would put the first publish this test waits for minutes away), checked from start to stop.
 
     `dvi up --detach` returns once ready, its supervisor never having loaded torch; a second `dvi up` on the same ports
     refuses. The stack answers with its configured drafter, as `dvi status --json` says; its serve killed (a crash), the
@@ -353,7 +355,7 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
     try:
         # the README's server first: a first vLLM start with its settings compiles (minutes on 2 cores), beside the
         # stack's start and everything below; its loop's records wait in its queue until the stack's broker answers
-        readme = ReadmeServer(tmp_path, demo_target_dir, demo_eagle3_dir, cfg.stream.bootstrap, {"DVI_README_TEST": readme_marker})
+        readme = ReadmeServer(tmp_path, demo_target_dir, demo_bootstrap_dir, cfg.stream.bootstrap, {"DVI_README_TEST": readme_marker})
         with adopting_orphans():  # the background `dvi up` becomes this process's child: its exit status is checked
             up = subprocess.run([*cli, "up", "--detach", *overrides], capture_output=True, text=True, env=env, timeout=900)
         assert up.returncode == 0 and "Ctrl-C stops everything" in up.stdout and "detached (pid" in up.stdout, up.stdout + up.stderr
@@ -455,7 +457,7 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
         while (h := readme.health())["requests"] < 1 or h["records"]["sent"] < 1:
             assert time.monotonic() < deadline, h
             time.sleep(0.5)
-        assert h["drafter_version"] == "init-eagle3-v8192" and h["engine"] == "vllm", h
+        assert h["drafter_version"] == shipped_version() and h["engine"] == "vllm", h  # the README's: dvi up's default
         # vLLM's CPU build cannot load the ahead-of-time artifact it saves: the plugin turned it off (a second start reuses
         # the compile cache instead of compiling again)
         said = readme.child.log_since_start()

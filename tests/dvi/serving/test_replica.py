@@ -26,6 +26,7 @@ from dvi import keys, store
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig, keys_dir
 from dvi.control import DrafterPublished, DrafterRejected
 from dvi.control import encode as encode_control
+from dvi.drafters import shipped_version
 from dvi.errors import DviError
 from dvi.models import load_causal_lm
 from dvi.pairs import resolve_pair
@@ -616,7 +617,7 @@ def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_
         # the domain tag: vllm_xargs on vLLM's API, the dvi field on dvi's
         body.update({"vllm_xargs": {"dvi_domain": "math"}} if vllm_server else {"dvi": {"domain": "math"}})
         view = requests.get(url + ("/dvi/health" if vllm_server else "/health"), timeout=10).json()
-        assert view["engine"] == ("vllm" if vllm_server else "dvi") and view["drafter_version"] == "init-eagle3-v8192"  # the default kind
+        assert view["engine"] == ("vllm" if vllm_server else "dvi") and view["drafter_version"] == shipped_version()  # the default
         assert requests.post(url + "/v1/chat/completions", json=body, timeout=120).status_code == 401  # no key
         r = requests.post(url + "/v1/chat/completions", json=body, timeout=120,
                           headers={"Authorization": "Bearer a-key-only-this-test-knows"})
@@ -629,7 +630,7 @@ def test_dvi_serve_answers_logs_decisions_and_stops_on_sigterm(stream_cfg, demo_
                 got += [d.record for d in consumer.poll(timeout_s=1.0)]
         request_id = answer["id"] if vllm_server else answer["dvi"]["request_id"]
         assert got and got[0].request_id.startswith(request_id) and got[0].domain == "math"
-        assert got[0].replica_id == "replica-a" and got[0].drafter_version == "init-eagle3-v8192"
+        assert got[0].replica_id == "replica-a" and got[0].drafter_version == shipped_version()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, proc.stdout.read()[-3000:]
     finally:
