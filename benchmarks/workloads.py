@@ -2,7 +2,8 @@
 seed. `benchmarks.drift` replays them; the soak (`benchmarks.soak`) sends them as its traffic.
 
 Four domains, three written from the Python standard library that every installation carries and one from the
-READMEs the installed packages ship:
+READMEs the installed packages ship (mined by `dvi.corpus`, which builds `dvi drafter bootstrap`'s corpus from the same
+text):
 
 - `code`: the signature and docstring of a real stdlib function, sent raw; the model continues with its body;
 - `prose`: the opening sentences of a paragraph from the documentation topics (`pydoc_data.topics`, the text
@@ -17,27 +18,20 @@ A pool per domain is shuffled with the seed and cut into disjoint splits (`boots
 offline bootstrap never sees the prompts that live traffic replays. Every prompt carries its domain tag, which
 a serving replica puts into its DecisionRecords and per-domain metrics.
 
-This module knows text and prompts; it knows nothing about tokenizers, models or HTTP (`Prompt.body()` is the
-request body an OpenAI-compatible server takes). Nothing in dvi imports it.
+This module knows prompts; it knows nothing about tokenizers, models or HTTP (`Prompt.body()` is the request body an
+OpenAI-compatible server takes). Nothing in dvi imports it.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.metadata
 import random
-import re
-import sysconfig
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
+from dvi.corpus import MAX_PROMPT_CHARS, doc_topics, module_summaries, paragraphs, readme_sections, sentences, stdlib_functions
 from dvi.errors import DviError
 
 DOMAINS = ("code", "prose", "qa", "markdown")
 SPLITS = {"bootstrap": 0.3, "live": 0.6, "eval": 0.1}  # shares of each shuffled pool, in this order
-
-MAX_PROMPT_CHARS = 600
 
 
 @dataclass(frozen=True)
@@ -59,117 +53,18 @@ class Prompt:
 
 
 # ----------------------------------------------------------------------------------------------
-# the raw material
-
-
-def _stdlib() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-@lru_cache(maxsize=1)
-def _topics() -> tuple[tuple[str, str], ...]:
-    try:
-        from pydoc_data import topics
-    except ImportError as e:  # some distributions strip it
-        raise DviError("the documentation topics (pydoc_data) are missing from this Python: the prose and qa "
-                       "workloads are built from them") from e
-    return tuple(sorted(topics.topics.items()))
-
-
-def _paragraphs(body: str) -> list[str]:
-    """Prose paragraphs of a topic: no code samples, grammar productions or tables; whitespace joined."""
-    out = []
-    for block in re.split(r"\n\s*\n", body):
-        lines = block.splitlines()
-        if not lines or any(l.startswith((" ", "\t", ">>>", "...")) for l in lines) or "::=" in block or "|" in block:
-            continue
-        text = " ".join(l.strip() for l in lines)
-        if len(text) >= 160 and text[0].isupper() and text.count(" ") >= 25:
-            out.append(text)
-    return out
-
-
-def _sentences(text: str, n: int) -> str:
-    parts = re.split(r"(?<=[.!?])\s+", text)
-    return " ".join(parts[:n])
-
-
-@lru_cache(maxsize=1)
-def _functions() -> tuple[tuple[str, str, str], ...]:
-    """(module, function name, prompt text) for stdlib functions with a docstring: the source from `def`
-    through the docstring, then a new line at the body's indentation (so the continuation is code)."""
-    out = []
-    for f in sorted(_stdlib().glob("*.py")):
-        src = f.read_text(errors="ignore")
-        try:
-            tree = ast.parse(src)
-        except SyntaxError:
-            continue
-        lines = src.splitlines()
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("__") or len(node.body) < 3:
-                continue
-            doc = node.body[0]
-            if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
-                continue
-            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-            head = lines[start:doc.end_lineno]
-            indent = lines[doc.lineno - 1][: len(lines[doc.lineno - 1]) - len(lines[doc.lineno - 1].lstrip())]
-            base = len(head[0]) - len(head[0].lstrip())
-            text = "\n".join(l[base:] for l in head) + "\n" + indent[base:]
-            if 40 <= len(text) <= MAX_PROMPT_CHARS:
-                out.append((f.stem, node.name, text))
-    return tuple(out)
-
-
-@lru_cache(maxsize=1)
-def _module_summaries() -> tuple[tuple[str, str], ...]:
-    """(module, first sentence of its docstring) for public stdlib modules."""
-    out = []
-    for f in sorted(_stdlib().glob("*.py")):
-        if f.stem.startswith("_"):
-            continue
-        try:
-            doc = ast.get_docstring(ast.parse(f.read_text(errors="ignore")))
-        except SyntaxError:
-            continue
-        if doc:
-            first = " ".join(_sentences(doc.split("\n\n")[0], 1).split())
-            if 20 <= len(first) <= 240:
-                out.append((f.stem, first))
-    return tuple(out)
-
-
-@lru_cache(maxsize=1)
-def _readme_sections() -> tuple[tuple[str, str], ...]:
-    """(distribution, "## heading" + the first sentences under it) from the Markdown READMEs of the installed
-    packages, in the order of their names."""
-    out = []
-    dists = sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower())
-    for dist in dists:
-        if "markdown" not in (dist.metadata.get("Description-Content-Type") or "").lower():
-            continue
-        body = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
-        for m in re.finditer(r"(?m)^(#{2,3} [^\n]{3,80})\n\n([A-Z][^\n]{60,})", body):
-            text = f"{m.group(1).strip()}\n\n{_sentences(m.group(2).strip(), 2)}"
-            if "<" not in text and "](" not in text:  # no HTML, no links: prose the model can continue
-                out.append((dist.metadata["Name"], text))
-    return tuple(out)
-
-
-# ----------------------------------------------------------------------------------------------
 # the pools
 
 
 def _code_pool() -> list[Prompt]:
-    return [Prompt("code", text, chat=False) for _, _, text in _functions()]
+    return [Prompt("code", f.head, chat=False) for f in stdlib_functions()]
 
 
 def _prose_pool() -> list[Prompt]:
     out = []
-    for _, body in _topics():
-        for para in _paragraphs(body):
-            text = _sentences(para, 2)
+    for _, body in doc_topics():
+        for para in paragraphs(body):
+            text = sentences(para, 2)
             if 80 <= len(text) <= MAX_PROMPT_CHARS:
                 out.append(Prompt("prose", text, chat=False))
     return out
@@ -186,18 +81,18 @@ QA_PASSAGE = ["Read this passage from the Python documentation and summarize it 
 
 def _qa_pool() -> list[Prompt]:
     out = []
-    for i, (key, body) in enumerate(_topics()):
+    for i, (key, body) in enumerate(doc_topics()):
         out.append(Prompt("qa", QA_TOPIC[i % 2].format(key=key.replace("-", " ")), chat=True))
-        paras = _paragraphs(body)
+        paras = paragraphs(body)
         if paras:
-            out.append(Prompt("qa", QA_PASSAGE[i % 2].format(text=_sentences(paras[-1], 2)), chat=True))
-    for i, (mod, doc) in enumerate(_module_summaries()):
+            out.append(Prompt("qa", QA_PASSAGE[i % 2].format(text=sentences(paras[-1], 2)), chat=True))
+    for i, (mod, doc) in enumerate(module_summaries()):
         out.append(Prompt("qa", QA_MODULE[i % 2].format(mod=mod, doc=doc), chat=True))
     return out
 
 
 def _markdown_pool() -> list[Prompt]:
-    return [Prompt("markdown", text, chat=False) for _, text in _readme_sections() if len(text) <= MAX_PROMPT_CHARS]
+    return [Prompt("markdown", text, chat=False) for _, text in readme_sections() if len(text) <= MAX_PROMPT_CHARS]
 
 
 POOLS = {"code": _code_pool, "prose": _prose_pool, "qa": _qa_pool, "markdown": _markdown_pool}

@@ -2,8 +2,8 @@
 
 `COMMANDS` is the table: the words of a subcommand, its help, its options and the function that runs it. The
 functions live in the modules beside this one (`serve`: generate and serve; `status`; `up`: the local stack,
-process supervision, `dvi down`; `stream`: broker and stream tail; `tracking`: mlflow; `train`: train, retrain and
-distill; `models`: models fetch and drafter init; `keys`: keys init) and are imported only when their command runs, so
+process supervision, `dvi down`; `stream`: broker and stream tail; `tracking`: mlflow; `train`: train, retrain,
+distill and bootstrap; `models`: models fetch and drafter init; `keys`: keys init) and are imported only when their command runs, so
 `dvi --help` loads neither torch nor Kafka, DeepSpeed or MLflow. Each parses its arguments, builds the typed config once,
 hands the library its parts and prints (`dvi.cli.output`: stdout is the command's output only). Trailing `key=value` words are Hydra overrides of conf/. A `DviError`
 prints as one line `dvi: error: ...` with exit status 2. Nothing imports this package; it imports everything.

@@ -1,4 +1,4 @@
-"""`dvi train`, `dvi retrain` and `dvi drafter distill`: the recipe wired to its sources and channels.
+"""`dvi train`, `dvi retrain`, `dvi drafter distill` and `dvi drafter bootstrap`: the recipe wired to its sources and channels.
 
 `dvi train` is the long-running trainer: a member of consumer group `trainer.group_id` on the decisions topic,
 training while its trigger (`trigger=continuous|threshold|schedule|manual`) says so. One process with plain
@@ -6,7 +6,8 @@ training while its trigger (`trigger=continuous|threshold|schedule|manual`) says
 trainers for a session on the control topic. `dvi drafter distill` runs the same recipe offline over every record
 on a topic (from the beginning, with a group of its own) or in a JSON-lines file, and stops when it is idle (or
 after --steps); `--json` prints its result as one JSON object (`published_versions`: what it published, oldest
-first). This module builds the trainer's source (a consumer or a file), its control reader, its publisher and its
+first). `dvi drafter bootstrap` makes a general drafter offline from packaged text (`dvi.bootstrap`: the corpus, the
+target's answers, the same recipe over them). This module builds the trainer's source (a consumer or a file), its control reader, its publisher and its
 MLflow tracker; the recipe is `trainers.recipe`'s.
 """
 
