@@ -1,8 +1,9 @@
 """`dvi serve` as a user starts it against plain vLLM's own OpenAI server at its best settings, through one client.
 
 Every server is a real process answering HTTP, measured with `benchmarks.load_client` (streamed completions, greedy,
-`ignore_eos`, a fixed output length) on the same chat prompts (the `qa` domain of `benchmarks.workloads`, through the
-target's chat template), at batch 1 (one client) and batch 8 (eight at once). One server runs at a time (two torch
+`ignore_eos`, a fixed output length) on the same chat prompts (the `qa` domain of `benchmarks.workloads`, or with
+`--held-out` code and prose prompts from the sources the bootstrap drafter's corpus held out, through the target's
+chat template), at batch 1 (one client) and batch 8 (eight at once). One server runs at a time (two torch
 processes on a small machine slow each other several-fold), in a rotating order, `--rounds` times; each round's
 throughputs are divided by the peer's of the same round and the medians of those ratios are reported.
 
@@ -16,10 +17,11 @@ The servers:
   table's `x best` column divides by the faster of the two at each batch size;
 - `vLLM, no prefix caching`: the peer without vLLM's prefix cache (`--no-enable-prefix-caching`, as `dvi serve` runs
   vLLM: a hot swap would leave the previous drafter's keys and values in it);
-- `vLLM + drafter K=k`, `vLLM + trained K=k`: the same with the demo drafter (untrained, then trained) drafting a
+- `vLLM + drafter K=k`, `vLLM + trained K=k`: the same with the demo drafter (the pair's default, then trained) drafting a
   fixed K, as a vLLM user deploys a `draft_model` speculator;
 - `dvi serve`: `dvi serve` on its defaults (engine auto = vLLM's own OpenAI server with dvi's loop as its plugin,
-  compiled, the dtype auto picks, K planned per step: drafting only where it pays) with the untrained demo drafter, its
+  compiled, the dtype auto picks, K planned per step: drafting only where it pays) with the demo drafter (the shipped
+  bootstrap drafter, `dvi.drafters`), its
   DecisionRecords going to a real broker (the embedded one) and its swap thread following the control topic; MLflow
   tracking off;
 - `dvi serve --no-draft`: the same, target only;

@@ -80,6 +80,9 @@ def _check(ok: bool, key: str, value: object, expected: str) -> None:
         raise DviError(f"invalid value {key}={value!r}: expected {expected}")
 
 
+INIT_DRAFTER = "init"  # model.drafter=init: the demo pair's untrained drafter, built from the target, not the one dvi ships
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which target / drafter pair to load. Null paths mean the demo pair, fetched into the cache."""

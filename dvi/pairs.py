@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from dvi import drafters
+from dvi.config import INIT_DRAFTER
 from dvi.drafter_kinds import kind_of, kind_of_dir
 from dvi.hardware import resolve_device, resolve_dtype
 from dvi.models import (DRAFTER_META, Drafter, Pair, cache_dir, check_same_tokenizer, load_causal_lm, load_tokenizer, target_dir_of,
@@ -30,7 +31,7 @@ def pair_dirs(cfg, with_drafter: bool = True) -> tuple[Path, Path | None]:
     target_dir = target_dir_of(cfg)
     if not with_drafter:
         return target_dir, None
-    if cfg.drafter and cfg.drafter != drafters.INIT:
+    if cfg.drafter and cfg.drafter != INIT_DRAFTER:
         return target_dir, Path(cfg.drafter).expanduser()
     if drafters.applies(cfg):
         return target_dir, drafters.installed_bootstrap(cache_dir(cfg), target_dir)

@@ -154,7 +154,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("drafter", "distill"), "distill the drafter offline from every record on the decisions topic, then publish",
             "train:distill", _distill, check="args:train"),
     Command(("drafter", "bootstrap"), "make a general drafter for the target offline: a corpus from packaged text, "
-            "answered by the target, distilled by the trainer", "train:bootstrap", _bootstrap, check="args:train"),
+            "answered by the target, distilled by the trainer into the configured drafter (model.drafter=init: from "
+            "the untrained one)", "train:bootstrap", _bootstrap, check="args:train"),
     Command(("config", "show"), "print the resolved configuration (conf/ with the overrides applied, secrets masked) as YAML",
             "status:config_show", light=True),
     Command(("keys", "init"), "make the trainer's and the replicas' signing keys for a deployment on several hosts",

@@ -12,8 +12,7 @@ import os
 from dataclasses import dataclass
 
 from dvi.alloc import limit_kernel_caches
-from dvi.config import DviConfig, check_sampling, load_config, overrides_of
-from dvi.drafters import INIT
+from dvi.config import INIT_DRAFTER, DviConfig, check_sampling, load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import bound_cores, pick_engine, replica_cores, resolve_device, resolve_dtype
 from dvi.model_files import require_gguf_file, require_model_dir
@@ -52,7 +51,7 @@ def model_paths(cfg: DviConfig, with_drafter: bool = True) -> None:
     their tokenizers once the libraries load)."""
     if cfg.model.target and not str(cfg.model.target).endswith(".gguf"):
         require_model_dir(cfg.model.target, "target")
-    if with_drafter and cfg.model.drafter and cfg.model.drafter != INIT:
+    if with_drafter and cfg.model.drafter and cfg.model.drafter != INIT_DRAFTER:
         require_model_dir(cfg.model.drafter, "drafter")
 
 

@@ -6,7 +6,7 @@ training while its trigger (`trigger=continuous|threshold|schedule|manual`) says
 trainers for a session on the control topic. `dvi drafter distill` runs the same recipe offline over every record
 on a topic (from the beginning, with a group of its own) or in a JSON-lines file, and stops when it is idle (or
 after --steps); `--json` prints its result as one JSON object (`published_versions`: what it published, oldest
-first). `dvi drafter bootstrap` makes a general drafter offline from packaged text (`dvi.bootstrap`: the corpus, the
+first). `dvi drafter bootstrap` makes a general drafter offline from packaged text (`trainers.bootstrap`: the corpus, the
 target's answers, the same recipe over them). This module builds the trainer's source (a consumer or a file), its control reader, its publisher and its
 MLflow tracker; the recipe is `trainers.recipe`'s.
 """
@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import replace
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -36,6 +37,7 @@ from streams import control
 from streams.client import quiet_kafka_logs
 from streams.consumer import DecisionConsumer
 from streams.topics import ensure_topics
+from trainers import bootstrap as boot
 from trainers.data import FileSource
 from trainers.recipe import Trainer
 
@@ -145,10 +147,6 @@ def _progress(trainer: Trainer, steps: int | None):
 
 
 def bootstrap(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from dvi import bootstrap as boot
-
     cfg = load_config(overrides_of(args))
     out_dir = Path(args.out).expanduser().resolve()
     plan = boot.Plan(work=Path(args.work).expanduser() if args.work else cache_dir(cfg.model) / "bootstrap" / out_dir.name,

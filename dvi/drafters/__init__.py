@@ -21,8 +21,11 @@ import logging
 import shutil
 from pathlib import Path
 
+from dvi import store
+from dvi.drafter_kind_names import EAGLE3
 from dvi.errors import DviError
 from dvi.files import sha256_file
+from dvi.models import DRAFTER_META, load_tokenizer, staged_dir
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +33,12 @@ SHIPPED = Path(__file__).resolve().parent / "smollm2-eagle3-bootstrap"
 SHIPPED_SHA256 = "22877aa8c293351c62e99bfe82ce1090c02bba90bc896dfc2faffc828ae2f056"  # of its SHA256SUMS
 SHIPPED_VOCAB = 8192  # its draft vocabulary
 INSTALLED = "eagle3-bootstrap"  # its directory under <cache>/models/
-INIT = "init"  # model.drafter=init: the untrained drafter built from the target, not the shipped one
 WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def shipped_weights_sha256() -> str:
     """The sha256 of the shipped weights, as its SHA256SUMS (checked against `SHIPPED_SHA256`) lists it."""
-    from dvi import store
-
     files = store.read_verified(SHIPPED, SHIPPED_SHA256)  # VersionError (a DviError) naming what is wrong
     for line in files[store.SUMS].decode().splitlines():
         digest, _, name = line.partition("  ")
@@ -58,8 +58,6 @@ def installed_bootstrap(cache_dir: Path, target_dir: Path) -> Path:
     weights are checked against the shipped digest every time, and an installed copy that does not match (altered, or
     a release before this one's) is replaced by the shipped one, with a warning. A DviError names a shipped copy that
     fails the store's checks."""
-    from dvi.models import DRAFTER_META, load_tokenizer, staged_dir
-
     digest = shipped_weights_sha256()
     out = Path(cache_dir) / "models" / INSTALLED
     if (out / DRAFTER_META).is_file():
@@ -82,7 +80,5 @@ def installed_bootstrap(cache_dir: Path, target_dir: Path) -> Path:
 def applies(cfg) -> bool:
     """Whether a `dvi.config.ModelConfig` asks for the shipped drafter: no drafter named, the demo target, an EAGLE-3
     drafter over the shipped draft vocabulary."""
-    from dvi.drafter_kind_names import EAGLE3
-
     return (cfg.drafter is None and cfg.target is None and cfg.drafter_kind == EAGLE3
             and cfg.drafter_vocab in (None, SHIPPED_VOCAB))

@@ -23,6 +23,7 @@ This module wires the corpus, the target and the trainer; it knows nothing of HT
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -36,13 +37,20 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
+from transformers import LogitsProcessorList
 
-from dvi import corpus
-from dvi.config import DviConfig
+from dvi import corpus, store
+from dvi.config import DviConfig, flat_params
 from dvi.errors import DviError
 from dvi.files import sha256_file
 from dvi.models import encode_chat, end_ids
+from dvi.pairs import load_any_drafter, resolve_pair
 from dvi.records import DecisionRecord, RoundRecord, Sampling, Target
+from dvi.tracking import Tracker
+from trainers.data import FileSource
+from trainers.ds import merged_state_dict
+from trainers.gate import evaluate_each, pooled
+from trainers.recipe import Trainer
 
 SAMPLED_TEMPERATURE = 0.8
 TOPK = 8  # teacher columns per position, as serving logs them (stream.topk)
@@ -128,8 +136,6 @@ class _TopK:
 def answer(target, batch: list[Job], stops: set[int], new_tokens: int, seed: int, pad_id: int):
     """The target's answers to `batch` (all greedy or all sampled): per job, (generated ids, [n, TOPK] ids, [n, TOPK]
     log-probs), cut after the first stop token."""
-    from transformers import LogitsProcessorList
-
     device = next(target.parameters()).device
     width = max(len(j.ids) for j in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -266,8 +272,6 @@ def trainer_config(cfg: DviConfig, plan: Plan) -> DviConfig:
 
 def by_domain(trainer, records: list[DecisionRecord], module=None) -> dict:
     """Acceptance figures (`trainers.gate.evaluate`) of the trainer's student (or `module`) per domain and in all."""
-    from trainers.gate import evaluate_each, pooled
-
     module = module or trainer.student.module
     out = {}
     domains = sorted({r.domain for r in records})
@@ -309,16 +313,6 @@ def _save(report: dict, work: Path) -> None:
 def run(cfg: DviConfig, plan: Plan, command: str = "") -> dict:
     """Every stage that has not finished (see the module docstring); the report, also written to `<work>/bootstrap.json`
     and into the drafter's dvi_drafter.json."""
-    import gc
-
-    from dvi import store
-    from dvi.pairs import load_any_drafter, resolve_pair
-    from dvi.tracking import Tracker
-    from dvi.config import flat_params
-    from trainers.data import FileSource
-    from trainers.ds import merged_state_dict
-    from trainers.recipe import Trainer
-
     store.check_version_name(plan.out.name)
     plan.work.mkdir(parents=True, exist_ok=True)
     report = json.loads((plan.work / REPORT).read_text()) if (plan.work / REPORT).is_file() else {}

@@ -1,4 +1,4 @@
-"""`dvi drafter bootstrap`'s answers (`dvi.bootstrap`): the target's own tokens and top-k log-probs, as records serving
+"""`dvi drafter bootstrap`'s answers (`trainers.bootstrap`): the target's own tokens and top-k log-probs, as records serving
 would log, in batches that a kill does not lose or repeat. A tiny random Llama with the demo tokenizer stands in for the
 target (the shipped drafter's own run on the real pair is recorded in benchmarks/results/bootstrap-gpu-h200.json)."""
 
@@ -10,9 +10,10 @@ from collections import Counter
 import pytest
 import torch
 
-from dvi import bootstrap, corpus
+from dvi import corpus
 from dvi.models import end_ids, load_causal_lm, load_tokenizer
 from dvi.records import from_dict
+from trainers import bootstrap
 
 
 @pytest.fixture(scope="module")
