@@ -56,13 +56,13 @@ from pathlib import Path
 import requests
 
 from benchmarks import load_client, workloads
-from dvi import corpus
+from dvi import corpus, drafters
 from dvi.cli.vllm.server import SERVER
 from dvi.eagle3 import eagle3_config
 from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Request
 from dvi.hardware import pick_dtype, vllm_version
-from dvi.models import EAGLE3, drafter_kind, encode_chat, end_ids, load_causal_lm, load_tokenizer
+from dvi.models import EAGLE3, drafter_kind, encode_chat, end_ids, load_causal_lm, load_tokenizer, read_drafter_meta
 from dvi.pairs import pair_dirs
 from dvi.cli.status import replica as replica_view
 from dvi.config import ModelConfig, SpecConfig, VllmConfig
@@ -88,7 +88,8 @@ def chat_prompts(tokenizer, n: int, held_out: bool = False) -> list[list[int]]:
     if not held_out:
         texts = [p.text for p in workloads.prompts("qa", "live")[:n]]
     else:
-        held = [p for p in corpus.bootstrap_prompts() if p.split == "heldout" and p.chat]
+        sources = set(read_drafter_meta(drafters.SHIPPED)["bootstrap"]["corpus"]["heldout_sources"])  # as it was trained
+        held = [p for p in corpus.bootstrap_prompts() if p.source in sources and p.chat]
         code, prose = ([p.text for p in held if p.domain == d] for d in ("code", "prose"))
         texts = [t for pair in zip(code, prose) for t in pair][:n]
     return [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]

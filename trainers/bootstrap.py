@@ -88,6 +88,8 @@ def corpus_stage(plan: Plan) -> tuple[list[corpus.CorpusPrompt], dict]:
             prompts = prompts[: plan.prompts]
         tmp = path.with_suffix(".tmp")
         manifest = corpus.write_corpus(prompts, tmp)
+        if plan.corpus_file:  # mined elsewhere: this Python's text is not what it came from
+            manifest["mined_from"] = {"corpus_file": str(plan.corpus_file)}
         man.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, path)
     manifest = json.loads(man.read_text())
@@ -185,21 +187,29 @@ def target_records(job: Job, generated: list[int], top_ids: np.ndarray, top_lps:
     return records
 
 
-def _resume_answers(work: Path) -> int:
-    """Batches already answered; the record files cut back to what the last noted batch left."""
+def _resume_answers(work: Path, settings: dict) -> int:
+    """Batches already answered (each line of `answers.progress` is a whole snapshot: the last one that parses holds);
+    the record files cut back to what it noted, and the progress file to that line. DviError when the answers were
+    begun with other settings (batches, samples, lengths, prompts), which number the batches differently."""
     progress = work / "answers.progress"
-    done, sizes = 0, {"train": 0, "heldout": 0}
+    done, sizes, last = 0, {"train": 0, "heldout": 0}, None
     if progress.is_file():
         for line in progress.read_text().splitlines():
             try:
                 entry = json.loads(line)
-                done, sizes = int(entry["batches"]), entry["bytes"]
+                done, sizes, last = int(entry["batches"]), entry["bytes"], entry
             except (ValueError, KeyError, TypeError):
-                break  # a line cut short by a kill: the one before it holds
+                continue  # a line cut short by a kill, or one appended to it: the snapshots around it hold
+    if last is not None and last.get("settings") != settings:
+        raise DviError(f"{work} holds answers begun with {last.get('settings')}, not {settings}: give the same options, "
+                       "or another --work")
     for split, size in sizes.items():
         path = work / f"records-{split}.jsonl"
         with open(path, "ab") as f:
             f.truncate(size)
+    tmp = progress.with_suffix(".tmp")
+    tmp.write_text(json.dumps(last) + "\n" if last else "")
+    os.replace(tmp, progress)
     return done
 
 
@@ -220,7 +230,9 @@ def answers_stage(plan: Plan, target, tokenizer, prompts: list[corpus.CorpusProm
     are left out (counted in `left_out`)."""
     todo = jobs(prompts, tokenizer, plan.samples, plan.max_prompt_tokens)
     batches = batches_of(todo, plan.batch, plan.seed)
-    done = _resume_answers(plan.work)
+    settings = {"batch": plan.batch, "samples": plan.samples, "new_tokens": plan.new_tokens,
+                "max_prompt_tokens": plan.max_prompt_tokens, "seed": plan.seed, "answers": len(todo)}
+    done = _resume_answers(plan.work, settings)
     stops, vocab = end_ids(target, tokenizer), int(target.config.vocab_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     files = {s: open(plan.work / f"records-{s}.jsonl", "a") for s in corpus.SPLITS}
@@ -240,7 +252,7 @@ def answers_stage(plan: Plan, target, tokenizer, prompts: list[corpus.CorpusProm
             for f in files.values():
                 f.flush()
                 os.fsync(f.fileno())
-            entry = {"batches": n + 1, "bytes": {s: f.tell() for s, f in files.items()}, "time": time.time()}
+            entry = {"batches": n + 1, "bytes": {s: f.tell() for s, f in files.items()}, "time": time.time(), "settings": settings}
             with open(plan.work / "answers.progress", "a") as p:
                 p.write(json.dumps(entry) + "\n")
             bar.update(len(batch))
@@ -321,6 +333,8 @@ def run(cfg: DviConfig, plan: Plan, command: str = "") -> dict:
             return report  # this work directory made it: nothing left to do
         raise DviError(f"{plan.out} already holds a drafter that {plan.work} did not make: name another --out")
     prompts, manifest = corpus_stage(plan)
+    for stale in ("trainer", "after", "version", "out"):  # of an earlier run into another --out: this one's come below
+        report.pop(stale, None)
     report.update(command=command or report.get("command"), commit=commit(), hardware=hardware(), corpus=manifest,
                   plan={k: str(v) for k, v in vars(plan).items()})
     report.setdefault("seconds", {})
@@ -362,6 +376,7 @@ def run(cfg: DviConfig, plan: Plan, command: str = "") -> dict:
         report["version"] = version
         weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
                    for k, v in merged_state_dict(published.model).items()}
+        report["out"] = {"path": str(plan.out)}  # a kill after the publish: the rerun finds it this run's
         _save(report, plan.work)
         pub = store.publish(plan.out.parent, plan.out.name, weights, Path(served),
                             {"parent": version, "bootstrap": report, "dtype": "bfloat16"}, published.vocab_map)

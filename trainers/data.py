@@ -399,6 +399,10 @@ class Kept:
         for e in examples:
             self.append(e)
 
+    def clear(self) -> None:
+        self._items.clear()
+        self.nbytes = 0
+
     def __iter__(self):
         return iter(self._items)
 

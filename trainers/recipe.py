@@ -557,6 +557,9 @@ class Trainer:
         self.state.counters.nonfinite = nonfinite  # what went wrong stays counted
         self.ahead.drop()  # its fresh records are read again, like those still pending
         self.buffer.clear_pending()
+        if self.offline and self.tcfg.replay_when_idle:  # the records read again rebuild them from the restored ledger
+            self.buffer.replay.clear()
+            self.buffer.holdout.clear()
         self.offsets = Offsets()
         self.inflight.clear()
         self.source.rewind()

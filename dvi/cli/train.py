@@ -154,7 +154,8 @@ def bootstrap(args: argparse.Namespace) -> int:
                      samples=args.samples, new_tokens=args.new_tokens, batch=args.batch, answer_minutes=args.answer_minutes,
                      minutes=None if args.steps else args.minutes, steps=args.steps)
     out(f"dvi drafter bootstrap: work in {plan.work} (a rerun resumes there), the drafter to {plan.out}", flush=True)
-    report = boot.run(cfg, plan, command=" ".join(["dvi", "drafter", "bootstrap", *sys.argv[3:]]))
+    given = sys.argv[sys.argv.index("bootstrap") + 1 :] if "bootstrap" in sys.argv else []  # after any global flag
+    report = boot.run(cfg, plan, command=" ".join(["dvi", "drafter", "bootstrap", *given]))
     for when in ("before", "after"):
         figures = ", ".join(f"{d} {f['realized']:.3f}" for d, f in report[when].items())
         out(f"held-out acceptance {when} ({report['trainer']['steps']} steps): {figures}" if when == "after"

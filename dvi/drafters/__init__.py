@@ -16,6 +16,7 @@ files; not training, serving or the store's versions.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import shutil
@@ -30,7 +31,7 @@ from dvi.models import DRAFTER_META, load_tokenizer, staged_dir
 log = logging.getLogger(__name__)
 
 SHIPPED = Path(__file__).resolve().parent / "smollm2-eagle3-bootstrap"
-SHIPPED_SHA256 = "22877aa8c293351c62e99bfe82ce1090c02bba90bc896dfc2faffc828ae2f056"  # of its SHA256SUMS
+SHIPPED_SHA256 = "b038790366a25a49fb1a9f54adb761f361d56028148bcbc7b2e5d374ad8e3355"  # of its SHA256SUMS
 SHIPPED_VOCAB = 8192  # its draft vocabulary
 INSTALLED = "eagle3-bootstrap"  # its directory under <cache>/models/
 WEIGHTS = "model.safetensors"
@@ -60,11 +61,25 @@ def installed_bootstrap(cache_dir: Path, target_dir: Path) -> Path:
     fails the store's checks."""
     digest = shipped_weights_sha256()
     out = Path(cache_dir) / "models" / INSTALLED
-    if (out / DRAFTER_META).is_file():
-        if (out / WEIGHTS).is_file() and sha256_file(out / WEIGHTS) == digest:
+    if _installed(out, digest):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{INSTALLED}.lock", "w") as lock:  # processes starting at once install it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _installed(out, digest):
             return out
-        log.warning("%s does not match the shipped bootstrap drafter's sha256 %s...: installing the shipped one again",
-                    out / WEIGHTS, digest[:12])
+        if (out / DRAFTER_META).is_file():
+            log.warning("%s does not match the shipped bootstrap drafter's sha256 %s...: installing the shipped one again",
+                        out / WEIGHTS, digest[:12])
+        _install(out, target_dir, digest)
+    return out
+
+
+def _installed(out: Path, digest: str) -> bool:
+    return (out / DRAFTER_META).is_file() and (out / WEIGHTS).is_file() and sha256_file(out / WEIGHTS) == digest
+
+
+def _install(out: Path, target_dir: Path, digest: str) -> None:
     with staged_dir(out, ".eagle3-bootstrap-") as staging:
         shutil.copy2(SHIPPED / WEIGHTS, staging / WEIGHTS)
         if sha256_file(staging / WEIGHTS) != digest:
@@ -74,7 +89,6 @@ def installed_bootstrap(cache_dir: Path, target_dir: Path) -> Path:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         load_tokenizer(target_dir, "target").save_pretrained(staging)
         shutil.copy2(SHIPPED / DRAFTER_META, staging / DRAFTER_META)
-    return out
 
 
 def applies(cfg) -> bool:

@@ -12,6 +12,7 @@ import torch
 
 from dvi import corpus
 from dvi.models import end_ids, load_causal_lm, load_tokenizer
+from dvi.errors import DviError
 from dvi.records import from_dict
 from trainers import bootstrap
 
@@ -75,6 +76,11 @@ def test_answering_killed_midway_resumes_without_losing_or_repeating_a_record(ti
         bootstrap.answers_stage(plan, target, tokenizer, prompts, "tiny")
     with open(tmp_path / "records-train.jsonl", "a") as f:
         f.write('{"half a record')  # what a kill during a write leaves
+    with open(tmp_path / "answers.progress", "a") as f:
+        f.write('{"batches": 9')  # and in the progress file: a cut line, which the next one would be appended to
+    with pytest.raises(DviError, match="begun with"):  # other settings number the batches otherwise: refused
+        bootstrap.answers_stage(bootstrap.Plan(work=tmp_path, out=tmp_path / "out", samples=2, new_tokens=6, batch=4),
+                                target, tokenizer, prompts, "tiny")
     monkeypatch.setattr(bootstrap, "answer", real)
     done = bootstrap.answers_stage(plan, target, tokenizer, prompts, "tiny")
 
@@ -92,3 +98,17 @@ def test_answering_stops_when_its_time_is_up_and_says_what_it_left_out(tiny, pro
     plan = bootstrap.Plan(work=tmp_path, out=tmp_path / "out", samples=1, new_tokens=4, batch=4, answer_minutes=0.0)
     done = bootstrap.answers_stage(plan, target, tokenizer, prompts, "tiny")
     assert done["answers"] == 0 and done["left_out"] == len(bootstrap.jobs(prompts, tokenizer, 1, plan.max_prompt_tokens))
+
+
+def test_a_long_answer_is_records_of_64_rounds_each_one_carrying_what_came_before(tiny, prompts):
+    target, tokenizer = tiny
+    job = bootstrap.jobs(prompts, tokenizer, samples=1, max_prompt_tokens=448)[0]
+    gen = [int(t) for t in torch.randint(3, 1000, (130,), generator=torch.Generator().manual_seed(0))]
+    ids = torch.randint(0, 1000, (130, bootstrap.TOPK), generator=torch.Generator().manual_seed(1)).numpy()
+    lps = torch.log_softmax(torch.randn(130, 50), -1).topk(bootstrap.TOPK, -1).values.numpy()
+    records = bootstrap.target_records(job, gen, ids, lps, "tiny", 49152, seed=0)
+    assert [len(r.rounds) for r in records] == [64, 64, 2] and [r.final for r in records] == [False, False, True]
+    for c, r in enumerate(records):
+        back = from_dict(json.loads(json.dumps(r.to_dict())), 49152)  # validated: positions, emitted tokens, teacher
+        assert back.chunk_index == c and back.prefix_ids == gen[: 64 * c] and back.generated_ids == gen[64 * c : 64 * c + len(r.rounds)]
+        assert [x.position for x in back.rounds] == list(range(64 * c, 64 * c + len(r.rounds)))
