@@ -207,9 +207,7 @@ def _resume_answers(work: Path, settings: dict) -> int:
         path = work / f"records-{split}.jsonl"
         with open(path, "ab") as f:
             f.truncate(size)
-    tmp = progress.with_suffix(".tmp")
-    tmp.write_text(json.dumps(last) + "\n" if last else "")
-    os.replace(tmp, progress)
+    _replace_text(progress, json.dumps(last) + "\n" if last else "")
     return done
 
 
@@ -316,10 +314,15 @@ def commit() -> str | None:
         return None
 
 
+def _replace_text(path: Path, text: str) -> None:
+    """`path` holds `text`, or what it held before: written beside it, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _save(report: dict, work: Path) -> None:
-    tmp = work / (REPORT + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, work / REPORT)
+    _replace_text(work / REPORT, json.dumps(report, indent=1, default=str))
 
 
 def run(cfg: DviConfig, plan: Plan, command: str = "") -> dict:
