@@ -460,6 +460,11 @@ class TrainerConfig:
     # one with the target's probability of it), sampled (dvi's engine samples drafts from the drafter: sum min(p, q));
     # auto: sampled for serve.engine=dvi, else argmax
     gate_rule: str = "auto"
+    # the bootstrap's held-out slice the gate keeps beside live traffic (trainers.anchor): a candidate whose acceptance
+    # on it is more than anchor_max_drop below the starting drafter's is refused. auto: the shipped drafter's slice
+    # when the trainer starts from the shipped drafter; none; or a slice file (<drafter>.heldout.jsonl.gz)
+    anchor: str = "auto"
+    anchor_max_drop: float = 0.03
     checkpoint_every: int = 25  # optimizer steps between checkpoints (offsets are committed after each)
     # and a checkpoint this often when there is something new to commit (records done without a step: held out,
     # skipped, expired); null: by steps only
@@ -521,6 +526,8 @@ class TrainerConfig:
         _check(self.gate_every_s is None or self.gate_every_s > 0, "trainer.gate_every_s", self.gate_every_s, "null or > 0 seconds")
         _check(0 < self.gate_max_share <= 1, "trainer.gate_max_share", self.gate_max_share, "in (0, 1]")
         _check(self.holdout_first >= 0, "trainer.holdout_first", self.holdout_first, "an integer >= 0")
+        _check(bool(self.anchor), "trainer.anchor", self.anchor, "auto, none or a slice file")
+        _check(0 <= self.anchor_max_drop <= 1, "trainer.anchor_max_drop", self.anchor_max_drop, "in [0, 1]")
         _check(self.gate_min_records >= 1, "trainer.gate_min_records", self.gate_min_records, "an integer >= 1")
         _check(self.checkpoint_every >= 1, "trainer.checkpoint_every", self.checkpoint_every, "an integer >= 1")
         _check(self.checkpoint_every_s is None or self.checkpoint_every_s > 0, "trainer.checkpoint_every_s",

@@ -59,6 +59,8 @@ CHARTS = (
     Chart("Acceptance", "tokens/s (interval)", r"interval/tokens_per_s"),
     Chart("Loop", "swaps, promotions, rollbacks (each step is one)", r"events/(swap|promote|rollback)"),
     Chart("Loop", "trainer gate: candidate vs serving (acceptance as served)", r"gate/(candidate|serving)_acceptance"),
+    Chart("Loop", "trainer gate: candidate on the bootstrap's held-out slice, in all and per domain, vs the start",
+          r"gate/anchor_(?!expected)[a-z_]+"),
     Chart("Loop", "drafters published, retrains requested", r"count/(published|retrains)"),
     Chart("Loop", "trainer loss", r"loss"),
 )

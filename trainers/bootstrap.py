@@ -5,7 +5,8 @@ Five stages in a work directory, each resumable after a kill (a stage that finis
 1. corpus: `dvi.corpus.bootstrap_prompts` (or a corpus file given), written as `corpus.jsonl` with its manifest;
 2. answers: the target answers every prompt (training prompts `samples` times: the first greedy, the others sampled
    at temperature 0.8, as EAGLE-3 drafters are trained on their target's own output; held-out prompts once, greedy),
-   in batches; each answer becomes DecisionRecords of target-only rounds carrying the target's top-k log-probs at every
+   in batches (by vLLM's engine where it is installed: `dvi drafter bootstrap --engine`; else the target's own
+   `generate`); each answer becomes DecisionRecords of target-only rounds carrying the target's top-k log-probs at every
    position, as serving logs them (`records-train.jsonl`, `records-heldout.jsonl`). A batch's records are appended
    and then the batch is noted in `answers.progress` with the files' sizes: a restart truncates the files to the last
    noted sizes and goes on with the next batch. A progress bar says how many answers are left and how long they take;
@@ -16,13 +17,17 @@ Five stages in a work directory, each resumable after a kill (a stage that finis
 4. evaluation: expected, greedy and realized acceptance on the held-out records, per domain, for the drafter the run
    started from and for the one it published last;
 5. export: that version in bf16 (`dvi.eagle3.save_bf16`) at `out`, with `bootstrap.json` (the corpus manifest, the
-   figures per domain, times, hardware, the command).
+   figures per domain, times, hardware, the command), and beside it the held-out slice the trainer's gate keeps when
+   the loop adapts the drafter (`trainers.anchor`: `<out>.heldout.jsonl.gz`).
+
+`answer_slice` writes that slice for a drafter made earlier (`dvi drafter bootstrap --slice-only`).
 
 This module wires the corpus, the target and the trainer; it knows nothing of HTTP serving, Kafka or MLflow's server.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -31,6 +36,7 @@ import random
 import subprocess
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,10 +49,11 @@ from dvi import corpus, store
 from dvi.config import DviConfig, flat_params
 from dvi.errors import DviError
 from dvi.files import sha256_file
-from dvi.models import encode_chat, end_ids
+from dvi.models import encode_chat, end_ids, read_drafter_meta
 from dvi.pairs import load_any_drafter, resolve_pair
 from dvi.records import DecisionRecord, RoundRecord, Sampling, Target
 from dvi.tracking import Tracker
+from trainers import anchor
 from trainers.data import FileSource
 from trainers.ds import merged_state_dict
 from trainers.gate import evaluate_each, pooled
@@ -223,9 +230,11 @@ def batches_of(todo: list[Job], size: int, seed: int) -> list[list[Job]]:
     return out
 
 
-def answers_stage(plan: Plan, target, tokenizer, prompts: list[corpus.CorpusPrompt], target_name: str) -> dict:
+def answers_stage(plan: Plan, target, tokenizer, prompts: list[corpus.CorpusPrompt], target_name: str, answerer=None) -> dict:
     """Make (or finish making) the record files; their counts. With `plan.answer_minutes`, batches not started by then
-    are left out (counted in `left_out`)."""
+    are left out (counted in `left_out`). `answerer`: what answers a batch as `answer` does, without the target
+    (vLLM's engine: `dvi.cli.vllm.answers`); None: `answer`, the target's own `generate`."""
+    answerer = answerer or functools.partial(answer, target)
     todo = jobs(prompts, tokenizer, plan.samples, plan.max_prompt_tokens)
     batches = batches_of(todo, plan.batch, plan.seed)
     settings = {"batch": plan.batch, "samples": plan.samples, "new_tokens": plan.new_tokens,
@@ -244,7 +253,7 @@ def answers_stage(plan: Plan, target, tokenizer, prompts: list[corpus.CorpusProm
                 break
             batch = batches[n]
             seed = plan.seed * 1_000_003 + n
-            for job, (gen, ids, lps) in zip(batch, answer(target, batch, stops, plan.new_tokens, seed, pad)):
+            for job, (gen, ids, lps) in zip(batch, answerer(batch, stops, plan.new_tokens, seed, pad), strict=True):
                 for r in target_records(job, gen, ids, lps, target_name, vocab, seed):
                     files[job.prompt.split].write(json.dumps(r.to_dict()) + "\n")
             for f in files.values():
@@ -294,6 +303,34 @@ def by_domain(trainer, records: list[DecisionRecord], module=None) -> dict:
     return out
 
 
+def answer_slice(cfg: DviConfig, drafter_dir: Path, per_domain: int = anchor.PER_DOMAIN, new_tokens: int = CHUNK_ROUNDS,
+                 batch: int = 16, seed: int = 0) -> dict:
+    """The held-out slice of a bootstrap drafter made earlier (`trainers.anchor`), written beside it: its corpus's
+    held-out prompts mined again from this Python's text (only sources whose prompts match the manifest's sha256),
+    `per_domain` of them a domain drawn at random, answered greedily by the target; what was written."""
+    report = read_drafter_meta(drafter_dir)["bootstrap"]["corpus"]
+    held = set(report["heldout_sources"])
+    mined = [p for p in corpus.bootstrap_prompts() if p.source in held]
+    now = corpus.manifest(mined)["source_sha256"]
+    same = {s for s in held if now.get(s) == report["source_sha256"].get(s)}
+    chosen = []
+    for domain in corpus.DOMAINS:
+        of = [p for p in mined if p.source in same and p.domain == domain]
+        chosen += random.Random(f"{seed}:{domain}").sample(of, min(per_domain, len(of)))
+    pair = resolve_pair(cfg.model, with_drafter=False)
+    todo = jobs([replace(p, split="heldout") for p in chosen], pair.tokenizer, 1, Plan.max_prompt_tokens)
+    stops, vocab = end_ids(pair.target, pair.tokenizer), int(pair.target.config.vocab_size)
+    pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else min(stops)
+    records = []
+    for n, b in enumerate(batches_of(todo, batch, seed)):
+        for job, (gen, ids, lps) in zip(b, answer(pair.target, b, stops, new_tokens, seed * 1_000_003 + n, pad)):
+            records += target_records(job, gen, ids, lps, Path(pair.target_dir).name, vocab, seed)[:1]
+    out = anchor.slice_path(drafter_dir)
+    written = anchor.write(anchor.pick(records, per_domain, seed), out)
+    return {"path": str(out), **written, "sources": {"held_out": len(held), "matching": len(same)},
+            "by_domain": dict(Counter(r.domain for r in records)), "new_tokens": new_tokens}
+
+
 def hardware() -> dict:
     out = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
     if torch.cuda.is_available():
@@ -325,9 +362,10 @@ def _save(report: dict, work: Path) -> None:
     _replace_text(work / REPORT, json.dumps(report, indent=1, default=str))
 
 
-def run(cfg: DviConfig, plan: Plan, command: str = "") -> dict:
+def run(cfg: DviConfig, plan: Plan, command: str = "", answerer=None) -> dict:
     """Every stage that has not finished (see the module docstring); the report, also written to `<work>/bootstrap.json`
-    and into the drafter's dvi_drafter.json."""
+    and into the drafter's dvi_drafter.json. `answerer`: None (the target's own `generate`), or a callable that, given
+    the target's directory, returns an answerer for `answers_stage` with a `close()` (vLLM's engine) and its name."""
     store.check_version_name(plan.out.name)
     plan.work.mkdir(parents=True, exist_ok=True)
     report = json.loads((plan.work / REPORT).read_text()) if (plan.work / REPORT).is_file() else {}
@@ -345,7 +383,13 @@ def run(cfg: DviConfig, plan: Plan, command: str = "") -> dict:
         t0 = time.perf_counter()
         pair = resolve_pair(cfg.model, with_drafter=False)
         name = Path(pair.target_dir).name
-        report["answers"] = answers_stage(plan, pair.target, pair.tokenizer, prompts, name)
+        engine = answerer(pair.target_dir) if answerer else None
+        try:
+            report["answers"] = answers_stage(plan, pair.target, pair.tokenizer, prompts, name, engine)
+        finally:
+            if engine is not None:
+                engine.close()
+        report["answers"]["engine"] = getattr(engine, "name", "generate")
         report["seconds"]["answers"] = report["seconds"].get("answers", 0.0) + time.perf_counter() - t0
         del pair
         gc.collect()
@@ -384,6 +428,8 @@ def run(cfg: DviConfig, plan: Plan, command: str = "") -> dict:
         pub = store.publish(plan.out.parent, plan.out.name, weights, Path(served),
                             {"parent": version, "bootstrap": report, "dtype": "bfloat16"}, published.vocab_map)
         report["out"] = {"path": str(pub.path), "sha256sums": pub.sha256, "bytes": pub.bytes}
+        report["slice"] = {"path": str(anchor.slice_path(pub.path)),
+                           **anchor.write(anchor.pick(heldout_records, seed=plan.seed), anchor.slice_path(pub.path))}
         _save(report, plan.work)
     finally:
         source.close()

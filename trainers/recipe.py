@@ -83,10 +83,10 @@ from dvi.control import DrafterPromoted, DrafterRejected, RetrainRequested
 from dvi.drafter_kinds import kind_of_dir
 from dvi.errors import DviError
 from dvi.hardware import resolve_device, resolve_dtype
-from dvi.models import Drafter, cache_dir
+from dvi.models import Drafter, cache_dir, load_causal_lm
 from dvi.pairs import load_any_drafter, pair_dirs, resolve_pair
 from dvi.records import Delivered
-from trainers import checkpoint, ds
+from trainers import anchor, checkpoint, ds
 from trainers.data import Ahead, Buffer, Example, Fate, Item, Ledger, Offsets, pending_age_limit
 from trainers.gate import Figures, evaluate, evaluate_each, gate_rule, pooled, teacher_for
 from trainers.intake import Intake
@@ -122,6 +122,7 @@ class Trainer:
         drafter = self._setup_models()
         self._setup_student(drafter.model)
         last = self._resume()
+        self.anchor = self._setup_anchor()
         self._setup_loop()
         if last is None:
             self.checkpoint()  # step 0: there is always a complete checkpoint to roll back to
@@ -194,6 +195,50 @@ class Trainer:
         self.baseline = self._baseline_model()
         return last
 
+    def _setup_anchor(self) -> anchor.Anchor | None:
+        """The bootstrap's held-out slice the gate keeps beside live traffic (`trainer.anchor`, `trainers.anchor`), read
+        and checked now; its features and start figures come when a gate first needs them (`_anchor_start`), so they
+        do not hold the trainer's start back. A slice that does not read, or does not fit this target, is said and left
+        out: the trainer runs on without it."""
+        try:
+            path = anchor.resolve(self.cfg)
+            records = anchor.read(path, self.vocab_size) if path is not None else []
+        except DviError as e:
+            decision.warning("the held-out slice is left out: %s", e)
+            return None
+        records = [r for r in records if self.intake.foreign(r) is None]
+        if not records:
+            if path is not None:
+                decision.warning("the held-out slice is left out: %s holds no record for this target", path)
+            return None
+        kept = anchor.Anchor(path, [self.intake.example(r) for r in records], [r.domain or "" for r in records])
+        decision.info("held-out slice of the bootstrap: %d records (%d positions) from %s, kept beside the live held-out "
+                      "records: a candidate more than %g below the starting drafter's acceptance on it is refused",
+                      len(records), kept.positions, path, self.tcfg.anchor_max_drop)
+        return kept
+
+    def _anchor_start(self, kept: anchor.Anchor) -> None:
+        """The slice's examples with the target's features where the drafter reads them (computed once, by a copy of the
+        target loaded for that alone where the trainer holds none), and the figures of the drafter the run started
+        from on it (`Anchor.start`)."""
+        if self.kind.reads_features:
+            target = self.features_target
+            if target is None:  # the trainer holds no copy of the target: one for these features alone
+                dtype = self.cfg.model.dtype if self.tcfg.features_dtype == "auto" else self.tcfg.features_dtype
+                target = load_causal_lm(self.target_dir, "target", resolve_dtype(dtype, self.device), self.device)
+            kept.examples = anchor.with_features(kept.examples, target, self.intake.layer_ids)
+            del target
+            release_free()
+        kept.start = self._anchor_figures(kept, self._drafter_module(self.initial_dir))
+        decision.info("held-out slice of the bootstrap: the starting drafter's acceptance on it %.4f (%s rule)",
+                      kept.start["all"]["realized"], self.gate_rule)
+
+    def _anchor_figures(self, kept: anchor.Anchor, module) -> dict[str, dict]:
+        """`module`'s figures on the held-out slice `kept`, pooled per domain and in all ("all")."""
+        each = evaluate_each(module, kept.examples, self.vocab_size, self.vocab_map, self.teacher_lm,
+                             self.tcfg.batch_tokens, self.gate_rule, self.precision)
+        return {d: pooled(f) for d, f in kept.by_domain(each).items()}
+
     def _setup_loop(self) -> None:
         """The loop's queues, trigger and clocks: the fresh, held-out and replayed records, the offsets and record ids
         in flight, and when the last checkpoint, gate, counters and memory release were."""
@@ -230,10 +275,14 @@ class Trainer:
         return self.kind.student(model, self.features_target)
 
     def _baseline_model(self) -> PositionLM:
-        """A frozen copy of the drafter now serving (the gate's baseline), read from its directory onto the device and
-        into the dtype of the drafter being trained, beside which the gate runs it."""
+        """A frozen copy of the drafter now serving: the gate's baseline."""
+        return self._drafter_module(self.state.serving_dir)
+
+    def _drafter_module(self, drafter_dir) -> PositionLM:
+        """A frozen copy of the drafter in `drafter_dir`, read onto the device and into the dtype of the drafter being
+        trained, beside which the gate runs it."""
         like = next(self.student.module.parameters())
-        drafter = load_any_drafter(self.state.serving_dir, self.vocab_size, dtype=like.dtype, device=like.device,
+        drafter = load_any_drafter(drafter_dir, self.vocab_size, dtype=like.dtype, device=like.device,
                                    target=self.target, embed=self.embed)
         return self._position_lm(drafter.model.eval()).requires_grad_(False)
 
@@ -634,7 +683,15 @@ class Trainer:
         gate = {"candidate_acceptance": cand["realized"], "serving_acceptance": base["realized"],
                 "candidate_expected": cand["acceptance"], "serving_expected": base["acceptance"],
                 "candidate_greedy": cand["greedy"], "serving_greedy": base["greedy"], "holdout_records": len(holdout)}
-        passed = cand["realized"] > base["realized"] + self.tcfg.min_gain and params_finite(self.student.module)
+        gains, finite = cand["realized"] > base["realized"] + self.tcfg.min_gain, params_finite(self.student.module)
+        holds = True
+        if gains and finite and self.anchor is not None:  # what adapting cost on the bootstrap's held-out slice
+            if not self.anchor.start:
+                self._anchor_start(self.anchor)
+            kept = self._anchor_figures(self.anchor, self.student.module)
+            gate.update(anchor.gate_figures(kept, self.anchor.start))
+            holds = anchor.holds(gate["anchor_acceptance"], gate["anchor_start"], self.tcfg.anchor_max_drop)
+        passed = gains and finite and holds
         if self.tracker is not None:
             self.tracker.log_metrics({**{f"gate/{k}": v for k, v in gate.items()}, "gate/passed": float(passed)}, step=self.state.step)
         self.last_gate = {"step": self.state.step, "time": time.time(), "outcome": "passed" if passed else "refused", **gate}
@@ -642,12 +699,18 @@ class Trainer:
         figures = (f"candidate {cand['realized']:.4f} vs serving {self.state.lineage[-1]} {base['realized']:.4f} "
                    f"({self.gate_rule} rule; expected {cand['acceptance']:.4f} vs {base['acceptance']:.4f}; "
                    f"min gain {self.tcfg.min_gain:g}) on {len(holdout)} held-out records")
-        if not cand["realized"] > base["realized"] + self.tcfg.min_gain:
+        if not gains:
             self.state.counters.refused += 1
             decision.info("%s: refused: %s", at, figures)
             return None
-        if not params_finite(self.student.module):
+        if not finite:
             decision.warning("%s: refused: the candidate's weights are not finite", at)
+            return None
+        if not holds:
+            self.state.counters.refused += 1
+            decision.info("%s: refused: %s; but on the bootstrap's held-out slice its acceptance is %.4f, more than %g "
+                          "below the starting drafter's %.4f (trainer.anchor_max_drop)", at, figures,
+                          gate["anchor_acceptance"], self.tcfg.anchor_max_drop, gate["anchor_start"])
             return None
         decision.info("%s: passed: %s", at, figures)
         return gate

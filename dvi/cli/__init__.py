@@ -131,6 +131,12 @@ def _bootstrap(p: argparse.ArgumentParser) -> None:
                    help="answer for at most this long, then train on what was answered (default: the whole corpus)")
     p.add_argument("--minutes", type=float, default=10.0, help="training time from this start (wall)")
     p.add_argument("--steps", type=int, help="training steps in all, instead of --minutes")
+    p.add_argument("--engine", choices=("auto", "vllm", "generate"), default="auto",
+                   help="what answers the prompts: vllm (its engine in this process, batched), generate (the target's "
+                        "own generate); auto: vllm where it is installed")
+    p.add_argument("--slice-only", action="store_true", dest="slice_only",
+                   help="only write the held-out slice beside a drafter made earlier (--out): its corpus's held-out "
+                        "prompts, 12 a domain, answered by the target (what the trainer's gate keeps, trainer.anchor)")
 
 
 COMMANDS: tuple[Command, ...] = (

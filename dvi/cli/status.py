@@ -102,6 +102,10 @@ def trainer_lines(m: dict) -> list[str]:
         outcome = "passed" if v("gate/passed") == 1.0 else "refused" if v("gate/passed") == 0.0 else "-"
         last = (f"last gate at step {gate['step']} {ago(gate['time'])}: {outcome}, candidate {fmt(gate['value'], '.4f')} "
                 f"vs serving {fmt(v('gate/serving_acceptance'), '.4f')} on {fmt(v('gate/holdout_records'), '.0f')} held-out records")
+        slice_at = metrics.get("gate/anchor_acceptance")
+        if slice_at and slice_at["step"] == gate["step"]:  # the candidate passed on live traffic: its bootstrap slice
+            last += (f", on the bootstrap's held-out slice {fmt(slice_at['value'], '.4f')} (the starting drafter's "
+                     f"{fmt(v('gate/anchor_start'), '.4f')})")
     else:
         last = "no gate has run yet"
     nxt = metrics.get("gate/next_in_s")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import sys
@@ -27,8 +28,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dvi.cli.output import out
+from dvi.cli.vllm.answers import VllmAnswers
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
 from dvi.control import RetrainRequested
+from dvi.hardware import resolve_device, resolve_dtype
 from dvi.models import cache_dir
 from dvi.record_codec import Limits
 from dvi.tracking import Tracker
@@ -146,16 +149,31 @@ def _progress(trainer: Trainer, steps: int | None):
         bar.close()
 
 
+def vllm_answerer(cfg, plan: boot.Plan):
+    """What makes the bootstrap's answerer from the target's directory: vLLM's engine in this process, in the dtype
+    serving runs the target in, a batch of `plan.batch` prompts at a time."""
+    dtype = str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))).removeprefix("torch.")
+    return lambda target_dir: VllmAnswers(target_dir, cfg.serve.vllm, dtype, plan.batch,
+                                          plan.max_prompt_tokens + plan.new_tokens + 1, boot.TOPK, boot.SAMPLED_TEMPERATURE)
+
+
 def bootstrap(args: argparse.Namespace) -> int:
     cfg = load_config(overrides_of(args))
     out_dir = Path(args.out).expanduser().resolve()
+    if args.slice_only:
+        written = boot.answer_slice(cfg, out_dir)
+        out(json.dumps(written))
+        return 0
     plan = boot.Plan(work=Path(args.work).expanduser() if args.work else cache_dir(cfg.model) / "bootstrap" / out_dir.name,
                      out=out_dir, prompts=args.prompts, corpus_file=Path(args.corpus) if args.corpus else None,
                      samples=args.samples, new_tokens=args.new_tokens, batch=args.batch, answer_minutes=args.answer_minutes,
                      minutes=None if args.steps else args.minutes, steps=args.steps)
-    out(f"dvi drafter bootstrap: work in {plan.work} (a rerun resumes there), the drafter to {plan.out}", flush=True)
+    engine = args.engine if args.engine != "auto" else "vllm" if importlib.util.find_spec("vllm") else "generate"
+    out(f"dvi drafter bootstrap: work in {plan.work} (a rerun resumes there), the drafter to {plan.out}; answers by "
+        f"{engine}", flush=True)
     given = sys.argv[sys.argv.index("bootstrap") + 1 :] if "bootstrap" in sys.argv else []  # after any global flag
-    report = boot.run(cfg, plan, command=" ".join(["dvi", "drafter", "bootstrap", *given]))
+    report = boot.run(cfg, plan, command=" ".join(["dvi", "drafter", "bootstrap", *given]),
+                      answerer=vllm_answerer(cfg, plan) if engine == "vllm" else None)
     for when in ("before", "after"):
         figures = ", ".join(f"{d} {f['realized']:.3f}" for d, f in report[when].items())
         out(f"held-out acceptance {when} ({report['trainer']['steps']} steps): {figures}" if when == "after"

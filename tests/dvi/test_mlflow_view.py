@@ -10,7 +10,8 @@ from dvi import mlflow_view as mv
 SERVE = ["interval/acceptance.code", "interval/acceptance.prose", "interval/acceptance_rate", "interval/tokens_per_s",
          "version/init-L2-full/acceptance_rate", "version/d0001/acceptance_rate", "version/d0001/mean_accepted_length",
          "total/acceptance_rate", "events/swap", "events/promote", "records/sent"]
-TRAINER = ["loss", "gate/candidate_acceptance", "gate/serving_acceptance", "gate/passed", "count/published", "count/retrains", "count/records"]
+TRAINER = ["loss", "gate/candidate_acceptance", "gate/serving_acceptance", "gate/passed", "count/published", "count/retrains", "count/records",
+           "gate/anchor_acceptance", "gate/anchor_expected", "gate/anchor_start", "gate/anchor_code", "gate/anchor_markdown"]
 
 
 def charts(state: dict) -> dict[str, list[str]]:
@@ -26,6 +27,8 @@ def test_charts_put_each_comparison_on_shared_axes_against_wall_clock_time():
     assert by_title["swaps, promotions, rollbacks (each step is one)"] == ["events/promote", "events/swap"]
     assert by_title["trainer gate: candidate vs serving (acceptance as served)"] == [
         "gate/candidate_acceptance", "gate/serving_acceptance"]
+    assert by_title["trainer gate: candidate on the bootstrap's held-out slice, in all and per domain, vs the start"] == [
+        "gate/anchor_acceptance", "gate/anchor_code", "gate/anchor_markdown", "gate/anchor_start"]
     assert all(c["type"] == "LINE" and c["xAxisKey"] == "time" and not c["useGlobalXaxisKey"] and c["metricKey"] in
                c["selectedMetricKeys"] for c in state["compareRunCharts"])
     sections = {s["uuid"] for s in state["compareRunSections"]}

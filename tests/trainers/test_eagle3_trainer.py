@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from dvi.control import DrafterPublished
 from dvi.eagle3 import Eagle3Drafter, init_from_target, layer_config, save_eagle3
 from dvi.models import EAGLE3, load_causal_lm, load_tokenizer
 from dvi.swap import load_announced
+from trainers import anchor
 from trainers.data import FileSource, collate, example_from_record
 from trainers.gate import teacher_for
 from trainers.recipe import Trainer
@@ -173,6 +175,48 @@ def test_features_from_records_are_the_ones_the_trainer_would_recompute(tiny_dir
     auto = Trainer(config(tiny_dirs, eagle3_dir, tmp_path / "auto", teacher="logits"), FileSource(str(bare_path)), offline=True)
     auto.ingest(auto.source.poll(0.0))
     assert auto.target is not None and auto.state.counters.no_features == 0 and auto.state.counters.records == 6
+
+
+def test_the_gate_keeps_the_bootstraps_held_out_slice_beside_live_traffic(tiny_dirs, records, eagle3_dir, tmp_path):
+    """A held-out slice of bootstrap records (trainer.anchor, written without features as a bootstrap writes it): the
+    trainer, holding no copy of the target, computes their features once with a copy loaded for that alone (the
+    features serving sends), and evaluates the drafter it started from on them; a candidate's figures on the slice go
+    into the gate's metrics and the published version beside the live ones, and a candidate more than
+    trainer.anchor_max_drop below the start figure is refused, whatever it gains on live traffic."""
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records[4:]))
+    sliced = [replace(r, domain=d, features=None) for r, d in zip(records[:4], ("code", "code", "prose", "prose"), strict=True)]
+    kept_at = tmp_path / "e3.heldout.jsonl.gz"
+    anchor.write(sliced, kept_at)
+    tracker = Recorder()
+    cfg = config(tiny_dirs, eagle3_dir, tmp_path, max_steps=3, anchor=str(kept_at), anchor_max_drop=1.0, features_dtype="float32")
+    trainer = Trainer(cfg, FileSource(str(path)), tracker=tracker, offline=True)
+    kept = trainer.anchor
+    assert kept is not None and len(kept.examples) == 4 and kept.domains == ["code", "code", "prose", "prose"]
+    assert not kept.start and all(e.features is None for e in kept.examples)  # computed when a gate first needs them
+
+    trainer.run()
+    assert trainer.target is None and trainer.features_target is None  # the copy that computed the slice's features is gone
+    for mine, r in zip(kept.examples, records[:4], strict=True):
+        theirs = example_from_record(r, cfg.trainer.max_seq_len).features  # serving's, as the record carried them
+        assert mine.features.start == 0 and mine.features.rows == len(mine.tokens) - 1
+        assert torch.allclose(mine.features.tensor()[theirs.start : theirs.end].float(), theirs.tensor().float(), atol=0.05, rtol=0.02)
+    assert set(kept.start) == {"all", "code", "prose"} and 0.0 <= kept.start["all"]["realized"] <= 1.0
+    gate = trainer.last_gate
+    assert gate["outcome"] == "passed" and gate["anchor_start"] == kept.start["all"]["realized"]
+    assert {"anchor_acceptance", "anchor_expected", "anchor_code", "anchor_prose"} <= set(gate)
+    assert any("gate/anchor_acceptance" in m for m in tracker.metrics)
+    version = trainer.published[-1]
+    meta = json.loads((Path(cfg.trainer.store) / version / "dvi_drafter.json").read_text())
+    assert meta["gate"]["anchor_acceptance"] == gate["anchor_acceptance"]
+
+    # a start figure no candidate reaches, and no drop allowed: refused, though it gains on live traffic (min_gain -1)
+    trainer.tcfg = replace(trainer.tcfg, anchor_max_drop=0.0)
+    kept.start["all"]["realized"] = 1.01
+    refused = trainer.state.counters.refused
+    assert not trainer.gate_and_publish(why="test")
+    assert trainer.last_gate["outcome"] == "refused" and trainer.state.counters.refused == refused + 1
+    assert trainer.published == [version] and trainer.state.lineage[-1] == version
 
 
 def fixed_loss(trainer: Trainer, examples) -> float:

@@ -47,6 +47,10 @@ def test_trainer_and_publish_lines_say_the_last_and_next_gate_and_why_nothing_is
                          "aliases": {"candidate": "d0001"}}
     text = "\n".join(trainer_lines(gated) + publish_lines(gated))
     assert "last gate at step 20 30 s ago: passed, candidate 0.0800 vs serving 0.0300 on 4 held-out records" in text
+    assert "bootstrap's held-out slice" not in text  # no slice kept (trainer.anchor none, or not the shipped drafter)
+    gated["trainer"]["metrics"] |= {"gate/anchor_acceptance": m(0.6012, step=20), "gate/anchor_start": m(0.6113, step=20)}
+    assert ("passed, candidate 0.0800 vs serving 0.0300 on 4 held-out records, on the bootstrap's held-out slice 0.6012 "
+            "(the starting drafter's 0.6113); next gate") in "\n".join(trainer_lines(gated))
     assert "published: 1 versions, newest d0001 (60 s ago, parent init, 11 records trained, gate 0.0300 -> 0.0800); aliases candidate=d0001" in text
 
 
