@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from dvi.alloc import KERNEL_CACHE_ENTRIES, KERNEL_CACHES, limit_kernel_caches
 
 PROBE = r"""
@@ -108,6 +110,8 @@ def test_heap_figures_tell_memory_in_use_from_freed_fragments():
 
 KERNEL_PROBE = r"""
 import sys
+
+import torch
 import torch
 from dvi.alloc import heap_figures, limit_kernel_caches, release_free
 torch.set_num_threads(1)
@@ -127,6 +131,9 @@ print(in_use() - start)
 """
 
 
+ONEDNN_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN runs this CPU's bf16 matmuls
+
+
 def kept_by_shapes(mode: str) -> float:
     env = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHES}
     out = subprocess.run([sys.executable, "-c", KERNEL_PROBE, mode], env=env, capture_output=True, text=True, check=True,
@@ -136,10 +143,13 @@ def kept_by_shapes(mode: str) -> float:
 
 def test_capped_kernel_caches_bound_what_new_shapes_of_a_bf16_matmul_keep():
     """torch's bf16 CPU matmuls keep kernels per shape (oneDNN's primitive cache and torch's own), 1,024 each by
-    default: 200 shapes keep tens of MiB. Capped by `limit_kernel_caches`, at most its entries' worth."""
+    default: 200 shapes keep tens of MiB. Capped by `limit_kernel_caches`, at most its entries' worth. A CPU without
+    native bf16 (AVX2 only) runs bf16 matmuls outside oneDNN, which keeps nothing per shape: there the capped run must
+    still keep no more than that bound."""
     plain, capped = kept_by_shapes("plain"), kept_by_shapes("cap")
-    assert plain >= 60, plain
-    assert capped <= 1.25 * plain * KERNEL_CACHE_ENTRIES / 200, (plain, capped)
+    if ONEDNN_BF16:
+        assert plain >= 60, plain
+    assert capped <= 1.25 * max(plain, 60) * KERNEL_CACHE_ENTRIES / 200, (plain, capped)
 
 
 def test_kernel_cache_caps_leave_the_users_own_values(monkeypatch):
