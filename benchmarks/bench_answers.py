@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     hf, seconds = timed(lambda b, *a: bootstrap.answer(pair.target, b, *a), batches, stops, args.new_tokens, pad)
     results["generate"] = {"seconds": seconds, "tokens": sum(len(g) for g, _, _ in hf)}
     engine = VllmAnswers(pair.target_dir, cfg.serve.vllm, str(dtype).removeprefix("torch."), args.batch,
-                         bootstrap.Plan.max_prompt_tokens + args.new_tokens + 1, bootstrap.TOPK)
+                         bootstrap.Plan.max_prompt_tokens + args.new_tokens + 1)
     try:
         fast, seconds = timed(engine, batches, stops, args.new_tokens, pad)
     finally:

@@ -61,15 +61,22 @@ def resolve(cfg: DviConfig) -> Path | None:
     return path
 
 
+def draw(by_domain: dict[str, list], per_domain: int, seed: int) -> list:
+    """Per domain, in the order of `by_domain`, `per_domain` of its items drawn at random (seeded with `seed` and the
+    domain: the same draw every time)."""
+    out = []
+    for domain, items in by_domain.items():
+        out += random.Random(f"{seed}:{domain}").sample(items, min(per_domain, len(items)))
+    return out
+
+
 def pick(records: list[DecisionRecord], per_domain: int = PER_DOMAIN, seed: int = 0) -> list[DecisionRecord]:
     """The slice of `records` (a bootstrap's held-out records): per domain, in domain order, the first records of
-    `per_domain` answers drawn at random (seeded), greedy answers only (temperature 0)."""
+    `per_domain` answers drawn at random (`draw`), greedy answers only (temperature 0)."""
     first = [r for r in records if r.chunk_index == 0 and r.sampling.temperature == 0.0]
-    out = []
-    for domain in sorted({r.domain or "" for r in first}):
-        of = sorted((r for r in first if (r.domain or "") == domain), key=lambda r: r.record_id)
-        out += random.Random(f"{seed}:{domain}").sample(of, min(per_domain, len(of)))
-    return out
+    domains = sorted({r.domain or "" for r in first})
+    return draw({d: sorted((r for r in first if (r.domain or "") == d), key=lambda r: r.record_id) for d in domains},
+                per_domain, seed)
 
 
 def write(records: list[DecisionRecord], path: Path) -> dict:

@@ -313,10 +313,7 @@ def answer_slice(cfg: DviConfig, drafter_dir: Path, per_domain: int = anchor.PER
     mined = [p for p in corpus.bootstrap_prompts() if p.source in held]
     now = corpus.manifest(mined)["source_sha256"]
     same = {s for s in held if now.get(s) == report["source_sha256"].get(s)}
-    chosen = []
-    for domain in corpus.DOMAINS:
-        of = [p for p in mined if p.source in same and p.domain == domain]
-        chosen += random.Random(f"{seed}:{domain}").sample(of, min(per_domain, len(of)))
+    chosen = anchor.draw({d: [p for p in mined if p.source in same and p.domain == d] for d in corpus.DOMAINS}, per_domain, seed)
     pair = resolve_pair(cfg.model, with_drafter=False)
     todo = jobs([replace(p, split="heldout") for p in chosen], pair.tokenizer, 1, Plan.max_prompt_tokens)
     stops, vocab = end_ids(pair.target, pair.tokenizer), int(pair.target.config.vocab_size)
@@ -381,7 +378,7 @@ def run(cfg: DviConfig, plan: Plan, command: str = "", answerer=None) -> dict:
     report.setdefault("seconds", {})
     if not report.get("answers"):
         t0 = time.perf_counter()
-        pair = resolve_pair(cfg.model, with_drafter=False)
+        pair = resolve_pair(cfg.model, with_drafter=False, target_weights=answerer is None)  # an answerer loads its own
         name = Path(pair.target_dir).name
         engine = answerer(pair.target_dir) if answerer else None
         try:

@@ -154,7 +154,7 @@ def vllm_answerer(cfg, plan: boot.Plan):
     serving runs the target in, a batch of `plan.batch` prompts at a time."""
     dtype = str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))).removeprefix("torch.")
     return lambda target_dir: VllmAnswers(target_dir, cfg.serve.vllm, dtype, plan.batch,
-                                          plan.max_prompt_tokens + plan.new_tokens + 1, boot.TOPK, boot.SAMPLED_TEMPERATURE)
+                                          plan.max_prompt_tokens + plan.new_tokens + 1)
 
 
 def bootstrap(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ log-probs at every generated position, as `trainers.bootstrap.answer` (the targe
 log-probs of the raw logits (its default `raw_logprobs`: temperature 1, unwarped), as serving logs them. `close()`
 frees the engine before the trainer takes the machine.
 
-This module knows vLLM's offline `LLM` and the answer's layout; not records, the corpus or the trainer.
+This module knows vLLM's offline `LLM` and the answer's layout (`trainers.bootstrap`'s top-k and sampled temperature);
+not records, the corpus or the trainer.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import numpy as np
 
 from dvi.cli.vllm.engine import import_vllm, set_vllm_env
 from dvi.config import VllmConfig
-
-SAMPLED_TEMPERATURE = 0.8  # trainers.bootstrap's (a sampled answer's temperature)
+from trainers.bootstrap import SAMPLED_TEMPERATURE, TOPK
 
 
 class VllmAnswers:
@@ -28,7 +28,7 @@ class VllmAnswers:
 
     name = "vllm"
 
-    def __init__(self, target_dir: Path, cfg: VllmConfig, dtype: str, batch: int, max_len: int, topk: int,
+    def __init__(self, target_dir: Path, cfg: VllmConfig, dtype: str, batch: int, max_len: int, topk: int = TOPK,
                  temperature: float = SAMPLED_TEMPERATURE):
         set_vllm_env(cfg)
         self.vllm, self.topk, self.temperature = import_vllm(), topk, temperature

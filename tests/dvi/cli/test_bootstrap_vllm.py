@@ -31,7 +31,7 @@ def test_vllm_answers_are_the_targets_own_tokens_and_log_probs(demo_target_dir):
     stops = end_ids(target, tokenizer)
     reference = bootstrap.answer(target, todo, stops, NEW_TOKENS, 0, tokenizer.pad_token_id)
     engine = VllmAnswers(demo_target_dir, VllmConfig(cpu_kv_cache_gb=1, enforce_eager=True), "float32", len(todo),
-                         512, bootstrap.TOPK)
+                         512)
     try:
         greedy = engine(todo, stops, NEW_TOKENS, 0)
         sampled_jobs = [replace(j, sample=1) for j in todo]
