@@ -20,7 +20,8 @@ from dvi.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]  # `python -m benchmarks.drift` runs from the checkout root
 
-pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model, pytest.mark.e2e]
+# the long lane (`pytest -m long`): 13 minutes on a 2-core AVX2 CPU, near the suite's 15-minute limit per test
+pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model, pytest.mark.e2e, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def mlflow_server(tmp_path_factory):
         yield s
 
 
+@pytest.mark.timeout(30 * 60)  # past the run's own 25 minutes, so that a run too slow fails with its output
 def test_quick_drift_run_wins_back_acceptance_on_the_shifted_domain(broker, mlflow_server, demo_target_dir, tmp_path):
     name = uuid.uuid4().hex[:8]
     out = tmp_path / "drift"

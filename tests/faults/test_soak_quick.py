@@ -36,7 +36,8 @@ from dvi.cli.vllm.engine import compile_cache_dir
 REPO = Path(__file__).resolve().parents[2]  # `python -m benchmarks.soak` runs from the checkout root
 HALVES = ("memory flat", "descriptors flat", "p99 latency")  # the checks that compare halves of the run: printed only
 
-pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model, pytest.mark.e2e]
+# the long lane (`pytest -m long`): about 15 minutes on a 2-core AVX2 CPU
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model, pytest.mark.e2e, pytest.mark.long]
 
 
 @pytest.mark.timeout(35 * 60)
