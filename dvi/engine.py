@@ -42,7 +42,7 @@ from transformers import PreTrainedModel
 from dvi.config import SpecConfig
 from dvi.drafter_kinds import kind_of
 from dvi.eagle3 import Eagle3Drafter, aux_hidden_states
-from dvi.engine_api import LogProb, Request, Result, Round, SpecStats, TokenHook, check_request
+from dvi.engine_api import LogProb, Request, Result, Round, SpecStats, TimedSteps, TokenHook, check_request
 from dvi.errors import DviError
 from dvi.features import Captured
 from dvi.kv import Accepted, BatchKV, DraftKV
@@ -284,13 +284,15 @@ class _Row:
     finish: str = ""
     cancelled: str = ""  # set by Decoding.cancel from any thread: the row leaves at the next round boundary
     captured: Captured = field(default_factory=Captured)  # the target's features of its positions (features_layers)
+    timed: TimedSteps = field(default_factory=TimedSteps)  # its steady rounds against target-only decoding
 
     def result(self) -> Result:
         r = self.req
         rows, start, counts = self.captured.assemble(len(r.prompt_ids) + len(self.out) - 1)  # the last token: never fed
         return Result(r.request_id, list(r.prompt_ids), self.out, self.finish, self.versions, self.rounds, self.stats,
                       time.perf_counter() - self.start, rows, start, self.captured.layers,
-                      counts["missing"] if self.captured.parts else 0, counts["recomputed"])
+                      counts["missing"] if self.captured.parts else 0, counts["recomputed"],
+                      self.timed.timed_tokens, self.timed.target_only_tokens)
 
 
 @dataclass
@@ -410,6 +412,9 @@ class Decoding:
                 e.costs.observe_draft(batch, kmax, t1 - t0)
             if steady_tgt and (not kmax or steady_dft):  # a decoding round's yield (`CostTable.speed_vs_target_only`)
                 e.costs.observe_rate(batch, kmax > 0, sum(n_list) + batch, t2 - t0)
+                share = e.costs.target_only_tokens(batch, t2 - t0)  # each row's, against target-only decoding
+                for row, accepted in zip(rows, n_list):
+                    row.timed.add(accepted + 1, share)
         drafted = draft_ids.tolist()
         self._roll_back(verified, draft_ids, drafted, n, n_list, token_list)
         return cancelled + self._emit(ks, drafted, n_list, token_list, log_p, top)

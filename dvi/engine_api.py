@@ -156,6 +156,32 @@ class Result:
     features_layers: tuple[int, ...] = ()
     features_missing: int = 0  # positions fed before features_start that no forward gave (a prefix-cache hit)
     features_recomputed: int = 0  # rows a forward gave again (a preempted request recomputed)
+    # its speed over target-only decoding, measured on its steady decoding steps (no prefill): the tokens those steps
+    # emitted for it, and the tokens target-only decoding would have given it in the same seconds at the same batch
+    # sizes (`dvi.planner.CostTable.target_only_tokens`); 0 and 0.0 where no step was timed against a measured rate
+    timed_tokens: int = 0
+    target_only_tokens: float = 0.0
+
+    @property
+    def vs_target_only(self) -> float | None:
+        """Tokens per second over target-only decoding's on its timed steps (> 1: speculation paid); None: untimed."""
+        return self.timed_tokens / self.target_only_tokens if self.target_only_tokens > 0 else None
+
+
+@dataclass
+class TimedSteps:
+    """A request's steady decoding steps timed against target-only decoding, as its engine adds them up (the two
+    `Result` fields of the same names)."""
+
+    timed_tokens: int = 0
+    target_only_tokens: float = 0.0
+
+    def add(self, tokens: int, target_only: float | None) -> None:
+        """A step emitted `tokens` for the request where target-only decoding would have given it `target_only`
+        (`CostTable.target_only_tokens`; None: unmeasured at that batch size, and the step says nothing)."""
+        if target_only:
+            self.timed_tokens += tokens
+            self.target_only_tokens += target_only
 
 
 class Batch(Protocol):

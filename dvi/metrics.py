@@ -4,7 +4,9 @@
 so a request that spanned a hot swap counts each round for the drafter that drafted it. Readers take what they
 need: `prometheus(...)` renders the /metrics page (prometheus_client: vLLM-shaped spec-decode counters by drafter
 version, domain and position, latency histograms fed by `observe_latency`, process metrics, a `model_name` label), `interval()` the points for MLflow since the last call,
-`recent_acceptance_of(version, tokens)` and `acceptance_of(version)` feed the swap judge, and `series` / `markers` the drift plot (`drift_plot`).
+`recent_acceptance_of(version, tokens)` and `acceptance_of(version)` feed the swap judge, `speed_by_version()` gives each
+version's requests' speed over target-only decoding as the engine timed their steps (`Result.vs_target_only`), and
+`series` / `markers` the drift plot (`drift_plot`).
 Events (swaps, refusals, rollbacks, promotions) are counted with `event(kind, ...)`.
 Figures by version are kept for the VERSIONS_KEPT versions most recently seen (the serving one always): a replica
 that swaps every few minutes for weeks would otherwise grow them, its /metrics page and its MLflow points without
@@ -51,6 +53,8 @@ class Point:
     # decoding speed over target-only decoding's by batch-size bucket, as the engine measured it at the interval's
     # end (`dvi.planner.CostTable.speed_vs_target_only`)
     vs_target_only: dict[int, float] = field(default_factory=dict)
+    # the serving version's requests' speed over target-only decoding so far, all domains (`speed_over_target_only`)
+    version_vs_target_only: float | None = None
 
 
 class ServingMetrics:
@@ -74,6 +78,8 @@ class ServingMetrics:
         self.total = SpecStats()
         self.by_version: dict[str, SpecStats] = {}
         self.by_domain: dict[tuple[str, str], SpecStats] = {}
+        # (version, domain) -> [timed tokens, target-only tokens] of the requests it served (`Result.vs_target_only`)
+        self.speed: dict[tuple[str, str], list[float]] = {}
         self.recent_rounds: dict[str, deque[tuple[int, int]]] = {}  # version -> its latest rounds' (drafted, accepted)
         self.recent_speed: deque[float] = deque(maxlen=256)  # tokens/s of recent requests
         self.series: deque[Point] = deque(maxlen=history)
@@ -115,6 +121,14 @@ class ServingMetrics:
             self.decode_seconds += result.seconds
             if result.seconds > 0:
                 self.recent_speed.append(len(result.token_ids) / result.seconds)
+            if result.target_only_tokens > 0:  # the version that served it last: drafting, or planned off
+                served = (result.drafter_versions[-1] if result.drafter_versions else self.version) or NO_DRAFTER
+                if served not in self.by_version:
+                    self._forget_old_versions(keep=served)
+                    self.by_version[served] = SpecStats()
+                timed = self.speed.setdefault((served, domain), [0, 0.0])
+                timed[0] += result.timed_tokens
+                timed[1] += result.target_only_tokens
             for r in result.rounds:
                 version = r.drafter_version or NO_DRAFTER
                 if version not in self.by_version:
@@ -132,8 +146,9 @@ class ServingMetrics:
         for old in seen[: max(0, len(self.by_version) + 1 - VERSIONS_KEPT)]:
             del self.by_version[old]
             self.recent_rounds.pop(old, None)
-            for key in [k for k in self.by_domain if k[0] == old]:
-                del self.by_domain[key]
+            for table in (self.by_domain, self.speed):
+                for key in [k for k in table if k[0] == old]:
+                    del table[key]
 
     def error(self, status: int) -> None:
         with self._lock:
@@ -164,6 +179,12 @@ class ServingMetrics:
             self.vs_target_only = dict(vs_target_only)
 
     # -- readers ---------------------------------------------------------------------------------
+
+    def speed_by_version(self) -> dict[str, dict[str, float]]:
+        """Per drafter version, its requests' speed over target-only decoding, measured on their steps: "all" its
+        domains, then each domain (`speed_over_target_only`); versions and domains with no timed step are left out."""
+        with self._lock:
+            return speed_over_target_only(self.speed)
 
     def acceptance_of(self, version: str) -> tuple[int, int]:
         """(drafted, accepted) of `version` since this replica started."""
@@ -196,13 +217,17 @@ class ServingMetrics:
                     out[f"interval/acceptance_pos{j + 1}"] = a
                 out.update({f"interval/acceptance.{d}": a for d, a in domains.items()})
             out.update({f"interval/vs_target_only.b{b}": x for b, x in self.vs_target_only.items()})
+            by_version = speed_over_target_only(self.speed)
+            serving = by_version.get(self.version or NO_DRAFTER, {}).get(ALL)
             self.series.append(Point(now, s.acceptance_rate if s.drafted else None, tokens / seconds, self.version, domains,
-                                     dict(self.vs_target_only)))
+                                     dict(self.vs_target_only), serving))
             self._interval, self._interval_domains, self._interval_tokens, self._interval_start = SpecStats(), {}, 0, now
             for version, st in self.by_version.items():
                 if st.drafted:
                     out[f"version/{version}/acceptance_rate"] = st.acceptance_rate
                     out[f"version/{version}/mean_accepted_length"] = st.mean_accepted_length
+            for version, by_domain in by_version.items():
+                out.update({f"version/{version}/vs_target_only" + ("" if d == ALL else f".{d}"): x for d, x in by_domain.items()})
             out.update({"total/requests": self.requests, "total/tokens": self.tokens, "total/acceptance_rate": self.total.acceptance_rate,
                         "total/mean_accepted_length": self.total.mean_accepted_length,
                         **{f"events/{k}": v for k, v in self.events.items()}})
@@ -225,6 +250,8 @@ class ServingMetrics:
                 "routing": dict(self.routing),
                 "schedule": {str(b): k for b, k in enumerate(self.schedule) if b},
                 "vs_target_only": {str(b): round(x, 3) for b, x in self.vs_target_only.items()},
+                "vs_target_only_by_version": {v: {d: round(x, 3) for d, x in by.items()}
+                                              for v, by in speed_over_target_only(self.speed).items()},
                 "errors": dict(self.errors),
             }
 
@@ -321,6 +348,24 @@ class _Collector:
         return self.metrics._collect()
 
 
+ALL = "all"  # the key of a version's speed over all its domains (`speed_over_target_only`)
+
+
+def speed_over_target_only(timed: dict[tuple[str, str], list[float]]) -> dict[str, dict[str, float]]:
+    """{version: {"all": x, domain: x, ...}} from (version, domain) -> [timed tokens, target-only tokens]: the tokens its
+    requests' timed steps emitted over those target-only decoding would have given them in the same seconds (> 1:
+    speculation paid); a domain's figure is its own requests', "all" every domain's; nothing where no step was timed."""
+    out: dict[str, dict[str, float]] = {}
+    totals: dict[str, list[float]] = {}
+    for (version, domain), (tokens, target_only) in timed.items():
+        if target_only > 0:
+            out.setdefault(version, {})[domain] = tokens / target_only
+            total = totals.setdefault(version, [0, 0.0])
+            total[0] += tokens
+            total[1] += target_only
+    return {v: {ALL: totals[v][0] / totals[v][1], **dict(sorted(by.items()))} for v, by in out.items()}
+
+
 def version_spans(series: list[Point]) -> list[tuple[float, float, str | None]]:
     """(start, end, version): the stretches of time each drafter version served, from the plot's points."""
     spans: list[list] = []
@@ -335,7 +380,8 @@ def version_spans(series: list[Point]) -> list[tuple[float, float, str | None]]:
 
 def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path: str, title: str = "dvi serving") -> None:
     """Acceptance (overall and by domain, one shared axis scaled to the data), tokens/s and the decoding speed over
-    target-only decoding's (by batch-size bucket, the level 1 marked) against wall-clock time,
+    target-only decoding's (the engine's by batch-size bucket, and the serving version's requests', the level 1 marked)
+    against wall-clock time,
     each drafter version's span shaded and labelled with its mean acceptance, swap / rollback / promotion markers;
     intervals without traffic are left empty (a gap, not a zero), as a PNG."""
     import matplotlib  # heavy: only a replica that plots pays for it
@@ -358,6 +404,9 @@ def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path:
     ax2.plot(xs, [nan if i else p.tokens_per_s for p, i in zip(series, idle)], "b.-")
     for bucket in sorted({b for p in series for b in p.vs_target_only}):
         ax3.plot(xs, [nan if i else p.vs_target_only.get(bucket, nan) for p, i in zip(series, idle)], ".-", label=f"batch <= {bucket}")
+    if any(p.version_vs_target_only is not None for p in series):
+        ax3.plot(xs, [nan if i or p.version_vs_target_only is None else p.version_vs_target_only for p, i in zip(series, idle)],
+                 "k.-", lw=1.6, label="serving version's requests")
     ax3.axhline(1.0, color="grey", lw=1.0, ls=":")
     ax3.annotate("target-only", (0.0, 1.0), xycoords=("axes fraction", "data"), fontsize=7, color="grey", va="bottom",
                  xytext=(3, 1), textcoords="offset points")

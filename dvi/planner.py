@@ -92,6 +92,13 @@ class CostTable:
         step = self.verify.get((bucket, 0))
         return bucket / step if step else None
 
+    def target_only_tokens(self, batch: int, seconds: float) -> float | None:
+        """The tokens one request of a batch of `batch` would get from target-only decoding in `seconds`: its share of
+        `target_only_rate` at the batch's bucket; None while that is unmeasured. A request's speed over target-only
+        decoding is the tokens its timed steps emitted over this, summed over the same steps (`Result.target_only_tokens`)."""
+        rate = self.target_only_rate(batch_bucket(batch))
+        return seconds * rate / max(batch, 1) if rate else None
+
     def speed_vs_target_only(self) -> dict[int, float]:
         """Per batch-size bucket with RATE_SAMPLES drafting steps and a target-only rate (`target_only_rate`): tokens
         per second of drafting steps over target-only decoding's (> 1: speculation pays there)."""

@@ -73,7 +73,8 @@ def replica_lines(r: dict) -> list[str]:
             f"  acceptance {fmt(overall)} over {drafted} drafted tokens (by version: {per or '-'}); mean accepted length "
             f"{fmt(r.get('mean_accepted_length') if r.get('requests') else None, '.2f')}; swaps {events.get('swap', 0)}, promotions {events.get('promote', 0)}, "
             f"rollbacks {events.get('rollback', 0)}",
-            f"  speed over target-only decoding: {vs_target_only(r.get('vs_target_only'))}"]
+            f"  speed over target-only decoding: {vs_target_only(r.get('vs_target_only'))}",
+            f"  requests' speed over target-only decoding by version: {version_speeds(r.get('vs_target_only_by_version'))}"]
 
 
 def vs_target_only(by_bucket: dict | None) -> str:
@@ -81,6 +82,17 @@ def vs_target_only(by_bucket: dict | None) -> str:
     if not by_bucket:
         return "- (not measured yet: it needs drafting and plain steps, or a start-up cost table, at one batch size)"
     return ", ".join(f"{float(x):.2f}x at batch <= {b}" for b, x in sorted(by_bucket.items(), key=lambda kv: int(kv[0])))
+
+
+def version_speeds(by_version: dict | None) -> str:
+    """Each drafter version's requests' speed over target-only decoding, in all and by domain, for people."""
+    if not by_version:
+        return "- (no request timed yet: it needs a measured target-only rate at its batch size)"
+    parts = []
+    for version, by in by_version.items():
+        domains = ", ".join(f"{d} {float(x):.2f}x" for d, x in by.items() if d != "all")
+        parts.append(f"{version} {float(by['all']):.2f}x" + (f" ({domains})" if domains else ""))
+    return "; ".join(parts)
 
 
 def trainer_lines(m: dict) -> list[str]:

@@ -699,6 +699,12 @@ def test_warm_up_fills_the_table_and_adaptive_stays_exact(tiny_target, tiny_draf
     for res in results:
         assert res.token_ids == target_greedy(tiny_target, res.prompt_ids, 30)
     assert any(b == 4 for b, _ in engine.costs.verify)  # the batch of 4 was measured live
+    # a request alone: each of its steady rounds is timed against target-only decoding at batch 1 (the warm-up's plain
+    # step), its first (the prompt's prefill) is not
+    alone = engine.generate([Request(PROMPTS[3], max_new_tokens=30)])[0]
+    steady = sum(r.accepted + 1 for r in alone.rounds[1:])
+    assert alone.timed_tokens == steady and 0 < steady < len(alone.token_ids)
+    assert alone.target_only_tokens > 0 and alone.vs_target_only == alone.timed_tokens / alone.target_only_tokens
 
 
 def test_a_request_joins_a_running_batch_and_leaves_it_when_done(tiny_target, tiny_drafter):

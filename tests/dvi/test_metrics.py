@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from dvi.metrics import OTHER_DOMAIN, VERSIONS_KEPT, Point, ServingMetrics, drift_plot, version_spans
+from dvi.metrics import OTHER_DOMAIN, VERSIONS_KEPT, Point, ServingMetrics, drift_plot, speed_over_target_only, version_spans
 
 
-def result(version: str, rounds: list[tuple[int, int]]):
-    """A finished request as the metrics read it: rounds of (drafted, accepted) by one drafter version."""
+def result(version: str, rounds: list[tuple[int, int]], timed: tuple[int, float] = (0, 0.0)):
+    """A finished request as the metrics read it: rounds of (drafted, accepted) by one drafter version; `timed`: its
+    (timed tokens, target-only tokens) (`Result.vs_target_only`)."""
     rs = [SimpleNamespace(drafter_version=version, k=k, accepted=a) for k, a in rounds]
-    return SimpleNamespace(rounds=rs, prompt_ids=[1, 2, 3], token_ids=[0] * sum(a + 1 for _, a in rounds), seconds=1.0)
+    return SimpleNamespace(rounds=rs, prompt_ids=[1, 2, 3], token_ids=[0] * sum(a + 1 for _, a in rounds), seconds=1.0,
+                           drafter_versions=[version] if any(k for k, _ in rounds) else [], timed_tokens=timed[0],
+                           target_only_tokens=timed[1])
 
 
 def test_recent_acceptance_covers_the_latest_tokens_while_the_lifetime_figure_remembers_old_traffic():
@@ -104,3 +107,27 @@ def test_the_engines_speed_over_target_only_goes_to_health_mlflow_and_the_plot_s
     interval = m.interval()
     assert interval["interval/vs_target_only.b1"] == 1.25 and interval["interval/vs_target_only.b8"] == 0.875
     assert m.series[-1].vs_target_only == {1: 1.25, 8: 0.875}
+
+
+def test_speed_over_target_only_is_tokens_over_target_only_tokens_by_domain_and_in_all():
+    timed = {("d1", "code"): [300, 200.0], ("d1", "prose"): [90, 100.0], ("d2", "code"): [10, 0.0], ("none", "qa"): [50, 50.0]}
+    out = speed_over_target_only(timed)
+    assert out == {"d1": {"all": (300 + 90) / (200 + 100), "code": 1.5, "prose": 0.9}, "none": {"all": 1.0, "qa": 1.0}}
+    assert speed_over_target_only({}) == {}
+
+
+def test_requests_speed_over_target_only_by_version_and_domain_reaches_health_mlflow_and_the_plot():
+    m = ServingMetrics()
+    m.serving("d1")
+    m.observe(result("d1", [(4, 3)] * 10, timed=(36, 24.0)), "code")  # 1.5x
+    m.observe(result("d1", [(4, 0)] * 10, timed=(9, 10.0)), "prose")  # 0.9x
+    m.observe(result("d1", [(0, 0)] * 8, timed=(8, 8.0)), "prose")  # drafting planned off: the serving version's, 1.0x
+    m.observe(result("d1", [(4, 4)] * 2), "code")  # no step timed: it says nothing of speed
+    by = m.snapshot()["vs_target_only_by_version"]
+    assert by == {"d1": {"all": round(53 / 42, 3), "code": 1.5, "prose": round(17 / 18, 3)}}
+    interval = m.interval()
+    assert interval["version/d1/vs_target_only"] == 53 / 42 and interval["version/d1/vs_target_only.code"] == 1.5
+    assert m.series[-1].version_vs_target_only == 53 / 42
+    m.serving("d2")  # a new version: its own figures, the old one's kept
+    m.observe(result("d2", [(4, 4)] * 5, timed=(20, 8.0)), "code")
+    assert m.speed_by_version()["d2"] == {"all": 2.5, "code": 2.5} and "d1" in m.speed_by_version()

@@ -9,7 +9,9 @@ from dvi import mlflow_view as mv
 
 SERVE = ["interval/acceptance.code", "interval/acceptance.prose", "interval/acceptance_rate", "interval/tokens_per_s",
          "version/init-L2-full/acceptance_rate", "version/d0001/acceptance_rate", "version/d0001/mean_accepted_length",
-         "total/acceptance_rate", "events/swap", "events/promote", "records/sent"]
+         "total/acceptance_rate", "events/swap", "events/promote", "records/sent", "version/d0001/vs_target_only",
+         "version/init-L2-full/vs_target_only", "version/d0001/vs_target_only.code", "interval/vs_target_only.b1",
+         "interval/vs_target_only.b8"]
 TRAINER = ["loss", "gate/candidate_acceptance", "gate/serving_acceptance", "gate/passed", "count/published", "count/retrains", "count/records",
            "gate/anchor_acceptance", "gate/anchor_expected", "gate/anchor_start", "gate/anchor_code", "gate/anchor_markdown"]
 
@@ -29,6 +31,11 @@ def test_charts_put_each_comparison_on_shared_axes_against_wall_clock_time():
         "gate/candidate_acceptance", "gate/serving_acceptance"]
     assert by_title["trainer gate: candidate on the bootstrap's held-out slice, in all and per domain, vs the start"] == [
         "gate/anchor_acceptance", "gate/anchor_code", "gate/anchor_markdown", "gate/anchor_start"]
+    assert by_title["requests' speed over target-only decoding by drafter version (above 1: speculation pays)"] == [
+        "version/d0001/vs_target_only", "version/init-L2-full/vs_target_only"]
+    assert by_title["requests' speed over target-only decoding by drafter version and domain"] == ["version/d0001/vs_target_only.code"]
+    assert by_title["the engine's speed over target-only decoding by batch size (its last steps)"] == [
+        "interval/vs_target_only.b1", "interval/vs_target_only.b8"]
     assert all(c["type"] == "LINE" and c["xAxisKey"] == "time" and not c["useGlobalXaxisKey"] and c["metricKey"] in
                c["selectedMetricKeys"] for c in state["compareRunCharts"])
     sections = {s["uuid"] for s in state["compareRunSections"]}

@@ -7,6 +7,7 @@ import pytest
 
 from dvi import hardware
 from dvi.config import SpecConfig
+from dvi.engine_api import TimedSteps
 from dvi.planner import CostTable, KController, StepPlanner
 from dvi.speculative import expected_tokens_per_round, ideal_speedup
 
@@ -301,3 +302,18 @@ def test_speed_over_target_only_is_the_drafting_steps_yield_over_plain_decodings
     for _ in range(CostTable.PLAIN_RATE_SAMPLES):
         costs.observe_rate(8, False, tokens=8, seconds=0.08)  # plain at batch 8: 100 tokens/s
     assert costs.speed_vs_target_only() == {1: pytest.approx(1.5), 8: pytest.approx(0.8)}
+
+
+def test_a_requests_target_only_tokens_are_its_share_of_the_measured_plain_rate_at_its_batch_size():
+    costs = CostTable(SPEC)
+    assert costs.target_only_tokens(1, 1.0) is None  # nothing measured: nothing to compare with
+    costs.observe_verify(1, 0, 0.05)  # a start-up plain step at batch 1: 20 tokens a second
+    assert costs.target_only_tokens(1, 0.5) == pytest.approx(10.0)
+    for _ in range(CostTable.PLAIN_RATE_SAMPLES):
+        costs.observe_rate(8, False, 8, 0.2)  # live plain steps at batch 8: 40 tokens a second, 5 for each request
+    assert costs.target_only_tokens(8, 1.0) == pytest.approx(5.0)
+    assert costs.target_only_tokens(4, 1.0) is None  # another bucket, unmeasured
+    timed = TimedSteps()
+    timed.add(3, None)  # a step at an unmeasured batch size says nothing
+    timed.add(6, costs.target_only_tokens(8, 1.0))
+    assert (timed.timed_tokens, timed.target_only_tokens) == (6, pytest.approx(5.0))

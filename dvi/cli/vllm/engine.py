@@ -61,7 +61,7 @@ from transformers import PreTrainedModel
 from dvi.config import SpecConfig, VllmConfig, default_cache_dir
 from dvi.drafter_kinds import kind_of
 from dvi.eagle3 import Eagle3Drafter
-from dvi.engine_api import MAX_LOGPROBS, Request, Result, Round, SpecStats, TokenHook, check_request
+from dvi.engine_api import MAX_LOGPROBS, Request, Result, Round, SpecStats, TimedSteps, TokenHook, check_request
 from dvi.planner import CostTable, Routing, StepPlanner
 from dvi.errors import DviError
 from dvi.features import Captured
@@ -173,7 +173,8 @@ class VllmEngine:
         self.planner = StepPlanner(spec, max_batch, self.costs, trial_tokens) if drafter is not None and spec.adaptive else None
         self._routing: list[tuple[Routing, list[int]]] = []  # decisions for the replica (take_routing)
         self.rows: dict[str, _Row] = {}  # the requests in vLLM's batch, by vLLM's request id
-        self._last: tuple | None = None  # (batch, drafted, tokens, seconds, drafting seconds) of the last steady step
+        # (batch, drafted, tokens, seconds, drafting seconds, [(request id, its tokens)]) of the last steady step
+        self._last: tuple | None = None
         self._started: float | None = None  # when the last step started
         # a request vLLM scheduled is adopted (`adopt(request, domain, arrived)` -> (key, on_tokens)) and its Result
         # handed over once it finishes (`on_finish(key, result)`); the replica sets both
@@ -279,18 +280,25 @@ class VllmEngine:
         # a plain step that drafts for the next one (the step after a calibration) is plain decoding plus drafting: its
         # yield is the plain one only without the drafting
         extra = drafting_s if not verified else 0.0
-        self._last = (meta["requests"], verified > 0, sum(t >= 0 for row in s["sampled"] for t in row), step_s, extra)
+        emitted = [(internal, sum(t >= 0 for t in row)) for internal, row in zip(s["req_ids"], s["sampled"])]
+        self._last = (meta["requests"], verified > 0, sum(n for _, n in emitted), step_s, extra, emitted)
 
     def _observe_rate(self, now: float) -> None:
         """The last step's yield per second of wall time, from its start to this one's: everything a step costs,
-        vLLM's bookkeeping and dvi's records included, which its own timing leaves out (CostTable.realized_speedup).
-        Not across a pause (nothing to step, or a swap): then the gap is no step's cost."""
+        vLLM's bookkeeping and dvi's records included, which its own timing leaves out (CostTable.realized_speedup);
+        and each of its requests' share against target-only decoding (`TimedSteps`: a request that finished in that
+        step has left, its last step untimed). Not across a pause (nothing to step, or a swap): then the gap is no
+        step's cost."""
         last, self._last = self._last, None
         started, self._started = self._started, now
         if last is not None and started is not None:
-            batch, drafting, tokens, step_s, extra = last
+            batch, drafting, tokens, step_s, extra, emitted = last
             if now - started < 3 * step_s:
                 self.costs.observe_rate(batch, drafting, tokens, now - started - extra)
+                share = self.costs.target_only_tokens(batch, now - started - extra)
+                for internal, n in emitted:
+                    if (row := self.rows.get(internal)) is not None:
+                        row.timed.add(n, share)
 
     def _row(self, internal: str) -> _Row | None:
         """The request `internal` as dvi follows it; following vLLM's own server, a request seen for the first time is
@@ -471,6 +479,7 @@ class _Row:
     versions: list[str] = field(default_factory=list)
     whole: bool = True  # its draft KV cache covers every token, computed by the weights drafting now (acceptance counts)
     captured: Captured = field(default_factory=Captured)  # the target's features of its tokens (VllmEngine features)
+    timed: TimedSteps = field(default_factory=TimedSteps)  # its steady steps against target-only decoding
 
     def result(self, finish: str) -> Result:
         rounds = [r for r in self.rounds if r.position < len(self.out)]  # vLLM clips a step at a stop or the length limit
@@ -480,5 +489,6 @@ class _Row:
         rows, start, counts = self.captured.assemble(len(self.req.prompt_ids) + len(self.out) - 1)  # the last: never fed
         return Result(self.req.request_id, list(self.req.prompt_ids), list(self.out), finish, self.versions, rounds, stats,
                       time.perf_counter() - self.start, rows, start, self.captured.layers,
-                      counts["missing"] if self.captured.parts else 0, counts["recomputed"])
+                      counts["missing"] if self.captured.parts else 0, counts["recomputed"],
+                      self.timed.timed_tokens, self.timed.target_only_tokens)
 

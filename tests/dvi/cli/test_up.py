@@ -433,6 +433,12 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
         assert "published: 1 versions, newest d0001" in status.stdout or "published: 2 versions" in status.stdout, status.stdout
         assert "None" not in status.stdout and "last gate at step" in status.stdout, status.stdout
         print(f"dvi status answered in {took:.2f} s:\n{status.stdout}")
+        # each version's requests timed against target-only decoding on their own steps, in all and by domain
+        speeds = requests.get(f"http://127.0.0.1:{api}/dvi/health", timeout=10).json()["vs_target_only_by_version"]
+        assert speeds and all(0 < by["all"] < 10 and set(by) <= {"all", "none", "code", "prose"} for by in speeds.values()), speeds
+        assert any({"code", "prose"} & set(by) for by in speeds.values()), speeds
+        assert "requests' speed over target-only decoding by version: " in status.stdout, status.stdout
+        assert "- (no request timed yet" not in status.stdout, status.stdout
 
         # MLflow asks for a login, the one in the file `dvi up` names; the serve run's name is the same across restarts
         # (one run name for the serve started twice), and the link dvi prints opens the saved view
