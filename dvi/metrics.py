@@ -53,8 +53,9 @@ class Point:
     # decoding speed over target-only decoding's by batch-size bucket, as the engine measured it at the interval's
     # end (`dvi.planner.CostTable.speed_vs_target_only`)
     vs_target_only: dict[int, float] = field(default_factory=dict)
-    # the serving version's requests' speed over target-only decoding so far, all domains (`speed_over_target_only`)
-    version_vs_target_only: float | None = None
+    # the serving version's requests' speed over target-only decoding so far, in all ("all") and by domain
+    # (`speed_over_target_only`)
+    version_vs_target_only: dict[str, float] = field(default_factory=dict)
 
 
 class ServingMetrics:
@@ -218,7 +219,7 @@ class ServingMetrics:
                 out.update({f"interval/acceptance.{d}": a for d, a in domains.items()})
             out.update({f"interval/vs_target_only.b{b}": x for b, x in self.vs_target_only.items()})
             by_version = speed_over_target_only(self.speed)
-            serving = by_version.get(self.version or NO_DRAFTER, {}).get(ALL)
+            serving = dict(by_version.get(self.version or NO_DRAFTER, {}))
             self.series.append(Point(now, s.acceptance_rate if s.drafted else None, tokens / seconds, self.version, domains,
                                      dict(self.vs_target_only), serving))
             self._interval, self._interval_domains, self._interval_tokens, self._interval_start = SpecStats(), {}, 0, now
@@ -380,7 +381,8 @@ def version_spans(series: list[Point]) -> list[tuple[float, float, str | None]]:
 
 def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path: str, title: str = "dvi serving") -> None:
     """Acceptance (overall and by domain, one shared axis scaled to the data), tokens/s and the decoding speed over
-    target-only decoding's (the engine's by batch-size bucket, and the serving version's requests', the level 1 marked)
+    target-only decoding's (the engine's by batch-size bucket, and the serving version's requests' in all and by domain,
+    the level 1 marked)
     against wall-clock time,
     each drafter version's span shaded and labelled with its mean acceptance, swap / rollback / promotion markers;
     intervals without traffic are left empty (a gap, not a zero), as a PNG."""
@@ -404,9 +406,10 @@ def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path:
     ax2.plot(xs, [nan if i else p.tokens_per_s for p, i in zip(series, idle)], "b.-")
     for bucket in sorted({b for p in series for b in p.vs_target_only}):
         ax3.plot(xs, [nan if i else p.vs_target_only.get(bucket, nan) for p, i in zip(series, idle)], ".-", label=f"batch <= {bucket}")
-    if any(p.version_vs_target_only is not None for p in series):
-        ax3.plot(xs, [nan if i or p.version_vs_target_only is None else p.version_vs_target_only for p, i in zip(series, idle)],
-                 "k.-", lw=1.6, label="serving version's requests")
+    for key in sorted({d for p in series for d in p.version_vs_target_only}, key=lambda d: (d != ALL, d)):
+        ax3.plot(xs, [nan if i else p.version_vs_target_only.get(key, nan) for p, i in zip(series, idle)],
+                 "k.-" if key == ALL else ".--", lw=1.6 if key == ALL else 1.0,
+                 label="serving version's requests" + ("" if key == ALL else f": {key}"))
     ax3.axhline(1.0, color="grey", lw=1.0, ls=":")
     ax3.annotate("target-only", (0.0, 1.0), xycoords=("axes fraction", "data"), fontsize=7, color="grey", va="bottom",
                  xytext=(3, 1), textcoords="offset points")

@@ -60,7 +60,7 @@ def test_drift_plot_shades_each_versions_span_and_leaves_idle_intervals_empty(tm
     series = [Point(t0, 0.02, 9.0, "init", {"code": 0.01, "prose": 0.03}), Point(t0 + 60, 0.03, 9.5, "init", {"code": 0.03}),
               Point(t0 + 120, None, 0.0, "init"),  # no traffic: a gap, not a zero
               Point(t0 + 180, 0.30, 20.0, "d0001", {"code": 0.40, "prose": 0.18}, {1: 1.1, 8: 0.9}),
-              Point(t0 + 240, 0.33, 21.0, "d0001", {}, {1: 1.2, 8: 0.95})]
+              Point(t0 + 240, 0.33, 21.0, "d0001", {}, {1: 1.2, 8: 0.95}, {"all": 1.15, "code": 1.3, "prose": 1.0})]
     assert version_spans(series) == [(t0, t0 + 120, "init"), (t0 + 120, t0 + 240, "d0001")]
     path = tmp_path / "drift.png"
     drift_plot(series, [(t0 + 150, "swap", "d0001"), (t0 + 230, "promote", "d0001")], str(path), "test")
@@ -127,7 +127,7 @@ def test_requests_speed_over_target_only_by_version_and_domain_reaches_health_ml
     assert by == {"d1": {"all": round(53 / 42, 3), "code": 1.5, "prose": round(17 / 18, 3)}}
     interval = m.interval()
     assert interval["version/d1/vs_target_only"] == 53 / 42 and interval["version/d1/vs_target_only.code"] == 1.5
-    assert m.series[-1].version_vs_target_only == 53 / 42
+    assert m.series[-1].version_vs_target_only == {"all": 53 / 42, "code": 1.5, "prose": 17 / 18}
     m.serving("d2")  # a new version: its own figures, the old one's kept
     m.observe(result("d2", [(4, 4)] * 5, timed=(20, 8.0)), "code")
     assert m.speed_by_version()["d2"] == {"all": 2.5, "code": 2.5} and "d1" in m.speed_by_version()
