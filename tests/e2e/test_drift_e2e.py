@@ -6,12 +6,12 @@ same moments) it does not."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
+from child_env import run_to_end
 from mlflow import MlflowClient
 
 from benchmarks.drift import QUICK
@@ -30,7 +30,7 @@ def mlflow_server(tmp_path_factory):
         yield s
 
 
-@pytest.mark.timeout(30 * 60)  # past the run's own 25 minutes, so that a run too slow fails with its output
+@pytest.mark.timeout(30 * 60)  # past the run's own 25 minutes and its stop: a run too slow fails with its output
 def test_quick_drift_run_wins_back_acceptance_on_the_shifted_domain(broker, mlflow_server, demo_target_dir, tmp_path):
     name = uuid.uuid4().hex[:8]
     out = tmp_path / "drift"
@@ -38,7 +38,7 @@ def test_quick_drift_run_wins_back_acceptance_on_the_shifted_domain(broker, mlfl
            f"stream.bootstrap_servers={broker.bootstrap}", f"tracking.uri={mlflow_server.uri}",
            f"tracking.experiment=drift-{name}", f"tracking.registry_model=drafter-{name}",
            "model.drafter=init"]  # the loop's rise from an untrained drafter: the shipped one starts near its ceiling
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=REPO)
+    done = run_to_end(cmd, 1500, cwd=REPO)
     logs = "\n".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted((out / "logs").glob("*.log")))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + logs
     print(done.stdout)

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from child_env import clean_env
+from child_env import clean_env, run_to_end
 
 from dvi.cli.vllm.engine import compile_cache_dir
 
@@ -51,7 +51,7 @@ def test_quick_soak_each_fault_once_loses_nothing_serves_only_allowed_versions_a
     out = tmp_path_factory.mktemp("soak")  # short: vLLM's sockets go in the cache's scratch folder (dvi.config.scratch_dir)
     cmd = [sys.executable, "-m", "benchmarks.soak", "--quick", "--drain-min", "1", "--out", str(out), "--json", str(out / "summary.json"),
            "--compile-cache", str(compile_cache_dir())]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30 * 60, cwd=REPO, env=clean_env())
+    done = run_to_end(cmd, 30 * 60, cwd=REPO, env=clean_env())
     print(done.stdout[-6000:])
     logs = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-1500:]}" for f in sorted((out / "cache" / "logs").glob("*.log")))
     assert (out / "summary.json").exists(), done.stdout[-4000:] + done.stderr[-4000:] + logs
