@@ -4,9 +4,9 @@
 so a request that spanned a hot swap counts each round for the drafter that drafted it. Readers take what they
 need: `prometheus(...)` renders the /metrics page (prometheus_client: vLLM-shaped spec-decode counters by drafter
 version, domain and position, latency histograms fed by `observe_latency`, process metrics, a `model_name` label), `interval()` the points for MLflow since the last call,
-`recent_acceptance_of(version, tokens)` and `acceptance_of(version)` feed the swap judge, `speed_by_version()` gives each
-version's requests' speed over target-only decoding as the engine timed their steps (`Result.vs_target_only`), and
-`series` / `markers` the drift plot (`drift_plot`).
+`recent_acceptance_of(version, tokens)` and `acceptance_of(version)` feed the swap judge, `snapshot` and `interval` also
+give each version's requests' speed over target-only decoding as the engine timed their steps (`Result.vs_target_only`,
+`speed_over_target_only`), and `series` / `markers` the drift plot (`drift_plot`).
 Events (swaps, refusals, rollbacks, promotions) are counted with `event(kind, ...)`.
 Figures by version are kept for the VERSIONS_KEPT versions most recently seen (the serving one always): a replica
 that swaps every few minutes for weeks would otherwise grow them, its /metrics page and its MLflow points without
@@ -53,9 +53,8 @@ class Point:
     # decoding speed over target-only decoding's by batch-size bucket, as the engine measured it at the interval's
     # end (`dvi.planner.CostTable.speed_vs_target_only`)
     vs_target_only: dict[int, float] = field(default_factory=dict)
-    # the serving version's requests' speed over target-only decoding so far, in all ("all") and by domain
-    # (`speed_over_target_only`)
-    version_vs_target_only: dict[str, float] = field(default_factory=dict)
+    # the serving version's requests' speed over target-only decoding so far, in all and by domain (None: untimed)
+    version_vs_target_only: VersionSpeed | None = None
 
 
 class ServingMetrics:
@@ -181,11 +180,6 @@ class ServingMetrics:
 
     # -- readers ---------------------------------------------------------------------------------
 
-    def speed_by_version(self) -> dict[str, dict[str, float]]:
-        """Per drafter version, its requests' speed over target-only decoding, measured on their steps: "all" its
-        domains, then each domain (`speed_over_target_only`); versions and domains with no timed step are left out."""
-        with self._lock:
-            return speed_over_target_only(self.speed)
 
     def acceptance_of(self, version: str) -> tuple[int, int]:
         """(drafted, accepted) of `version` since this replica started."""
@@ -219,7 +213,7 @@ class ServingMetrics:
                 out.update({f"interval/acceptance.{d}": a for d, a in domains.items()})
             out.update({f"interval/vs_target_only.b{b}": x for b, x in self.vs_target_only.items()})
             by_version = speed_over_target_only(self.speed)
-            serving = dict(by_version.get(self.version or NO_DRAFTER, {}))
+            serving = by_version.get(self.version or NO_DRAFTER)
             self.series.append(Point(now, s.acceptance_rate if s.drafted else None, tokens / seconds, self.version, domains,
                                      dict(self.vs_target_only), serving))
             self._interval, self._interval_domains, self._interval_tokens, self._interval_start = SpecStats(), {}, 0, now
@@ -227,8 +221,9 @@ class ServingMetrics:
                 if st.drafted:
                     out[f"version/{version}/acceptance_rate"] = st.acceptance_rate
                     out[f"version/{version}/mean_accepted_length"] = st.mean_accepted_length
-            for version, by_domain in by_version.items():
-                out.update({f"version/{version}/vs_target_only" + ("" if d == ALL else f".{d}"): x for d, x in by_domain.items()})
+            for version, speed in by_version.items():
+                out[f"version/{version}/vs_target_only"] = speed.all
+                out.update({f"version/{version}/vs_target_only.{d}": x for d, x in speed.by_domain.items()})
             out.update({"total/requests": self.requests, "total/tokens": self.tokens, "total/acceptance_rate": self.total.acceptance_rate,
                         "total/mean_accepted_length": self.total.mean_accepted_length,
                         **{f"events/{k}": v for k, v in self.events.items()}})
@@ -251,8 +246,7 @@ class ServingMetrics:
                 "routing": dict(self.routing),
                 "schedule": {str(b): k for b, k in enumerate(self.schedule) if b},
                 "vs_target_only": {str(b): round(x, 3) for b, x in self.vs_target_only.items()},
-                "vs_target_only_by_version": {v: {d: round(x, 3) for d, x in by.items()}
-                                              for v, by in speed_over_target_only(self.speed).items()},
+                "vs_target_only_by_version": {v: speed.to_dict() for v, speed in speed_over_target_only(self.speed).items()},
                 "errors": dict(self.errors),
             }
 
@@ -349,22 +343,30 @@ class _Collector:
         return self.metrics._collect()
 
 
-ALL = "all"  # the key of a version's speed over all its domains (`speed_over_target_only`)
+@dataclass(frozen=True)
+class VersionSpeed:
+    """A drafter version's requests' speed over target-only decoding: in all and by domain (`speed_over_target_only`)."""
+
+    all: float
+    by_domain: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return {"all": round(self.all, 3), "by_domain": {d: round(x, 3) for d, x in self.by_domain.items()}}
 
 
-def speed_over_target_only(timed: dict[tuple[str, str], list[float]]) -> dict[str, dict[str, float]]:
-    """{version: {"all": x, domain: x, ...}} from (version, domain) -> [timed tokens, target-only tokens]: the tokens its
-    requests' timed steps emitted over those target-only decoding would have given them in the same seconds (> 1:
-    speculation paid); a domain's figure is its own requests', "all" every domain's; nothing where no step was timed."""
-    out: dict[str, dict[str, float]] = {}
+def speed_over_target_only(timed: dict[tuple[str, str], list[float]]) -> dict[str, VersionSpeed]:
+    """Per version, from (version, domain) -> [timed tokens, target-only tokens]: the tokens its requests' timed steps
+    emitted over those target-only decoding would have given them in the same seconds (> 1: speculation paid), in all
+    and for each domain's requests; nothing where no step was timed."""
+    by: dict[str, dict[str, float]] = {}
     totals: dict[str, list[float]] = {}
-    for (version, domain), (tokens, target_only) in timed.items():
+    for (version, domain), (tokens, target_only) in sorted(timed.items()):
         if target_only > 0:
-            out.setdefault(version, {})[domain] = tokens / target_only
+            by.setdefault(version, {})[domain] = tokens / target_only
             total = totals.setdefault(version, [0, 0.0])
             total[0] += tokens
             total[1] += target_only
-    return {v: {ALL: totals[v][0] / totals[v][1], **dict(sorted(by.items()))} for v, by in out.items()}
+    return {v: VersionSpeed(totals[v][0] / totals[v][1], by[v]) for v in by}
 
 
 def version_spans(series: list[Point]) -> list[tuple[float, float, str | None]]:
@@ -406,10 +408,12 @@ def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path:
     ax2.plot(xs, [nan if i else p.tokens_per_s for p, i in zip(series, idle)], "b.-")
     for bucket in sorted({b for p in series for b in p.vs_target_only}):
         ax3.plot(xs, [nan if i else p.vs_target_only.get(bucket, nan) for p, i in zip(series, idle)], ".-", label=f"batch <= {bucket}")
-    for key in sorted({d for p in series for d in p.version_vs_target_only}, key=lambda d: (d != ALL, d)):
-        ax3.plot(xs, [nan if i else p.version_vs_target_only.get(key, nan) for p, i in zip(series, idle)],
-                 "k.-" if key == ALL else ".--", lw=1.6 if key == ALL else 1.0,
-                 label="serving version's requests" + ("" if key == ALL else f": {key}"))
+    speeds = [None if i else p.version_vs_target_only for p, i in zip(series, idle)]
+    if any(speeds):
+        ax3.plot(xs, [v.all if v else nan for v in speeds], "k.-", lw=1.6, label="serving version's requests")
+    for domain in sorted({d for v in speeds if v for d in v.by_domain}):
+        ax3.plot(xs, [v.by_domain.get(domain, nan) if v else nan for v in speeds], ".--", lw=1.0,
+                 label=f"serving version's requests: {domain}")
     ax3.axhline(1.0, color="grey", lw=1.0, ls=":")
     ax3.annotate("target-only", (0.0, 1.0), xycoords=("axes fraction", "data"), fontsize=7, color="grey", va="bottom",
                  xytext=(3, 1), textcoords="offset points")

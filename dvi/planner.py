@@ -49,10 +49,11 @@ class CostTable:
         self.draft: dict[int, float] = {}  # bucket -> seconds of one drafter step
         self.propose0: dict[int, float] = {}  # bucket -> seconds a step spends in a proposer drafting nothing (observe_step)
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> tokens per second (observe_rate)
+        self.plain_step: dict[int, float] = {}  # bucket -> wall seconds of a plain decoding step (observe_rate)
         self.samples: Counter[tuple[str, object]] = Counter()  # (table, key) -> observations so far
 
     def _average(self, table: str, key, value: float, weight: float | None = None) -> None:
-        """A new observation into `table` (verify, draft, propose0 or rate) at `key`: the mean of the first 1 / `weight`
+        """A new observation into `table` (verify, draft, propose0, rate or plain_step) at `key`: the mean of the first 1 / `weight`
         (default WEIGHT), a moving average after them."""
         values = getattr(self, table)
         self.samples[(table, key)] += 1
@@ -75,6 +76,8 @@ class CostTable:
         (`realized_speedup`)."""
         if seconds > 0:
             self._average("rate", (batch_bucket(batch), drafting), tokens / seconds, self.RATE_WEIGHT)
+            if not drafting:
+                self._average("plain_step", batch_bucket(batch), seconds, self.RATE_WEIGHT)
 
     def realized_speedup(self, batch: int) -> float | None:
         """Tokens per second of steps that verified drafts over those that did not, at this batch size's bucket, once
@@ -93,11 +96,15 @@ class CostTable:
         return bucket / step if step else None
 
     def target_only_tokens(self, batch: int, seconds: float) -> float | None:
-        """The tokens one request of a batch of `batch` would get from target-only decoding in `seconds`: its share of
-        `target_only_rate` at the batch's bucket; None while that is unmeasured. A request's speed over target-only
-        decoding is the tokens its timed steps emitted over this, summed over the same steps (`Result.target_only_tokens`)."""
-        rate = self.target_only_rate(batch_bucket(batch))
-        return seconds * rate / max(batch, 1) if rate else None
+        """The tokens one request of a batch of `batch` would get from target-only decoding in `seconds`: one a plain step,
+        whatever the batch, so `seconds` over a plain step's wall time at the batch's bucket (its live plain steps once
+        there are PLAIN_RATE_SAMPLES, else its timed plain step, `verify` at K = 0); None while that is unmeasured. A
+        request's speed over target-only decoding is the tokens its timed steps emitted over this, summed over the same
+        steps (`Result.target_only_tokens`)."""
+        bucket = batch_bucket(batch)
+        live = self.samples[("plain_step", bucket)] >= self.PLAIN_RATE_SAMPLES
+        step = self.plain_step[bucket] if live else self.verify.get((bucket, 0))
+        return seconds / step if step else None
 
     def speed_vs_target_only(self) -> dict[int, float]:
         """Per batch-size bucket with RATE_SAMPLES drafting steps and a target-only rate (`target_only_rate`): tokens

@@ -18,18 +18,21 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_to_end(cmd: list[str], timeout_s: float, grace_s: float = 120.0, **kw) -> subprocess.CompletedProcess:
-    """`cmd` run to its end, its output captured (text). Past `timeout_s` it gets SIGINT, as Ctrl-C, so that it stops
-    the processes it started (a benchmark's servers and trainer, which a SIGKILL of it alone would leave running), and
-    SIGKILL only if it has not ended `grace_s` later; then AssertionError with the end of its output."""
+    """`cmd` run to its end, its output captured (text). Past `timeout_s` (or when anything else interrupts the wait,
+    such as the test's own time limit) it gets SIGINT, as Ctrl-C, so that it stops the processes it started (a
+    benchmark's servers and trainer, which a SIGKILL of it alone would leave running), and SIGKILL only if it has not
+    ended `grace_s` later; past `timeout_s`, AssertionError with the end of its output."""
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw) as child:
         try:
             out, err = child.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        except BaseException as e:
             child.send_signal(signal.SIGINT)
             try:
                 out, err = child.communicate(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 child.kill()
                 out, err = child.communicate()
-            raise AssertionError(f"{' '.join(cmd[:4])} ... ran past {timeout_s:.0f} s and was stopped:\n{out[-3000:]}\n{err[-3000:]}")
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            raise AssertionError(f"{' '.join(cmd[:4])} ... ran past {timeout_s:.0f} s and was stopped:\n{out[-3000:]}\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(cmd, child.returncode, out, err)

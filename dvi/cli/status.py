@@ -89,9 +89,9 @@ def version_speeds(by_version: dict | None) -> str:
     if not by_version:
         return "- (no request timed yet: it needs a measured target-only rate at its batch size)"
     parts = []
-    for version, by in by_version.items():
-        domains = ", ".join(f"{d} {float(x):.2f}x" for d, x in by.items() if d != "all")
-        parts.append(f"{version} {float(by['all']):.2f}x" + (f" ({domains})" if domains else ""))
+    for version, speed in by_version.items():
+        domains = ", ".join(f"{d} {float(x):.2f}x" for d, x in (speed.get("by_domain") or {}).items())
+        parts.append(f"{version} {float(speed['all']):.2f}x" + (f" ({domains})" if domains else ""))
     return "; ".join(parts)
 
 

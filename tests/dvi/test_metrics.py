@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from dvi.metrics import OTHER_DOMAIN, VERSIONS_KEPT, Point, ServingMetrics, drift_plot, speed_over_target_only, version_spans
+from dvi.metrics import (OTHER_DOMAIN, VERSIONS_KEPT, Point, ServingMetrics, VersionSpeed, drift_plot, speed_over_target_only,
+                         version_spans)
 
 
 def result(version: str, rounds: list[tuple[int, int]], timed: tuple[int, float] = (0, 0.0)):
@@ -60,7 +61,7 @@ def test_drift_plot_shades_each_versions_span_and_leaves_idle_intervals_empty(tm
     series = [Point(t0, 0.02, 9.0, "init", {"code": 0.01, "prose": 0.03}), Point(t0 + 60, 0.03, 9.5, "init", {"code": 0.03}),
               Point(t0 + 120, None, 0.0, "init"),  # no traffic: a gap, not a zero
               Point(t0 + 180, 0.30, 20.0, "d0001", {"code": 0.40, "prose": 0.18}, {1: 1.1, 8: 0.9}),
-              Point(t0 + 240, 0.33, 21.0, "d0001", {}, {1: 1.2, 8: 0.95}, {"all": 1.15, "code": 1.3, "prose": 1.0})]
+              Point(t0 + 240, 0.33, 21.0, "d0001", {}, {1: 1.2, 8: 0.95}, VersionSpeed(1.15, {"code": 1.3, "prose": 1.0}))]
     assert version_spans(series) == [(t0, t0 + 120, "init"), (t0 + 120, t0 + 240, "d0001")]
     path = tmp_path / "drift.png"
     drift_plot(series, [(t0 + 150, "swap", "d0001"), (t0 + 230, "promote", "d0001")], str(path), "test")
@@ -110,9 +111,11 @@ def test_the_engines_speed_over_target_only_goes_to_health_mlflow_and_the_plot_s
 
 
 def test_speed_over_target_only_is_tokens_over_target_only_tokens_by_domain_and_in_all():
-    timed = {("d1", "code"): [300, 200.0], ("d1", "prose"): [90, 100.0], ("d2", "code"): [10, 0.0], ("none", "qa"): [50, 50.0]}
+    timed = {("d1", "code"): [300, 200.0], ("d1", "prose"): [90, 100.0], ("d2", "code"): [10, 0.0], ("none", "qa"): [50, 50.0],
+             ("d3", "all"): [30, 10.0], ("d3", "code"): [10, 10.0]}  # a domain tagged "all" is a domain like any other
     out = speed_over_target_only(timed)
-    assert out == {"d1": {"all": (300 + 90) / (200 + 100), "code": 1.5, "prose": 0.9}, "none": {"all": 1.0, "qa": 1.0}}
+    assert out == {"d1": VersionSpeed((300 + 90) / (200 + 100), {"code": 1.5, "prose": 0.9}), "none": VersionSpeed(1.0, {"qa": 1.0}),
+                   "d3": VersionSpeed(2.0, {"all": 3.0, "code": 1.0})}
     assert speed_over_target_only({}) == {}
 
 
@@ -124,10 +127,11 @@ def test_requests_speed_over_target_only_by_version_and_domain_reaches_health_ml
     m.observe(result("d1", [(0, 0)] * 8, timed=(8, 8.0)), "prose")  # drafting planned off: the serving version's, 1.0x
     m.observe(result("d1", [(4, 4)] * 2), "code")  # no step timed: it says nothing of speed
     by = m.snapshot()["vs_target_only_by_version"]
-    assert by == {"d1": {"all": round(53 / 42, 3), "code": 1.5, "prose": round(17 / 18, 3)}}
+    assert by == {"d1": {"all": round(53 / 42, 3), "by_domain": {"code": 1.5, "prose": round(17 / 18, 3)}}}
     interval = m.interval()
     assert interval["version/d1/vs_target_only"] == 53 / 42 and interval["version/d1/vs_target_only.code"] == 1.5
-    assert m.series[-1].version_vs_target_only == {"all": 53 / 42, "code": 1.5, "prose": 17 / 18}
+    assert m.series[-1].version_vs_target_only == VersionSpeed(53 / 42, {"code": 1.5, "prose": 17 / 18})
     m.serving("d2")  # a new version: its own figures, the old one's kept
     m.observe(result("d2", [(4, 4)] * 5, timed=(20, 8.0)), "code")
-    assert m.speed_by_version()["d2"] == {"all": 2.5, "code": 2.5} and "d1" in m.speed_by_version()
+    by = m.snapshot()["vs_target_only_by_version"]
+    assert by["d2"] == {"all": 2.5, "by_domain": {"code": 2.5}} and "d1" in by

@@ -314,6 +314,7 @@ def test_a_requests_target_only_tokens_are_its_share_of_the_measured_plain_rate_
     for _ in range(CostTable.PLAIN_RATE_SAMPLES):
         costs.observe_rate(8, False, 8, 0.2)  # live plain steps at batch 8: 40 tokens a second, 5 for each request
     assert costs.target_only_tokens(8, 1.0) == pytest.approx(5.0)
+    assert costs.target_only_tokens(5, 1.0) == pytest.approx(5.0)  # batch 5, bucket 8: one token a request a plain step
     assert costs.target_only_tokens(4, 1.0) is None  # another bucket, unmeasured
     timed = TimedSteps()
     timed.add(3, None)  # a step at an unmeasured batch size says nothing

@@ -1,9 +1,9 @@
-"""The soak's quick run in the suite: `python -m benchmarks.soak --quick` (see its docstring) on the default stack, `dvi up
+"""The soak's quick run in the suite's `long` lane (`pytest -m long`): `python -m benchmarks.soak --quick` (see its docstring) on the default stack, `dvi up
 --detach` with vLLM and a second replica, under mixed traffic for 3.5 minutes (longer while a fault recovers, at most
 12), each fault once, 30 s after the one before at the least and once it has recovered: the trainer, the broker, MLflow and the first replica
 killed with SIGKILL, a hostile burst, then `dvi up` itself killed and started again. The stack starts from a copy of
-the compile cache earlier tests' vLLM starts left (`--compile-cache`: this is about faults; a cold first `dvi up` is
-tests/dvi/cli/test_up.py's). About 9 minutes with the start and the end: the replica's and `dvi up`'s recoveries,
+the compile cache earlier vLLM starts on the machine left (`--compile-cache`: this is about faults; a cold first `dvi up`
+is tests/dvi/cli/test_up.py's). About 9 minutes with the start and the end: the replica's and `dvi up`'s recoveries,
 a minute and a half to three each, decide how long the run lasts.
 
 Asserted, as the benchmark decides them: every killed part came back; every record the trainer committed is in its

@@ -295,7 +295,7 @@ class VllmEngine:
             batch, drafting, tokens, step_s, extra, emitted = last
             if now - started < 3 * step_s:
                 self.costs.observe_rate(batch, drafting, tokens, now - started - extra)
-                share = self.costs.target_only_tokens(batch, now - started - extra)
+                share = self.costs.target_only_tokens(batch, now - started)  # a request pays for drafting done for it
                 for internal, n in emitted:
                     if (row := self.rows.get(internal)) is not None:
                         row.timed.add(n, share)

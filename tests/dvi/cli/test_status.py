@@ -24,7 +24,7 @@ def test_acceptance_counts_drafted_tokens_only_and_unknowns_print_as_dashes():
     assert "speed over target-only decoding: 1.23x at batch <= 1, 0.91x at batch <= 8" in text
     assert "speed over target-only decoding: - (not measured yet" in "\n".join(replica_lines({**health, "vs_target_only": {}}))
     assert "requests' speed over target-only decoding by version: - (no request timed yet" in text
-    by_version = {"init": {"all": 0.97}, "d0001": {"all": 1.31, "code": 1.52, "prose": 1.1}}
+    by_version = {"init": {"all": 0.97, "by_domain": {}}, "d0001": {"all": 1.31, "by_domain": {"code": 1.52, "prose": 1.1}}}
     assert ("requests' speed over target-only decoding by version: init 0.97x; d0001 1.31x (code 1.52x, prose 1.10x)"
             in "\n".join(replica_lines({**health, "vs_target_only_by_version": by_version})))
 

@@ -435,8 +435,8 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
         print(f"dvi status answered in {took:.2f} s:\n{status.stdout}")
         # each version's requests timed against target-only decoding on their own steps, in all and by domain
         speeds = requests.get(f"http://127.0.0.1:{api}/dvi/health", timeout=10).json()["vs_target_only_by_version"]
-        assert speeds and all(0 < by["all"] < 10 and set(by) <= {"all", "none", "code", "prose"} for by in speeds.values()), speeds
-        assert any({"code", "prose"} & set(by) for by in speeds.values()), speeds
+        assert speeds and all(0 < s["all"] < 10 and set(s["by_domain"]) <= {"none", "code", "prose"} for s in speeds.values()), speeds
+        assert any({"code", "prose"} & set(s["by_domain"]) for s in speeds.values()), speeds
         assert "requests' speed over target-only decoding by version: " in status.stdout, status.stdout
         assert "- (no request timed yet" not in status.stdout, status.stdout
 
