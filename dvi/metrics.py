@@ -180,7 +180,6 @@ class ServingMetrics:
 
     # -- readers ---------------------------------------------------------------------------------
 
-
     def acceptance_of(self, version: str) -> tuple[int, int]:
         """(drafted, accepted) of `version` since this replica started."""
         with self._lock:
@@ -384,9 +383,7 @@ def version_spans(series: list[Point]) -> list[tuple[float, float, str | None]]:
 def drift_plot(series: list[Point], markers: list[tuple[float, str, str]], path: str, title: str = "dvi serving") -> None:
     """Acceptance (overall and by domain, one shared axis scaled to the data), tokens/s and the decoding speed over
     target-only decoding's (the engine's by batch-size bucket, and the serving version's requests' in all and by domain,
-    the level 1 marked)
-    against wall-clock time,
-    each drafter version's span shaded and labelled with its mean acceptance, swap / rollback / promotion markers;
+    the level 1 marked) against wall-clock time, each drafter version's span shaded and labelled with its mean acceptance, swap / rollback / promotion markers;
     intervals without traffic are left empty (a gap, not a zero), as a PNG."""
     import matplotlib  # heavy: only a replica that plots pays for it
 

@@ -20,7 +20,7 @@ from dvi.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]  # `python -m benchmarks.drift` runs from the checkout root
 
-# the long lane (`pytest -m long`): 13 minutes on a 2-core AVX2 CPU, near the suite's 15-minute limit per test
+# the long lane (`pytest -m long`): 13 to 15 minutes on a 2-core AVX2 CPU, at or past the 15-minute limit per test
 pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.real_model, pytest.mark.e2e, pytest.mark.long]
 
 
