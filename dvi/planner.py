@@ -249,11 +249,13 @@ class StepPlanner:
     """K for every step of an engine that drafts one K for a whole batch (vLLM's batch-size schedule), the engine-wide
     counterpart of `KController`: from the live acceptance of the serving drafter and the cost table, the K with the
     best predicted speedup at each batch size, 0 (drafting off) where none beats `serve.spec.min_speedup`. Drafting off
-    at a batch size comes back on only when the best K is predicted to beat plain decoding by `HYSTERESIS` more, so
-    that an estimate hovering at the line does not flip it every step. The model is checked against what the steps
-    yield: once a bucket has `CostTable.RATE_SAMPLES` steps that drafted and a few that did not, drafting stays on
-    there only while its tokens per second beat plain decoding's (`CostTable.realized_speedup`; at batch 8 on a CPU
-    the model, fed with noisy per-K costs, predicted 1.08x where the steps gave 0.85x).
+    at a batch size comes back on only when the best K is predicted to beat plain decoding by `HYSTERESIS` more on the
+    acceptance the rounds seen show (shrunk towards 0, not the prior: a few probes that accept nothing are no evidence
+    that drafting pays), so that an estimate hovering at the line does not flip it every few steps. The model is
+    checked against what the steps yield: once a bucket has `CostTable.RATE_SAMPLES` steps that drafted and a few that
+    did not, drafting stays on there only while its tokens per second beat plain decoding's
+    (`CostTable.realized_speedup`; at batch 8 on a CPU the model, fed with noisy per-K costs, predicted 1.08x where the
+    steps gave 0.85x).
 
     Acceptance is measured on the rounds of requests whose drafter cache is whole (`observe`; the engine says which),
     position by position (`position_acceptance`: a drafter that is right tends to stay right, which one rate over all
@@ -348,22 +350,24 @@ class StepPlanner:
         s = self.spec
         return acceptance_estimate(self.accepted, self.trials, s.prior_acceptance, s.prior_weight)
 
-    def acceptance_by_position(self) -> list[float]:
-        """The acceptance at each draft position given the ones before it were accepted (what K is planned with)."""
+    def acceptance_by_position(self, proven: bool = False) -> list[float]:
+        """The acceptance at each draft position given the ones before it were accepted (what K is planned with), shrunk
+        towards `serve.spec.prior_acceptance`, or with `proven` towards 0: what the rounds seen show, no more."""
         s = self.spec
-        return position_acceptance(*self.by_position, s.prior_acceptance, s.prior_weight)
+        return position_acceptance(*self.by_position, 0.0 if proven else s.prior_acceptance, s.prior_weight)
 
-    def plan(self, batch: int, costs: tuple[float, list[float]] | None = None) -> tuple[int, float, str]:
-        """(K, predicted speedup, why) at this batch size (`costs`: `self.costs.plan(batch)`), without probing or hysteresis."""
+    def plan(self, batch: int, costs: tuple[float, list[float]] | None = None, proven: bool = False) -> tuple[int, float, str]:
+        """(K, predicted speedup, why) at this batch size (`costs`: `self.costs.plan(batch)`), without probing or hysteresis;
+        `proven`: on the acceptance the rounds seen show (`acceptance_by_position`)."""
         s = self.spec
         if not self.trials:
             return s.k, 0.0, "no round of this drafter measured yet"
         c, v = costs or self.costs.plan(batch)
-        a = self.acceptance_by_position()
+        a = self.acceptance_by_position(proven)
         k = choose_k_from_costs(a, c, v, s.k_min, s.k_max, 0.0)
         speedup = ideal_speedup(a, k, c, v[k])
         source = "measured" if self.costs.measured else "assumed"
-        by_position = " ".join(f"{x:.2f}" for x in a[:k])
+        by_position = " ".join(f"{x:.2f}" for x in a[:k]) + (" shown" if proven else "")
         return k, speedup, (f"acceptance {self.acceptance():.3f} ({by_position} at positions 1-{k}), drafter step {c:.3f} "
                             f"and verify of K={k} {v[k]:.3f} target steps ({source})")
 
@@ -421,7 +425,9 @@ class StepPlanner:
             bucket = batch_bucket(b)
             if bucket not in by_bucket:
                 by_bucket[bucket] = self.costs.plan(b)
-            k, speedup, why = self.plan(b, by_bucket[bucket])
+            # off, it turns on only on what the rounds seen show: shrunk towards the prior, the few probes of a drafter
+            # that accepts nothing still predicted 1.05-1.07x at K=1, and drafting flipped on and off every few seconds
+            k, speedup, why = self.plan(b, by_bucket[bucket], proven=not self.on[b])
             on = True
             if self.trials:
                 need = s.min_speedup * (1.0 + (0.0 if self.on[b] else self.HYSTERESIS))

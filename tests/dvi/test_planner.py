@@ -198,6 +198,28 @@ def test_drafting_that_went_off_comes_back_only_with_a_margin():
     assert lookup[1] > 0 and "on" in [c.decision for c in changes]
 
 
+def test_drafting_that_went_off_comes_back_only_on_what_the_rounds_show_not_on_the_prior():
+    """Off, a few probes that accept nothing are no evidence that drafting pays: on vLLM's server with a cheap drafter
+    (a step 0.02 of a plain one, a verify of K=1 costing 1.0-1.1) the estimate shrunk towards the prior (0.5) stayed at
+    0.11 on 15 rounds and predicted 1.05-1.07x at K=1, and drafting went on and off every few seconds. Turning it on
+    rests on the acceptance the rounds show."""
+    planner = planner_of(SPEC, 8, measured_costs(draft_s=0.002, slope=0.001))
+    planner.on = [False] * 9  # off everywhere, as after the first steps of a drafter that accepts nothing
+    planner.by_position = ([0.0] * 6, [15.0] + [0.0] * 5)  # ... seen on 15 probe rounds since
+    planner.accepted, planner.trials = 0.0, 15.0
+    assert planner.acceptance() == pytest.approx(2 / 19)  # the prior's pull
+    k, speedup, _ = planner.plan(1)
+    assert speedup > 1.05  # on the prior's estimate, drafting would go on again
+    k, shown, why = planner.plan(1, proven=True)
+    assert shown < 1.0 and "shown" in why
+    decisions = [c.decision for _ in range(200) for c in planner.schedule(1)[1]]
+    assert "on" not in decisions, decisions
+    planner.by_position = ([9.0] + [0.0] * 5, [15.0] + [0.0] * 5)  # 9 of 15 accepted: shown, it pays
+    planner.accepted, planner.trials = 9.0, 15.0
+    planner.awake, planner.sleep_left = True, 0
+    assert "on" in [c.decision for c in planner.schedule(1)[1]]
+
+
 def test_a_drafter_on_trial_is_probed_at_k_often_until_its_window_is_drafted():
     spec = SpecConfig(k=4, k_min=1, k_max=6, probe_every=32)
     planner = planner_of(spec, 8, measured_costs(), trial_tokens=200)
