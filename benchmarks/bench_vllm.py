@@ -29,6 +29,8 @@ The servers:
   records (`stream.features.share=0`): what sending them costs serving;
 - `dvi serve K=k`: fixed K (`serve.spec.adaptive=false`): against `vLLM + drafter K=k`, what dvi's loop costs;
 - `dvi serve, trained`: the defaults with the trained drafter;
+- `dvi serve, untrained`: the defaults with the demo pair's untrained drafter (`model.drafter=init`), a drafter that does
+  not pay: what the planner's probing costs from a fresh start;
 - `dvi serve, bfloat16` (or float32): the defaults in the other dtype.
 
 The trained drafter is the demo drafter distilled offline (`dvi drafter distill --steps`) on records of the target's
@@ -88,11 +90,17 @@ def chat_prompts(tokenizer, n: int, held_out: bool = False) -> list[list[int]]:
     if not held_out:
         texts = [p.text for p in workloads.prompts("qa", "live")[:n]]
     else:
-        sources = set(read_drafter_meta(drafters.SHIPPED)["bootstrap"]["corpus"]["heldout_sources"])  # as it was trained
-        held = [p for p in corpus.bootstrap_prompts() if p.source in sources and p.chat]
-        code, prose = ([p.text for p in held if p.domain == d] for d in ("code", "prose"))
-        texts = [t for pair in zip(code, prose) for t in pair][:n]
+        texts = [text for _, text in held_out_chats(("code", "prose"))][:n]
     return [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+
+
+def held_out_chats(domains: tuple[str, ...] = ("code", "prose", "markdown", "qa")) -> list[tuple[str, str]]:
+    """(domain, text) of the chat prompts of `domains` from the sources the shipped bootstrap drafter's corpus held out
+    (`dvi.corpus`: no training record came from them), the domains in turn while each has prompts left: none repeated."""
+    sources = set(read_drafter_meta(drafters.SHIPPED)["bootstrap"]["corpus"]["heldout_sources"])  # as it was trained
+    held = [p for p in corpus.bootstrap_prompts() if p.source in sources and p.chat]
+    by_domain = [[p.text for p in held if p.domain == d] for d in domains]
+    return [(d, texts[i]) for i in range(max(map(len, by_domain))) for d, texts in zip(domains, by_domain) if i < len(texts)]
 
 
 def train_drafter(out: Path, target: Path, drafter: Path, prompts: list[list[int]], tokens: int, steps: int) -> Path:
@@ -201,6 +209,8 @@ def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, brok
         Server("dvi serve, trained, no features", dvi + [f"model.drafter={trained}", "stream.features.share=0"], base, None, "dvi"),
         Server(f"dvi serve K={k}", dvi + [f"model.drafter={drafter}", "serve.spec.adaptive=false", f"serve.spec.k={k}"], base, None, "dvi"),
         Server("dvi serve, trained", dvi + [f"model.drafter={trained}"], base, None, "dvi"),
+        # a drafter that does not pay: the demo pair's untrained one, where the planner must keep serving at plain speed
+        Server("dvi serve, untrained", dvi + ["model.drafter=init"], base, None, "dvi"),
         Server(f"dvi serve, {other}", dvi + [f"model.drafter={drafter}", f"model.dtype={other}"], base, None, "dvi"),
     ]
     return [s for s in out if only is None or s.name in only]

@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dvi.drafter_kind_names import EAGLE3, KIND_NAMES
 from dvi.errors import DviError
+from dvi.hardware import CPU_PRIORITIES
 
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
@@ -481,6 +482,10 @@ class TrainerConfig:
     # "1" or "2-3": these alone, its torch threads one per core. On a machine without a GPU, a trainer beside serving
     # replicas takes whatever cores they leave it: give each its own (serve.vllm.cpu_bind for the replicas)
     cpu_bind: str = "auto"
+    # the trainer's CPU priority beside serving on the same machine (dvi.hardware.lower_cpu_priority): normal, nice
+    # (nice 19) or idle (SCHED_IDLE: only CPU time no other process wants). On a 2-core CPU neither nice nor idle kept
+    # the trainer from slowing requests (benchmarks.sharing), so the default is normal
+    cpu_priority: str = "normal"
 
     def __post_init__(self) -> None:
         _check(bool(self.group_id), "trainer.group_id", self.group_id, "a consumer group name")
@@ -520,6 +525,7 @@ class TrainerConfig:
         _check(self.holdout_size >= 1, "trainer.holdout_size", self.holdout_size, "an integer >= 1")
         _check(self.cpu_bind == "auto" or CORE_LIST.fullmatch(self.cpu_bind) is not None, "trainer.cpu_bind", self.cpu_bind,
                'auto or a list of cores such as "1" or "2-3"')
+        _check(self.cpu_priority in CPU_PRIORITIES, "trainer.cpu_priority", self.cpu_priority, ", ".join(CPU_PRIORITIES))
         _check(self.replay_mb > 0 and self.holdout_mb > 0, "trainer.replay_mb/holdout_mb", (self.replay_mb, self.holdout_mb),
                "sizes > 0 MiB")
         _check(self.gate_every >= 1, "trainer.gate_every", self.gate_every, "an integer >= 1")

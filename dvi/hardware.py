@@ -14,6 +14,9 @@
   each core the process may use (MKL's core count pins the thread to each in turn), and a restarted replica's engine
   process, caught on the other replica's busy pinned core in that visit, did not run again for minutes.
 
+- `trainer.cpu_priority` puts the online trainer (and every thread it starts) at nice 19 or SCHED_IDLE
+  (`lower_cpu_priority`), for a machine it shares with serving.
+
 Each answer comes with the reason, for `dvi config show` and the start-up banners. This module imports neither torch
 nor vLLM unless it must (a CPU's flags are read from /proc/cpuinfo where there is one), so a light command can ask.
 It knows what the machine offers; it does not build engines or load models.
@@ -130,6 +133,21 @@ def pick_precision(name: str, device_type: str) -> Pick:
     """`trainer.precision` on a device of `device_type`: a named precision as is; auto is bf16 on CUDA, bf16-mixed
     (fp32 weights, bf16 matrix products) on a CPU with native bf16, else fp32."""
     return _by_bf16(name, "trainer.precision", device_type, "bf16", "bf16-mixed", "fp32")
+
+
+CPU_PRIORITIES = ("normal", "nice", "idle")  # trainer.cpu_priority's values
+
+
+def lower_cpu_priority(priority: str) -> None:
+    """This thread, and every thread and process it starts from here on, at CPU `priority`: normal leaves it as it is,
+    nice is nice 19 (the least share of the CPU a normal process gets), idle is Linux's SCHED_IDLE (runs only when no
+    other process wants the core). Call it before torch starts its threads: threads started earlier keep theirs."""
+    if priority == "nice":
+        os.setpriority(os.PRIO_PROCESS, 0, 19)  # on Linux a thread's own: the calling one, inherited by those it starts
+    elif priority == "idle":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    elif priority != "normal":
+        raise DviError(f"trainer.cpu_priority={priority}: expected one of {', '.join(CPU_PRIORITIES)}")
 
 
 def vllm_version() -> str | None:

@@ -152,7 +152,7 @@ COMMANDS: tuple[Command, ...] = (
             "stream:schema", light=True),
     Command(("mlflow",), "run the local MLflow server (SQLite + local artifacts) on 127.0.0.1:tracking.port", "tracking:mlflow"),
     Command(("train",), "the online distillation trainer (DeepSpeed), fed by the decision stream", "train:train",
-            check="args:train"),
+            check="args:online_train"),
     Command(("retrain",), "ask running trainers for a training session (control topic)", "train:retrain", _retrain),
     Command(("models", "fetch"), "fetch and convert the demo target (or import a local GGUF file) into the model cache; "
             "--pair: the configured target and drafter", "models:fetch", _fetch, check="args:fetch"),

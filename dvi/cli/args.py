@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dvi.alloc import limit_kernel_caches
 from dvi.config import INIT_DRAFTER, DviConfig, check_sampling, load_config, overrides_of
 from dvi.errors import DviError
-from dvi.hardware import bound_cores, pick_engine, replica_cores, resolve_device, resolve_dtype
+from dvi.hardware import bound_cores, lower_cpu_priority, pick_engine, replica_cores, resolve_device, resolve_dtype
 from dvi.model_files import require_gguf_file, require_model_dir
 
 
@@ -98,4 +98,13 @@ def train(args: argparse.Namespace) -> DviConfig:
         cores = bound_cores(cfg.trainer.cpu_bind, "trainer.cpu_bind")  # DviError for a core not ours
         os.sched_setaffinity(0, cores)
         os.environ.setdefault("OMP_NUM_THREADS", str(len(cores)))  # where the user set none
+    return cfg
+
+
+def online_train(args: argparse.Namespace) -> DviConfig:
+    """`dvi train`'s config (`train`), and the process at the CPU priority `trainer.cpu_priority` names
+    (`dvi.hardware.lower_cpu_priority`: the online trainer beside serving on one machine), set before torch starts its
+    threads so that every one of them has it."""
+    cfg = train(args)
+    lower_cpu_priority(cfg.trainer.cpu_priority)
     return cfg

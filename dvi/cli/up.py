@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from dvi.cli.output import ERROR_PREFIX, out
-from dvi.config import cache_dir, load_config, overrides_of
+from dvi.config import TrainerConfig, cache_dir, load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
 from dvi.mlflow_login import local_login
@@ -378,6 +378,14 @@ class PairPrep:
             self.proc.wait()
 
 
+def train_share(trainer: TrainerConfig) -> str:
+    """How the trainer shares the machine with serving, for the banner: its cores and CPU priority, and why."""
+    cores = "every core" if trainer.cpu_bind == "auto" else f"cores {trainer.cpu_bind} (trainer.cpu_bind)"
+    why = {"normal": "neither nice nor idle kept it from slowing requests on 2 cores: benchmarks.sharing",
+           "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves"}[trainer.cpu_priority]
+    return f"{cores}, CPU priority {trainer.cpu_priority} (trainer.cpu_priority; {why})"
+
+
 def up(args: argparse.Namespace) -> int:
     overrides = overrides_of(args)
     cfg = load_config(overrides)
@@ -415,6 +423,8 @@ def up(args: argparse.Namespace) -> int:
                     lines.append(f"          login: user and password in {login}")
             if "broker" in names:
                 lines.append(f"  Kafka   {cfg.stream.bootstrap}  (topic {cfg.stream.topic}; `dvi stream tail`)")
+            if "train" in names:  # how it shares the machine with serving (trainer.cpu_bind, trainer.cpu_priority)
+                lines.append(f"  trainer {train_share(cfg.trainer)}")
             lines.append(f"  logs    {cache / 'logs'}")
             out("\n".join(lines), flush=True)
             while True:

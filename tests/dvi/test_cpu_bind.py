@@ -224,3 +224,43 @@ def test_a_machine_split_between_serving_and_a_trainer():
         split_cores(frozenset({0, 1}), "2")
     with pytest.raises(DviError, match="leave serving no core"):
         split_cores(frozenset({0, 1}), "0-1")
+
+
+# trainer.cpu_priority: how the online trainer shares the CPU with serving (dvi.cli.args.online_train, before torch loads)
+
+PRIORITY_CHECK = r"""
+import argparse, os, sys, threading
+from dvi.cli import args
+cfg = args.online_train(argparse.Namespace(overrides=sys.argv[1:]))
+import torch
+torch.ones(256, 256) @ torch.ones(256, 256)  # torch's threads started after
+seen = []
+t = threading.Thread(target=lambda: seen.append((os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))))
+t.start(); t.join()
+print(cfg.trainer.cpu_priority, os.sched_getscheduler(0) == os.SCHED_IDLE, os.getpriority(os.PRIO_PROCESS, 0),
+      seen[0][0] == os.SCHED_IDLE, seen[0][1])
+"""
+
+
+def test_the_trainers_cpu_priority_is_one_of_the_named():
+    from dvi.cli.up import train_share
+
+    for value in ("normal", "nice", "idle"):
+        assert TrainerConfig(cpu_priority=value).cpu_priority == value
+    assert TrainerConfig().cpu_priority == "normal"
+    with pytest.raises(DviError, match=r"trainer\.cpu_priority='low'.*expected normal, nice, idle"):
+        TrainerConfig(cpu_priority="low")
+    assert train_share(TrainerConfig(cpu_priority="idle", cpu_bind="1")).startswith("cores 1 (trainer.cpu_bind), CPU priority idle")
+    assert train_share(TrainerConfig()).startswith("every core, CPU priority normal (trainer.cpu_priority; ")
+
+
+def test_the_online_trainer_and_every_thread_it_starts_run_at_its_cpu_priority():
+    """`dvi train`'s process: SCHED_IDLE or nice 19 from before torch loads, and so every thread it starts after."""
+    run = lambda *overrides: subprocess.run([sys.executable, "-c", PRIORITY_CHECK, *overrides],  # noqa: E731
+                                            capture_output=True, text=True)
+    base, base_idle = os.getpriority(os.PRIO_PROCESS, 0), str(os.sched_getscheduler(0) == os.SCHED_IDLE)  # as inherited
+    idle = run("trainer.cpu_priority=idle")
+    assert idle.returncode == 0, idle.stderr
+    assert idle.stdout.split() == ["idle", "True", str(base), "True", str(base)]
+    nice = run("trainer.cpu_priority=nice")
+    assert nice.returncode == 0 and nice.stdout.split() == ["nice", base_idle, "19", base_idle, "19"], nice.stderr
