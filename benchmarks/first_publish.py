@@ -48,7 +48,7 @@ from dvi.cli.status import replica as replica_view
 from dvi.config import load_config
 from dvi.hardware import pick_dtype, pick_engine
 from dvi.pairs import pair_dirs
-from dvi.procs import free_port, http_ok, local_post, sigterm_interrupts, spawn, wait_ready
+from dvi.procs import free_port, local_post, sigterm_interrupts
 
 def prompts_of(n: int) -> list[tuple[str, str]]:
     """(domain, prompt) of `n` chat requests, none repeated."""
@@ -174,7 +174,7 @@ def session(overrides: list[str], phases: list[Phase], max_tokens: int, requests
     out, api, served, bounds = Output(proc, echo), f"http://127.0.0.1:{api_port}", [], {}
     chats = prompts_of(requests)
     t_start = ready = time.time()
-    first_t = None
+    first_t, newer = None, []
     with sigterm_interrupts():  # SIGTERM or Ctrl-C: stop the stack and report what was measured
         try:
             while out.seen("Ctrl-C stops everything") is None:
@@ -199,6 +199,8 @@ def session(overrides: list[str], phases: list[Phase], max_tokens: int, requests
                     if phase.paced:
                         time.sleep(r["s"])
                 bounds[phase.name] = (t0_phase, time.time())
+                if after is not None and len(newer) >= after:
+                    break  # the stop rule ends the session, not just its phase
         except KeyboardInterrupt:
             print("first_publish: interrupted; stopping the stack", flush=True)
         finally:
@@ -222,23 +224,17 @@ def peer_answers(overrides: list[str], chats: list[tuple[str, str]], max_tokens:
     [{s, tokens}])."""
     cfg = load_config(overrides)
     target, _ = pair_dirs(cfg.model)
-    port = free_port()
-    api = f"http://127.0.0.1:{port}"
     if vllm_server:
-        name, model = PEER, str(target)
         env = {**server_env(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        server = Server(PEER, plain_vllm(target, pick_dtype(cfg.model.dtype, "cpu").value), env, model, "vllm")
-        log_dir = Path(tempfile.mkdtemp(prefix="dvi-peer-"))
-        child, api = server.start(port, log_dir)
+        server = Server(PEER, plain_vllm(target, pick_dtype(cfg.model.dtype, "cpu").value), env, str(target), "vllm")
     else:
-        name, model = "dvi serve --no-draft", None
-        cmd = [sys.executable, "-m", "dvi.cli", "serve", "--no-draft", *overrides, f"model.target={target}", f"serve.port={port}",
+        cmd = [sys.executable, "-m", "dvi.cli", "serve", "--no-draft", *overrides, f"model.target={target}",
                "tracking.enabled=false", "serve.log_decisions=false", "serve.swap.enabled=false"]
-        child = spawn("target-only", cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        wait_ready(child, lambda: http_ok(api + "/health"), 900, "the target-only replica", interval_s=1.0)
+        server = Server("dvi serve --no-draft", cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, None, "dvi")
+    child, api = server.start(free_port(), Path(tempfile.mkdtemp(prefix="dvi-peer-")))
     try:
-        chat(api, "code", chats[0][1], 8, vllm_server, model)  # warm-up
-        return name, [chat(api, domain, prompt, max_tokens, vllm_server, model)[1] for domain, prompt in chats]
+        chat(api, "code", chats[0][1], 8, vllm_server, server.model)  # warm-up
+        return server.name, [chat(api, domain, prompt, max_tokens, vllm_server, server.model)[1] for domain, prompt in chats]
     finally:
         child.stop(grace_s=30)
 

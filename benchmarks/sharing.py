@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for name, (flags, overrides) in todo.items():
         print(f"sharing: {name}: dvi up {' '.join(flags + overrides)}", file=sys.stderr, flush=True)
-        runs[name] = session([*overrides, *args.overrides], phases, args.max_tokens, len(prompts_of(400)), flags=flags, echo=False)
+        runs[name] = session([*overrides, *args.overrides], phases, args.max_tokens, 400, flags=flags, echo=False)
         if args.json:  # what was measured so far, should a later policy or the peer fail
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.with_suffix(".partial.json").write_text(json.dumps(runs, default=str) + "\n")

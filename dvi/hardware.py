@@ -141,13 +141,12 @@ CPU_PRIORITIES = ("normal", "nice", "idle")  # trainer.cpu_priority's values
 def lower_cpu_priority(priority: str) -> None:
     """This thread, and every thread and process it starts from here on, at CPU `priority`: normal leaves it as it is,
     nice is nice 19 (the least share of the CPU a normal process gets), idle is Linux's SCHED_IDLE (runs only when no
-    other process wants the core). Call it before torch starts its threads: threads started earlier keep theirs."""
+    other process wants the core); `priority` is one of CPU_PRIORITIES (TrainerConfig checks it). Call it before torch
+    starts its threads: threads started earlier keep theirs."""
     if priority == "nice":
         os.setpriority(os.PRIO_PROCESS, 0, 19)  # on Linux a thread's own: the calling one, inherited by those it starts
     elif priority == "idle":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    elif priority != "normal":
-        raise DviError(f"trainer.cpu_priority={priority}: expected one of {', '.join(CPU_PRIORITIES)}")
 
 
 def vllm_version() -> str | None:
