@@ -6,7 +6,8 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
 1. the stack: the embedded broker and MLflow (unless config points at running ones), then
 2. bootstrap: the demo drafter is distilled offline on domain A (its `bootstrap` split, decoded here, then
    `dvi drafter distill --json --file ... --steps N`, whose JSON result names the versions it published); the
-   last of them is the first drafter of the run;
+   last of them is the first drafter of the run (`--stack up`: no bootstrap here; the run starts from the drafter
+   dvi ships, trained offline on the four domains of `dvi.corpus`, as `dvi up` does);
 3. three replicas start from that version (the store's newest, `serve.swap.initial`): `online` follows the control
    topic and logs its decisions for the trainer, `frozen` does neither (the loop off), `plain` decodes target-only;
    `dvi train` distills from the online replica's decisions and publishes better drafters, which `online`
@@ -14,17 +15,22 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    8,192 most frequent tokens, `plain` is `dvi serve --no-draft`) or `vllm` (`+experiment=drift_vllm`, the default
    stack: `dvi serve` as vLLM's own OpenAI server with dvi's loop as its plugin (serve.engine=vllm-server) at the
    model's dtype, compiled, adaptive K, the drafter's full head, and `plain` is plain vLLM's own OpenAI server at the
-   same settings, as a vLLM user runs it); with `--trainer-cores`
+   same settings, as a vLLM user runs it) or `up` (the same stack with no experiment config: every part on its
+   defaults, as `dvi up` runs them, from the shipped drafter); with `--trainer-cores`
    (the vllm stack) the trainer runs on those cores alone (`trainer.cpu_bind`) and the three servers on the others
    (`serve.vllm.cpu_bind`, and plain vLLM's server likewise), as on a machine whose trainer has a device of its own;
 4. replay: the schedule (A -> B -> C -> A by default) of `live` prompts from `benchmarks.workloads`, each prompt
    sent to `online` and `frozen` at once (and to `plain` every few prompts) through the HTTP API, each phase lasting
    a budget of the online replica's verification rounds; with `--serial`, one prompt at a time, to the sides one after
    another (the order turning with each prompt), so that each answer is timed without the other servers decoding
-   beside it: on a machine of few cores, servers decoding at once measure how they share the cores;
+   beside it: on a machine of few cores, servers decoding at once measure how they share the cores; `--batch N`
+   sends N prompts to a side at once (batch N) before the next side's turn; `--pause-trainer` stops the trainer
+   during the frozen and target-only turns, so that those sides run as they do without a trainer and the online
+   side as `dvi up` runs, its trainer beside it (the trainer then trains only during the online side's turns);
 5. analysis (pure functions below): acceptance, mean accepted length and tokens/s by phase, domain, side and
    drafter version; how many rounds each new domain took to recover to within `tolerance` of the level the online
-   drafter reached on A; whether A holds its level when it comes back. A plot, a summary table and every sample
+   drafter reached on A; whether A holds its level when it comes back; on `--stack up` the headline's targets
+   (`UP_TARGETS`: every phase against target-only, the domains the shipped drafter's corpus lacks against frozen). A plot, a summary table and every sample
    go to MLflow (run `drift-<time>`) and to the output directory.
 
 The analysis knows samples, not HTTP; the orchestration knows processes and URLs, not the maths of decoding.
@@ -37,6 +43,8 @@ import argparse
 import concurrent.futures
 import json
 import logging
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,7 +76,8 @@ from dvi.tracking import Tracker
 log = logging.getLogger("benchmarks.drift")
 
 SIDES = ("online", "frozen", "plain")
-STACKS = {"dvi": "drift", "vllm": "drift_vllm"}  # --stack: the experiment config every part runs with
+# --stack: the experiment config every part runs with (up: none, the defaults `dvi up` runs on)
+STACKS = {"dvi": "drift", "vllm": "drift_vllm", "up": None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,17 +174,27 @@ class Targets:
     acceptance_gain: float = 0.15  # online over frozen on shifted domains (last third), absolute
     speedup: float = 1.15  # online over frozen tokens/s on shifted domains (last third)
     speedup_vs_plain: float = 1.25  # online over target-only tokens/s on shifted domains (last third)
+    speed_every_phase: bool = False  # True: online over target-only on every phase, not only the shifted ones
 
 
-def summarize(samples: list[Sample], schedule: list[str], window: int, targets: Targets = Targets()) -> dict:
+# the stack as `dvi up` runs it (--stack up): its drafter starts from the shipped bootstrap, which covers the four
+# workload domains; the targets of the headline, by batch size
+UP_TARGETS = {1: Targets(acceptance_gain=0.10, speedup_vs_plain=1.25, speed_every_phase=True),
+              8: Targets(acceptance_gain=0.10, speedup_vs_plain=1.0, speed_every_phase=True)}
+
+
+def summarize(samples: list[Sample], schedule: list[str], window: int, targets: Targets = Targets(),
+              covered: set[str] | None = None) -> dict:
     """Per phase and side: acceptance, mean accepted length, tokens/s (whole phase, first and last third),
     paired speedups, recovery rounds; and the targets, each with its measured value and whether it holds.
-    'Shifted' phases are those whose domain is not the first one; their figures are taken over the last third
-    of the phase (after the loop had time to adapt) and over the whole phase."""
+    'Shifted' phases are those whose domain the starting drafter was not trained on (`covered`; None: the first
+    domain only, which the run's own bootstrap distills on); their figures are taken over the last third of the
+    phase (after the loop had time to adapt) and over the whole phase."""
     def side(rows: list[Sample], name: str) -> list[Sample]:
         return [s for s in rows if s.side == name]
 
     first = schedule[0]
+    covered = {first} if covered is None else covered
     phase0_online = side([s for s in samples if s.phase == 0], "online")
     level = acceptance(trailing(phase0_online, window))
     phases, checks = [], []
@@ -196,25 +215,29 @@ def summarize(samples: list[Sample], schedule: list[str], window: int, targets: 
             p[f"{part}frozen_vs_plain"] = paired_ratio(side(subset, "frozen"), side(subset, "plain"))
         p["versions"] = sorted({s.version for s in side(rows, "online") if s.version})
         phases.append(p)
-        if i == 0 or level is None:
+        if level is None:
             continue
-        online = side(rows, "online")
-        final = acceptance(trailing(online, window))  # the level the phase ended on
-        p["final_online_acceptance"] = final
-        p["recovery_rounds"] = recovery_rounds(online, final, targets.tolerance, window) if final is not None else None
-        rec = p["recovery_rounds"]
-        checks.append({"target": f"phase {i} ({domain}): online acceptance within {targets.tolerance} of the phase's final "
-                       f"level {_fmt(final)} within {targets.recovery_rounds} rounds of the switch", "measured": rec,
-                       "ok": rec is not None and rec <= targets.recovery_rounds})
-        if domain != first:
+        if i > 0:
+            online = side(rows, "online")
+            final = acceptance(trailing(online, window))  # the level the phase ended on
+            p["final_online_acceptance"] = final
+            p["recovery_rounds"] = recovery_rounds(online, final, targets.tolerance, window) if final is not None else None
+            rec = p["recovery_rounds"]
+            checks.append({"target": f"phase {i} ({domain}): online acceptance within {targets.tolerance} of the phase's "
+                           f"final level {_fmt(final)} within {targets.recovery_rounds} rounds of the switch", "measured": rec,
+                           "ok": rec is not None and rec <= targets.recovery_rounds})
+        shifted = domain not in covered
+        goals = [("late_online_vs_frozen", "frozen", targets.speedup)] if shifted else []
+        if shifted or targets.speed_every_phase:
+            goals.append(("late_online_vs_plain", "target-only", targets.speedup_vs_plain))
+        if shifted:
             gain = _diff(p["late_online_acceptance"], p["late_frozen_acceptance"])
             checks.append({"target": f"phase {i} ({domain}): acceptance online - frozen >= {targets.acceptance_gain} "
                            "(last third)", "measured": gain, "ok": gain is not None and gain >= targets.acceptance_gain})
-            for key, name, goal in (("late_online_vs_frozen", "frozen", targets.speedup),
-                                    ("late_online_vs_plain", "target-only", targets.speedup_vs_plain)):
-                checks.append({"target": f"phase {i} ({domain}): tokens/s online / {name} >= {goal} (last third)",
-                               "measured": p[key], "ok": p[key] is not None and p[key] >= goal})
-        else:
+        for key, name, goal in goals:
+            checks.append({"target": f"phase {i} ({domain}): tokens/s online / {name} >= {goal} (last third)",
+                           "measured": p[key], "ok": p[key] is not None and p[key] >= goal})
+        if i > 0 and domain == first:
             acc = p["online_acceptance"]
             checks.append({"target": f"phase {i} ({domain} again): acceptance >= {first}'s level {level:.3f} - "
                            f"{targets.forgetting} (no forgetting)", "measured": acc,
@@ -337,6 +360,8 @@ class Options:
     stack: str = "dvi"  # what serves (STACKS): dvi's engine, or vLLM's own server with plain vLLM as the target-only side
     trainer_cores: str | None = None  # vllm stack: the trainer on these cores, every server on the others (None: all share)
     serial: bool = False  # each prompt to the sides one after another (each timed alone), not to all at once
+    batch: int = 1  # serial: prompts sent to one side at once (its batch), the next side's turn once all are answered
+    pause_trainer: bool = False  # serial: the trainer stopped (SIGSTOP) while the frozen and target-only sides answer
     out: Path = Path("outputs/drift")
 
     def budgets(self) -> list[int]:
@@ -350,9 +375,9 @@ QUICK = dict(schedule=["code", "prose"], rounds=1500, first_rounds=120, boot_pro
 
 def parse_schedule(text: str) -> list[str]:
     schedule = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in schedule if d not in workloads.DOMAINS]
+    bad = [d for d in schedule if d not in workloads.ALL_DOMAINS]
     if bad or len(schedule) < 2:
-        raise DviError(f"--domains {text!r}: expected two or more of {', '.join(workloads.DOMAINS)}, comma-separated")
+        raise DviError(f"--domains {text!r}: expected two or more of {', '.join(workloads.ALL_DOMAINS)}, comma-separated")
     return schedule
 
 
@@ -444,28 +469,36 @@ def distill_result(stdout: str, log_file: Path) -> dict:
     return result
 
 
-def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None, models: dict[str, str] | None = None) -> list[Sample]:
+def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None, models: dict[str, str] | None = None,
+           turn_of=lambda side: None) -> list[Sample]:
     """The schedule through the replicas' HTTP APIs (see the module docstring); every answer becomes a Sample.
-    `models`: the sides that are plain vLLM's server, and the model each serves."""
+    `models`: the sides that are plain vLLM's server, and the model each serves; `turn_of(side)`: called, in the
+    serial replay, before each side's turn."""
     models = models or {}
     streams = {d: workloads.cycle(workloads.prompts(d, "live", opt.seed)) for d in set(opt.schedule)}  # A again: fresh prompts
     samples: list[Sample] = []
     slot, errors, t0, budgets = 0, 0, time.monotonic(), opt.budgets()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(SIDES) * opt.concurrency) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(SIDES) * max(opt.concurrency, opt.batch)) as pool:
         for phase, domain in enumerate(opt.schedule):
             done_rounds, started = 0, time.monotonic()
             # progress on a terminal (stderr; off when it is not a terminal, e.g. under tests or in a log)
             bar = tqdm(total=budgets[phase], desc=f"drift: phase {phase} ({domain})", unit=" rounds", disable=None, leave=False)
             while done_rounds < budgets[phase]:
                 asks = []
-                for _ in range(1 if opt.serial else opt.concurrency):
+                if opt.serial:  # a batch of prompts to one side at a time, all answered before the next side's turn
+                    batch = [(slot + i, next(streams[domain])) for i in range(opt.batch)]
+                    group = slot // opt.batch
+                    sides = [s for s in SIDES if s in urls and (s != "plain" or group % opt.plain_every == 0)]
+                    for side in turn(sides, group):
+                        turn_of(side)
+                        futs = [(n, side, pool.submit(ask, urls[side], prompt, opt.max_tokens, models.get(side))) for n, prompt in batch]
+                        concurrent.futures.wait([f for _, _, f in futs])
+                        asks += futs
+                    slot += opt.batch
+                for _ in range(0 if opt.serial else opt.concurrency):
                     prompt = next(streams[domain])
                     sides = [s for s in SIDES if s in urls and (s != "plain" or slot % opt.plain_every == 0)]
-                    if opt.serial:
-                        asks += [(slot, side, _done(ask, urls[side], prompt, opt.max_tokens, models.get(side)))
-                                 for side in turn(sides, slot)]
-                    else:
-                        asks += [(slot, side, pool.submit(ask, urls[side], prompt, opt.max_tokens, models.get(side))) for side in sides]
+                    asks += [(slot, side, pool.submit(ask, urls[side], prompt, opt.max_tokens, models.get(side))) for side in sides]
                     slot += 1
                 for s, side, fut in asks:
                     try:
@@ -499,14 +532,29 @@ def turn(sides: list[str], slot: int) -> list[str]:
     return sides[k:] + sides[:k]
 
 
-def _done(fn, *args) -> concurrent.futures.Future:
-    """`fn(*args)` run now, its result or error held as a finished Future's (the serial replay's, beside the pool's)."""
-    fut = concurrent.futures.Future()
-    try:
-        fut.set_result(fn(*args))
-    except Exception as e:  # noqa: BLE001 - handed to the caller as the pool would
-        fut.set_exception(e)
-    return fut
+class TrainerHold:
+    """Stops a supervised trainer (SIGSTOP to its process group) and lets it go on (SIGCONT): the serial replay
+    times the frozen and target-only sides as they run without a trainer beside them, and the online side with its
+    trainer, as `dvi up` runs it. `held_s`: how long it was stopped."""
+
+    def __init__(self, services: Supervisor, name: str):
+        self.services, self.name = services, name
+        self.since: float | None = None
+        self.held_s = 0.0
+
+    def set(self, stopped: bool) -> None:
+        child = self.services.children.get(self.name)
+        if child is None or not child.running or stopped == (self.since is not None):
+            return
+        try:
+            os.killpg(child.pid, signal.SIGSTOP if stopped else signal.SIGCONT)  # spawn: its own session and group
+        except ProcessLookupError:
+            return
+        if stopped:
+            self.since = time.monotonic()
+        else:
+            self.held_s += time.monotonic() - self.since
+            self.since = None
 
 
 def run(overrides: list[str], opt: Options, say=print) -> dict:
@@ -517,7 +565,8 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     user = load_config(overrides)
     # a store and topics of this run's own; the broker and MLflow of its own too, unless config names running ones
-    base = [f"+experiment={STACKS[opt.stack]}", f"trainer.store={work / 'store'}", f"stream.topic=dvi.drift-{stamp}.decisions",
+    experiment = [f"+experiment={STACKS[opt.stack]}"] if STACKS[opt.stack] else []
+    base = [*experiment, f"trainer.store={work / 'store'}", f"stream.topic=dvi.drift-{stamp}.decisions",
             f"stream.dlq_topic=dvi.drift-{stamp}.decisions.dlq", f"stream.control_topic=dvi.drift-{stamp}.control",
             f"trainer.group_id=dvi-drift-{stamp}"]
     if user.stream.bootstrap_servers is None:
@@ -531,7 +580,8 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
     tracker = Tracker(cfg.tracking, run_name=f"drift-{stamp}", params={"bench": {k: str(v) for k, v in asdict(opt).items()},
                       **flat_params(cfg)}, tags={"dvi.role": "bench", "dvi.bench": "drift"})
     try:
-        version = bootstrap(cfg, opt, common, work, say)
+        # the up stack starts from what `dvi up` starts from: the shipped drafter (model.drafter), no bootstrap here
+        version = None if opt.stack == "up" else bootstrap(cfg, opt, common, work, say)
         ports = {side: free_port() for side in SIDES}
         urls = {side: f"http://{cfg.serve.host}:{port}" for side, port in ports.items()}
 
@@ -542,22 +592,29 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
         pinned = [f"serve.vllm.cpu_bind={serving_cores}"] if serving_cores else []
 
         # the replicas and the trainer start together (the broker and MLflow are up): `needs` none
+        ready_s = 900 if opt.stack == "up" else 300  # up: three servers compiling at once on every core (dvi up: 900 s)
+
         def replica(side: str, *extra: str) -> Part:
             return Part(side, ["serve", *extra, *pinned, f"serve.port={ports[side]}", f"stream.replica_id={side}"],
-                        lambda _: http_ok(f"{urls[side]}/health"), 300, needs=())
+                        lambda _: http_ok(f"{urls[side]}/health"), ready_s, needs=())
 
         parts = [replica("online"), replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false")]
         models, plain = {}, None
         if opt.stack == "dvi":
             parts.append(replica("plain", "--no-draft", "serve.swap.enabled=false", "serve.log_decisions=false"))
-        parts.append(Part("train", ["train", f"model.drafter={store.default_root(cfg) / version}", f"trainer.run_dir={work / 'trainer'}",
-                                    *([f"trainer.cpu_bind={trainer_cores}"] if trainer_cores else [])],
-                          banner("dvi train:"), 300, needs=()))
+        parts.append(Part("train", ["train", *([f"model.drafter={store.default_root(cfg) / version}"] if version else []),
+                                    f"trainer.run_dir={work / 'trainer'}",
+                                    *([f"trainer.cpu_bind={trainer_cores}"] if trainer_cores else []),
+                                    # stopped while other sides answer: its consumer group must not expire meanwhile
+                                    *(["stream.session_timeout_ms=300000"] if opt.pause_trainer else [])],
+                          banner("dvi train:"), ready_s, needs=()))
         # each part names its drafter (the trainer the bootstrap version, the replicas the store's newest): a
         # model.drafter given to the run picks what the bootstrap distills, and must not override theirs
-        services = Supervisor(parts, [o for o in common if not o.startswith("model.drafter=")], work / "logs", say=say)
+        services = Supervisor(parts, [o for o in common if not o.startswith("model.drafter=")] if version else common,
+                              work / "logs", say=say)
+        hold = TrainerHold(services, "train") if opt.pause_trainer else None
         try:
-            if opt.stack == "vllm":  # the peer: plain vLLM's own server at the same dtype, compiled, no drafter
+            if opt.stack in ("vllm", "up"):  # the peer: plain vLLM's own server at the same dtype, compiled, no drafter
                 target_dir, _ = pair_dirs(cfg.model, False)
                 dtype = pick_dtype(cfg.model.dtype, "cpu").value
                 env, cmd = {**server_env(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, plain_vllm(target_dir, dtype)
@@ -570,14 +627,21 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
             services.start()
             say(f"drift: replaying {' -> '.join(opt.schedule)} ({', '.join(map(str, opt.budgets()))} online "
                 f"rounds) against {', '.join(urls.values())}")
-            samples = replay(urls, opt, say, tick=services.tick, models=models)
+            samples = replay(urls, opt, say, tick=services.tick, models=models,
+                             turn_of=(lambda side: hold.set(side != "online")) if hold else (lambda side: None))
         finally:
+            if hold:
+                say(f"drift: the trainer was stopped {hold.held_s:.0f} s of the replay (the frozen and target-only turns)")
+                hold.set(False)
             services.stop()
             if plain is not None:
                 plain.stop(grace_s=30)
-        summary = summarize(samples, opt.schedule, opt.window)
-        summary.update(bootstrap_version=version, options={k: str(v) for k, v in asdict(opt).items()})
-        (work / "samples.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
+        (work / "samples.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))  # kept, whatever follows
+        if opt.stack == "up":  # the shipped drafter covers the workload domains of its corpus; the headline's targets
+            summary = summarize(samples, opt.schedule, opt.window, UP_TARGETS.get(opt.batch, UP_TARGETS[8]), set(workloads.DOMAINS))
+        else:
+            summary = summarize(samples, opt.schedule, opt.window)
+        summary.update(bootstrap_version=version or "shipped", options={k: str(v) for k, v in asdict(opt).items()})
         (work / "summary.json").write_text(json.dumps(summary, indent=2))
         (work / "summary.md").write_text(table(summary) + "\n")
         plot(samples, summary, str(work / "drift.png"))
@@ -639,12 +703,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain-every", type=int, dest="plain_every", help="every n-th prompt also goes target-only (default 4)")
     p.add_argument("--window", type=int, help="rounds of the trailing acceptance window (default 300)")
     p.add_argument("--seed", type=int, help="workload shuffle seed (default 0)")
-    p.add_argument("--stack", choices=sorted(STACKS), help="what serves: dvi's engine (dvi, the default) or the default stack, "
-                   "vLLM's own server with dvi's loop, plain vLLM's own server as the target-only side (vllm)")
-    p.add_argument("--trainer-cores", dest="trainer_cores", help="the vllm stack: the trainer on these cores (a list "
+    p.add_argument("--stack", choices=sorted(STACKS), help="what serves: dvi's engine (dvi, the default), the default stack "
+                   "with the benchmark's drafter and trainer settings, vLLM's own server with dvi's loop, plain vLLM's own "
+                   "server as the target-only side (vllm), or the default stack as `dvi up` runs it, every setting its "
+                   "default and the shipped drafter the start (up)")
+    p.add_argument("--trainer-cores", dest="trainer_cores", help="the vllm and up stacks: the trainer on these cores (a list "
                    "such as 1 or 2-3), the three servers on the others (default: every part on every core)")
     p.add_argument("--serial", action="store_true", help="each prompt to the sides one after another, each timed "
-                   "alone (one prompt in flight; --concurrency is not used), not to all sides at once")
+                   "alone (--batch prompts in flight; --concurrency is not used), not to all sides at once")
+    p.add_argument("--batch", type=int, help="--serial: prompts sent to one side at once (default 1)")
+    p.add_argument("--pause-trainer", action="store_true", dest="pause_trainer", help="--serial: the trainer stopped "
+                   "while the frozen and target-only sides answer (each as it runs without a trainer beside it)")
     p.add_argument("--out", help="output directory (default outputs/drift-<time>)")
     p.add_argument("--quick", action="store_true", help="the CI-sized run: code -> prose, small budgets (minutes)")
     p.add_argument("overrides", nargs="*", help="Hydra config overrides, key=value (given to every part)")
@@ -654,7 +723,8 @@ def build_parser() -> argparse.ArgumentParser:
 def options_of(args: argparse.Namespace) -> Options:
     """The run's options: the defaults (or --quick's), then each option given."""
     opt = Options(**(QUICK if args.quick else {}))
-    for name in ("rounds", "first_rounds", "boot_prompts", "boot_steps", "max_tokens", "concurrency", "plain_every", "window", "seed"):
+    for name in ("rounds", "first_rounds", "boot_prompts", "boot_steps", "max_tokens", "concurrency", "plain_every", "window", "seed",
+                 "batch"):
         value = getattr(args, name)
         if value is not None:
             if value < (0 if name == "seed" else 1):
@@ -665,9 +735,12 @@ def options_of(args: argparse.Namespace) -> Options:
     if args.stack:
         opt.stack = args.stack
     opt.serial = bool(args.serial)
+    opt.pause_trainer = bool(args.pause_trainer)
+    if (opt.pause_trainer or opt.batch != 1) and not opt.serial:
+        raise DviError("--batch and --pause-trainer: with --serial (without it every side is asked at once)")
     if args.trainer_cores:
-        if opt.stack != "vllm":
-            raise DviError("--trainer-cores: with --stack vllm (its servers are pinned by serve.vllm.cpu_bind)")
+        if opt.stack not in ("vllm", "up"):
+            raise DviError("--trainer-cores: with --stack vllm or up (their servers are pinned by serve.vllm.cpu_bind)")
         split_cores(bound_cores("auto"), args.trainer_cores)  # checked before anything starts
         opt.trainer_cores = args.trainer_cores
     opt.out = Path(args.out) if args.out else Path("outputs") / f"drift-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -137,7 +137,7 @@ def test_the_stack_picks_the_experiment_config_and_plain_vllms_answers_are_targe
         drift.sample_of(plain, 0.5, slot=3, phase=1, domain="prose", side="frozen", t=1.0)
 
 
-def test_the_serial_replay_turns_the_order_of_the_sides_and_the_trainer_cores_need_the_vllm_stack(capsys):
+def test_the_serial_replay_turns_the_order_of_the_sides_and_the_trainer_cores_need_a_vllm_stack(capsys):
     assert [drift.turn(["online", "frozen", "plain"], i) for i in range(4)] == [
         ["online", "frozen", "plain"], ["frozen", "plain", "online"], ["plain", "online", "frozen"], ["online", "frozen", "plain"]]
     assert drift.turn(["online", "frozen"], 3) == ["frozen", "online"] and drift.turn([], 5) == []
@@ -145,4 +145,84 @@ def test_the_serial_replay_turns_the_order_of_the_sides_and_the_trainer_cores_ne
     assert opt.serial and opt.trainer_cores is None
     assert not drift.options_of(drift.build_parser().parse_args([])).serial
     assert drift.main(["--trainer-cores", "0"]) == 2  # dvi's engine: nothing to pin its servers with
-    assert "--trainer-cores: with --stack vllm" in capsys.readouterr().err
+    assert "--trainer-cores: with --stack vllm or up" in capsys.readouterr().err
+
+
+def test_the_up_stacks_targets_judge_every_phase_against_target_only_and_uncovered_ones_against_frozen():
+    rows, slot = [], 0
+    plan = [("code", 36, 36), ("math", 30, 8), ("code", 35, 36)]  # (domain, online accepted, frozen accepted) of 40 drafted
+    for phase, (domain, online, frozen) in enumerate(plan):
+        for _ in range(3):
+            rows.append(s(slot, phase=phase, domain=domain, accepted=online, tokens=30, seconds=1.0))
+            rows.append(s(slot, "frozen", phase=phase, domain=domain, accepted=frozen, tokens=30, seconds=1.2))
+            rows.append(s(slot, "plain", phase=phase, domain=domain, accepted=0, k=0, version=None, tokens=30, seconds=1.1))
+            slot += 1
+    summary = drift.summarize(rows, ["code", "math", "code"], window=20, targets=drift.UP_TARGETS[1],
+                              covered={"code", "prose", "qa", "markdown"})
+    names = [c["target"] for c in summary["targets"]]
+    assert [n.split(":")[0] for n in names] == ["phase 0 (code)", "phase 1 (math)", "phase 1 (math)", "phase 1 (math)",
+                                                "phase 1 (math)", "phase 2 (code)", "phase 2 (code)", "phase 2 (code again)"]
+    assert "online / target-only >= 1.25" in names[0] and "online - frozen >= 0.1" in names[2]
+    by = {n: c for n, c in zip(names, summary["targets"])}
+    gain = by["phase 1 (math): acceptance online - frozen >= 0.1 (last third)"]
+    assert gain["measured"] == pytest.approx((30 - 8) / 40) and gain["ok"]
+    assert not summary["targets"][0]["ok"] and summary["targets"][0]["measured"] == pytest.approx(1.1)  # 1.1x < 1.25x
+    batch8 = drift.summarize(rows, ["code", "math", "code"], window=20, targets=drift.UP_TARGETS[8],
+                             covered={"code", "prose", "qa", "markdown"})
+    assert batch8["targets"][0]["ok"]  # 1.1x >= 1.0x
+
+
+def test_the_serial_replay_sends_a_sides_batch_together_and_calls_turn_of_before_each_turn(monkeypatch):
+    events = []
+
+    def ask(base, prompt, max_tokens, model=None):
+        events.append(("ask", base, prompt.text))
+        stats = {"rounds": 10, "drafted": 20, "accepted": 10}
+        return {"usage": {"completion_tokens": 16}, **({} if model else {"dvi": {"stats": stats}})}, 0.5
+
+    monkeypatch.setattr(drift, "ask", ask)
+    opt = drift.Options(schedule=["code", "math"], rounds=40, serial=True, batch=3, plain_every=2)
+    urls = {"online": "o", "frozen": "f", "plain": "p"}
+    samples = drift.replay(urls, opt, say=lambda _: None, models={"plain": "m"},
+                           turn_of=lambda side: events.append(("turn", side)))
+    turns = [e[1] for e in events if e[0] == "turn"]
+    # per phase two groups of three prompts (40 online rounds: 10 a request); the order turns; plain every 2nd group
+    assert turns == ["online", "frozen", "plain", "frozen", "online", "plain", "online", "frozen", "frozen", "online"]
+    first = events[: 4 * 3]
+    assert [e[0] for e in first] == ["turn", "ask", "ask", "ask"] * 3 and {e[1] for e in first[1:4]} == {"o"}
+    assert {e[2] for e in first[1:4]} == {e[2] for e in first[5:8]} == {e[2] for e in first[9:12]}  # the same batch
+    assert sorted({x.slot for x in samples if x.side == "plain"}) == [0, 1, 2, 6, 7, 8]
+    assert len([x for x in samples if x.side == "online"]) == 12 and {x.domain for x in samples if x.phase == 1} == {"math"}
+
+
+def test_the_trainer_hold_stops_and_continues_the_trainers_process_group(tmp_path):
+    from types import SimpleNamespace
+
+    from dvi.procs import spawn
+
+    def state(pid):
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+    child = spawn("train", [drift.sys.executable, "-c", "import time; time.sleep(60)"], log_path=tmp_path / "t.log")
+    try:
+        hold = drift.TrainerHold(SimpleNamespace(children={"train": child}), "train")
+        hold.set(True)
+        drift.time.sleep(0.2)
+        assert state(child.pid) == "T"
+        hold.set(True)  # already stopped: nothing more
+        hold.set(False)
+        drift.time.sleep(0.2)
+        assert state(child.pid) == "S" and hold.held_s > 0.1 and hold.since is None
+    finally:
+        hold.set(False)
+        child.stop(grace_s=5)
+
+
+def test_batch_and_pause_need_the_serial_replay_and_the_up_stack_runs_no_experiment(capsys):
+    opt = drift.options_of(drift.build_parser().parse_args(["--stack", "up", "--serial", "--batch", "8", "--pause-trainer",
+                                                            "--trainer-cores", "1", "--domains", "code,math"]))
+    assert (opt.stack, opt.batch, opt.pause_trainer, opt.schedule) == ("up", 8, True, ["code", "math"])
+    assert drift.STACKS["up"] is None
+    for bad in (["--batch", "8"], ["--pause-trainer"]):
+        assert drift.main(bad) == 2
+        assert "with --serial" in capsys.readouterr().err

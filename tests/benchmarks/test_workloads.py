@@ -1,14 +1,15 @@
-"""Workloads: four domains of real offline text, deterministic from a seed, disjoint splits, tagged bodies."""
+"""Workloads: four domains of real offline text and one the bootstrap corpus lacks, deterministic from a seed, disjoint splits, tagged bodies."""
 
 from __future__ import annotations
 
 import pytest
 
 from benchmarks import workloads
+from dvi import corpus
 from dvi.errors import DviError
 
 
-@pytest.mark.parametrize("domain", workloads.DOMAINS)
+@pytest.mark.parametrize("domain", workloads.ALL_DOMAINS)
 def test_each_domain_is_deterministic_and_its_splits_are_disjoint(domain):
     splits = {name: workloads.prompts(domain, name, seed=3) for name in workloads.SPLITS}
     assert splits["live"] == workloads.prompts(domain, "live", seed=3)  # same seed, same list
@@ -27,6 +28,15 @@ def test_domains_differ_in_kind_and_bodies_carry_the_domain_tag():
     assert code.path == "/v1/completions" and qa.path == "/v1/chat/completions"
     assert code.body(32) == {"prompt": code.text, "max_tokens": 32, "temperature": 0, "dvi": {"domain": "code"}}
     assert qa.body(16)["messages"] == [{"role": "user", "content": qa.text}] and qa.body(16)["dvi"] == {"domain": "qa"}
+
+
+def test_math_is_outside_the_bootstrap_corpus_and_its_problems_make_sense():
+    assert "math" in workloads.UNCOVERED and "math" not in corpus.DOMAINS and set(workloads.DOMAINS) == set(corpus.DOMAINS)
+    pencils = [p for p in workloads.prompts("math") if "pencils" in p.text]
+    assert pencils and all(p.chat and p.text.endswith("Solve it step by step.") for p in workloads.prompts("math"))
+    for p in pencils:  # never more given away than bought
+        boxes, per_box, given = (int(w) for w in p.text.split() if w.isdigit())
+        assert 0 < given < boxes * per_box
 
 
 def test_code_prompts_end_where_the_function_body_begins():
