@@ -43,8 +43,6 @@ import argparse
 import concurrent.futures
 import json
 import logging
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -61,7 +59,7 @@ from benchmarks import workloads
 from benchmarks.bench_vllm import Server, plain_vllm, server_env
 from dvi import store
 from dvi.alloc import limit_arenas
-from dvi.cli.up import Part, Supervisor, banner, plan
+from dvi.cli.up import Hold, Part, Supervisor, banner, plan
 from dvi.config import flat_params, load_config, overrides_of
 from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Request
@@ -470,10 +468,10 @@ def distill_result(stdout: str, log_file: Path) -> dict:
 
 
 def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None, models: dict[str, str] | None = None,
-           turn_of=lambda side: None) -> list[Sample]:
-    """The schedule through the replicas' HTTP APIs (see the module docstring); every answer becomes a Sample.
-    `models`: the sides that are plain vLLM's server, and the model each serves; `turn_of(side)`: called, in the
-    serial replay, before each side's turn."""
+           turn_of=lambda side: None, keep=lambda sample: None) -> list[Sample]:
+    """The schedule through the replicas' HTTP APIs (see the module docstring); every answer becomes a Sample, handed
+    to `keep` as it comes. `models`: the sides that are plain vLLM's server, and the model each serves; `turn_of(side)`:
+    called, in the serial replay, before each side's turn."""
     models = models or {}
     streams = {d: workloads.cycle(workloads.prompts(d, "live", opt.seed)) for d in set(opt.schedule)}  # A again: fresh prompts
     samples: list[Sample] = []
@@ -503,14 +501,15 @@ def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None, models: d
                 for s, side, fut in asks:
                     try:
                         answer, seconds = fut.result()
-                    except DviError as e:
+                        sample = sample_of(answer, seconds, slot=s, phase=phase, domain=domain, side=side, t=time.monotonic() - t0)
+                    except DviError as e:  # a failed request, or an answer without its counts: counted, not a sample
                         errors += 1
                         log.warning("slot %d, %s: %s", s, side, e)
                         if errors > 20:
                             raise DviError(f"more than 20 requests failed; the last: {e}") from e
                         continue
-                    sample = sample_of(answer, seconds, slot=s, phase=phase, domain=domain, side=side, t=time.monotonic() - t0)
                     samples.append(sample)
+                    keep(sample)
                     if side == "online":
                         done_rounds += sample.rounds
                         bar.update(sample.rounds)
@@ -530,31 +529,6 @@ def turn(sides: list[str], slot: int) -> list[str]:
     always goes first (a server just idle, or just after another's burst, can decode faster or slower)."""
     k = slot % len(sides) if sides else 0
     return sides[k:] + sides[:k]
-
-
-class TrainerHold:
-    """Stops a supervised trainer (SIGSTOP to its process group) and lets it go on (SIGCONT): the serial replay
-    times the frozen and target-only sides as they run without a trainer beside them, and the online side with its
-    trainer, as `dvi up` runs it. `held_s`: how long it was stopped."""
-
-    def __init__(self, services: Supervisor, name: str):
-        self.services, self.name = services, name
-        self.since: float | None = None
-        self.held_s = 0.0
-
-    def set(self, stopped: bool) -> None:
-        child = self.services.children.get(self.name)
-        if child is None or not child.running or stopped == (self.since is not None):
-            return
-        try:
-            os.killpg(child.pid, signal.SIGSTOP if stopped else signal.SIGCONT)  # spawn: its own session and group
-        except ProcessLookupError:
-            return
-        if stopped:
-            self.since = time.monotonic()
-        else:
-            self.held_s += time.monotonic() - self.since
-            self.since = None
 
 
 def run(overrides: list[str], opt: Options, say=print) -> dict:
@@ -612,7 +586,7 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
         # model.drafter given to the run picks what the bootstrap distills, and must not override theirs
         services = Supervisor(parts, [o for o in common if not o.startswith("model.drafter=")] if version else common,
                               work / "logs", say=say)
-        hold = TrainerHold(services, "train") if opt.pause_trainer else None
+        hold = Hold(services, "train") if opt.pause_trainer else None
         try:
             if opt.stack in ("vllm", "up"):  # the peer: plain vLLM's own server at the same dtype, compiled, no drafter
                 target_dir, _ = pair_dirs(cfg.model, False)
@@ -627,8 +601,10 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
             services.start()
             say(f"drift: replaying {' -> '.join(opt.schedule)} ({', '.join(map(str, opt.budgets()))} online "
                 f"rounds) against {', '.join(urls.values())}")
-            samples = replay(urls, opt, say, tick=services.tick, models=models,
-                             turn_of=(lambda side: hold.set(side != "online")) if hold else (lambda side: None))
+            with (work / "samples.jsonl").open("w") as kept:  # each sample as it comes: a run that fails keeps what it had
+                samples = replay(urls, opt, say, tick=services.tick, models=models,
+                                 turn_of=(lambda side: hold.set(side != "online")) if hold else (lambda side: None),
+                                 keep=lambda sample: (kept.write(json.dumps(asdict(sample)) + "\n"), kept.flush()))
         finally:
             if hold:
                 say(f"drift: the trainer was stopped {hold.held_s:.0f} s of the replay (the frozen and target-only turns)")
@@ -636,7 +612,6 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
             services.stop()
             if plain is not None:
                 plain.stop(grace_s=30)
-        (work / "samples.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))  # kept, whatever follows
         if opt.stack == "up":  # the shipped drafter covers the workload domains of its corpus; the headline's targets
             summary = summarize(samples, opt.schedule, opt.window, UP_TARGETS.get(opt.batch, UP_TARGETS[8]), set(workloads.DOMAINS))
         else:

@@ -12,6 +12,7 @@ same prompt, and the medians are reported per policy and phase, beside the train
 - `normal`: the trainer on every core at normal priority (`trainer.cpu_priority=normal`);
 - `nice`: every core, nice 19 (`trainer.cpu_priority=nice`);
 - `idle`: every core, Linux's SCHED_IDLE (`trainer.cpu_priority=idle`): only CPU time no other process wants;
+- `pause`: every core, stopped while the server has a request in flight (`trainer.cpu_priority=pause`);
 - `own core`: the trainer on the last core, the replica's engine on the others (`trainer.cpu_bind`,
   `serve.vllm.cpu_bind`), normal priority;
 - `no trainer`: `dvi up --no-train` (what serving alone gives: the floor every policy's latency is held to).
@@ -38,7 +39,7 @@ def policies(cores: frozenset[int]) -> dict[str, tuple[list[str], list[str]]]:
     last = max(cores)
     own = ([], [f"trainer.cpu_bind={last}", f"serve.vllm.cpu_bind={core_list(cores - {last})}", "trainer.cpu_priority=normal"])
     return {"normal": ([], ["trainer.cpu_priority=normal"]), "nice": ([], ["trainer.cpu_priority=nice"]),
-            "idle": ([], ["trainer.cpu_priority=idle"]), "own core": own, "no trainer": (["--no-train"], [])}
+            "idle": ([], ["trainer.cpu_priority=idle"]), "pause": ([], ["trainer.cpu_priority=pause"]), "own core": own, "no trainer": (["--no-train"], [])}
 
 
 def main(argv: list[str] | None = None) -> int:

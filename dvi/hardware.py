@@ -15,7 +15,8 @@
   process, caught on the other replica's busy pinned core in that visit, did not run again for minutes.
 
 - `trainer.cpu_priority` puts the online trainer (and every thread it starts) at nice 19 or SCHED_IDLE
-  (`lower_cpu_priority`), for a machine it shares with serving.
+  (`lower_cpu_priority`), for a machine it shares with serving; `pause` leaves its priority, and `dvi up` stops it
+  while the server has a request in flight (`dvi.cli.up.HoldWhileBusy`).
 
 Each answer comes with the reason, for `dvi config show` and the start-up banners. This module imports neither torch
 nor vLLM unless it must (a CPU's flags are read from /proc/cpuinfo where there is one), so a light command can ask.
@@ -135,13 +136,14 @@ def pick_precision(name: str, device_type: str) -> Pick:
     return _by_bf16(name, "trainer.precision", device_type, "bf16", "bf16-mixed", "fp32")
 
 
-CPU_PRIORITIES = ("normal", "nice", "idle")  # trainer.cpu_priority's values
+CPU_PRIORITIES = ("normal", "nice", "idle", "pause")  # trainer.cpu_priority's values
 
 
 def lower_cpu_priority(priority: str) -> None:
     """This thread, and every thread and process it starts from here on, at CPU `priority`: normal leaves it as it is,
     nice is nice 19 (the least share of the CPU a normal process gets), idle is Linux's SCHED_IDLE (runs only when no
-    other process wants the core); `priority` is one of CPU_PRIORITIES (TrainerConfig checks it). Call it before torch
+    other process wants the core), pause leaves it too (`dvi up` stops the process while serving answers); `priority` is
+    one of CPU_PRIORITIES (TrainerConfig checks it). Call it before torch
     starts its threads: threads started earlier keep theirs."""
     if priority == "nice":
         os.setpriority(os.PRIO_PROCESS, 0, 19)  # on Linux a thread's own: the calling one, inherited by those it starts

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from dvi.busy import ENV as BUSY_ENV
+from dvi.busy import busy
 from dvi.cli.output import ERROR_PREFIX, out
 from dvi.config import TrainerConfig, cache_dir, load_config, overrides_of
 from dvi.errors import DviError
@@ -52,6 +54,7 @@ FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # a run that lasted this long was healthy: the next crash starts the backoff over
 READY_LINE = "Ctrl-C stops everything"  # in the banner once every part is ready (`--detach` waits for it)
+PAUSED_SESSION_MS = 300_000  # a trainer stopped while serving answers: its consumer group's session timeout
 WAIT_SAY_S = 5.0  # while a part starts, say what is awaited this often
 DECISION_MARK = " dvi.decision."  # the loggers whose lines `dvi up` relays (see dvi.cli.setup_logging)
 
@@ -98,7 +101,11 @@ def plan(cfg, only: set[str] | None = None, train: bool = True) -> list[Part]:
     # serve and train start together once the broker and MLflow are ready (each starts on one core at first: imports)
     parts.append(Part("serve", ["serve"], lambda _: http_ok(f"{serve_url}/health"), 900, needs=INFRA))
     if train:
-        parts.append(Part("train", ["train"], banner("dvi train:"), 300, needs=INFRA))
+        # stopped while serving answers (trainer.cpu_priority=pause): minutes at a time, as long as requests come back to
+        # back; its consumer group must not drop it meanwhile, nor make it rejoin in every gap between requests
+        paused = [f"stream.session_timeout_ms={max(PAUSED_SESSION_MS, cfg.stream.session_timeout_ms)}"] \
+            if cfg.trainer.cpu_priority == "pause" else []
+        parts.append(Part("train", ["train", *paused], banner("dvi train:"), 300, needs=INFRA))
     return [p for p in parts if only is None or p.name in only]
 
 
@@ -219,6 +226,10 @@ class Supervisor:
                     del self._starting[name]
                     self.say(f"dvi up: {name} not ready {part.ready_timeout_s:.0f} s after its restart; stopping it")
                     child.stop()
+
+    def restarting(self, name: str) -> bool:
+        """Whether part `name` was restarted and is not ready yet."""
+        return name in self._starting
 
     def stop(self) -> None:
         for part in reversed(self.parts):
@@ -378,11 +389,69 @@ class PairPrep:
             self.proc.wait()
 
 
+class Hold:
+    """Stops a supervised part (SIGSTOP to its process group) and lets it go on (SIGCONT). `held_s`: how long it was
+    stopped in all. A launch that replaced the stopped one (a restart) runs, and is not stopped until it is ready."""
+
+    def __init__(self, supervisor: Supervisor, name: str):
+        self.supervisor, self.name = supervisor, name
+        self.held_pid: int | None = None  # the launch stopped now
+        self.since = 0.0
+        self.held_s = 0.0
+        self._lock = threading.Lock()
+
+    def set(self, stopped: bool) -> None:
+        with self._lock:
+            child = self.supervisor.children.get(self.name)
+            if (stopped and child is not None and child.running and self.held_pid != child.pid
+                    and not self.supervisor.restarting(self.name)):
+                self._release()
+                if _signal(child.pid, signal.SIGSTOP):  # spawn: its own session and process group
+                    self.held_pid, self.since = child.pid, time.monotonic()
+            elif not stopped:
+                self._release()
+
+    def _release(self) -> None:
+        if self.held_pid is not None:
+            _signal(self.held_pid, signal.SIGCONT)
+            self.held_s += time.monotonic() - self.since
+            self.held_pid = None
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class HoldWhileBusy(threading.Thread):
+    """Keeps `hold` stopped while serving has a request in flight (`dvi.busy` files in `directory`), looking every
+    `every_s`; `close()` ends the watch and lets the part go on."""
+
+    def __init__(self, hold: Hold, directory: Path, every_s: float = 0.02):
+        super().__init__(name="dvi-hold-while-busy", daemon=True)
+        self.hold, self.directory, self.every_s = hold, directory, every_s
+        self._closed = threading.Event()
+
+    def run(self) -> None:
+        while not self._closed.wait(self.every_s):
+            self.hold.set(busy(self.directory))
+
+    def close(self) -> None:
+        self._closed.set()
+        if self.is_alive():
+            self.join(timeout=5)
+        self.hold.set(False)
+
+
 def train_share(trainer: TrainerConfig) -> str:
     """How the trainer shares the machine with serving, for the banner: its cores and CPU priority, and why."""
     cores = "every core" if trainer.cpu_bind == "auto" else f"cores {trainer.cpu_bind} (trainer.cpu_bind)"
-    why = {"normal": "neither nice nor idle kept it from slowing requests on 2 cores: benchmarks.sharing",
-           "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves"}[trainer.cpu_priority]
+    why = {"normal": "every core, all the time", "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves",
+           "pause": "stopped while the server has a request in flight: requests never share the CPU with training; "
+                    "it trains between them (benchmarks.sharing)"}[trainer.cpu_priority]
     return f"{cores}, CPU priority {trainer.cpu_priority} (trainer.cpu_priority; {why})"
 
 
@@ -399,7 +468,12 @@ def up(args: argparse.Namespace) -> int:
     if args.detach:
         return detach(args, cache)
     os.environ[REGISTRY_ENV] = str(children_dir(cache))  # every process the stack spawns, recorded until stopped
+    names = {p.name for p in parts}
+    pausing = cfg.trainer.cpu_priority == "pause" and {"serve", "train"} <= names
+    if pausing:  # the server says in files there whether it has a request in flight; the trainer is stopped while it has
+        os.environ[BUSY_ENV] = str(cache / "busy")
     supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: out(line, flush=True))
+    watch = HoldWhileBusy(Hold(supervisor, "train"), cache / "busy") if pausing else None
     pid_path = pid_file(cache)
     pid_path.parent.mkdir(parents=True, exist_ok=True)
     pid_path.write_text(f"{os.getpid()} {start_time(os.getpid())}\n")
@@ -410,7 +484,8 @@ def up(args: argparse.Namespace) -> int:
                 out("dvi up: preparing the model pair (a first run fetches and converts it: minutes)", flush=True)
                 prep = PairPrep(overrides, verbose=args.verbose, say=lambda line: out(line, flush=True))
             supervisor.start(held=lambda part: part.name in PAIR_PARTS and not prep.done())
-            names = {p.name for p in parts}
+            if watch:
+                watch.start()
             lines = ["dvi up: running " + ", ".join(p.name for p in parts) + f"; {READY_LINE}"]
             if "serve" in names:
                 views = ("vLLM's server; the loop's health, metrics: /dvi/health, /dvi/metrics"
@@ -435,6 +510,8 @@ def up(args: argparse.Namespace) -> int:
         finally:
             if prep is not None:
                 prep.stop()
+            if watch:
+                watch.close()  # before the parts stop: a stopped trainer would not hear them
             supervisor.stop()
             if running_pid(cache) == os.getpid():
                 pid_path.unlink(missing_ok=True)

@@ -54,6 +54,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.datastructures import Headers
 
+from dvi.busy import BusyFile
 from dvi.engine_api import LogProb, Result, TokenHook
 from dvi.engine_api import Request as EngineRequest  # FastAPI's Request is the HTTP one
 from dvi.errors import DviError
@@ -373,12 +374,14 @@ def refusal(replica: Replica, key: str | None, origins: frozenset[str], scope) -
 
 
 class ClientSlots:
-    """The requests each client (its API key, else its address) has in flight, at most `cap` (0: no cap). Touched on
+    """The requests each client (its API key, else its address) has in flight, at most `cap` (0: no cap); `busy`,
+    where given, says whether any is (`dvi.busy`: how `dvi up` holds its trainer while serving answers). Touched on
     the event loop only."""
 
-    def __init__(self, cap: int):
+    def __init__(self, cap: int, busy: BusyFile | None = None):
         self.cap = cap
         self.inflight: Counter[str] = Counter()
+        self.busy = busy
 
     def take(self, client: str) -> Callable[[], None]:
         """A slot for `client` (ApiError 429 when it has `cap` in flight already), and the function that frees it:
@@ -388,6 +391,8 @@ class ClientSlots:
                                 f"(serve.max_inflight_per_client={self.cap}); retry when one has finished",
                            kind="rate_limit_error")
         self.inflight[client] += 1
+        if self.busy:
+            self.busy.set(True)
         released = False
 
         def release() -> None:
@@ -397,6 +402,8 @@ class ClientSlots:
                 self.inflight[client] -= 1
                 if not self.inflight[client]:
                     del self.inflight[client]
+                if self.busy and not self.inflight:
+                    self.busy.set(False)
 
         return release
 
@@ -406,7 +413,7 @@ def create_app(replica: Replica) -> Any:
 
     app = FastAPI(title="dvi", version="1", docs_url=None, redoc_url=None)
     key = replica.api_key
-    slots = ClientSlots(replica.cfg.serve.max_inflight_per_client)
+    slots = ClientSlots(replica.cfg.serve.max_inflight_per_client, BusyFile.from_env())
     app.add_middleware(_Guard, refusal=functools.partial(refusal, replica, key, frozenset(replica.cfg.serve.allowed_origins)))
 
     @app.exception_handler(ApiError)

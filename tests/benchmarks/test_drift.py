@@ -195,29 +195,6 @@ def test_the_serial_replay_sends_a_sides_batch_together_and_calls_turn_of_before
     assert len([x for x in samples if x.side == "online"]) == 12 and {x.domain for x in samples if x.phase == 1} == {"math"}
 
 
-def test_the_trainer_hold_stops_and_continues_the_trainers_process_group(tmp_path):
-    from types import SimpleNamespace
-
-    from dvi.procs import spawn
-
-    def state(pid):
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-
-    child = spawn("train", [drift.sys.executable, "-c", "import time; time.sleep(60)"], log_path=tmp_path / "t.log")
-    try:
-        hold = drift.TrainerHold(SimpleNamespace(children={"train": child}), "train")
-        hold.set(True)
-        drift.time.sleep(0.2)
-        assert state(child.pid) == "T"
-        hold.set(True)  # already stopped: nothing more
-        hold.set(False)
-        drift.time.sleep(0.2)
-        assert state(child.pid) == "S" and hold.held_s > 0.1 and hold.since is None
-    finally:
-        hold.set(False)
-        child.stop(grace_s=5)
-
-
 def test_batch_and_pause_need_the_serial_replay_and_the_up_stack_runs_no_experiment(capsys):
     opt = drift.options_of(drift.build_parser().parse_args(["--stack", "up", "--serial", "--batch", "8", "--pause-trainer",
                                                             "--trainer-cores", "1", "--domains", "code,math"]))

@@ -28,6 +28,7 @@ import urllib.error
 import urllib.parse
 from collections.abc import Callable
 
+from dvi.busy import BusyFile
 from dvi.serving.api import ApiError, ClientSlots, domain_tag
 from dvi.serving.openai_shapes import extension
 from dvi.cli.vllm.engine import DOMAIN_ARG
@@ -106,7 +107,7 @@ class DviRequests:
     def __init__(self, app, fields: Callable[[str], list[dict]] | None = None, cap: int = 0, keyed: bool = False):
         self.app = app
         self.fields = fields
-        self.slots = ClientSlots(cap)
+        self.slots = ClientSlots(cap, BusyFile.from_env())
         self.keyed = keyed
 
     async def __call__(self, scope, receive, send):

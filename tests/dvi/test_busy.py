@@ -1,0 +1,90 @@
+"""The busy files by which serving says it has requests in flight, and `dvi up`'s hold on its trainer while it has."""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from dvi import busy
+from dvi.cli.up import Hold, HoldWhileBusy
+from dvi.procs import spawn
+from dvi.serving.api import ApiError, ClientSlots
+
+
+def test_a_busy_file_says_whether_its_process_has_requests_in_flight(tmp_path):
+    assert not busy.busy(tmp_path / "none")  # no directory: nobody is busy
+    mine = busy.BusyFile(tmp_path / "b")
+    assert mine.path.name.endswith(".busy") and mine.path.read_bytes() == b"0" and not busy.busy(tmp_path / "b")
+    mine.set(True)
+    assert busy.busy(tmp_path / "b")
+    mine.set(False)
+    assert not busy.busy(tmp_path / "b")
+    # a process that is gone (its pid taken by nobody) and files of other names never count
+    (tmp_path / "b" / "999999999.busy").write_bytes(b"1")
+    (tmp_path / "b" / "notes.busy").write_bytes(b"1")
+    (tmp_path / "b" / "1.txt").write_bytes(b"1")
+    assert not busy.busy(tmp_path / "b")
+
+
+def test_client_slots_mark_the_process_busy_while_any_client_has_a_request(tmp_path, monkeypatch):
+    monkeypatch.setenv(busy.ENV, str(tmp_path))
+    slots = ClientSlots(1, busy.BusyFile.from_env())
+    first = slots.take("a")
+    second = slots.take("b")
+    assert busy.busy(tmp_path)
+    with pytest.raises(ApiError):  # refused: nothing changes
+        slots.take("a")
+    first()
+    first()  # once, however often
+    assert busy.busy(tmp_path)
+    second()
+    assert not busy.busy(tmp_path) and not slots.inflight
+    monkeypatch.delenv(busy.ENV)
+    assert busy.BusyFile.from_env() is None and ClientSlots(0).busy is None
+
+
+def state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def wait_for(pid: int, want: str, timeout_s: float = 5.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (got := state(pid)) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
+
+
+def test_the_trainer_is_stopped_while_serving_is_busy_and_goes_on_after(tmp_path):
+    child = spawn("train", [sys.executable, "-c", "import time; time.sleep(120)"], log_path=tmp_path / "train.log")
+    supervisor = SimpleNamespace(children={"train": child}, restarting=lambda name: False)
+    serving = busy.BusyFile(tmp_path / "busy")
+    watch = HoldWhileBusy(Hold(supervisor, "train"), tmp_path / "busy", every_s=0.01)
+    watch.start()
+    try:
+        assert wait_for(child.pid, "S") == "S"  # not busy: it runs (asleep in its own sleep)
+        serving.set(True)
+        assert wait_for(child.pid, "T") == "T"  # stopped
+        serving.set(False)
+        assert wait_for(child.pid, "S") == "S"
+        serving.set(True)
+        assert wait_for(child.pid, "T") == "T"
+        watch.close()  # the watch ends with the part going on, busy or not
+        assert wait_for(child.pid, "S") == "S" and watch.hold.held_s > 0 and watch.hold.held_pid is None
+        # a new launch (a restart) is stopped on its own; the old one is not signalled again
+        hold = Hold(supervisor, "train")
+        hold.set(True)
+        assert wait_for(child.pid, "T") == "T"
+        hold.set(True)
+        hold.set(False)
+        assert wait_for(child.pid, "S") == "S"
+        starting = Hold(SimpleNamespace(children={"train": child}, restarting=lambda name: True), "train")
+        starting.set(True)  # a restarted launch not ready yet: left to start
+        time.sleep(0.1)
+        assert state(child.pid) == "S" and starting.held_pid is None
+    finally:
+        watch.close()
+        child.stop(grace_s=5)
