@@ -483,8 +483,12 @@ class TrainerConfig:
     # replicas takes whatever cores they leave it: give each its own (serve.vllm.cpu_bind for the replicas)
     cpu_bind: str = "auto"
     # the trainer's CPU priority beside serving on the same machine (dvi.hardware.lower_cpu_priority): normal, nice
-    # (nice 19) or idle (SCHED_IDLE: only CPU time no other process wants). On a 2-core CPU neither nice nor idle kept
-    # the trainer from slowing requests (benchmarks.sharing), so the default is normal
+    # (nice 19), idle (SCHED_IDLE: only CPU time no other process wants) or pause (normal, and `dvi up` stops it while
+    # the server has a request in flight: dvi.cli.up.HoldWhileBusy). On a 2-core CPU neither nice nor idle kept the
+    # trainer from slowing requests; paused, requests back to back took 0.87x plain vLLM's latency where at normal
+    # priority they took 1.43x, and paced ones 0.81x with the trainer training as fast as at normal priority
+    # (benchmarks.sharing); but under back-to-back traffic a paused trainer trains nothing and the loop never adapts,
+    # so the default stays normal
     cpu_priority: str = "normal"
 
     def __post_init__(self) -> None:

@@ -54,7 +54,10 @@ FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # a run that lasted this long was healthy: the next crash starts the backoff over
 READY_LINE = "Ctrl-C stops everything"  # in the banner once every part is ready (`--detach` waits for it)
-PAUSED_SESSION_MS = 300_000  # a trainer stopped while serving answers: its consumer group's session timeout
+# a trainer stopped while serving answers: its consumer group's session timeout. Longer than a request, so that a
+# stop does not drop it from its group; not much longer, for a group join takes about half of it, of time the trainer
+# runs (300 s: under paced load it had not joined after 5 minutes, and trained nothing)
+PAUSED_SESSION_MS = 20_000
 WAIT_SAY_S = 5.0  # while a part starts, say what is awaited this often
 DECISION_MARK = " dvi.decision."  # the loggers whose lines `dvi up` relays (see dvi.cli.setup_logging)
 
@@ -101,8 +104,8 @@ def plan(cfg, only: set[str] | None = None, train: bool = True) -> list[Part]:
     # serve and train start together once the broker and MLflow are ready (each starts on one core at first: imports)
     parts.append(Part("serve", ["serve"], lambda _: http_ok(f"{serve_url}/health"), 900, needs=INFRA))
     if train:
-        # stopped while serving answers (trainer.cpu_priority=pause): minutes at a time, as long as requests come back to
-        # back; its consumer group must not drop it meanwhile, nor make it rejoin in every gap between requests
+        # stopped while serving answers (trainer.cpu_priority=pause): a request's time at a time, minutes while requests
+        # come back to back; its consumer group keeps it over a request's stop (PAUSED_SESSION_MS)
         paused = [f"stream.session_timeout_ms={max(PAUSED_SESSION_MS, cfg.stream.session_timeout_ms)}"] \
             if cfg.trainer.cpu_priority == "pause" else []
         parts.append(Part("train", ["train", *paused], banner("dvi train:"), 300, needs=INFRA))
@@ -449,7 +452,7 @@ class HoldWhileBusy(threading.Thread):
 def train_share(trainer: TrainerConfig) -> str:
     """How the trainer shares the machine with serving, for the banner: its cores and CPU priority, and why."""
     cores = "every core" if trainer.cpu_bind == "auto" else f"cores {trainer.cpu_bind} (trainer.cpu_bind)"
-    why = {"normal": "every core, all the time", "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves",
+    why = {"normal": "running beside requests too; pause: stopped while one is in flight", "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves",
            "pause": "stopped while the server has a request in flight: requests never share the CPU with training; "
                     "it trains between them (benchmarks.sharing)"}[trainer.cpu_priority]
     return f"{cores}, CPU priority {trainer.cpu_priority} (trainer.cpu_priority; {why})"

@@ -88,3 +88,15 @@ def test_the_trainer_is_stopped_while_serving_is_busy_and_goes_on_after(tmp_path
     finally:
         watch.close()
         child.stop(grace_s=5)
+
+
+def test_a_paused_trainer_keeps_its_consumer_group_over_a_requests_stop():
+    from dvi.cli.up import PAUSED_SESSION_MS, plan
+    from dvi.config import load_config
+
+    def train_args(*overrides):
+        return next(p.args for p in plan(load_config(list(overrides))) if p.name == "train")
+
+    assert train_args("trainer.cpu_priority=pause") == ["train", f"stream.session_timeout_ms={PAUSED_SESSION_MS}"]
+    assert train_args("trainer.cpu_priority=pause", "stream.session_timeout_ms=60000") == ["train", "stream.session_timeout_ms=60000"]
+    assert train_args("trainer.cpu_priority=normal") == ["train"]

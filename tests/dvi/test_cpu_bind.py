@@ -245,13 +245,14 @@ print(cfg.trainer.cpu_priority, os.sched_getscheduler(0) == os.SCHED_IDLE, os.ge
 def test_the_trainers_cpu_priority_is_one_of_the_named():
     from dvi.cli.up import train_share
 
-    for value in ("normal", "nice", "idle"):
+    for value in ("normal", "nice", "idle", "pause"):
         assert TrainerConfig(cpu_priority=value).cpu_priority == value
     assert TrainerConfig().cpu_priority == "normal"
-    with pytest.raises(DviError, match=r"trainer\.cpu_priority='low'.*expected normal, nice, idle"):
+    with pytest.raises(DviError, match=r"trainer\.cpu_priority='low'.*expected normal, nice, idle, pause"):
         TrainerConfig(cpu_priority="low")
     assert train_share(TrainerConfig(cpu_priority="idle", cpu_bind="1")).startswith("cores 1 (trainer.cpu_bind), CPU priority idle")
     assert train_share(TrainerConfig()).startswith("every core, CPU priority normal (trainer.cpu_priority; ")
+    assert "stopped while the server has a request in flight" in train_share(TrainerConfig(cpu_priority="pause"))
 
 
 def test_the_online_trainer_and_every_thread_it_starts_run_at_its_cpu_priority():
