@@ -143,13 +143,13 @@ class Child:
         if proc is None:
             return self._returncode
         if proc.poll() is None:
-            _signal_group(proc.pid, sig)
+            signal_group(proc.pid, sig)
         if sig != signal.SIGKILL and proc.poll() is None:
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 log.warning("%s (pid %d) ignored %s for %.0f s: killing it", self.name, proc.pid, signal.Signals(sig).name, grace_s)
-        _signal_group(proc.pid, signal.SIGKILL)
+        signal_group(proc.pid, signal.SIGKILL)
         self._returncode = proc.wait()
         _unregister(proc.pid)
         self._proc = None
@@ -236,7 +236,7 @@ def stop_leftovers(folder: Path, below: int | None = None, grace_s: float = 5.0)
     for pid in chosen:
         path, entry = records[pid]
         if entry.get("start") is not None and left(pid):
-            _signal_group(pid, signal.SIGTERM)
+            signal_group(pid, signal.SIGTERM)
             alive.append(pid)
             stopped.append(f"{entry.get('name', '?')} (pid {pid})")
         else:
@@ -247,7 +247,7 @@ def stop_leftovers(folder: Path, below: int | None = None, grace_s: float = 5.0)
         time.sleep(0.1)
         alive = [pid for pid in alive if left(pid)]
     for pid in alive:
-        _signal_group(pid, signal.SIGKILL)
+        signal_group(pid, signal.SIGKILL)
     deadline = time.monotonic() + grace_s  # until they are gone: what follows takes their ports (a server draining
     while alive and time.monotonic() < deadline:  # its requests on SIGTERM outlives `grace_s`, then dies by SIGKILL)
         time.sleep(0.05)
@@ -296,11 +296,13 @@ def spawn(name: str, cmd: list[str], *, log_path: Path | None = None, env: dict 
     return Child(name, proc, log_file, temporary_log=log_path is None)
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def signal_group(pid: int, sig: int) -> bool:
+    """`sig` to the process group of a child `spawn` started (its own session); False where the group is gone."""
     try:
         os.killpg(pid, sig)  # start_new_session: the group id is the child's pid
     except ProcessLookupError:
-        pass
+        return False
+    return True
 
 
 def wait_ready(child: Child, probe: Probe, timeout_s: float, what: str, interval_s: float = 0.1) -> None:

@@ -43,7 +43,8 @@ from dvi.config import TrainerConfig, cache_dir, load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import pick_engine
 from dvi.mlflow_login import local_login
-from dvi.procs import REGISTRY_ENV, Child, http_ok, look_ready, port_in_use, sigterm_interrupts, spawn, start_time, stop_leftovers
+from dvi.procs import (REGISTRY_ENV, Child, http_ok, look_ready, port_in_use, signal_group, sigterm_interrupts, spawn, start_time,
+                       stop_leftovers)
 from dvi.tracking import find_experiment_link
 
 PARTS = ("broker", "mlflow", "serve", "train")
@@ -409,24 +410,16 @@ class Hold:
             if (stopped and child is not None and child.running and self.held_pid != child.pid
                     and not self.supervisor.restarting(self.name)):
                 self._release()
-                if _signal(child.pid, signal.SIGSTOP):  # spawn: its own session and process group
+                if signal_group(child.pid, signal.SIGSTOP):  # spawn: its own session and process group
                     self.held_pid, self.since = child.pid, time.monotonic()
             elif not stopped:
                 self._release()
 
     def _release(self) -> None:
         if self.held_pid is not None:
-            _signal(self.held_pid, signal.SIGCONT)
+            signal_group(self.held_pid, signal.SIGCONT)
             self.held_s += time.monotonic() - self.since
             self.held_pid = None
-
-
-def _signal(pid: int, sig: int) -> bool:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class HoldWhileBusy(threading.Thread):
