@@ -81,6 +81,24 @@ def _check(ok: bool, key: str, value: object, expected: str) -> None:
         raise DviError(f"invalid value {key}={value!r}: expected {expected}")
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# trainer.lr=auto: the learning rate from an untrained drafter, and from a trained one. Measured on a domain the shipped
+# drafter was not trained on (benchmarks/results/adapt_lr-math-cpu.json, 4 minutes, about 30 steps each): 3e-4 took
+# its held-out acceptance from 0.37 to 0.46 and then refused candidates that forgot the bootstrap's domains; 1e-4 to
+# 0.49 within the gate's guard; 3e-5 to 0.45
+LR_UNTRAINED, LR_TRAINED = 3e-4, 1e-4
+
+
+def learning_rate(lr: float | int | str, untrained: bool) -> float:
+    """trainer.lr as the optimizer takes it: a number as given; auto by whether the starting drafter is untrained."""
+    if lr != "auto":
+        return float(lr)
+    return LR_UNTRAINED if untrained else LR_TRAINED
+
+
 INIT_DRAFTER = "init"  # model.drafter=init: the demo pair's untrained drafter, built from the target, not the one dvi ships
 
 
@@ -401,7 +419,10 @@ class TrainerConfig:
     # auto: bf16 on a GPU; bf16-mixed on a CPU with native bf16 (fp32 weights and optimizer, the forward and backward's
     # matrix products in bf16: torch.autocast); else fp32. bf16: DeepSpeed's bf16 (bf16 weights, fp32 master copy)
     precision: str = "auto"
-    lr: float = 3e-4
+    # auto (`learning_rate`): LR_UNTRAINED from a drafter no trainer has trained (model.drafter=init), LR_TRAINED from
+    # a trained one (the shipped bootstrap drafter, a published version, another's): at 512 positions a step, a trained
+    # drafter (the shipped one: 8,192 a step) is fine-tuned, not trained again (benchmarks.adapt_anchor --lrs)
+    lr: float | int | str = "auto"
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.98)
     grad_clip: float = 1.0
@@ -502,7 +523,7 @@ class TrainerConfig:
                "target, which trainer.features=records never loads)")
         _check(self.gate_rule in ("auto", "argmax", "sampled"), "trainer.gate_rule", self.gate_rule, "auto, argmax or sampled")
         _check(self.pending_mb > 0, "trainer.pending_mb", self.pending_mb, "a size > 0 MiB")
-        _check(self.lr > 0, "trainer.lr", self.lr, "> 0")
+        _check(self.lr == "auto" or (_number(self.lr) and self.lr > 0), "trainer.lr", self.lr, "auto or a number > 0")
         _check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas", self.betas, "two numbers in [0, 1)")
         _check(self.grad_clip >= 0, "trainer.grad_clip", self.grad_clip, ">= 0 (0: no clipping)")

@@ -320,6 +320,14 @@ def read_drafter_meta(path: str | Path) -> dict:
         raise DviError(f"drafter metadata {str(meta)!r} is not valid JSON: {e}") from e
 
 
+def untrained(path: str | Path) -> bool:
+    """Whether the drafter at `path` is one dvi built from its target (`model.drafter=init`) that no trainer has
+    published since: its metadata names what it was built from and no parent. A drafter without dvi's metadata (one
+    trained elsewhere) counts as trained."""
+    meta = read_drafter_meta(path)
+    return meta.get("parent") is None and "built_from" in meta
+
+
 def drafter_kind(path: str | Path) -> str:
     """"eagle3" for an EAGLE-3 drafter directory (its dvi_drafter.json says kind eagle3, or its config.json is the
     speculators format's for eagle3, `dvi.eagle3`), else "layers" (a causal LM, `build_drafter`'s)."""

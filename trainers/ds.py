@@ -25,7 +25,7 @@ import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
 
-from dvi.config import TrainerConfig, default_cache_dir
+from dvi.config import TrainerConfig, default_cache_dir, learning_rate
 from dvi.errors import DviError
 from dvi.hardware import pick_precision
 from dvi.procs import HOST, free_port
@@ -106,14 +106,16 @@ def ds_config(cfg: TrainerConfig, precision: str | None = None) -> dict:
 def build_engine(
     model: torch.nn.Module, cfg: TrainerConfig, params: list[torch.nn.Parameter] | None = None
 ) -> DeepSpeedEngine:
-    """A DeepSpeed engine over `model` with AdamW on `params` (default: the parameters that require grad)."""
+    """A DeepSpeed engine over `model` with AdamW on `params` (default: the parameters that require grad), at
+    `cfg.lr`; auto as for an untrained model (the trainer resolves it by its starting drafter before)."""
     init_distributed()
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
     if not params:
         raise DviError("the drafter has no trainable parameters (trainer.finetune and trainer.lora_targets froze all)")
     # on a GPU, the fused kernel: one launch per step for all parameters, not several per tensor
     fused = all(p.device.type == "cuda" for p in params)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, fused=fused or None)
+    optimizer = torch.optim.AdamW(params, lr=learning_rate(cfg.lr, untrained=True), betas=tuple(cfg.betas),
+                                  weight_decay=cfg.weight_decay, fused=fused or None)
     config = ds_config(cfg, resolve_precision(cfg, params[0].device.type))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine

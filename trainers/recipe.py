@@ -78,12 +78,12 @@ import torch.distributed as dist
 
 from dvi import store
 from dvi.alloc import release_free
-from dvi.config import DviConfig
+from dvi.config import DviConfig, learning_rate
 from dvi.control import DrafterPromoted, DrafterRejected, RetrainRequested
 from dvi.drafter_kinds import kind_of_dir
 from dvi.errors import DviError
 from dvi.hardware import resolve_device, resolve_dtype
-from dvi.models import Drafter, cache_dir, load_causal_lm
+from dvi.models import Drafter, cache_dir, load_causal_lm, untrained
 from dvi.pairs import load_any_drafter, pair_dirs, resolve_pair
 from dvi.records import Delivered
 from trainers import anchor, checkpoint, ds
@@ -153,6 +153,8 @@ class Trainer:
         self.vocab_map = None if drafter.vocab_map is None else drafter.vocab_map.to(device)
         self.state = State(lineage=[drafter.version], serving_dir=str(pair.drafter_dir))
         self.initial_dir = pair.drafter_dir  # serves again if every published version is rejected
+        # trainer.lr=auto: a trained drafter is fine-tuned at a lower rate than an untrained one is trained
+        self.tcfg = t = replace(t, lr=learning_rate(t.lr, untrained(pair.drafter_dir)))
         self.teacher_lm = PositionLM(self.target) if self.target is not None and t.teacher in ("auto", "logits") else None
         # the drafter's features from the records (trainer.features records or auto), else from the target
         self.takes_features = self.kind.reads_features and t.features != "recompute"
@@ -164,8 +166,8 @@ class Trainer:
                              self.takes_features, layer_ids, self.feature_width, self.features_target is not None,
                              self.teacher_lm is not None)
         self.gate_rule = gate_rule(self.cfg)
-        decision.info("training %s, precision %s, features %s, gate rule %s", self.kind.drafter.description,
-                 self.precision, ("from records" + (", else recomputed" if self.features_target is not None else ""))
+        decision.info("training %s at lr %g, precision %s, features %s, gate rule %s", self.kind.drafter.description,
+                 t.lr, self.precision, ("from records" + (", else recomputed" if self.features_target is not None else ""))
                  if self.takes_features else ("recomputed by the trainer's copy of the target" if self.kind.reads_features else "none"),
                  self.gate_rule)
         return drafter

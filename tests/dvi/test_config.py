@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dvi.config import CONF_DIR, DviConfig, load_config
+from dvi.config import CONF_DIR, LR_TRAINED, LR_UNTRAINED, DviConfig, learning_rate, load_config
 from dvi.errors import DviError
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "experiment")
@@ -85,10 +85,19 @@ def test_a_retention_that_is_not_a_positive_number_of_hours_is_refused(bad, why)
     ("trainer.features=target", r"trainer.features='target': expected auto, records or recompute"),
     ("trainer.gate_rule=greedy", r"trainer.gate_rule='greedy': expected auto, argmax or sampled"),
     ("trainer.precision=fp16", r"trainer.precision='fp16': expected auto, fp32, bf16 or bf16-mixed"),
+    ("trainer.lr=0", r"trainer.lr=0: expected auto or a number > 0"),
+    ("trainer.lr=fast", r"trainer.lr='fast': expected auto or a number > 0"),
 ])
 def test_features_and_the_trainers_new_settings_are_checked(override, why):
     with pytest.raises(DviError, match=why):
         load_config([override])
+
+
+def test_the_learning_rate_is_auto_by_the_starting_drafter_or_as_given():
+    lr = load_config().trainer.lr
+    assert lr == "auto" and learning_rate(lr, untrained=True) == LR_UNTRAINED == 3e-4
+    assert learning_rate(lr, untrained=False) == LR_TRAINED < LR_UNTRAINED
+    assert learning_rate(load_config(["trainer.lr=5e-4"]).trainer.lr, untrained=False) == 5e-4
 
 
 def test_the_retired_engine_is_one_error_naming_its_replacement():

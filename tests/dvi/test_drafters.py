@@ -12,7 +12,7 @@ from safetensors import safe_open
 from dvi import drafters
 from dvi.config import ModelConfig
 from dvi.errors import DviError
-from dvi.models import load_tokenizer, read_drafter_meta
+from dvi.models import load_tokenizer, read_drafter_meta, untrained
 from dvi.pairs import pair_dirs
 
 
@@ -40,6 +40,8 @@ def test_the_demo_pair_serves_it_and_init_keeps_the_untrained_drafter(demo_targe
     assert read_drafter_meta(init)["version"] == "init-eagle3-v8192"
     _, layers = pair_dirs(ModelConfig(drafter_kind="layers"))  # another demo kind: built, untrained, as before
     assert read_drafter_meta(layers)["version"].startswith("init-L2")
+    # what trainer.lr=auto reads: the built ones are untrained, the shipped one (a trainer published it) is not
+    assert untrained(init) and untrained(layers) and not untrained(drafter)
 
 
 def test_a_changed_byte_in_the_shipped_copy_is_refused_and_in_the_installed_one_replaced(demo_target_dir, tmp_path,
@@ -65,3 +67,7 @@ def test_a_changed_byte_in_the_shipped_copy_is_refused_and_in_the_installed_one_
     with pytest.raises(DviError, match="pickle-capable"):
         drafters.installed_bootstrap(tmp_path / "other", demo_target_dir)
     assert not (tmp_path / "other" / "models").exists() or not any((tmp_path / "other" / "models").iterdir())
+
+
+def test_a_drafter_without_dvis_metadata_counts_as_trained(tmp_path):
+    assert not untrained(tmp_path)  # trained elsewhere (a speculators checkpoint): fine-tuned, not trained again

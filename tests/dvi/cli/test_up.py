@@ -405,8 +405,9 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
             if " swapped in (was " in up_log.text() or time.monotonic() > deadline:
                 break
         text = up_log.text()
-        # the trainer said what it trains, and that the features come from the records alone (it loaded no target)
-        assert "training an EAGLE-3 drafter, precision " in text and "features from records, gate rule" in text, text[-4000:]
+        # the trainer said what it trains (at the untrained drafter's lr: trainer.lr=auto), and that the features come
+        # from the records alone (it loaded no target)
+        assert "training an EAGLE-3 drafter at lr 0.0003, precision " in text and "features from records, gate rule" in text, text[-4000:]
         decisions = [line for line in text.splitlines() if " dvi.decision." in line]
         assert any(line.startswith("[train] 20") and " published (parent " in line for line in decisions), text[-4000:]
         assert any(line.startswith("[serve] 20") and " swapped in (was " in line for line in decisions), text[-4000:]
