@@ -190,7 +190,9 @@ class SwapConfig:
     initial: str = "production"
     smoke_tokens: int = 8  # greedy tokens of a smoke decode a new drafter must survive before it is swapped in
     window_tokens: int = 512  # drafted tokens of live traffic before a swapped-in drafter is judged
-    rollback_margin: float = 0.05  # roll back when its acceptance is this much below the previous drafter's
+    # roll back when its acceptance is this much below the previous drafter's, both at the depth both drafted to
+    # (dvi.swap.compare: an adaptive planner drafts a new drafter at another K)
+    rollback_margin: float = 0.05
     baseline_tokens: int = 256  # drafted tokens the previous drafter needs for a comparison (else: kept)
 
     def __post_init__(self) -> None:

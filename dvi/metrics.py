@@ -4,7 +4,7 @@
 so a request that spanned a hot swap counts each round for the drafter that drafted it. Readers take what they
 need: `prometheus(...)` renders the /metrics page (prometheus_client: vLLM-shaped spec-decode counters by drafter
 version, domain and position, latency histograms fed by `observe_latency`, process metrics, a `model_name` label), `interval()` the points for MLflow since the last call,
-`recent_acceptance_of(version, tokens)` and `acceptance_of(version)` feed the swap judge, `snapshot` and `interval` also
+`recent_rounds_of(version, tokens)` and `acceptance_of(version)` feed the swap judge, `snapshot` and `interval` also
 give each version's requests' speed over target-only decoding as the engine timed their steps (`Result.vs_target_only`,
 `speed_over_target_only`), and `series` / `markers` the drift plot (`drift_plot`).
 Events (swaps, refusals, rollbacks, promotions) are counted with `event(kind, ...)`.
@@ -186,16 +186,22 @@ class ServingMetrics:
             s = self.by_version.get(version)
             return (s.drafted, s.accepted) if s else (0, 0)
 
-    def recent_acceptance_of(self, version: str, tokens: int) -> tuple[int, int]:
-        """(drafted, accepted) of `version`'s latest drafting rounds, from the newest back until `tokens` drafted
-        tokens are covered (fewer if it drafted fewer): its acceptance on the traffic of now, not of its whole life."""
-        drafted = accepted = 0
+    def recent_rounds_of(self, version: str, tokens: int) -> list[tuple[int, int]]:
+        """`version`'s latest drafting rounds, (drafted, accepted) each, oldest first: from the newest back until
+        `tokens` drafted tokens are covered (fewer if it drafted fewer): the traffic of now, not of its whole life."""
+        out, drafted = [], 0
         with self._lock:
             for k, a in reversed(self.recent_rounds.get(version, ())):
                 if drafted >= tokens:
                     break
-                drafted, accepted = drafted + k, accepted + a
-        return drafted, accepted
+                out.append((k, a))
+                drafted += k
+        return out[::-1]
+
+    def recent_acceptance_of(self, version: str, tokens: int) -> tuple[int, int]:
+        """(drafted, accepted) of `recent_rounds_of(version, tokens)`: its acceptance on the traffic of now."""
+        rounds = self.recent_rounds_of(version, tokens)
+        return sum(k for k, _ in rounds), sum(a for _, a in rounds)
 
     def interval(self) -> dict[str, float]:
         """Metrics since the last call (for MLflow), and a point of the drift plot."""

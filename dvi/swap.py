@@ -31,11 +31,13 @@ serves: `load_announced(..., kind=...)` refuses a version of another kind than t
 It runs on the caller's thread (the server's swap thread), never on the decoding thread; the engine's
 `swap_drafter` then switches the pointer between verification rounds.
 
-`judge(...)` is the live check after a swap, a pure function of acceptance counts: wait for `window_tokens`
+`judge(...)` is the live check after a swap, a pure function of drafting rounds: wait for `window_tokens`
 drafted tokens of the new drafter, then keep it unless its acceptance is more than `rollback_margin` below
 the previous drafter's on the traffic just before the swap (its latest `window_tokens` drafted tokens, not its
 lifetime figure, which drifted traffic would inflate; with fewer than `baseline_tokens`, there is nothing to
-compare against and the new drafter is kept).
+compare against and the new drafter is kept). Both at the same depth (`compare`): an adaptive planner drafts a new
+drafter at another K than the one it replaced (its first rounds probe), and acceptance per drafted token falls with
+K, so accepted over drafted of each would hold the deeper-drafted one to a lower figure whatever it is worth.
 
 This module knows the model store and the kinds of drafter (`dvi.drafter_kinds`); not Kafka, HTTP or MLflow.
 """
@@ -133,17 +135,40 @@ def _kind_of(files: dict[str, bytes], version: str) -> tuple[DrafterKind, dict]:
     return kind, raw
 
 
-def judge(previous: tuple[int, int] | None, current: tuple[int, int], window_tokens: int, baseline_tokens: int,
+Rounds = list[tuple[int, int]]  # drafting rounds, (drafted, accepted) each
+
+
+def at_depth(rounds: Rounds, depth: int) -> tuple[int, int]:
+    """(drafted, accepted) of `rounds` cut at `depth`: the first `depth` tokens of every round that drafted at least
+    that many (a round accepts a prefix of its drafts, so min(accepted, depth) of them)."""
+    deep = [a for k, a in rounds if k >= depth]
+    return depth * len(deep), sum(min(a, depth) for a in deep)
+
+
+def common_depth(*sides: Rounds) -> int:
+    """The depth every side drafted to in at least half of its rounds: the least of their median K (1 at least)."""
+    return max(1, min(sorted(k for k, _ in side)[(len(side) - 1) // 2] for side in sides if side))
+
+
+def compare(previous: Rounds, current: Rounds) -> tuple[int, float, float]:
+    """(depth, previous acceptance, current acceptance): each side's accepted over drafted tokens at the depth both
+    drafted to (`common_depth`, `at_depth`)."""
+    depth = common_depth(previous, current)
+    (d0, a0), (d1, a1) = at_depth(previous, depth), at_depth(current, depth)
+    return depth, a0 / d0 if d0 else 0.0, a1 / d1 if d1 else 0.0
+
+
+def judge(previous: Rounds | None, current: Rounds, window_tokens: int, baseline_tokens: int,
           margin: float) -> str | None:
-    """Keep or roll back a swapped-in drafter, from (drafted, accepted) counts: "keep", "rollback", or None
-    (not enough of the new drafter's traffic yet). `previous`: the drafter it replaced (None: there was none). A
-    trial that accepted nothing is rolled back whatever came before: a drafter live traffic never accepts is no
-    drafter to promote."""
-    drafted, accepted = current
-    if drafted < window_tokens:
+    """Keep or roll back a swapped-in drafter, from its drafting rounds since the swap and the replaced one's
+    latest: "keep", "rollback", or None (not enough of the new drafter's traffic yet). `previous`: None when there
+    was no drafter. The two are compared at the same depth (`compare`). A trial that accepted nothing is rolled back
+    whatever came before: a drafter live traffic never accepts is no drafter to promote."""
+    if sum(k for k, _ in current) < window_tokens:
         return None
-    if accepted == 0:
+    if sum(a for _, a in current) == 0:
         return "rollback"
-    if previous is None or previous[0] < baseline_tokens:
+    if previous is None or sum(k for k, _ in previous) < baseline_tokens:
         return "keep"
-    return "rollback" if accepted / drafted < previous[1] / previous[0] - margin else "keep"
+    _, before, now = compare(previous, current)
+    return "rollback" if now < before - margin else "keep"

@@ -55,7 +55,7 @@ from dvi.metrics import ServingMetrics, drift_plot
 from dvi.models import LAYERS, Drafter, Pair, encode_chat, encode_prompt, end_ids, longest_token_chars
 from dvi.procs import default_replica_id
 from dvi.records import records_from_result
-from dvi.swap import Refused, judge, load_announced
+from dvi.swap import Refused, compare, judge, load_announced
 
 log = logging.getLogger("dvi.serving.replica")
 decisions = logging.getLogger("dvi.decision.serve")  # swaps, promotions, rollbacks, refusals: one line each
@@ -97,8 +97,8 @@ class Rollout:
 
     drafter: Drafter
     previous: Drafter | None
-    previous_counts: tuple[int, int] | None  # (drafted, accepted) of the previous drafter
-    start_counts: tuple[int, int]  # the new drafter's counts at the swap (non-zero if it served before)
+    previous_rounds: list[tuple[int, int]] | None  # the previous drafter's latest drafting rounds, (drafted, accepted)
+    start_counts: tuple[int, int]  # the new drafter's (drafted, accepted) at the swap (non-zero if it served before)
 
 
 class Replica:
@@ -531,9 +531,9 @@ class Replica:
             # the baseline is the previous drafter on the latest traffic, as much of it as the new one is judged on:
             # its lifetime figure would hold it to traffic that has since drifted away
             window = self.cfg.serve.swap.window_tokens
-            prev_counts = self.metrics.recent_acceptance_of(previous.version, window) if previous is not None else None
+            prev_rounds = self.metrics.recent_rounds_of(previous.version, window) if previous is not None else None
             self.engine.swap_drafter(drafter)  # takes effect at the next round boundary
-            self.rollout = Rollout(drafter, previous, prev_counts, self.metrics.acceptance_of(drafter.version))
+            self.rollout = Rollout(drafter, previous, prev_rounds, self.metrics.acceptance_of(drafter.version))
             self.newest = drafter.version
         self.metrics.serving(drafter.version)
         self.metrics.event("swap", drafter.version)
@@ -549,25 +549,30 @@ class Replica:
             r = self.rollout
             if r is None:
                 return None
-            drafted, accepted = self.metrics.acceptance_of(r.drafter.version)
-            current = (drafted - r.start_counts[0], accepted - r.start_counts[1])
+            trial = self.metrics.acceptance_of(r.drafter.version)[0] - r.start_counts[0]  # drafted since the swap
+            current = self.metrics.recent_rounds_of(r.drafter.version, trial) if trial > 0 else []
             sw = self.cfg.serve.swap
-            decision = judge(r.previous_counts, current, sw.window_tokens, sw.baseline_tokens, sw.rollback_margin)
+            decision = judge(r.previous_rounds, current, sw.window_tokens, sw.baseline_tokens, sw.rollback_margin)
+        if decision is None:
+            return None
+        drafted, accepted = sum(k for k, _ in current), sum(a for _, a in current)
+        prev = r.previous_rounds if r.previous_rounds else None
+        depth, before, now = compare(prev, current) if prev else (0, 0.0, accepted / drafted)
+        at = f" at depth {depth} (the K both drafted to in half their rounds or more)" if prev else ""
+        before_s = f"{before:.3f}" if prev else "-"
         if decision == "keep":
             self.rollout = None
             self.metrics.event("promote", r.drafter.version)
-            prev = r.previous_counts
-            decisions.info("%s promoted: live acceptance %s -> %.3f (%s over %d drafted tokens, %s before it)", r.drafter.version,
-                          f"{prev[1] / prev[0]:.3f}" if prev and prev[0] else "-", current[1] / current[0], r.drafter.version,
-                          current[0], r.previous.version if r.previous else "no drafter")
+            decisions.info("%s promoted: live acceptance %s -> %.3f%s (%s over %d drafted tokens, %s before it)",
+                          r.drafter.version, before_s, now, at, r.drafter.version, drafted,
+                          r.previous.version if r.previous else "no drafter")
             if self.tracker is not None:
                 self.tracker.promote(r.drafter.version)  # alias production on it, candidate off it
-            self._announce(DrafterPromoted(r.drafter.version, self.replica_id, acceptance=current[1] / current[0]))
-        elif decision == "rollback":
-            prev = r.previous_counts
-            why = (f"live acceptance 0: live traffic accepted none of its {current[0]} drafted tokens" if current[1] == 0 else
-                   f"live acceptance {current[1] / current[0]:.3f} over {current[0]} drafted tokens is more than "
-                   f"{self.cfg.serve.swap.rollback_margin} below {r.previous.version if r.previous else None}'s {prev[1] / prev[0]:.3f}")
+            self._announce(DrafterPromoted(r.drafter.version, self.replica_id, acceptance=accepted / drafted))
+        else:
+            why = (f"live acceptance 0: live traffic accepted none of its {drafted} drafted tokens" if accepted == 0 else
+                   f"live acceptance {now:.3f}{at} over {drafted} drafted tokens is more than "
+                   f"{self.cfg.serve.swap.rollback_margin} below {r.previous.version if r.previous else None}'s {before_s}")
             self._roll_back(why, announce=True)
         return decision
 

@@ -26,6 +26,8 @@ def test_recent_acceptance_covers_the_latest_tokens_while_the_lifetime_figure_re
     assert m.recent_acceptance_of("d1", 102) == (104, 29)  # whole rounds: it covers at least the tokens asked for
     assert m.recent_acceptance_of("d1", 10_000) == (500, 425)  # asked for more than it has: everything
     assert m.recent_acceptance_of("d2", 100) == (0, 0)
+    assert m.recent_rounds_of("d1", 100) == [(4, 1)] * 25  # the rounds themselves, oldest first, for the judge
+    assert m.recent_rounds_of("d1", 102) == [(4, 4)] + [(4, 1)] * 25 and m.recent_rounds_of("d2", 100) == []
 
 
 def test_figures_by_version_are_kept_for_the_latest_versions_and_the_serving_one():

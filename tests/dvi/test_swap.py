@@ -20,7 +20,7 @@ from dvi.control import ControlError, DrafterPublished, decode
 from dvi.files import sha256_file
 from dvi.models import load_causal_lm
 from dvi.eagle3 import build_eagle3, load_eagle3
-from dvi.swap import Refused, judge, load_announced, resolve_in_store
+from dvi.swap import Refused, at_depth, common_depth, compare, judge, load_announced, resolve_in_store
 
 
 def publish_version(store_root: Path, source_dir: Path, version: str, mutate=None) -> store.Published:
@@ -206,16 +206,45 @@ def test_a_config_other_than_the_targets_is_refused(tiny_dirs, target, tmp_path)
         load_announced(resum(fine), tmp_path, target, family=family)
 
 
+def rounds(k: int, accepted: list[int]) -> list[tuple[int, int]]:
+    """Drafting rounds of `k` drafted tokens each, accepting these many."""
+    return [(k, a) for a in accepted]
+
+
 def test_judge_waits_for_the_window_then_keeps_or_rolls_back():
     kw = dict(window_tokens=100, baseline_tokens=50, margin=0.05)
-    assert judge((1000, 600), (99, 0), **kw) is None  # not enough of the new drafter's traffic yet
-    assert judge((1000, 600), (100, 56), **kw) == "keep"  # 0.56 >= 0.60 - 0.05
-    assert judge((1000, 600), (100, 54), **kw) == "rollback"  # 0.54 < 0.55
-    assert judge((1000, 600), (200, 190), **kw) == "keep"
-    assert judge((49, 40), (100, 3), **kw) == "keep"  # the previous drafter barely drafted: nothing to compare
-    assert judge(None, (100, 3), **kw) == "keep"  # there was no drafter before
-    assert judge(None, (100, 0), **kw) == "rollback"  # a trial that accepted nothing is never promoted
-    assert judge((1000, 0), (100, 0), **kw) == "rollback"  # nor after a drafter that accepted nothing either
+    before = rounds(4, [4, 2, 3, 1, 2] * 50)  # 1000 drafted, 600 accepted: 0.60 at depth 4
+    assert judge(before, rounds(4, [0] * 24), **kw) is None  # not enough of the new drafter's traffic yet
+    assert judge(before, rounds(4, [3, 2, 3, 2, 4, 2, 1, 3, 3, 1] * 2 + [2, 2, 2, 1, 1]), **kw) == "keep"  # 0.56 >= 0.60 - 0.05
+    assert judge(before, rounds(4, [3, 2, 3, 2, 4, 2, 1, 3, 3, 1] * 2 + [2, 1, 1, 1, 1]), **kw) == "rollback"  # 0.54 < 0.55
+    assert judge(before, rounds(4, [4] * 50), **kw) == "keep"
+    assert judge(rounds(4, [4] * 12), rounds(4, [0] * 24 + [3]), **kw) == "keep"  # the previous barely drafted: nothing to compare
+    assert judge(None, rounds(4, [0] * 24 + [3]), **kw) == "keep"  # there was no drafter before
+    assert judge(None, rounds(4, [0] * 25), **kw) == "rollback"  # a trial that accepted nothing is never promoted
+    assert judge(rounds(4, [0] * 250), rounds(4, [0] * 25), **kw) == "rollback"  # nor after a drafter that accepted nothing
+
+
+def test_at_depth_cuts_every_round_that_drafted_that_deep_and_leaves_the_others_out():
+    mixed = [(1, 1), (2, 0), (3, 3), (4, 2), (5, 5), (2, 2)]
+    for depth in range(1, 6):  # the plain reference: each deep-enough round's first `depth` drafts, one by one
+        deep = [(k, a) for k, a in mixed if k >= depth]
+        assert at_depth(mixed, depth) == (sum(depth for _ in deep), sum(sum(j < a for j in range(depth)) for _, a in deep))
+    assert at_depth(mixed, 6) == (0, 0)
+    assert common_depth(rounds(1, [1] * 3) + rounds(4, [0] * 2), rounds(5, [5] * 9)) == 1  # medians 1 and 5
+    assert common_depth(rounds(3, [0] * 4) + rounds(2, [0] * 5), rounds(4, [1])) == 2
+
+
+def test_a_drafter_drafted_deeper_than_the_one_it_replaced_is_judged_at_the_same_depth():
+    """An adaptive planner drafts a swapped-in drafter at its own K (its first rounds probe deeper): per drafted token,
+    a drafter as good at every position falls with K. Judged at the depth both drafted to, it is kept; one worse
+    at that depth is not."""
+    kw = dict(window_tokens=100, baseline_tokens=50, margin=0.05)
+    before = rounds(1, [1, 0] * 150)  # K = 1: half its first drafts accepted
+    same = rounds(4, [2, 0] * 20)  # K = 4: half its first drafts accepted too, 0.25 per drafted token
+    assert sum(a for _, a in same) / sum(k for k, _ in same) == 0.25  # what accepted over drafted would hold it to
+    assert compare(before, same) == (1, 0.5, 0.5) and judge(before, same, **kw) == "keep"
+    worse = rounds(4, [2, 0, 0] * 14)  # a third of its first drafts accepted
+    assert judge(before, worse, **kw) == "rollback"
 
 
 # ----------------------------------------------------------------------------------------------
