@@ -31,7 +31,7 @@ from dvi.engine_api import Result, SpecStats
 NO_DRAFTER = "none"  # the version label of rounds decoded without a drafter
 NO_DOMAIN = "none"
 OTHER_DOMAIN = "other"  # the domains beyond the first max_domains seen
-RECENT_ROUNDS = 4096  # drafting rounds kept per version for `recent_acceptance_of`
+RECENT_ROUNDS = 4096  # drafting rounds kept per version for `recent_rounds_of`
 VERSIONS_KEPT = 16  # versions whose figures are kept (a rollout compares the newest two)
 # histogram buckets (seconds), vLLM's
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -197,11 +197,6 @@ class ServingMetrics:
                 out.append((k, a))
                 drafted += k
         return out[::-1]
-
-    def recent_acceptance_of(self, version: str, tokens: int) -> tuple[int, int]:
-        """(drafted, accepted) of `recent_rounds_of(version, tokens)`: its acceptance on the traffic of now."""
-        rounds = self.recent_rounds_of(version, tokens)
-        return sum(k for k, _ in rounds), sum(a for _, a in rounds)
 
     def interval(self) -> dict[str, float]:
         """Metrics since the last call (for MLflow), and a point of the drift plot."""

@@ -17,15 +17,21 @@ def result(version: str, rounds: list[tuple[int, int]], timed: tuple[int, float]
                            target_only_tokens=timed[1])
 
 
+def counts(m: ServingMetrics, version: str, tokens: int) -> tuple[int, int]:
+    """(drafted, accepted) of the latest rounds `recent_rounds_of` gives the swap judge."""
+    rounds = m.recent_rounds_of(version, tokens)
+    return sum(k for k, _ in rounds), sum(a for _, a in rounds)
+
+
 def test_recent_acceptance_covers_the_latest_tokens_while_the_lifetime_figure_remembers_old_traffic():
     m = ServingMetrics()
     m.observe(result("d1", [(4, 4)] * 100), "code")  # 400 drafted, all accepted: the old domain
     m.observe(result("d1", [(4, 1)] * 25 + [(0, 0)] * 5), "prose")  # 100 drafted at 0.25; plain rounds draft nothing
     assert m.acceptance_of("d1") == (500, 425)  # lifetime: 0.85
-    assert m.recent_acceptance_of("d1", 100) == (100, 25)  # the traffic of now: 0.25
-    assert m.recent_acceptance_of("d1", 102) == (104, 29)  # whole rounds: it covers at least the tokens asked for
-    assert m.recent_acceptance_of("d1", 10_000) == (500, 425)  # asked for more than it has: everything
-    assert m.recent_acceptance_of("d2", 100) == (0, 0)
+    assert counts(m, "d1", 100) == (100, 25)  # the traffic of now: 0.25
+    assert counts(m, "d1", 102) == (104, 29)  # whole rounds: it covers at least the tokens asked for
+    assert counts(m, "d1", 10_000) == (500, 425)  # asked for more than it has: everything
+    assert counts(m, "d2", 100) == (0, 0)
     assert m.recent_rounds_of("d1", 100) == [(4, 1)] * 25  # the rounds themselves, oldest first, for the judge
     assert m.recent_rounds_of("d1", 102) == [(4, 4)] + [(4, 1)] * 25 and m.recent_rounds_of("d2", 100) == []
 
@@ -40,7 +46,7 @@ def test_figures_by_version_are_kept_for_the_latest_versions_and_the_serving_one
     assert "d00" in kept  # serving: kept however old
     assert kept[1:] == [f"d{i:02d}" for i in range(9, VERSIONS_KEPT + 8)]  # then the newest
     assert {v for v, _ in m.by_domain} == set(kept)
-    assert m.acceptance_of("d01") == (0, 0) and m.recent_acceptance_of("d01", 100) == (0, 0)
+    assert m.acceptance_of("d01") == (0, 0) and counts(m, "d01", 100) == (0, 0)
     assert m.total.drafted == 4 * 3 * (VERSIONS_KEPT + 8)  # the totals keep every round
     assert sum(k.startswith("version/") for k in m.interval()) == 2 * VERSIONS_KEPT
 
