@@ -12,10 +12,14 @@ producer is opened with the consumer, not at the first bad record: a long-runnin
 from its start.
 Without a group id the consumer reads all partitions of the topic directly (no group, no commits).
 
-A partition whose log now ends before the consumer's position has been lost and begun again (a broker that keeps
-its log in memory restarted; Tansu answers such fetches with nothing rather than OFFSET_OUT_OF_RANGE). Left alone,
-the consumer would skip every new record below its old position; it reads the new log from its start instead,
-logs it, counts it (`ConsumerStats.log_resets`) and names the partition in `take_resets()`.
+A partition whose log now ends before what the consumer has read has been lost and begun again (a broker that keeps
+its log in memory restarted; Tansu answers such fetches with nothing rather than OFFSET_OUT_OF_RANGE). What the
+consumer has read is the larger of its position and the offset after the last record poll() returned: a group
+member the new broker does not know loses its generation, rejoins, and starts again at the new log's start (the
+reset policy: the group's commits went with the log), so only the records it delivered show the loss. Left alone,
+the consumer would skip every new record below its old position, and a reader committing its own offsets would
+commit past records it never saw; it reads the new log from its start instead, logs it, counts it
+(`ConsumerStats.log_resets`) and names the partition in `take_resets()` (`lost_logs`).
 
 Compressed batches are inflated no further than a bound (`streams.batches`: 4 x the larger of stream.batch_bytes and
 stream.max_record_bytes, at least 16 MiB); a batch past it, in a codec other than gzip, corrupt, or failing its CRC
@@ -46,6 +50,12 @@ log = logging.getLogger("dvi.streams.consumer")
 
 DLQ_HEADERS = ("dvi.origin.topic", "dvi.origin.partition", "dvi.origin.offset", "dvi.error.class", "dvi.error.message")
 _MAX_ERROR_CHARS = 1000
+
+
+def lost_logs(ends: dict, read: dict) -> list:
+    """Partitions whose log ends before what was read from it: `ends` maps a partition to its high watermark (None:
+    not known yet), `read` to the offset after the last record read from it (position or delivered, the larger)."""
+    return [p for p, end in ends.items() if end is not None and read.get(p, 0) > end]
 
 
 @dataclass(frozen=True)
@@ -181,20 +191,19 @@ class DecisionConsumer:
         return out
 
     def _check_logs(self, batches: dict) -> None:
-        """Read a partition again from its start when its log ends before our position (see the module docstring)."""
-        for tp in self._consumer.assignment():
-            high = self._consumer.highwater(tp)
-            if high is None or tp in batches:
-                continue
-            position = self._consumer.position(tp)
-            if position is not None and position > high:
-                log.warning("%s[%d] ends at offset %d, before this consumer's position %d: the broker lost the log "
-                            "(a memory broker restarted?); reading the new log from its start", tp.topic, tp.partition,
-                            high, position)
+        """Read a partition again from its start when its log ends before what we have read (the module docstring)."""
+        ends = {tp: self._consumer.highwater(tp) for tp in self._consumer.assignment()}
+        # a known end means a fetch answered, so the position is known too (asking for an unknown one would block)
+        read = {tp: max(self._consumer.position(tp) or 0, self._next.get(tp, 0)) for tp, end in ends.items() if end is not None}
+        for tp in lost_logs(ends, read):
+            log.warning("%s[%d] ends at offset %d, before this consumer's offset %d: the broker lost the log "
+                        "(a memory broker restarted?); reading the new log from its start", tp.topic, tp.partition,
+                        ends[tp], read[tp])
+            if tp not in batches:  # records in hand came from the new log already (a rejoin started it over)
                 self._consumer.seek_to_beginning(tp)
-                self._next.pop(tp, None)
-                self._resets.append((tp.topic, tp.partition))
-                self._log_resets += 1
+            self._next.pop(tp, None)
+            self._resets.append((tp.topic, tp.partition))
+            self._log_resets += 1
 
     def take_resets(self) -> list[tuple[str, int]]:
         """(topic, partition) of each log found lost since the last call (their offsets start again)."""

@@ -298,11 +298,13 @@ class Trainer:
             while True:
                 # waiting for records only when there was nothing to train: a step every pass over a backlog, not one
                 # per poll timeout (what has arrived is read either way)
-                self.ingest(self.source.poll(timeout_s=0.0 if stepped else 0.5))
-                stepped = False
-                self._expire()
+                arrived = self.source.poll(timeout_s=0.0 if stepped else 0.5)
+                # a lost log first: records that came with the news are the new log's, and must not be forgotten
                 for where in self.source.take_resets() if hasattr(self.source, "take_resets") else ():
                     self.offsets.forget(where)
+                self.ingest(arrived)
+                stepped = False
+                self._expire()
                 if not getattr(self.source, "assigned", True):  # still joining its group: not idle yet
                     self.last_record_at = time.monotonic()
                 self._control()

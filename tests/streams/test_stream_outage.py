@@ -14,7 +14,7 @@ from dvi.engine_api import Request
 from dvi.procs import free_port
 from dvi.records import records_from_result
 from streams.broker import EmbeddedBroker
-from streams.consumer import DecisionConsumer
+from streams.consumer import DecisionConsumer, lost_logs
 from streams.producer import DecisionProducer
 from streams.topics import ensure_topics
 
@@ -198,9 +198,19 @@ def test_invalid_and_oversized_records_are_dropped_not_sent(stream_cfg, make_rec
     assert (stats.sent, stats.dropped, stats.errors) == (1, 2, 2)
 
 
-def test_a_group_consumer_reads_the_new_log_after_a_memory_broker_restart(stream_config, make_record):
+def test_a_log_is_lost_where_it_ends_before_what_was_read():
+    ends = {"a": 0, "b": 40, "c": None, "d": 5, "e": 0}
+    read = {"a": 11, "b": 12, "d": 5, "e": 0}  # c: no fetch answered yet; e: nothing read
+    assert lost_logs(ends, read) == ["a"]
+    assert lost_logs({"a": 3}, {}) == [] and lost_logs({}, {"a": 3}) == []
+
+
+@pytest.mark.parametrize("wait_s", [0, 3], ids=["position", "rejoined"])
+def test_a_group_consumer_reads_the_new_log_after_a_memory_broker_restart(stream_config, make_record, wait_s):
     """A memory broker forgets its logs: offsets start again at 0. Without noticing, the consumer would wait at its
-    old position and skip every new record below it."""
+    old position and skip every new record below it. Polled at once, the consumer still holds its old position; polled
+    a few heartbeats later, the new broker has refused its membership and the rejoin started it at the new log's start
+    (the group's commits are gone too), where only the records it delivered show the loss."""
     port = free_port()
     broker = EmbeddedBroker(port).start()
     cfg = stream_config(broker.bootstrap)
@@ -217,6 +227,7 @@ def test_a_group_consumer_reads_the_new_log_after_a_memory_broker_restart(stream
             consumer.poll(timeout_s=1.0)  # the broker is down: nothing, no exception
             broker = EmbeddedBroker(port).start()
             ensure_topics(cfg)
+            time.sleep(wait_s)
             deadline = time.monotonic() + 30
             while consumer.stats.log_resets < cfg.partitions and time.monotonic() < deadline:
                 assert consumer.poll(timeout_s=0.5) == []
