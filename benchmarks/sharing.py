@@ -13,11 +13,12 @@ same prompt, and the medians are reported per policy and phase, beside the train
 - `nice`: every core, nice 19 (`trainer.cpu_priority=nice`);
 - `idle`: every core, Linux's SCHED_IDLE (`trainer.cpu_priority=idle`): only CPU time no other process wants;
 - `pause`: every core, stopped while the server has a request in flight (`trainer.cpu_priority=pause`);
+- `duty`: `pause`, but running `--duty-share` (0.25) of the time however busy the server is (`trainer.pause_share`);
 - `own core`: the trainer on the last core, the replica's engine on the others (`trainer.cpu_bind`,
   `serve.vllm.cpu_bind`), normal priority;
 - `no trainer`: `dvi up --no-train` (what serving alone gives: the floor every policy's latency is held to).
 
-    python -m benchmarks.sharing [--minutes 2.5] [--only idle,normal] [--json PATH] [key=value overrides]
+    python -m benchmarks.sharing [--minutes 2.5] [--only idle,normal] [--duty-share 0.25] [--json PATH] [key=value overrides]
 
 It measures; it asserts nothing. A run takes about (1.5 + 2 x minutes) minutes a policy, and the peer's answers after.
 """
@@ -34,12 +35,14 @@ from benchmarks.first_publish import Phase, peer_answers, prompts_of, report, se
 from dvi.hardware import bound_cores, core_list
 
 
-def policies(cores: frozenset[int]) -> dict[str, tuple[list[str], list[str]]]:
+def policies(cores: frozenset[int], duty_share: float = 0.25) -> dict[str, tuple[list[str], list[str]]]:
     """Policy name: (dvi up's flags, its overrides)."""
     last = max(cores)
     own = ([], [f"trainer.cpu_bind={last}", f"serve.vllm.cpu_bind={core_list(cores - {last})}", "trainer.cpu_priority=normal"])
     return {"normal": ([], ["trainer.cpu_priority=normal"]), "nice": ([], ["trainer.cpu_priority=nice"]),
-            "idle": ([], ["trainer.cpu_priority=idle"]), "pause": ([], ["trainer.cpu_priority=pause"]), "own core": own, "no trainer": (["--no-train"], [])}
+            "idle": ([], ["trainer.cpu_priority=idle"]), "pause": ([], ["trainer.cpu_priority=pause"]),
+            "duty": ([], ["trainer.cpu_priority=pause", f"trainer.pause_share={duty_share}"]),
+            "own core": own, "no trainer": (["--no-train"], [])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,13 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=2.5, help="minutes of each phase (continuous, then paced)")
     p.add_argument("--only", help="policies to run, separated by commas")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--duty-share", type=float, default=0.25, help="the duty policy's trainer.pause_share")
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cores = bound_cores("auto")
     if len(cores) < 2:
         raise SystemExit("benchmarks.sharing: needs at least 2 cores (the own-core policy gives the trainer one)")
-    todo = policies(cores)
+    todo = policies(cores, args.duty_share)
     if args.only:
         unknown = set(args.only.split(",")) - set(todo)
         if unknown:

@@ -513,6 +513,10 @@ class TrainerConfig:
     # (benchmarks.sharing); but under back-to-back traffic a paused trainer trains nothing and the loop never adapts,
     # so the default stays normal
     cpu_priority: str = "normal"
+    # with cpu_priority pause: the share of the time the trainer runs even while a request is in flight, so that
+    # continuous traffic still leaves it time to train (dvi.cli.up.DutyCycle: after (1 - share) x 10 s stopped, it
+    # runs share x 10 s); 0: only between requests
+    pause_share: float = 0.0
 
     def __post_init__(self) -> None:
         _check(bool(self.group_id), "trainer.group_id", self.group_id, "a consumer group name")
@@ -553,6 +557,8 @@ class TrainerConfig:
         _check(self.cpu_bind == "auto" or CORE_LIST.fullmatch(self.cpu_bind) is not None, "trainer.cpu_bind", self.cpu_bind,
                'auto or a list of cores such as "1" or "2-3"')
         _check(self.cpu_priority in CPU_PRIORITIES, "trainer.cpu_priority", self.cpu_priority, ", ".join(CPU_PRIORITIES))
+        _check(isinstance(self.pause_share, (int, float)) and not isinstance(self.pause_share, bool)
+               and 0 <= self.pause_share < 1, "trainer.pause_share", self.pause_share, "a number from 0 up to (not including) 1")
         _check(self.replay_mb > 0 and self.holdout_mb > 0, "trainer.replay_mb/holdout_mb", (self.replay_mb, self.holdout_mb),
                "sizes > 0 MiB")
         _check(self.gate_every >= 1, "trainer.gate_every", self.gate_every, "an integer >= 1")

@@ -18,6 +18,8 @@ Every process the stack spawns (the parts, and the broker, S3 store and MLflow s
 <cache>/up.children until it is stopped (`dvi.procs.stop_leftovers`): a part that dies has what it left running
 stopped before it restarts, and a `dvi up` killed outright (SIGKILL, out of memory) has everything it left stopped
 by the next `dvi up` on that cache, which then starts cleanly.
+With `trainer.cpu_priority=pause` the trainer is stopped (SIGSTOP) while the server has a request in flight
+(`HoldWhileBusy`, reading `dvi.busy` files), but for `trainer.pause_share` of the time (`DutyCycle`).
 The drift benchmark (benchmarks/drift.py) runs its replicas with the same `Supervisor`.
 
 It knows how to start, watch and stop the parts, not what they do.
@@ -59,6 +61,9 @@ READY_LINE = "Ctrl-C stops everything"  # in the banner once every part is ready
 # stop does not drop it from its group; not much longer, for a group join takes about half of it, of time the trainer
 # runs (300 s: under paced load it had not joined after 5 minutes, and trained nothing)
 PAUSED_SESSION_MS = 20_000
+# trainer.pause_share's window: under continuous load a paused trainer runs its share of every this many seconds
+# (long enough that a step's work is not cut into slivers, short against the minutes a training session takes)
+DUTY_WINDOW_S = 10.0
 WAIT_SAY_S = 5.0  # while a part starts, say what is awaited this often
 DECISION_MARK = " dvi.decision."  # the loggers whose lines `dvi up` relays (see dvi.cli.setup_logging)
 
@@ -422,18 +427,43 @@ class Hold:
             self.held_pid = None
 
 
+class DutyCycle:
+    """Whether to hold a part while serving is busy, so that it still runs `share` of the time under continuous load:
+    held while busy, but once held `(1 - share) x window_s` without a break it runs `share x window_s` whatever
+    serving does (`trainer.pause_share`). share 0: held whenever busy."""
+
+    def __init__(self, share: float = 0.0, window_s: float = DUTY_WINDOW_S):
+        self.share, self.window_s = share, window_s
+        self.held_since: float | None = None
+        self.free_until = float("-inf")
+
+    def hold(self, busy_now: bool, now: float) -> bool:
+        if now < self.free_until:
+            return False
+        if not busy_now:
+            self.held_since = None
+            return False
+        if self.held_since is None:
+            self.held_since = now
+        if self.share > 0 and now - self.held_since >= (1 - self.share) * self.window_s:
+            self.held_since, self.free_until = None, now + self.share * self.window_s
+            return False
+        return True
+
+
 class HoldWhileBusy(threading.Thread):
     """Keeps `hold` stopped while serving has a request in flight (`dvi.busy` files in `directory`), looking every
-    `every_s`; `close()` ends the watch and lets the part go on."""
+    `every_s`, but for the share of the time `duty` lets it run; `close()` ends the watch and lets the part go on."""
 
-    def __init__(self, hold: Hold, directory: Path, every_s: float = 0.02):
+    def __init__(self, hold: Hold, directory: Path, every_s: float = 0.02, duty: DutyCycle | None = None):
         super().__init__(name="dvi-hold-while-busy", daemon=True)
         self.hold, self.directory, self.every_s = hold, directory, every_s
+        self.duty = duty or DutyCycle()
         self._closed = threading.Event()
 
     def run(self) -> None:
         while not self._closed.wait(self.every_s):
-            self.hold.set(busy(self.directory))
+            self.hold.set(self.duty.hold(busy(self.directory), time.monotonic()))
 
     def close(self) -> None:
         self._closed.set()
@@ -448,6 +478,10 @@ def train_share(trainer: TrainerConfig) -> str:
     why = {"normal": "running beside requests too; pause: stopped while one is in flight", "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves",
            "pause": "stopped while the server has a request in flight: requests never share the CPU with training; "
                     "it trains between them (benchmarks.sharing)"}[trainer.cpu_priority]
+    if trainer.cpu_priority == "pause" and trainer.pause_share > 0:
+        why = (f"stopped while the server has a request in flight but for {trainer.pause_share:.0%} of every "
+               f"{DUTY_WINDOW_S:g} s (trainer.pause_share): requests share the CPU with training that long; it also "
+               "trains between them (benchmarks.sharing)")
     return f"{cores}, CPU priority {trainer.cpu_priority} (trainer.cpu_priority; {why})"
 
 
@@ -469,7 +503,7 @@ def up(args: argparse.Namespace) -> int:
     if pausing:  # the server says in files there whether it has a request in flight; the trainer is stopped while it has
         os.environ[BUSY_ENV] = str(cache / "busy")
     supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: out(line, flush=True))
-    watch = HoldWhileBusy(Hold(supervisor, "train"), cache / "busy") if pausing else None
+    watch = HoldWhileBusy(Hold(supervisor, "train"), cache / "busy", duty=DutyCycle(cfg.trainer.pause_share)) if pausing else None
     pid_path = pid_file(cache)
     pid_path.parent.mkdir(parents=True, exist_ok=True)
     pid_path.write_text(f"{os.getpid()} {start_time(os.getpid())}\n")

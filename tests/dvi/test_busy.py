@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from dvi import busy
-from dvi.cli.up import Hold, HoldWhileBusy
+from dvi.cli.up import DutyCycle, Hold, HoldWhileBusy
 from dvi.procs import spawn
 from dvi.serving.api import ApiError, ClientSlots
 
@@ -88,6 +88,32 @@ def test_the_trainer_is_stopped_while_serving_is_busy_and_goes_on_after(tmp_path
     finally:
         watch.close()
         child.stop(grace_s=5)
+
+
+def held_share(duty: DutyCycle, busy_at, seconds: float, dt: float = 0.01) -> float:
+    """The share of `seconds` (looked at every `dt`) that `duty` holds the part, serving busy when busy_at(t)."""
+    ticks = round(seconds / dt)
+    return sum(duty.hold(busy_at(i * dt), i * dt) for i in range(ticks)) / ticks
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.25, 0.5])
+def test_under_continuous_load_a_paused_part_still_runs_its_share(share):
+    assert held_share(DutyCycle(share, window_s=10), lambda t: True, 600) == pytest.approx(1 - share, abs=0.002)
+    assert held_share(DutyCycle(share, window_s=10), lambda t: False, 60) == 0.0
+
+
+def test_the_duty_cycle_holds_only_while_busy_and_counts_unbroken_holds():
+    duty = DutyCycle(0.25, window_s=10)
+    assert duty.hold(True, 0.0) and duty.hold(True, 7.4)  # held 7.4 s of the 7.5 s it may be
+    assert not duty.hold(True, 7.5) and not duty.hold(True, 9.9)  # then runs 2.5 s, busy or not
+    assert duty.hold(True, 10.0) and duty.hold(True, 17.4) and not duty.hold(True, 17.5)
+    duty = DutyCycle(0.25, window_s=10)
+    # a request at a time with gaps between them: each hold is short, and a gap (it runs) starts the count again
+    for start in range(0, 100, 5):
+        assert duty.hold(True, start) and duty.hold(True, start + 4.0) and not duty.hold(False, start + 4.5)
+    # requests of 4 s back to back: held 7.5 s, run 2.5 s (whatever the requests), the pattern of the window
+    duty = DutyCycle(0.25, window_s=10)
+    assert [duty.hold(True, t) for t in (0, 4, 7, 7.5, 8, 9.9, 10, 12)] == [True, True, True, False, False, False, True, True]
 
 
 def test_a_paused_trainer_keeps_its_consumer_group_over_a_requests_stop():

@@ -87,6 +87,8 @@ def test_a_retention_that_is_not_a_positive_number_of_hours_is_refused(bad, why)
     ("trainer.precision=fp16", r"trainer.precision='fp16': expected auto, fp32, bf16 or bf16-mixed"),
     ("trainer.lr=0", r"trainer.lr=0: expected auto or a number > 0"),
     ("trainer.lr=fast", r"trainer.lr='fast': expected auto or a number > 0"),
+    ("trainer.pause_share=1", r"trainer.pause_share=1.0: expected a number from 0 up to \(not including\) 1"),
+    ("trainer.pause_share=-0.1", r"trainer.pause_share=-0.1: expected a number from 0"),
 ])
 def test_features_and_the_trainers_new_settings_are_checked(override, why):
     with pytest.raises(DviError, match=why):
