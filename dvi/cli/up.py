@@ -428,27 +428,33 @@ class Hold:
 
 
 class DutyCycle:
-    """Whether to hold a part while serving is busy, so that it still runs `share` of the time under continuous load:
-    held while busy, but once held `(1 - share) x window_s` without a break it runs `share x window_s` whatever
-    serving does (`trainer.pause_share`). share 0: held whenever busy."""
+    """Whether to hold a part while serving is busy, so that it still runs `share` of the time under continuous load
+    (`trainer.pause_share`). Each second it is held earns it share / (1 - share) seconds of running; each second it
+    runs (between requests, or on what it earned) spends one. Held while busy until it has earned `share x window_s`;
+    then it runs, busy or not, until that is spent. Under continuous load that is (1 - share) x window_s held, then
+    share x window_s running, however short the gaps between requests; under paced load the gaps spend what it
+    earns and it is held only while busy. share 0: held whenever busy."""
 
     def __init__(self, share: float = 0.0, window_s: float = DUTY_WINDOW_S):
         self.share, self.window_s = share, window_s
-        self.held_since: float | None = None
-        self.free_until = float("-inf")
+        self.earned = 0.0  # seconds of running it is owed
+        self.spending = False  # running on what it earned, busy or not
+        self.held = False
+        self.last: float | None = None
 
     def hold(self, busy_now: bool, now: float) -> bool:
-        if now < self.free_until:
-            return False
-        if not busy_now:
-            self.held_since = None
-            return False
-        if self.held_since is None:
-            self.held_since = now
-        if self.share > 0 and now - self.held_since >= (1 - self.share) * self.window_s:
-            self.held_since, self.free_until = None, now + self.share * self.window_s
-            return False
-        return True
+        dt = 0.0 if self.last is None else max(0.0, now - self.last)
+        self.last = now
+        if self.held:
+            self.earned += dt * self.share / (1 - self.share)
+        else:
+            self.earned = max(0.0, self.earned - dt)
+        if self.spending and self.earned <= 0:
+            self.spending = False
+        if not self.spending and busy_now and self.share > 0 and self.earned >= self.share * self.window_s:
+            self.spending = True
+        self.held = busy_now and not self.spending
+        return self.held
 
 
 class HoldWhileBusy(threading.Thread):
