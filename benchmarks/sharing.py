@@ -12,7 +12,7 @@ same prompt, and the medians are reported per policy and phase, beside the train
 - `normal`: the trainer on every core at normal priority (`trainer.cpu_priority=normal`);
 - `nice`: every core, nice 19 (`trainer.cpu_priority=nice`);
 - `idle`: every core, Linux's SCHED_IDLE (`trainer.cpu_priority=idle`): only CPU time no other process wants;
-- `pause`: every core, stopped while the server has a request in flight (`trainer.cpu_priority=pause`);
+- `pause`: every core, stopped while the server has a request in flight (`trainer.cpu_priority=pause trainer.pause_share=0`);
 - `duty`: `pause`, but running `--duty-share` (0.25) of the time however busy the server is (`trainer.pause_share`);
 - `own core`: the trainer on the last core, the replica's engine on the others (`trainer.cpu_bind`,
   `serve.vllm.cpu_bind`), normal priority;
@@ -40,7 +40,7 @@ def policies(cores: frozenset[int], duty_share: float = 0.25) -> dict[str, tuple
     last = max(cores)
     own = ([], [f"trainer.cpu_bind={last}", f"serve.vllm.cpu_bind={core_list(cores - {last})}", "trainer.cpu_priority=normal"])
     return {"normal": ([], ["trainer.cpu_priority=normal"]), "nice": ([], ["trainer.cpu_priority=nice"]),
-            "idle": ([], ["trainer.cpu_priority=idle"]), "pause": ([], ["trainer.cpu_priority=pause"]),
+            "idle": ([], ["trainer.cpu_priority=idle"]), "pause": ([], ["trainer.cpu_priority=pause", "trainer.pause_share=0"]),
             "duty": ([], ["trainer.cpu_priority=pause", f"trainer.pause_share={duty_share}"]),
             "own core": own, "no trainer": (["--no-train"], [])}
 

@@ -510,13 +510,15 @@ class TrainerConfig:
     # the server has a request in flight: dvi.cli.up.HoldWhileBusy). On a 2-core CPU neither nice nor idle kept the
     # trainer from slowing requests; paused, requests back to back took 0.87x plain vLLM's latency where at normal
     # priority they took 1.43x, and paced ones 0.81x with the trainer training as fast as at normal priority
-    # (benchmarks.sharing); but under back-to-back traffic a paused trainer trains nothing and the loop never adapts,
-    # so the default stays normal
+    # (benchmarks.sharing); under back-to-back traffic a paused trainer runs only its pause_share of the time. The
+    # default stays normal: pause suits a machine with few cores and no GPU for the trainer, not one with either
     cpu_priority: str = "normal"
     # with cpu_priority pause: the share of the time the trainer runs even while a request is in flight, so that
     # continuous traffic still leaves it time to train (dvi.cli.up.DutyCycle: after (1 - share) x 10 s stopped, it
-    # runs share x 10 s); 0: only between requests
-    pause_share: float = 0.0
+    # runs share x 10 s); 0: only between requests. At 0.25, one client's back-to-back requests to `dvi up` took 0.90x
+    # plain vLLM's latency over minutes 10-12 (1.00x over all 12) and a published drafter was promoted at minute 4,
+    # where at normal priority they took 1.70-2.38x, and at 0 the trainer never trained (benchmarks.first_publish)
+    pause_share: float = 0.25
 
     def __post_init__(self) -> None:
         _check(bool(self.group_id), "trainer.group_id", self.group_id, "a consumer group name")

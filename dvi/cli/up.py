@@ -481,7 +481,7 @@ class HoldWhileBusy(threading.Thread):
 def train_share(trainer: TrainerConfig) -> str:
     """How the trainer shares the machine with serving, for the banner: its cores and CPU priority, and why."""
     cores = "every core" if trainer.cpu_bind == "auto" else f"cores {trainer.cpu_bind} (trainer.cpu_bind)"
-    why = {"normal": "running beside requests too; pause: stopped while one is in flight", "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves",
+    why = {"normal": "running beside requests too; with few cores, pause: stopped while one is in flight but for a share of the time", "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves",
            "pause": "stopped while the server has a request in flight: requests never share the CPU with training; "
                     "it trains between them (benchmarks.sharing)"}[trainer.cpu_priority]
     if trainer.cpu_priority == "pause" and trainer.pause_share > 0:

@@ -252,8 +252,8 @@ def test_the_trainers_cpu_priority_is_one_of_the_named():
         TrainerConfig(cpu_priority="low")
     assert train_share(TrainerConfig(cpu_priority="idle", cpu_bind="1")).startswith("cores 1 (trainer.cpu_bind), CPU priority idle")
     assert train_share(TrainerConfig()).startswith("every core, CPU priority normal (trainer.cpu_priority; ")
-    assert "stopped while the server has a request in flight: " in train_share(TrainerConfig(cpu_priority="pause"))
-    assert "in flight but for 25% of every 10 s (trainer.pause_share)" in train_share(TrainerConfig(cpu_priority="pause", pause_share=0.25))
+    assert "stopped while the server has a request in flight: " in train_share(TrainerConfig(cpu_priority="pause", pause_share=0))
+    assert "in flight but for 25% of every 10 s (trainer.pause_share)" in train_share(TrainerConfig(cpu_priority="pause"))
 
 
 def test_the_online_trainer_and_every_thread_it_starts_run_at_its_cpu_priority():
