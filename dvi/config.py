@@ -517,7 +517,8 @@ class TrainerConfig:
     # continuous traffic still leaves it time to train (dvi.cli.up.DutyCycle: after (1 - share) x 10 s stopped, it
     # runs share x 10 s); 0: only between requests. At 0.25, one client's back-to-back requests to `dvi up` took 0.90x
     # plain vLLM's latency over minutes 10-12 (1.00x over all 12) and a published drafter was promoted at minute 4,
-    # where at normal priority they took 1.70-2.38x, and at 0 the trainer never trained (benchmarks.first_publish)
+    # where at normal priority they took 1.70-2.38x (benchmarks.first_publish); at 0 it trained nothing under
+    # back-to-back requests (benchmarks.sharing's continuous phase)
     pause_share: float = 0.25
 
     def __post_init__(self) -> None:
@@ -559,8 +560,8 @@ class TrainerConfig:
         _check(self.cpu_bind == "auto" or CORE_LIST.fullmatch(self.cpu_bind) is not None, "trainer.cpu_bind", self.cpu_bind,
                'auto or a list of cores such as "1" or "2-3"')
         _check(self.cpu_priority in CPU_PRIORITIES, "trainer.cpu_priority", self.cpu_priority, ", ".join(CPU_PRIORITIES))
-        _check(isinstance(self.pause_share, (int, float)) and not isinstance(self.pause_share, bool)
-               and 0 <= self.pause_share < 1, "trainer.pause_share", self.pause_share, "a number from 0 up to (not including) 1")
+        _check(_number(self.pause_share) and 0 <= self.pause_share < 1, "trainer.pause_share", self.pause_share,
+               "a number from 0 up to (not including) 1")
         _check(self.replay_mb > 0 and self.holdout_mb > 0, "trainer.replay_mb/holdout_mb", (self.replay_mb, self.holdout_mb),
                "sizes > 0 MiB")
         _check(self.gate_every >= 1, "trainer.gate_every", self.gate_every, "an integer >= 1")

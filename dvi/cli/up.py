@@ -481,13 +481,13 @@ class HoldWhileBusy(threading.Thread):
 def train_share(trainer: TrainerConfig) -> str:
     """How the trainer shares the machine with serving, for the banner: its cores and CPU priority, and why."""
     cores = "every core" if trainer.cpu_bind == "auto" else f"cores {trainer.cpu_bind} (trainer.cpu_bind)"
-    why = {"normal": "running beside requests too; with few cores, pause: stopped while one is in flight but for a share of the time", "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves",
-           "pause": "stopped while the server has a request in flight: requests never share the CPU with training; "
-                    "it trains between them (benchmarks.sharing)"}[trainer.cpu_priority]
-    if trainer.cpu_priority == "pause" and trainer.pause_share > 0:
-        why = (f"stopped while the server has a request in flight but for {trainer.pause_share:.0%} of every "
-               f"{DUTY_WINDOW_S:g} s (trainer.pause_share): requests share the CPU with training that long; it also "
-               "trains between them (benchmarks.sharing)")
+    paused = ("stopped while the server has a request in flight: requests never share the CPU with training"
+              if trainer.pause_share == 0 else
+              f"stopped while the server has a request in flight but for {trainer.pause_share:.0%} of every "
+              f"{DUTY_WINDOW_S:g} s (trainer.pause_share): requests share the CPU with training that long")
+    why = {"normal": "running beside requests too; with few cores, pause: stopped while one is in flight but for a share of the time",
+           "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves",
+           "pause": f"{paused}; it trains between them (benchmarks.sharing)"}[trainer.cpu_priority]
     return f"{cores}, CPU priority {trainer.cpu_priority} (trainer.cpu_priority; {why})"
 
 
