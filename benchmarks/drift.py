@@ -26,7 +26,10 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    beside it: on a machine of few cores, servers decoding at once measure how they share the cores; `--batch N`
    sends N prompts to a side at once (batch N) before the next side's turn; `--pause-trainer` stops the trainer
    during the frozen and target-only turns, so that those sides run as they do without a trainer and the online
-   side as `dvi up` runs, its trainer beside it (the trainer then trains only during the online side's turns);
+   side as `dvi up` runs, its trainer beside it (the trainer then trains only during the online side's turns). Where
+   `trainer.cpu_priority` settles to pause (auto's choice on a machine without a GPU: `dvi.hardware.pick_cpu_priority`),
+   the trainer is also stopped while the online replica has a request in flight, but for `trainer.pause_share` of the
+   time, as `dvi up` stops it (`dvi.cli.up.HoldWhileBusy` over the online replica's `dvi.busy` files);
 5. analysis (pure functions below): acceptance, mean accepted length and tokens/s by phase, domain, side and
    drafter version; how many rounds each new domain took to recover to within `tolerance` of the level the online
    drafter reached on A; whether A holds its level when it comes back; on `--stack up` the headline's targets
@@ -59,7 +62,9 @@ from benchmarks import workloads
 from benchmarks.bench_vllm import Server, plain_vllm, server_env
 from dvi import store
 from dvi.alloc import limit_arenas
-from dvi.cli.up import Hold, Part, Supervisor, banner, plan
+from dvi.busy import ENV as BUSY_ENV
+from dvi.cli.args import trainer_priority
+from dvi.cli.up import PAUSED_SESSION_MS, DutyCycle, Hold, HoldWhileBusy, Part, Supervisor, banner, plan
 from dvi.config import flat_params, load_config, overrides_of
 from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Request
@@ -568,25 +573,43 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
         # the replicas and the trainer start together (the broker and MLflow are up): `needs` none
         ready_s = 900 if opt.stack == "up" else 300  # up: three servers compiling at once on every core (dvi up: 900 s)
 
-        def replica(side: str, *extra: str) -> Part:
-            return Part(side, ["serve", *extra, *pinned, f"serve.port={ports[side]}", f"stream.replica_id={side}"],
-                        lambda _: http_ok(f"{urls[side]}/health"), ready_s, needs=())
+        own = [f"trainer.cpu_bind={trainer_cores}"] if trainer_cores else []
+        # the trainer stopped while the online replica answers, as `dvi up` stops it, where its priority settles to pause
+        pausing = trainer_priority(load_config([*common, *pinned, *own])).value == "pause"
+        busy_dir = work / "busy"
 
-        parts = [replica("online"), replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false")]
+        def replica(side: str, *extra: str, env: dict[str, str] | None = None) -> Part:
+            return Part(side, ["serve", *extra, *pinned, f"serve.port={ports[side]}", f"stream.replica_id={side}"],
+                        lambda _: http_ok(f"{urls[side]}/health"), ready_s, needs=(), env=env)
+
+        parts = [replica("online", env={BUSY_ENV: str(busy_dir)} if pausing else None),
+                 replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false")]
         models, plain = {}, None
         if opt.stack == "dvi":
             parts.append(replica("plain", "--no-draft", "serve.swap.enabled=false", "serve.log_decisions=false"))
         parts.append(Part("train", ["train", *([f"model.drafter={store.default_root(cfg) / version}"] if version else []),
-                                    f"trainer.run_dir={work / 'trainer'}",
-                                    *([f"trainer.cpu_bind={trainer_cores}"] if trainer_cores else []),
+                                    f"trainer.run_dir={work / 'trainer'}", *own,
                                     # stopped while other sides answer: its consumer group must not expire meanwhile
-                                    *(["stream.session_timeout_ms=300000"] if opt.pause_trainer else [])],
+                                    *(["stream.session_timeout_ms=300000"] if opt.pause_trainer else
+                                      [f"stream.session_timeout_ms={max(PAUSED_SESSION_MS, cfg.stream.session_timeout_ms)}"]
+                                      if pausing else [])],
                           banner("dvi train:"), ready_s, needs=()))
         # each part names its drafter (the trainer the bootstrap version, the replicas the store's newest): a
         # model.drafter given to the run picks what the bootstrap distills, and must not override theirs
         services = Supervisor(parts, [o for o in common if not o.startswith("model.drafter=")] if version else common,
                               work / "logs", say=say)
-        hold = Hold(services, "train") if opt.pause_trainer else None
+        hold = Hold(services, "train") if opt.pause_trainer or pausing else None
+        turn = ["online"]  # whose turn it is (--serial)
+
+        def turn_of(side: str) -> None:
+            turn[0] = side
+            if opt.pause_trainer and (side != "online" or not pausing):  # the online side's turn: the watch decides
+                hold.set(side != "online")
+
+        # the online side's turns as `dvi up` runs it: stopped while it answers, but for pause_share of the time (its
+        # duty clock standing still through the other sides' turns, when the trainer is stopped anyway)
+        watch = HoldWhileBusy(hold, busy_dir, duty=DutyCycle(cfg.trainer.pause_share),
+                              also=(lambda: turn[0] != "online") if opt.pause_trainer else None) if pausing else None
         try:
             if opt.stack in ("vllm", "up"):  # the peer: plain vLLM's own server at the same dtype, compiled, no drafter
                 target_dir, _ = pair_dirs(cfg.model, False)
@@ -599,15 +622,21 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
                 models["plain"] = str(target_dir)
                 say(f"drift: plain vLLM ({dtype}, compiled) at {urls['plain']}")
             services.start()
+            if watch:
+                watch.start()
             say(f"drift: replaying {' -> '.join(opt.schedule)} ({', '.join(map(str, opt.budgets()))} online "
                 f"rounds) against {', '.join(urls.values())}")
             with (work / "samples.jsonl").open("w") as kept:  # each sample as it comes: a run that fails keeps what it had
                 samples = replay(urls, opt, say, tick=services.tick, models=models,
-                                 turn_of=(lambda side: hold.set(side != "online")) if hold else (lambda side: None),
+                                 turn_of=turn_of,
                                  keep=lambda sample: (kept.write(json.dumps(asdict(sample)) + "\n"), kept.flush()))
         finally:
+            if watch:
+                watch.close()
             if hold:
-                say(f"drift: the trainer was stopped {hold.held_s:.0f} s of the replay (the frozen and target-only turns)")
+                why = [w for w, on in (("the frozen and target-only turns", opt.pause_trainer),
+                                       ("the online replica's requests but for trainer.pause_share", pausing)) if on]
+                say(f"drift: the trainer was stopped {hold.held_s:.0f} s of the replay ({' and '.join(why)})")
                 hold.set(False)
             services.stop()
             if plain is not None:

@@ -505,14 +505,15 @@ class TrainerConfig:
     # "1" or "2-3": these alone, its torch threads one per core. On a machine without a GPU, a trainer beside serving
     # replicas takes whatever cores they leave it: give each its own (serve.vllm.cpu_bind for the replicas)
     cpu_bind: str = "auto"
-    # the trainer's CPU priority beside serving on the same machine (dvi.hardware.lower_cpu_priority): normal, nice
+    # the trainer's CPU priority beside serving on the same machine (dvi.hardware.lower_cpu_priority): auto, normal, nice
     # (nice 19), idle (SCHED_IDLE: only CPU time no other process wants) or pause (normal, and `dvi up` stops it while
-    # the server has a request in flight: dvi.cli.up.HoldWhileBusy). On a 2-core CPU neither nice nor idle kept the
-    # trainer from slowing requests; paused, requests back to back took 0.87x plain vLLM's latency where at normal
-    # priority they took 1.43x, and paced ones 0.81x with the trainer training as fast as at normal priority
-    # (benchmarks.sharing); under back-to-back traffic a paused trainer runs only its pause_share of the time. The
-    # default stays normal: pause suits a machine with few cores and no GPU for the trainer, not one with either
-    cpu_priority: str = "normal"
+    # the server has a request in flight but for pause_share of the time: dvi.cli.up.HoldWhileBusy). auto is pause where
+    # the trainer trains on the CPU on cores the server runs on too (a machine with few cores and no GPU, as `dvi up`
+    # starts both), normal where it trains on a GPU or on cores of its own (dvi.hardware.pick_cpu_priority). On a 2-core
+    # CPU neither nice nor idle kept the trainer from slowing requests; paused, requests back to back took 0.87x plain
+    # vLLM's latency where at normal priority they took 1.43x, and paced ones 0.81x with the trainer training as fast as
+    # at normal priority (benchmarks.sharing)
+    cpu_priority: str = "auto"
     # with cpu_priority pause: the share of the time the trainer runs even while a request is in flight, so that
     # continuous traffic still leaves it time to train (dvi.cli.up.DutyCycle: after (1 - share) x 10 s stopped, it
     # runs share x 10 s); 0: only between requests. At 0.25, one client's back-to-back requests to `dvi up` took 0.90x

@@ -16,7 +16,8 @@
 
 - `trainer.cpu_priority` puts the online trainer (and every thread it starts) at nice 19 or SCHED_IDLE
   (`lower_cpu_priority`), for a machine it shares with serving; `pause` leaves its priority, and `dvi up` stops it
-  while the server has a request in flight (`dvi.cli.up.HoldWhileBusy`).
+  while the server has a request in flight (`dvi.cli.up.HoldWhileBusy`); auto is pause where the trainer trains on the
+  CPU on cores serving runs on too, normal where it has a GPU or cores of its own (`pick_cpu_priority`).
 
 Each answer comes with the reason, for `dvi config show` and the start-up banners. This module imports neither torch
 nor vLLM unless it must (a CPU's flags are read from /proc/cpuinfo where there is one), so a light command can ask.
@@ -136,15 +137,43 @@ def pick_precision(name: str, device_type: str) -> Pick:
     return _by_bf16(name, "trainer.precision", device_type, "bf16", "bf16-mixed", "fp32")
 
 
-CPU_PRIORITIES = ("normal", "nice", "idle", "pause")  # trainer.cpu_priority's values
+CPU_PRIORITIES = ("auto", "normal", "nice", "idle", "pause")  # trainer.cpu_priority's values
+
+
+def device_type(name: str) -> str:
+    """The device type, cuda or cpu, that `model.device=name` settles to, without importing torch: auto is CUDA where
+    an NVIDIA driver is loaded (torch confirms when it loads, `resolve_device`)."""
+    if name == "auto":
+        return "cuda" if Path("/proc/driver/nvidia/version").exists() else "cpu"
+    return "cuda" if name.startswith("cuda") else "cpu"
+
+
+def pick_cpu_priority(name: str, device: str, trainer_bind: str, serve_bind: str) -> Pick:
+    """`trainer.cpu_priority` for the online trainer beside a server on this machine, given `model.device` (`device`),
+    `trainer.cpu_bind` and the cores the server runs on (`serve_bind`, as `serve.vllm.cpu_bind`): a named priority as
+    is; auto is pause where the trainer trains on the CPU on cores the server runs on too (a machine with few cores, as
+    `dvi up` starts both: there every step it takes while a request is in flight slows that request), normal where it
+    trains on a GPU or on cores of its own."""
+    if name != "auto":
+        return Pick(name, "trainer.cpu_priority")
+    if device_type(device) == "cuda":
+        return Pick("normal", "auto: it trains on the GPU")
+    serving = bound_cores(serve_bind) or bound_cores("auto")  # nobind: unpinned, on any core this process may use
+    shared = bound_cores(trainer_bind, "trainer.cpu_bind") & serving
+    if not shared:
+        return Pick("normal", f"auto: it trains on cores of its own, {core_list(bound_cores(trainer_bind))}; serving "
+                              f"runs on {core_list(serving)}")
+    return Pick("pause", f"auto: no GPU, and it trains on {len(shared)} of the {len(serving)} cores serving runs on")
 
 
 def lower_cpu_priority(priority: str) -> None:
     """This thread, and every thread and process it starts from here on, at CPU `priority`: normal leaves it as it is,
     nice is nice 19 (the least share of the CPU a normal process gets), idle is Linux's SCHED_IDLE (runs only when no
     other process wants the core), pause leaves it too (`dvi up` stops the process while serving answers); `priority` is
-    one of CPU_PRIORITIES (TrainerConfig checks it). Call it before torch
-    starts its threads: threads started earlier keep theirs."""
+    one of CPU_PRIORITIES but auto (`pick_cpu_priority` settles that). Call it before torch starts its threads:
+    threads started earlier keep theirs."""
+    if priority not in CPU_PRIORITIES[1:]:
+        raise ValueError(f"lower_cpu_priority({priority!r}): expected one of {', '.join(CPU_PRIORITIES[1:])}")
     if priority == "nice":
         os.setpriority(os.PRIO_PROCESS, 0, 19)  # on Linux a thread's own: the calling one, inherited by those it starts
     elif priority == "idle":

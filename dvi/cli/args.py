@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from dvi.alloc import limit_kernel_caches
 from dvi.config import INIT_DRAFTER, DviConfig, check_sampling, load_config, overrides_of
 from dvi.errors import DviError
-from dvi.hardware import bound_cores, lower_cpu_priority, pick_engine, replica_cores, resolve_device, resolve_dtype
+from dvi.hardware import (Pick, bound_cores, lower_cpu_priority, pick_cpu_priority, pick_engine, replica_cores, resolve_device,
+                          resolve_dtype)
 from dvi.model_files import require_gguf_file, require_model_dir
 
 
@@ -87,12 +88,12 @@ def serve(args: argparse.Namespace) -> DviConfig:
     return cfg
 
 
-def train(args: argparse.Namespace) -> DviConfig:
-    """`dvi train`'s and `dvi drafter distill`'s config, checked. Torch is not loaded yet: the caches of its bf16 CPU
-    matmuls are capped (`dvi.alloc.limit_kernel_caches`), and given cores of its own (`trainer.cpu_bind`), the process
-    runs on them alone from here on, with one torch thread per core (torch sizes its thread pool from the cores the
-    process may use)."""
-    cfg = config(args)
+def train(args: argparse.Namespace, cfg: DviConfig | None = None) -> DviConfig:
+    """`dvi train`'s and `dvi drafter distill`'s config (`cfg` where the caller loaded it), checked. Torch is not loaded
+    yet: the caches of its bf16 CPU matmuls are capped (`dvi.alloc.limit_kernel_caches`), and given cores of its own
+    (`trainer.cpu_bind`), the process runs on them alone from here on, with one torch thread per core (torch sizes its
+    thread pool from the cores the process may use)."""
+    cfg = cfg or config(args)
     limit_kernel_caches()  # the bf16 target forward meets a new shape with each batch (dvi.alloc)
     if cfg.trainer.cpu_bind != "auto":
         cores = bound_cores(cfg.trainer.cpu_bind, "trainer.cpu_bind")  # DviError for a core not ours
@@ -105,6 +106,16 @@ def online_train(args: argparse.Namespace) -> DviConfig:
     """`dvi train`'s config (`train`), and the process at the CPU priority `trainer.cpu_priority` names
     (`dvi.hardware.lower_cpu_priority`: the online trainer beside serving on one machine), set before torch starts its
     threads so that every one of them has it."""
-    cfg = train(args)
-    lower_cpu_priority(cfg.trainer.cpu_priority)
+    cfg = config(args)
+    priority = trainer_priority(cfg).value  # before `train` narrows the process to the trainer's cores: it reads the server's
+    cfg = train(args, cfg)
+    lower_cpu_priority(priority)
     return cfg
+
+
+def trainer_priority(cfg: DviConfig) -> Pick:
+    """The CPU priority `trainer.cpu_priority` settles to for the online trainer beside `cfg`'s server on this machine
+    (`dvi.hardware.pick_cpu_priority`; the server's cores are serve.vllm.cpu_bind's where it serves with vLLM, every
+    core with dvi's own engine), and why."""
+    serve_bind = cfg.serve.vllm.cpu_bind if pick_engine(cfg.serve.engine).value == "vllm-server" else "auto"
+    return pick_cpu_priority(cfg.trainer.cpu_priority, cfg.model.device, cfg.trainer.cpu_bind, serve_bind)

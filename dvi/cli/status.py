@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dvi.cli.args import trainer_priority
 from dvi.cli.output import out
 from dvi.config import load_config, overrides_of, shown
-from dvi.hardware import pick_dtype, pick_engine
+from dvi.hardware import device_type, pick_dtype, pick_engine
 from dvi.procs import local_get
 from dvi.tracking import loop_view, redact
 
@@ -179,12 +179,9 @@ def config_show(args: argparse.Namespace) -> int:
     text = OmegaConf.to_yaml(OmegaConf.create(shown(cfg)))
     out(redact(text), end="")
     # what the auto settings settle to here (a comment: the YAML above stays the config as given)
-    device = "cuda" if cfg.model.device.startswith("cuda") else "cpu" if cfg.model.device == "cpu" else _auto_device()
+    device = device_type(cfg.model.device)
     out(f"# on this machine: serve.engine -> {pick_engine(cfg.serve.engine)}")
     out(f"# on this machine: model.dtype -> {pick_dtype(cfg.model.dtype, device)} on {device}")
+    out(f"# on this machine: trainer.cpu_priority -> {trainer_priority(cfg)} beside dvi serve")
     return 0
 
-
-def _auto_device() -> str:
-    """model.device=auto without importing torch: CUDA when an NVIDIA driver is loaded (torch confirms when it loads)."""
-    return "cuda" if Path("/proc/driver/nvidia/version").exists() else "cpu"

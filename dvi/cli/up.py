@@ -18,7 +18,8 @@ Every process the stack spawns (the parts, and the broker, S3 store and MLflow s
 <cache>/up.children until it is stopped (`dvi.procs.stop_leftovers`): a part that dies has what it left running
 stopped before it restarts, and a `dvi up` killed outright (SIGKILL, out of memory) has everything it left stopped
 by the next `dvi up` on that cache, which then starts cleanly.
-With `trainer.cpu_priority=pause` the trainer is stopped (SIGSTOP) while the server has a request in flight
+With `trainer.cpu_priority=pause` (auto's choice where the trainer trains on the CPU cores serving runs on:
+`dvi.hardware.pick_cpu_priority`) the trainer is stopped (SIGSTOP) while the server has a request in flight
 (`HoldWhileBusy`, reading `dvi.busy` files), but for `trainer.pause_share` of the time (`DutyCycle`).
 The drift benchmark (benchmarks/drift.py) runs its replicas with the same `Supervisor`.
 
@@ -41,9 +42,10 @@ from typing import Callable
 from dvi.busy import ENV as BUSY_ENV
 from dvi.busy import busy
 from dvi.cli.output import ERROR_PREFIX, out
+from dvi.cli.args import trainer_priority
 from dvi.config import TrainerConfig, cache_dir, load_config, overrides_of
 from dvi.errors import DviError
-from dvi.hardware import pick_engine
+from dvi.hardware import Pick, pick_engine
 from dvi.mlflow_login import local_login
 from dvi.procs import (REGISTRY_ENV, Child, http_ok, look_ready, port_in_use, signal_group, sigterm_interrupts, spawn, start_time,
                        stop_leftovers)
@@ -83,6 +85,7 @@ class Part:
     ready_timeout_s: float
     # the parts that must be ready before it starts (those its supervisor runs; None: every part before it)
     needs: tuple[str, ...] | None = None
+    env: dict[str, str] | None = None  # set in its environment, over the supervisor's own
 
 
 def banner(prefix: str) -> Callable[[Child], str | None]:
@@ -113,7 +116,7 @@ def plan(cfg, only: set[str] | None = None, train: bool = True) -> list[Part]:
         # stopped while serving answers (trainer.cpu_priority=pause): a request's time at a time, minutes while requests
         # come back to back; its consumer group keeps it over a request's stop (PAUSED_SESSION_MS)
         paused = [f"stream.session_timeout_ms={max(PAUSED_SESSION_MS, cfg.stream.session_timeout_ms)}"] \
-            if cfg.trainer.cpu_priority == "pause" else []
+            if trainer_priority(cfg).value == "pause" else []
         parts.append(Part("train", ["train", *paused], banner("dvi train:"), 300, needs=INFRA))
     return [p for p in parts if only is None or p.name in only]
 
@@ -138,7 +141,7 @@ class Supervisor:
 
     def _spawn(self, part: Part) -> Child:
         cmd = [sys.executable, "-m", "dvi.cli", *part.args, *self.overrides]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(part.env or {})}
         log_path = self.log_dir / f"{part.name}.log"
         self._read_at[part.name] = log_path.stat().st_size if log_path.exists() else 0  # this launch's lines only
         return spawn(part.name, cmd, log_path=log_path, env=env)
@@ -456,20 +459,31 @@ class DutyCycle:
         self.held = busy_now and not self.spending
         return self.held
 
+    def stand(self, now: float) -> None:
+        """The time up to `now` counts neither as held nor as running: the part was stopped for another reason."""
+        self.last = now
+
 
 class HoldWhileBusy(threading.Thread):
     """Keeps `hold` stopped while serving has a request in flight (`dvi.busy` files in `directory`), looking every
-    `every_s`, but for the share of the time `duty` lets it run; `close()` ends the watch and lets the part go on."""
+    `every_s`, but for the share of the time `duty` lets it run, and whenever `also()` says so (the duty's clock
+    standing still meanwhile: benchmarks.drift's other sides' turns); `close()` ends the watch and lets the part go on."""
 
-    def __init__(self, hold: Hold, directory: Path, every_s: float = 0.02, duty: DutyCycle | None = None):
+    def __init__(self, hold: Hold, directory: Path, every_s: float = 0.02, duty: DutyCycle | None = None,
+                 also: Callable[[], bool] | None = None):
         super().__init__(name="dvi-hold-while-busy", daemon=True)
-        self.hold, self.directory, self.every_s = hold, directory, every_s
+        self.hold, self.directory, self.every_s, self.also = hold, directory, every_s, also
         self.duty = duty or DutyCycle()
         self._closed = threading.Event()
 
     def run(self) -> None:
         while not self._closed.wait(self.every_s):
-            self.hold.set(self.duty.hold(busy(self.directory), time.monotonic()))
+            now = time.monotonic()
+            if self.also is not None and self.also():
+                self.duty.stand(now)
+                self.hold.set(True)
+            else:
+                self.hold.set(self.duty.hold(busy(self.directory), now))
 
     def close(self) -> None:
         self._closed.set()
@@ -478,17 +492,16 @@ class HoldWhileBusy(threading.Thread):
         self.hold.set(False)
 
 
-def train_share(trainer: TrainerConfig) -> str:
-    """How the trainer shares the machine with serving, for the banner: its cores and CPU priority, and why."""
+def train_share(trainer: TrainerConfig, priority: Pick) -> str:
+    """How the trainer shares the machine with serving, for the banner: its cores and CPU priority (`priority`, what
+    `trainer.cpu_priority` settled to: `dvi.cli.args.trainer_priority`), and why."""
     cores = "every core" if trainer.cpu_bind == "auto" else f"cores {trainer.cpu_bind} (trainer.cpu_bind)"
-    paused = ("stopped while the server has a request in flight: requests never share the CPU with training"
-              if trainer.pause_share == 0 else
-              f"stopped while the server has a request in flight but for {trainer.pause_share:.0%} of every "
-              f"{DUTY_WINDOW_S:g} s (trainer.pause_share): requests share the CPU with training that long")
-    why = {"normal": "running beside requests too; with few cores, pause: stopped while one is in flight but for a share of the time",
-           "nice": "nice 19", "idle": "SCHED_IDLE: the CPU time serving leaves",
-           "pause": f"{paused}; it trains between them (benchmarks.sharing)"}[trainer.cpu_priority]
-    return f"{cores}, CPU priority {trainer.cpu_priority} (trainer.cpu_priority; {why})"
+    duty = "" if trainer.pause_share == 0 else \
+        f" but for {trainer.pause_share:.0%} of every {DUTY_WINDOW_S:g} s (trainer.pause_share)"
+    how = {"normal": "running beside requests", "nice": "nice 19, running beside requests",
+           "idle": "SCHED_IDLE: the CPU time serving leaves",
+           "pause": f"stopped while the server has a request in flight{duty}, training between requests"}[priority.value]
+    return f"{cores}, CPU priority {priority.value} ({priority.why}): {how}"
 
 
 def up(args: argparse.Namespace) -> int:
@@ -505,7 +518,8 @@ def up(args: argparse.Namespace) -> int:
         return detach(args, cache)
     os.environ[REGISTRY_ENV] = str(children_dir(cache))  # every process the stack spawns, recorded until stopped
     names = {p.name for p in parts}
-    pausing = cfg.trainer.cpu_priority == "pause" and {"serve", "train"} <= names
+    priority = trainer_priority(cfg)
+    pausing = priority.value == "pause" and {"serve", "train"} <= names
     if pausing:  # the server says in files there whether it has a request in flight; the trainer is stopped while it has
         os.environ[BUSY_ENV] = str(cache / "busy")
     supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: out(line, flush=True))
@@ -535,7 +549,7 @@ def up(args: argparse.Namespace) -> int:
             if "broker" in names:
                 lines.append(f"  Kafka   {cfg.stream.bootstrap}  (topic {cfg.stream.topic}; `dvi stream tail`)")
             if "train" in names:  # how it shares the machine with serving (trainer.cpu_bind, trainer.cpu_priority)
-                lines.append(f"  trainer {train_share(cfg.trainer)}")
+                lines.append(f"  trainer {train_share(cfg.trainer, priority)}")
             lines.append(f"  logs    {cache / 'logs'}")
             out("\n".join(lines), flush=True)
             while True:

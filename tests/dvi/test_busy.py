@@ -118,6 +118,30 @@ def test_the_duty_cycle_holds_while_busy_until_it_has_earned_its_run():
     assert [DutyCycle(0.0).hold(True, t) for t in (0, 100, 1000)] == [True] * 3  # share 0: plain pause
 
 
+def test_time_the_part_is_stopped_for_another_reason_neither_earns_nor_spends():
+    """`DutyCycle.stand`: benchmarks.drift's other sides' turns, when the trainer is stopped whatever serving does."""
+    duty = DutyCycle(0.25, window_s=10)
+    assert duty.hold(True, 0.0) and duty.hold(True, 5.0)  # held 5 s: 1.67 s earned
+    duty.stand(100.0)  # stopped for another reason from 5 s to 100 s
+    assert duty.hold(True, 102.4) and not duty.hold(True, 102.6)  # 7.4 s, then 7.6 s held in all: it runs
+
+
+def test_the_watch_stops_the_part_whenever_also_says_so(tmp_path):
+    child = spawn("train", [sys.executable, "-c", "import time; time.sleep(120)"], log_path=tmp_path / "train.log")
+    supervisor = SimpleNamespace(children={"train": child}, restarting=lambda name: False)
+    other_turn = [True]
+    watch = HoldWhileBusy(Hold(supervisor, "train"), tmp_path / "busy", every_s=0.01, duty=DutyCycle(0.25),
+                          also=lambda: other_turn[0])
+    watch.start()
+    try:
+        assert wait_for(child.pid, "T") == "T"  # serving idle, but stopped all the same
+        other_turn[0] = False
+        assert wait_for(child.pid, "S") == "S"
+    finally:
+        watch.close()
+        child.stop(grace_s=5)
+
+
 def test_a_paused_trainer_keeps_its_consumer_group_over_a_requests_stop():
     from dvi.cli.up import PAUSED_SESSION_MS, plan
     from dvi.config import load_config

@@ -16,7 +16,8 @@ import pytest
 from dvi.cli.vllm import server as vllm_server
 from dvi.config import TrainerConfig, VllmConfig, load_config
 from dvi.errors import DviError
-from dvi.hardware import VLLM_WORKER, bound_cores, parse_cores, pinned_engines, replica_cores, shared_cores
+from dvi import hardware
+from dvi.hardware import VLLM_WORKER, Pick, bound_cores, parse_cores, pinned_engines, replica_cores, shared_cores
 from dvi.procs import free_port
 
 PINNED_WORKER = f"""
@@ -245,15 +246,36 @@ print(cfg.trainer.cpu_priority, os.sched_getscheduler(0) == os.SCHED_IDLE, os.ge
 def test_the_trainers_cpu_priority_is_one_of_the_named():
     from dvi.cli.up import train_share
 
-    for value in ("normal", "nice", "idle", "pause"):
+    for value in ("auto", "normal", "nice", "idle", "pause"):
         assert TrainerConfig(cpu_priority=value).cpu_priority == value
-    assert TrainerConfig().cpu_priority == "normal"
-    with pytest.raises(DviError, match=r"trainer\.cpu_priority='low'.*expected normal, nice, idle, pause"):
+    assert TrainerConfig().cpu_priority == "auto"
+    with pytest.raises(DviError, match=r"trainer\.cpu_priority='low'.*expected auto, normal, nice, idle, pause"):
         TrainerConfig(cpu_priority="low")
-    assert train_share(TrainerConfig(cpu_priority="idle", cpu_bind="1")).startswith("cores 1 (trainer.cpu_bind), CPU priority idle")
-    assert train_share(TrainerConfig()).startswith("every core, CPU priority normal (trainer.cpu_priority; ")
-    assert "stopped while the server has a request in flight: " in train_share(TrainerConfig(cpu_priority="pause", pause_share=0))
-    assert "in flight but for 25% of every 10 s (trainer.pause_share)" in train_share(TrainerConfig(cpu_priority="pause"))
+    named = lambda value: Pick(value, "trainer.cpu_priority")  # noqa: E731
+    assert train_share(TrainerConfig(cpu_bind="1"), named("idle")).startswith("cores 1 (trainer.cpu_bind), CPU priority idle")
+    assert train_share(TrainerConfig(), named("normal")) == "every core, CPU priority normal (trainer.cpu_priority): running beside requests"
+    assert train_share(TrainerConfig(pause_share=0), named("pause")).endswith(": stopped while the server has a request in "
+                                                                             "flight, training between requests")
+    assert "in flight but for 25% of every 10 s (trainer.pause_share)" in train_share(TrainerConfig(), named("pause"))
+    why = "auto: no GPU, and it trains on 2 of the 2 cores serving runs on"
+    assert f"CPU priority pause ({why}): stopped while" in train_share(TrainerConfig(), Pick("pause", why))
+
+
+def test_auto_pauses_a_trainer_on_the_cpu_cores_serving_runs_on_and_leaves_one_on_a_gpu_or_cores_of_its_own(monkeypatch):
+    """`dvi.hardware.pick_cpu_priority` on a 4-core machine (the cores this process may use)."""
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    pick = hardware.pick_cpu_priority
+    assert pick("nice", "cpu", "auto", "auto") == Pick("nice", "trainer.cpu_priority")  # named: as is
+    assert pick("auto", "cpu", "auto", "auto") == Pick("pause", "auto: no GPU, and it trains on 4 of the 4 cores serving runs on")
+    assert pick("auto", "cpu", "3", "auto").value == "pause"  # its own core, but serving's threads run on every core
+    assert pick("auto", "cpu", "2-3", "nobind").value == "pause"  # an unpinned server runs on any core
+    assert pick("auto", "cpu", "1-3", "0-1").why == "auto: no GPU, and it trains on 1 of the 2 cores serving runs on"
+    assert pick("auto", "cpu", "2-3", "0-1") == Pick("normal", "auto: it trains on cores of its own, 2-3; serving runs on 0-1")
+    assert pick("auto", "cuda:1", "auto", "auto") == Pick("normal", "auto: it trains on the GPU")
+    with pytest.raises(DviError, match=r"trainer.cpu_bind='7' names cores 7"):
+        pick("auto", "cpu", "7", "auto")
+    with pytest.raises(ValueError, match="expected one of normal, nice, idle, pause"):
+        hardware.lower_cpu_priority("auto")  # settled first (dvi.cli.args.trainer_priority)
 
 
 def test_the_online_trainer_and_every_thread_it_starts_run_at_its_cpu_priority():
@@ -266,3 +288,5 @@ def test_the_online_trainer_and_every_thread_it_starts_run_at_its_cpu_priority()
     assert idle.stdout.split() == ["idle", "True", str(base), "True", str(base)]
     nice = run("trainer.cpu_priority=nice")
     assert nice.returncode == 0 and nice.stdout.split() == ["nice", base_idle, "19", base_idle, "19"], nice.stderr
+    auto = run()  # auto settles to normal or pause (dvi up's hold), and neither changes the process's priority
+    assert auto.returncode == 0 and auto.stdout.split() == ["auto", base_idle, str(base), base_idle, str(base)], auto.stderr
