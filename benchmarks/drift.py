@@ -26,10 +26,10 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    beside it: on a machine of few cores, servers decoding at once measure how they share the cores; `--batch N`
    sends N prompts to a side at once (batch N) before the next side's turn; `--pause-trainer` stops the trainer
    during the frozen and target-only turns, so that those sides run as they do without a trainer and the online
-   side as `dvi up` runs, its trainer beside it (the trainer then trains only during the online side's turns). Where
-   `trainer.cpu_priority` settles to pause (auto's choice on a machine without a GPU: `dvi.hardware.pick_cpu_priority`),
-   the trainer is also stopped while the online replica has a request in flight, but for `trainer.pause_share` of the
-   time, as `dvi up` stops it (`dvi.cli.up.HoldWhileBusy` over the online replica's `dvi.busy` files);
+   side as `dvi up` runs it (the trainer then trains only during the online side's turns): beside its requests, or,
+   where `trainer.cpu_priority` settles to pause (auto's choice for a trainer on the CPU cores serving runs on:
+   `dvi.hardware.pick_cpu_priority`), stopped while the online replica has a request in flight but for
+   `trainer.pause_share` of the time, as `dvi up` stops it (`dvi.cli.up.HoldWhileBusy` over its `dvi.busy` files);
 5. analysis (pure functions below): acceptance, mean accepted length and tokens/s by phase, domain, side and
    drafter version; how many rounds each new domain took to recover to within `tolerance` of the level the online
    drafter reached on A; whether A holds its level when it comes back; on `--stack up` the headline's targets
@@ -574,8 +574,9 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
         ready_s = 900 if opt.stack == "up" else 300  # up: three servers compiling at once on every core (dvi up: 900 s)
 
         own = [f"trainer.cpu_bind={trainer_cores}"] if trainer_cores else []
-        # the trainer stopped while the online replica answers, as `dvi up` stops it, where its priority settles to pause
-        pausing = trainer_priority(load_config([*common, *pinned, *own])).value == "pause"
+        # --pause-trainer: during the online turns, the trainer stopped while that replica answers, as `dvi up` stops it,
+        # where its priority settles to pause (without --pause-trainer the trainer runs beside every side alike)
+        pausing = opt.pause_trainer and trainer_priority(load_config([*common, *pinned, *own])).value == "pause"
         busy_dir = work / "busy"
 
         def replica(side: str, *extra: str, env: dict[str, str] | None = None) -> Part:
@@ -603,13 +604,15 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
 
         def turn_of(side: str) -> None:
             turn[0] = side
-            if opt.pause_trainer and (side != "online" or not pausing):  # the online side's turn: the watch decides
+            # another side's turn: stopped at once; the online side's: let go, or, pausing, the watch decides (a look of
+            # the watch begun before the switch may let the trainer go once more, for at most its 20 ms)
+            if opt.pause_trainer and (side != "online" or not pausing):
                 hold.set(side != "online")
 
         # the online side's turns as `dvi up` runs it: stopped while it answers, but for pause_share of the time (its
         # duty clock standing still through the other sides' turns, when the trainer is stopped anyway)
         watch = HoldWhileBusy(hold, busy_dir, duty=DutyCycle(cfg.trainer.pause_share),
-                              also=(lambda: turn[0] != "online") if opt.pause_trainer else None) if pausing else None
+                              also=lambda: turn[0] != "online") if pausing else None
         try:
             if opt.stack in ("vllm", "up"):  # the peer: plain vLLM's own server at the same dtype, compiled, no drafter
                 target_dir, _ = pair_dirs(cfg.model, False)

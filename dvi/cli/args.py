@@ -88,12 +88,12 @@ def serve(args: argparse.Namespace) -> DviConfig:
     return cfg
 
 
-def train(args: argparse.Namespace, cfg: DviConfig | None = None) -> DviConfig:
-    """`dvi train`'s and `dvi drafter distill`'s config (`cfg` where the caller loaded it), checked. Torch is not loaded
-    yet: the caches of its bf16 CPU matmuls are capped (`dvi.alloc.limit_kernel_caches`), and given cores of its own
-    (`trainer.cpu_bind`), the process runs on them alone from here on, with one torch thread per core (torch sizes its
-    thread pool from the cores the process may use)."""
-    cfg = cfg or config(args)
+def train(args: argparse.Namespace) -> DviConfig:
+    """`dvi train`'s and `dvi drafter distill`'s config, checked. Torch is not loaded yet: the caches of its bf16 CPU
+    matmuls are capped (`dvi.alloc.limit_kernel_caches`), and given cores of its own (`trainer.cpu_bind`), the process
+    runs on them alone from here on, with one torch thread per core (torch sizes its thread pool from the cores the
+    process may use)."""
+    cfg = config(args)
     limit_kernel_caches()  # the bf16 target forward meets a new shape with each batch (dvi.alloc)
     if cfg.trainer.cpu_bind != "auto":
         cores = bound_cores(cfg.trainer.cpu_bind, "trainer.cpu_bind")  # DviError for a core not ours
@@ -106,10 +106,8 @@ def online_train(args: argparse.Namespace) -> DviConfig:
     """`dvi train`'s config (`train`), and the process at the CPU priority `trainer.cpu_priority` names
     (`dvi.hardware.lower_cpu_priority`: the online trainer beside serving on one machine), set before torch starts its
     threads so that every one of them has it."""
-    cfg = config(args)
-    priority = trainer_priority(cfg).value  # before `train` narrows the process to the trainer's cores: it reads the server's
-    cfg = train(args, cfg)
-    lower_cpu_priority(priority)
+    cfg = train(args)
+    lower_cpu_priority(cfg.trainer.cpu_priority)  # auto: normal or pause (trainer_priority), neither changes it
     return cfg
 
 

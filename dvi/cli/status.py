@@ -176,12 +176,13 @@ def status(args: argparse.Namespace) -> int:
 def config_show(args: argparse.Namespace) -> int:
     """The configuration every dvi command would run with, given these overrides, as YAML."""
     cfg = load_config(overrides_of(args))
+    priority = trainer_priority(cfg)  # before any output: a core it may not use is the command's one error
     text = OmegaConf.to_yaml(OmegaConf.create(shown(cfg)))
     out(redact(text), end="")
     # what the auto settings settle to here (a comment: the YAML above stays the config as given)
     device = device_type(cfg.model.device)
     out(f"# on this machine: serve.engine -> {pick_engine(cfg.serve.engine)}")
     out(f"# on this machine: model.dtype -> {pick_dtype(cfg.model.dtype, device)} on {device}")
-    out(f"# on this machine: trainer.cpu_priority -> {trainer_priority(cfg)} beside dvi serve")
+    out(f"# on this machine: trainer.cpu_priority -> {priority} beside dvi serve")
     return 0
 

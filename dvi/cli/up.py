@@ -41,8 +41,8 @@ from typing import Callable
 
 from dvi.busy import ENV as BUSY_ENV
 from dvi.busy import busy
-from dvi.cli.output import ERROR_PREFIX, out
 from dvi.cli.args import trainer_priority
+from dvi.cli.output import ERROR_PREFIX, out
 from dvi.config import TrainerConfig, cache_dir, load_config, overrides_of
 from dvi.errors import DviError
 from dvi.hardware import Pick, pick_engine
@@ -112,7 +112,7 @@ def plan(cfg, only: set[str] | None = None, train: bool = True) -> list[Part]:
     # 900 s: the first start on a machine compiles the models (vLLM, serve.vllm.enforce_eager=false: minutes on 2 cores);
     # serve and train start together once the broker and MLflow are ready (each starts on one core at first: imports)
     parts.append(Part("serve", ["serve"], lambda _: http_ok(f"{serve_url}/health"), 900, needs=INFRA))
-    if train:
+    if train and (only is None or "train" in only):
         # stopped while serving answers (trainer.cpu_priority=pause): a request's time at a time, minutes while requests
         # come back to back; its consumer group keeps it over a request's stop (PAUSED_SESSION_MS)
         paused = [f"stream.session_timeout_ms={max(PAUSED_SESSION_MS, cfg.stream.session_timeout_ms)}"] \
@@ -518,8 +518,10 @@ def up(args: argparse.Namespace) -> int:
         return detach(args, cache)
     os.environ[REGISTRY_ENV] = str(children_dir(cache))  # every process the stack spawns, recorded until stopped
     names = {p.name for p in parts}
-    priority = trainer_priority(cfg)
-    pausing = priority.value == "pause" and {"serve", "train"} <= names
+    priority = trainer_priority(cfg) if "train" in names else None
+    if priority and priority.value == "pause" and "serve" not in names:
+        priority = Pick("normal", f"{priority.why}, but this dvi up runs no server to pause it for")
+    pausing = priority is not None and priority.value == "pause"
     if pausing:  # the server says in files there whether it has a request in flight; the trainer is stopped while it has
         os.environ[BUSY_ENV] = str(cache / "busy")
     supervisor = Supervisor(parts, overrides, cache / "logs", say=lambda line: out(line, flush=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ import pytest
 
 from dvi import busy
 from dvi.cli.up import DutyCycle, Hold, HoldWhileBusy
+from dvi.errors import DviError
 from dvi.procs import spawn
 from dvi.serving.api import ApiError, ClientSlots
 
@@ -152,3 +154,14 @@ def test_a_paused_trainer_keeps_its_consumer_group_over_a_requests_stop():
     assert train_args("trainer.cpu_priority=pause") == ["train", f"stream.session_timeout_ms={PAUSED_SESSION_MS}"]
     assert train_args("trainer.cpu_priority=pause", "stream.session_timeout_ms=60000") == ["train", "stream.session_timeout_ms=60000"]
     assert train_args("trainer.cpu_priority=normal") == ["train"]
+    # auto: paused on the CPU cores the server runs on, not on cores of its own
+    paused = ["train", f"stream.session_timeout_ms={PAUSED_SESSION_MS}"]
+    assert train_args("model.device=cpu") == paused
+    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    apart = train_args("model.device=cpu", "serve.engine=vllm-server", f"trainer.cpu_bind={last}", f"serve.vllm.cpu_bind={first}")
+    assert apart == (["train"] if first != last else paused)
+    # where no trainer runs, its settings are not read: a core it may not use is the trainer's error alone
+    assert [p.name for p in plan(load_config(["trainer.cpu_bind=999"]), only={"broker", "mlflow"})] == ["broker", "mlflow"]
+    assert [p.name for p in plan(load_config(["trainer.cpu_bind=999"]), train=False)] == ["broker", "mlflow", "serve"]
+    with pytest.raises(DviError, match=r"trainer.cpu_bind='999' names cores 999"):
+        plan(load_config(["trainer.cpu_bind=999", "model.device=cpu"]))

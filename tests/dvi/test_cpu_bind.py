@@ -257,7 +257,7 @@ def test_the_trainers_cpu_priority_is_one_of_the_named():
     assert train_share(TrainerConfig(pause_share=0), named("pause")).endswith(": stopped while the server has a request in "
                                                                              "flight, training between requests")
     assert "in flight but for 25% of every 10 s (trainer.pause_share)" in train_share(TrainerConfig(), named("pause"))
-    why = "auto: no GPU, and it trains on 2 of the 2 cores serving runs on"
+    why = "auto: it trains on the CPU, on 2 of the 2 cores serving runs on"
     assert f"CPU priority pause ({why}): stopped while" in train_share(TrainerConfig(), Pick("pause", why))
 
 
@@ -266,16 +266,17 @@ def test_auto_pauses_a_trainer_on_the_cpu_cores_serving_runs_on_and_leaves_one_o
     monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     pick = hardware.pick_cpu_priority
     assert pick("nice", "cpu", "auto", "auto") == Pick("nice", "trainer.cpu_priority")  # named: as is
-    assert pick("auto", "cpu", "auto", "auto") == Pick("pause", "auto: no GPU, and it trains on 4 of the 4 cores serving runs on")
+    assert pick("auto", "cpu", "auto", "auto") == Pick("pause", "auto: it trains on the CPU, on 4 of the 4 cores serving runs on")
     assert pick("auto", "cpu", "3", "auto").value == "pause"  # its own core, but serving's threads run on every core
     assert pick("auto", "cpu", "2-3", "nobind").value == "pause"  # an unpinned server runs on any core
-    assert pick("auto", "cpu", "1-3", "0-1").why == "auto: no GPU, and it trains on 1 of the 2 cores serving runs on"
+    assert pick("auto", "cpu", "1-3", "0-1").why == "auto: it trains on the CPU, on 1 of the 2 cores serving runs on"
     assert pick("auto", "cpu", "2-3", "0-1") == Pick("normal", "auto: it trains on cores of its own, 2-3; serving runs on 0-1")
     assert pick("auto", "cuda:1", "auto", "auto") == Pick("normal", "auto: it trains on the GPU")
     with pytest.raises(DviError, match=r"trainer.cpu_bind='7' names cores 7"):
         pick("auto", "cpu", "7", "auto")
-    with pytest.raises(ValueError, match="expected one of normal, nice, idle, pause"):
-        hardware.lower_cpu_priority("auto")  # settled first (dvi.cli.args.trainer_priority)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # every GPU hidden: the trainer's torch sees none
+    assert pick("auto", "auto", "auto", "auto").value == "pause"
+    assert (hardware.device_type("cpu"), hardware.device_type("cuda"), hardware.device_type("cuda:1")) == ("cpu", "cuda", "cuda")
 
 
 def test_the_online_trainer_and_every_thread_it_starts_run_at_its_cpu_priority():

@@ -238,7 +238,9 @@ def test_version_and_the_resolved_config_with_secrets_masked(tmp_path: Path):
     assert printed["serve"]["engine"] == "auto" and printed["model"]["dtype"] == "auto"
     assert f"# on this machine: serve.engine -> {pick_engine('auto')}" in show.stdout
     assert f"# on this machine: model.dtype -> {pick_dtype('auto', 'cpu')} on cpu" in show.stdout
-    assert "# on this machine: trainer.cpu_priority -> pause (auto: no GPU, and it trains on " in show.stdout
+    from dvi.cli.args import trainer_priority
+
+    assert f"# on this machine: trainer.cpu_priority -> {trainer_priority(cfg)} beside dvi serve" in show.stdout
     refused = dvi("config", "show", "serve.api_key=s3cret-key-1")
     one_line_error(refused, "serve.api_key")
 
