@@ -64,7 +64,7 @@ from dvi import store
 from dvi.alloc import limit_arenas
 from dvi.busy import ENV as BUSY_ENV
 from dvi.cli.args import trainer_priority
-from dvi.cli.up import PAUSED_SESSION_MS, DutyCycle, Hold, HoldWhileBusy, Part, Supervisor, banner, plan
+from dvi.cli.up import DutyCycle, Hold, HoldWhileBusy, Part, Supervisor, banner, plan
 from dvi.config import flat_params, load_config, overrides_of
 from dvi.engine import SpeculativeEngine
 from dvi.engine_api import Request
@@ -591,15 +591,13 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
         parts.append(Part("train", ["train", *([f"model.drafter={store.default_root(cfg) / version}"] if version else []),
                                     f"trainer.run_dir={work / 'trainer'}", *own,
                                     # stopped while other sides answer: its consumer group must not expire meanwhile
-                                    *(["stream.session_timeout_ms=300000"] if opt.pause_trainer else
-                                      [f"stream.session_timeout_ms={max(PAUSED_SESSION_MS, cfg.stream.session_timeout_ms)}"]
-                                      if pausing else [])],
+                                    *(["stream.session_timeout_ms=300000"] if opt.pause_trainer else [])],
                           banner("dvi train:"), ready_s, needs=()))
         # each part names its drafter (the trainer the bootstrap version, the replicas the store's newest): a
         # model.drafter given to the run picks what the bootstrap distills, and must not override theirs
         services = Supervisor(parts, [o for o in common if not o.startswith("model.drafter=")] if version else common,
                               work / "logs", say=say)
-        hold = Hold(services, "train") if opt.pause_trainer or pausing else None
+        hold = Hold(services, "train") if opt.pause_trainer else None
         turn = ["online"]  # whose turn it is (--serial)
 
         def turn_of(side: str) -> None:
@@ -637,9 +635,8 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
             if watch:
                 watch.close()
             if hold:
-                why = [w for w, on in (("the frozen and target-only turns", opt.pause_trainer),
-                                       ("the online replica's requests but for trainer.pause_share", pausing)) if on]
-                say(f"drift: the trainer was stopped {hold.held_s:.0f} s of the replay ({' and '.join(why)})")
+                online = " and the online replica's requests but for trainer.pause_share" if pausing else ""
+                say(f"drift: the trainer was stopped {hold.held_s:.0f} s of the replay (the frozen and target-only turns{online})")
                 hold.set(False)
             services.stop()
             if plain is not None:

@@ -519,8 +519,8 @@ class TrainerConfig:
     # runs share x 10 s); 0: only between requests. At 0.25, one client's back-to-back requests to `dvi up` took 0.90x
     # and 0.92x plain vLLM's latency over minutes 10-12 in two runs (1.00x and 1.03x over all 12; one run published and
     # promoted a drafter at minute 4, the other none), where at normal priority they took 1.70-2.38x
-    # (benchmarks.first_publish); at 0 it trained nothing under
-    # back-to-back requests (benchmarks.sharing's continuous phase)
+    # (benchmarks.first_publish); at 0 it trained nothing under back-to-back requests (benchmarks.sharing's
+    # continuous phase)
     pause_share: float = 0.25
 
     def __post_init__(self) -> None:
