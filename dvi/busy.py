@@ -1,9 +1,15 @@
-"""Whether serving has requests in flight, as files a supervisor watches: how `dvi up` stops its trainer while the
-server answers (`trainer.cpu_priority=pause`).
+"""Whether serving has requests in flight, and whose turn it is on the CPU, as files in one directory: how `dvi up`
+stops its trainer while the server answers (`trainer.cpu_priority=pause`), and how serving steps aside for the
+trainer's share of the time (`trainer.pause_share`).
 
-A serving process started with $DVI_BUSY_DIR keeps one file there, `<pid>.busy`, whose one byte says whether it has
-a request in flight (`BusyFile.set`: written only when that changes, one byte in place). `busy(directory)` says
-whether any live process's file says so; a file left by a process that is gone never counts.
+- A serving process started with $DVI_BUSY_DIR keeps one file there, `<pid>.busy`, whose one byte says whether it has
+  a request in flight (`BusyFile.set`: written only when that changes, one byte in place). `busy(directory)` says
+  whether any live process's file says so; a file left by a process that is gone never counts.
+- Turns: while the supervisor lets the trainer run however busy serving is, it keeps a file `turn` there holding its
+  pid (`Turn.give`). Serving's decoding loops look for it before each step (`TurnWait.wait`): while it is there they
+  wait between two steps, with a file `<pid>.waiting` saying so (`Turn.taken`), so that the trainer has the cores to
+  itself rather than two processes each slowing the other several-fold. A turn file whose supervisor is gone never
+  counts, and no one turn file holds a step up for longer than `TurnWait.max_s`.
 
 This module knows files and pids; what a request is and what to do while serving is busy are its callers'.
 """
@@ -11,10 +17,13 @@ This module knows files and pids; what a request is and what to do while serving
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 ENV = "DVI_BUSY_DIR"
 SUFFIX = ".busy"
+TURN = "turn"  # the supervisor's file while the trainer has its turn (its pid)
+WAITING = ".waiting"  # `<pid>.waiting`: a serving process waits for a turn to end
 
 
 class BusyFile:
@@ -51,18 +60,96 @@ def _alive(pid: int) -> bool:
 
 def busy(directory: str | os.PathLike) -> bool:
     """Whether a live process's busy file in `directory` says it has a request in flight."""
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return False
-    for entry in entries:
-        if not entry.name.endswith(SUFFIX) or not entry.name[: -len(SUFFIX)].isdigit():
-            continue
+    for pid, path in _named(directory, SUFFIX):
         try:
-            with open(entry.path, "rb") as f:
+            with open(path, "rb") as f:
                 flag = f.read(1)
         except OSError:
             continue
-        if flag == b"1" and _alive(int(entry.name[: -len(SUFFIX)])):
+        if flag == b"1" and _alive(pid):
             return True
     return False
+
+
+def _named(directory: str | os.PathLike, suffix: str) -> list[tuple[int, str]]:
+    """(pid, path) of each file `<pid><suffix>` in `directory`."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    return [(int(e.name[: -len(suffix)]), e.path) for e in entries if e.name.endswith(suffix) and e.name[: -len(suffix)].isdigit()]
+
+
+class Turn:
+    """The supervisor's side of the turns: `give(True)` puts the turn file in `directory` (serving waits between steps),
+    `give(False)` takes it away (serving goes on); `taken()`: whether a live serving process is waiting now."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / TURN
+        self.given = False
+
+    def give(self, on: bool) -> None:
+        if on and not self.given:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            staged = self.path.with_name(f".{TURN}.{os.getpid()}")
+            staged.write_text(f"{os.getpid()}\n")
+            os.replace(staged, self.path)  # whole or absent, never a half-written pid
+        elif not on and self.given:
+            self.path.unlink(missing_ok=True)
+        self.given = on
+
+    def taken(self) -> bool:
+        return any(_alive(pid) for pid, _ in _named(self.path.parent, WAITING))
+
+
+class TurnWait:
+    """Serving's side: `wait()`, before each step, waits while a live supervisor's turn file is in `directory`, at most
+    `max_s` for any one file (a supervisor that forgot to take its turn back costs one wait, not one a step), polling
+    every `poll_s`; returns the seconds it waited (0.0: no turn). A file it cannot read or write is no reason to stop
+    serving: it raises nothing."""
+
+    def __init__(self, directory: str | os.PathLike, max_s: float = 30.0, poll_s: float = 0.002):
+        self.directory = Path(directory)
+        self.path = self.directory / TURN
+        self.max_s, self.poll_s = max_s, poll_s
+        self._expired: tuple[int, int] | None = None  # (inode, mtime) of a turn file waited on for max_s
+
+    @classmethod
+    def from_env(cls) -> TurnWait | None:
+        directory = os.environ.get(ENV)
+        return cls(directory) if directory else None
+
+    def _turn(self) -> tuple[int, int] | None:
+        """The turn file's identity while a live supervisor holds it and it has not expired; else None."""
+        try:
+            st = os.stat(self.path)
+            key = (st.st_ino, st.st_mtime_ns)
+            if key == self._expired:
+                return None
+            pid = int(self.path.read_text().strip() or 0)
+        except (OSError, ValueError):
+            return None
+        return key if pid > 0 and _alive(pid) else None
+
+    def wait(self) -> float:
+        key = self._turn()
+        if key is None:
+            return 0.0
+        start = time.monotonic()
+        waiting = self.directory / f"{os.getpid()}{WAITING}"
+        try:
+            waiting.touch()
+        except OSError:  # not said: the supervisor lets its part go after its grace
+            pass
+        try:
+            while (now := time.monotonic()) - start < self.max_s:
+                time.sleep(self.poll_s)
+                if self._turn() != key:
+                    return time.monotonic() - start
+            self._expired = key
+            return now - start
+        finally:
+            try:
+                waiting.unlink(missing_ok=True)
+            except OSError:
+                pass

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dvi import store
+from dvi.busy import TurnWait
 from dvi.config import DviConfig, api_key
 from dvi.control import DrafterPromoted, DrafterPublished, DrafterRejected, Message
 from dvi.eagle3 import Eagle3Drafter
@@ -150,6 +151,7 @@ class Replica:
         self.rollout: Rollout | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=cfg.serve.max_queue)
         self._stop = threading.Event()
+        self._turns = TurnWait.from_env()
         self._draining = threading.Event()
         self._decoding: list[Job] = []  # the jobs in the running batch (replaced, never mutated: drain reads it)
         self._threads: list[threading.Thread] = []
@@ -306,6 +308,8 @@ class Replica:
             for job in self._decoding:
                 if job.cancelled:
                     batch.cancel(job, job.cancelled)
+            if self._turns is not None:
+                self._turns.wait()  # between two rounds, while dvi up's trainer has its turn on the CPU (dvi.busy)
             try:
                 finished = batch.step()
             except Exception as e:

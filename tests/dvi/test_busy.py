@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -142,6 +143,88 @@ def test_the_watch_stops_the_part_whenever_also_says_so(tmp_path):
     finally:
         watch.close()
         child.stop(grace_s=5)
+
+
+def test_serving_waits_between_steps_while_the_trainer_has_its_turn(tmp_path):
+    """`dvi.busy.Turn` (the supervisor's) and `TurnWait` (serving's, before each step)."""
+    directory = tmp_path / "busy"
+    waiter = busy.TurnWait(directory, max_s=5.0, poll_s=0.001)
+    assert waiter.wait() == 0.0  # no directory, no turn
+    turn = busy.Turn(directory)
+    turn.give(True)
+    assert (directory / busy.TURN).read_text().strip() == str(os.getpid()) and not turn.taken()
+    seen = []
+
+    def end_turn():
+        deadline = time.monotonic() + 5
+        while not turn.taken() and time.monotonic() < deadline:  # serving says it waits ...
+            time.sleep(0.005)
+        seen.append(turn.taken())
+        time.sleep(0.2)
+        turn.give(False)  # ... and goes on once the turn is taken back
+
+    ender = threading.Thread(target=end_turn)
+    ender.start()
+    waited = waiter.wait()
+    ender.join()
+    assert seen == [True] and 0.2 <= waited < 2.0 and not turn.taken() and not (directory / busy.TURN).exists()
+    assert list(directory.iterdir()) == []  # its waiting file gone with the wait
+    # a turn file whose supervisor is gone, or one that is not a pid, holds nothing up
+    (directory / busy.TURN).write_text("999999999\n")
+    assert waiter.wait() == 0.0
+    (directory / busy.TURN).write_text("half a pi")
+    assert waiter.wait() == 0.0
+    # a supervisor that never takes its turn back costs one wait of max_s, not one a step
+    turn = busy.Turn(directory)
+    turn.give(True)
+    short = busy.TurnWait(directory, max_s=0.1, poll_s=0.001)
+    assert 0.1 <= short.wait() < 1.0 and short.wait() == 0.0
+    turn.give(False)
+    turn.give(True)  # a new turn is waited for again
+    assert short.wait() >= 0.1
+
+
+def test_the_paused_part_runs_its_share_alone_serving_stepping_aside(tmp_path):
+    """`HoldWhileBusy.look` under continuous load: held while serving is busy until the duty cycle owes it its run;
+    then its turn is given, and it goes on once serving waits (or after TURN_GRACE_S); stopped again before the turn
+    is taken back."""
+    held = []
+    watch = HoldWhileBusy(SimpleNamespace(set=held.append), tmp_path / "busy", duty=DutyCycle(0.25, window_s=10))
+    serving = busy.BusyFile(tmp_path / "busy")
+    serving.set(True)
+    turn_file = tmp_path / "busy" / busy.TURN
+
+    watch.look(0.0)
+    watch.look(7.4)
+    assert held == [True, True] and not turn_file.exists()
+    watch.look(7.6)  # its turn: given, but the part waits for serving to step aside
+    assert held[-1] is True and turn_file.exists()
+    waiting = tmp_path / "busy" / f"{os.getpid()}{busy.WAITING}"
+    waiting.touch()  # serving waits between two steps
+    watch.look(7.62)
+    assert held[-1] is False and turn_file.exists()
+    waiting.unlink()
+    watch.look(9.0)  # serving no longer says it waits (it may be stopped mid-look): the turn runs on
+    assert held[-1] is False
+    watch.look(10.2)  # spent: stopped, then the turn taken back
+    assert held[-1] is True and not turn_file.exists()
+    # a step that does not end within the grace (a long prefill): the part goes on anyway
+    watch.look(17.8)
+    assert held[-1] is True and turn_file.exists()
+    watch.look(17.8 + HoldWhileBusy.TURN_GRACE_S)
+    assert held[-1] is False
+    watch.close()
+    assert held[-1] is False and not turn_file.exists()
+    # serving idle through its turn: it runs at once
+    held.clear()
+    idle = HoldWhileBusy(SimpleNamespace(set=held.append), tmp_path / "idle", duty=DutyCycle(0.25, window_s=10))
+    serving_idle = busy.BusyFile(tmp_path / "idle")
+    serving_idle.set(True)
+    idle.look(0.0)
+    idle.look(7.6)
+    serving_idle.set(False)
+    idle.look(7.62)
+    assert held[-1] is False
 
 
 def test_a_paused_trainer_keeps_its_consumer_group_over_a_requests_stop():

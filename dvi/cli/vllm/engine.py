@@ -21,6 +21,8 @@ dvi's work wraps each of the core's steps (the `step_fn` its loop calls):
   yielded, the drafter's own pass at K = 0 is skipped too (`StepPlanner.skips_pass`). A step with K = 0 still verifies and logs: its requests' rounds
   carry the target's token and top-k like any other, so the trainer keeps learning. Each routing decision is
   queued for the replica (`take_routing`). With `serve.spec.adaptive=false` vLLM drafts `serve.spec.k` every step;
+- the trainer's turns: under `dvi up`'s pause policy (`trainer.pause_share`, $DVI_BUSY_DIR) each step waits first
+  while the trainer has its turn on the CPU (`dvi.busy.TurnWait`), so that the two never run side by side;
 - compiled by default (`serve.vllm.enforce_eager=false`): vLLM's and torch inductor's caches live under
   `<cache>/compile`, so only the first start on a machine compiles;
 - every verification is read inside vLLM's worker by `dvi.cli.vllm.worker` and becomes the same `Round`s the
@@ -58,6 +60,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from dvi.busy import TurnWait
 from dvi.config import SpecConfig, VllmConfig, default_cache_dir
 from dvi.drafter_kinds import kind_of
 from dvi.eagle3 import Eagle3Drafter
@@ -185,6 +188,7 @@ class VllmEngine:
         core.collective_rpc("dvi_capture", args=(max(self.topk, MAX_LOGPROBS), self.features_layers is not None))
         self._lookup = self._schedule_lookup() if self.planner is not None else None
         self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.skips_pass)
+        self._turns = TurnWait.from_env()  # the trainer's turns on the CPU ($DVI_BUSY_DIR: dvi up's pause policy)
         step = core.step_fn
         core.step_fn = lambda: self._step(step)  # what vLLM's engine loop calls for each step
 
@@ -223,8 +227,10 @@ class VllmEngine:
         """One step of vLLM's engine core (`step`, its own step function) with dvi's work around it: the drafter swapped
         in since the last step is loaded, K planned; then the step's verifications are read and the finished requests
         handed over. dvi's own failures here are logged and the step's outputs still go to vLLM's clients: serving never
-        waits on, or fails with, the loop."""
+        fails with the loop, and waits on it only for the trainer's turns."""
         drafted_by = self._drafted_by
+        if self._turns is not None and self._turns.wait():  # the trainer's turn (module docstring)
+            self._last = None  # the wait is no step's cost
         t0 = time.perf_counter()
         try:
             self._observe_rate(t0)
