@@ -516,12 +516,12 @@ class TrainerConfig:
     cpu_priority: str = "auto"
     # with cpu_priority pause: the share of the time the trainer runs even while a request is in flight, so that
     # continuous traffic still leaves it time to train (dvi.cli.up.DutyCycle: after (1 - share) x 10 s stopped, it
-    # runs share x 10 s); 0: only between requests. At 0.25, one client's back-to-back requests to `dvi up` took 0.90x
-    # and 0.92x plain vLLM's latency over minutes 10-12 in two runs (1.00x and 1.03x over all 12; one run published and
-    # promoted a drafter at minute 4, the other none), where at normal priority they took 1.70-2.38x
-    # (benchmarks.first_publish); at 0 it trained nothing under back-to-back requests (benchmarks.sharing's
-    # continuous phase)
-    pause_share: float = 0.25
+    # runs share x 10 s), alone: serving waits between two steps while it runs (dvi.busy turns); 0: only between
+    # requests. Run beside serving's steps instead, a share of 0.25 cost back-to-back requests about 15% (0.90x and
+    # 0.92x plain vLLM's latency over minutes 10-12 of `dvi up`, benchmarks.first_publish) for 4-5 trainer positions a
+    # second; alone, a share of 0.1 left them at 0.74x plain vLLM's latency and paced ones at 0.83x, the trainer at 95
+    # positions a second between paced requests (benchmarks.sharing)
+    pause_share: float = 0.1
 
     def __post_init__(self) -> None:
         _check(bool(self.group_id), "trainer.group_id", self.group_id, "a consumer group name")
