@@ -16,6 +16,7 @@ This module knows files and pids; what a request is and what to do while serving
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ ENV = "DVI_BUSY_DIR"
 SUFFIX = ".busy"
 TURN = "turn"  # the supervisor's file while the trainer has its turn (its pid)
 WAITING = ".waiting"  # `<pid>.waiting`: a serving process waits for a turn to end
+
+log = logging.getLogger(__name__)
 
 
 class BusyFile:
@@ -86,6 +89,7 @@ class Turn:
 
     def __init__(self, directory: str | os.PathLike):
         self.path = Path(directory) / TURN
+        self.path.unlink(missing_ok=True)  # one a supervisor killed outright left: its pid may be somebody's now
         self.given = False
 
     def give(self, on: bool) -> None:
@@ -112,6 +116,8 @@ class TurnWait:
         self.directory = Path(directory)
         self.path = self.directory / TURN
         self.max_s, self.poll_s = max_s, poll_s
+        self.turns = 0  # turns waited for ...
+        self.waited_s = 0.0  # ... and the seconds in all
         self._expired: tuple[int, int] | None = None  # (inode, mtime) of a turn file waited on for max_s
 
     @classmethod
@@ -142,14 +148,20 @@ class TurnWait:
         except OSError:  # not said: the supervisor lets its part go after its grace
             pass
         try:
-            while (now := time.monotonic()) - start < self.max_s:
+            while time.monotonic() - start < self.max_s and self._turn() == key:
                 time.sleep(self.poll_s)
-                if self._turn() != key:
-                    return time.monotonic() - start
-            self._expired = key
-            return now - start
+            if self._turn() == key:
+                self._expired = key
+                log.warning("waited %.0f s for the trainer's turn in %s to end; going on without waiting for it", self.max_s, self.path)
         finally:
             try:
                 waiting.unlink(missing_ok=True)
             except OSError:
                 pass
+        waited = time.monotonic() - start
+        self.turns += 1
+        self.waited_s += waited
+        if self.turns == 1:
+            log.info("serving waited %.2f s between two steps for the trainer's turn on the CPU (%s; trainer.pause_share); "
+                     "the turns that follow are counted, not logged", waited, self.path)
+        return waited

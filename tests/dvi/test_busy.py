@@ -168,14 +168,16 @@ def test_serving_waits_between_steps_while_the_trainer_has_its_turn(tmp_path):
     waited = waiter.wait()
     ender.join()
     assert seen == [True] and 0.2 <= waited < 2.0 and not turn.taken() and not (directory / busy.TURN).exists()
+    assert waiter.turns == 1 and waiter.waited_s == waited
     assert list(directory.iterdir()) == []  # its waiting file gone with the wait
-    # a turn file whose supervisor is gone, or one that is not a pid, holds nothing up
+    # a turn file whose supervisor is gone, or one that is not a pid, holds nothing up; a new supervisor removes it
     (directory / busy.TURN).write_text("999999999\n")
     assert waiter.wait() == 0.0
     (directory / busy.TURN).write_text("half a pi")
-    assert waiter.wait() == 0.0
+    assert waiter.wait() == 0.0 and waiter.turns == 1
     # a supervisor that never takes its turn back costs one wait of max_s, not one a step
     turn = busy.Turn(directory)
+    assert not (directory / busy.TURN).exists()
     turn.give(True)
     short = busy.TurnWait(directory, max_s=0.1, poll_s=0.001)
     assert 0.1 <= short.wait() < 1.0 and short.wait() == 0.0
