@@ -29,7 +29,8 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    side as `dvi up` runs it (the trainer then trains only during the online side's turns): beside its requests, or,
    where `trainer.cpu_priority` settles to pause (auto's choice for a trainer on the CPU cores serving runs on:
    `dvi.hardware.pick_cpu_priority`), stopped while the online replica has a request in flight but for
-   `trainer.pause_share` of the time, as `dvi up` stops it (`dvi.cli.up.HoldWhileBusy` over its `dvi.busy` files);
+   `trainer.pause_share` of the time, which it runs alone while the online replica waits between two steps, as
+   `dvi up` stops it (`dvi.cli.up.HoldWhileBusy` over its `dvi.busy` files);
 5. analysis (pure functions below): acceptance, mean accepted length and tokens/s by phase, domain, side and
    drafter version; how many rounds each new domain took to recover to within `tolerance` of the level the online
    drafter reached on A; whether A holds its level when it comes back; on `--stack up` the headline's targets

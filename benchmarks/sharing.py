@@ -13,12 +13,13 @@ same prompt, and the medians are reported per policy and phase, beside the train
 - `nice`: every core, nice 19 (`trainer.cpu_priority=nice`);
 - `idle`: every core, Linux's SCHED_IDLE (`trainer.cpu_priority=idle`): only CPU time no other process wants;
 - `pause`: every core, stopped while the server has a request in flight (`trainer.cpu_priority=pause trainer.pause_share=0`);
-- `duty`: `pause`, but running `--duty-share` (0.25) of the time however busy the server is (`trainer.pause_share`);
+- `duty`: `pause`, but running `--duty-share` (0.1, the default) of the time however busy the server is, alone: the
+  server waits between two steps meanwhile (`trainer.pause_share`, `dvi.busy` turns);
 - `own core`: the trainer on the last core, the replica's engine on the others (`trainer.cpu_bind`,
   `serve.vllm.cpu_bind`), normal priority;
 - `no trainer`: `dvi up --no-train` (what serving alone gives: the floor every policy's latency is held to).
 
-    python -m benchmarks.sharing [--minutes 2.5] [--only idle,normal] [--duty-share 0.25] [--json PATH] [key=value overrides]
+    python -m benchmarks.sharing [--minutes 2.5] [--only idle,normal] [--duty-share 0.1] [--json PATH] [key=value overrides]
 
 It measures; it asserts nothing. A run takes about (1.5 + 2 x minutes) minutes a policy, and the peer's answers after.
 """
@@ -32,10 +33,11 @@ from pathlib import Path
 
 from benchmarks.bench_vllm import write_json
 from benchmarks.first_publish import Phase, peer_answers, prompts_of, report, session
+from dvi.config import TrainerConfig
 from dvi.hardware import bound_cores, core_list
 
 
-def policies(cores: frozenset[int], duty_share: float = 0.25) -> dict[str, tuple[list[str], list[str]]]:
+def policies(cores: frozenset[int], duty_share: float = TrainerConfig.pause_share) -> dict[str, tuple[list[str], list[str]]]:
     """Policy name: (dvi up's flags, its overrides)."""
     last = max(cores)
     own = ([], [f"trainer.cpu_bind={last}", f"serve.vllm.cpu_bind={core_list(cores - {last})}", "trainer.cpu_priority=normal"])
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=2.5, help="minutes of each phase (continuous, then paced)")
     p.add_argument("--only", help="policies to run, separated by commas")
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--duty-share", type=float, default=0.25, help="the duty policy's trainer.pause_share")
+    p.add_argument("--duty-share", type=float, default=TrainerConfig.pause_share, help="the duty policy's trainer.pause_share")
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
