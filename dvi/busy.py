@@ -112,8 +112,10 @@ class TurnWait:
     every `poll_s`; returns the seconds it waited (0.0: no turn). A file it cannot read or write is no reason to stop
     serving: it raises nothing."""
 
-    def __init__(self, directory: str | os.PathLike, max_s: float = 30.0, poll_s: float = 0.002):
+    def __init__(self, directory: str | os.PathLike, max_s: float = 30.0, poll_s: float = 0.002,
+                 say: logging.Logger = log):
         self.directory = Path(directory)
+        self.say = say  # where the first wait and an expired turn are told (serving: its decisions' logger)
         self.path = self.directory / TURN
         self.max_s, self.poll_s = max_s, poll_s
         self.turns = 0  # turns waited for ...
@@ -121,9 +123,9 @@ class TurnWait:
         self._expired: tuple[int, int] | None = None  # (inode, mtime) of a turn file waited on for max_s
 
     @classmethod
-    def from_env(cls) -> TurnWait | None:
+    def from_env(cls, say: logging.Logger = log) -> TurnWait | None:
         directory = os.environ.get(ENV)
-        return cls(directory) if directory else None
+        return cls(directory, say=say) if directory else None
 
     def _turn(self) -> tuple[int, int] | None:
         """The turn file's identity while a live supervisor holds it and it has not expired; else None."""
@@ -152,7 +154,7 @@ class TurnWait:
                 time.sleep(self.poll_s)
             if self._turn() == key:
                 self._expired = key
-                log.warning("waited %.0f s for the trainer's turn in %s to end; going on without waiting for it", self.max_s, self.path)
+                self.say.warning("waited %.0f s for the trainer's turn in %s to end; going on without waiting for it", self.max_s, self.path)
         finally:
             try:
                 waiting.unlink(missing_ok=True)
@@ -162,6 +164,6 @@ class TurnWait:
         self.turns += 1
         self.waited_s += waited
         if self.turns == 1:
-            log.info("serving waited %.2f s between two steps for the trainer's turn on the CPU (%s; trainer.pause_share); "
-                     "the turns that follow are counted, not logged", waited, self.path)
+            self.say.info("serving waited %.2f s between two steps for the trainer's turn on the CPU (%s; trainer.pause_share); "
+                     "the turns after it are not logged", waited, self.path)
         return waited

@@ -151,7 +151,7 @@ class Replica:
         self.rollout: Rollout | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=cfg.serve.max_queue)
         self._stop = threading.Event()
-        self._turns = TurnWait.from_env()
+        self._turns = TurnWait.from_env(decisions)
         self._draining = threading.Event()
         self._decoding: list[Job] = []  # the jobs in the running batch (replaced, never mutated: drain reads it)
         self._threads: list[threading.Thread] = []

@@ -1,7 +1,9 @@
-"""The busy files by which serving says it has requests in flight, and `dvi up`'s hold on its trainer while it has."""
+"""The busy files by which serving says it has requests in flight, `dvi up`'s hold on its trainer while it has, and the
+trainer's turns on the CPU, which serving waits through between two steps."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -145,10 +147,11 @@ def test_the_watch_stops_the_part_whenever_also_says_so(tmp_path):
         child.stop(grace_s=5)
 
 
-def test_serving_waits_between_steps_while_the_trainer_has_its_turn(tmp_path):
+def test_serving_waits_between_steps_while_the_trainer_has_its_turn(tmp_path, caplog):
     """`dvi.busy.Turn` (the supervisor's) and `TurnWait` (serving's, before each step)."""
+    caplog.set_level(logging.INFO, logger="dvi.test.turns")
     directory = tmp_path / "busy"
-    waiter = busy.TurnWait(directory, max_s=5.0, poll_s=0.001)
+    waiter = busy.TurnWait(directory, max_s=5.0, poll_s=0.001, say=logging.getLogger("dvi.test.turns"))
     assert waiter.wait() == 0.0  # no directory, no turn
     turn = busy.Turn(directory)
     turn.give(True)
@@ -169,6 +172,7 @@ def test_serving_waits_between_steps_while_the_trainer_has_its_turn(tmp_path):
     ender.join()
     assert seen == [True] and 0.2 <= waited < 2.0 and not turn.taken() and not (directory / busy.TURN).exists()
     assert waiter.turns == 1 and waiter.waited_s == waited
+    assert [r.getMessage().split(" between")[0] for r in caplog.records] == [f"serving waited {waited:.2f} s"]
     assert list(directory.iterdir()) == []  # its waiting file gone with the wait
     # a turn file whose supervisor is gone, or one that is not a pid, holds nothing up; a new supervisor removes it
     (directory / busy.TURN).write_text("999999999\n")

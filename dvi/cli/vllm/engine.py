@@ -188,7 +188,8 @@ class VllmEngine:
         core.collective_rpc("dvi_capture", args=(max(self.topk, MAX_LOGPROBS), self.features_layers is not None))
         self._lookup = self._schedule_lookup() if self.planner is not None else None
         self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.skips_pass)
-        self._turns = TurnWait.from_env()  # the trainer's turns on the CPU ($DVI_BUSY_DIR: dvi up's pause policy)
+        # the trainer's turns on the CPU ($DVI_BUSY_DIR: dvi up's pause policy), the first told with serving's decisions
+        self._turns = TurnWait.from_env(logging.getLogger("dvi.decision.serve"))
         step = core.step_fn
         core.step_fn = lambda: self._step(step)  # what vLLM's engine loop calls for each step
 
