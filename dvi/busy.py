@@ -80,7 +80,8 @@ def _named(directory: str | os.PathLike, suffix: str) -> list[tuple[int, str]]:
         entries = list(os.scandir(directory))
     except FileNotFoundError:
         return []
-    return [(int(e.name[: -len(suffix)]), e.path) for e in entries if e.name.endswith(suffix) and e.name[: -len(suffix)].isdigit()]
+    return [(int(e.name[: -len(suffix)]), e.path) for e in entries
+            if e.name.endswith(suffix) and e.name[: -len(suffix)].isdigit()]
 
 
 class Turn:
@@ -154,7 +155,8 @@ class TurnWait:
                 time.sleep(self.poll_s)
             if self._turn() == key:
                 self._expired = key
-                self.say.warning("waited %.0f s for the trainer's turn in %s to end; going on without waiting for it", self.max_s, self.path)
+                self.say.warning("waited %.0f s for the trainer's turn in %s to end; going on without waiting for it",
+                                 self.max_s, self.path)
         finally:
             try:
                 waiting.unlink(missing_ok=True)
@@ -164,6 +166,6 @@ class TurnWait:
         self.turns += 1
         self.waited_s += waited
         if self.turns == 1:
-            self.say.info("serving waited %.2f s between two steps for the trainer's turn on the CPU (%s; trainer.pause_share); "
-                     "the turns after it are not logged", waited, self.path)
+            self.say.info("serving waited %.2f s between two steps for the trainer's turn on the CPU (%s; "
+                          "trainer.pause_share); the turns after it are not logged", waited, self.path)
         return waited

@@ -522,7 +522,8 @@ def train_share(trainer: TrainerConfig, priority: Pick) -> str:
     `trainer.cpu_priority` settled to: `dvi.cli.args.trainer_priority`), and why."""
     cores = "every core" if trainer.cpu_bind == "auto" else f"cores {trainer.cpu_bind} (trainer.cpu_bind)"
     duty = "" if trainer.pause_share == 0 else \
-        f" but for {trainer.pause_share:.0%} of every {DUTY_WINDOW_S:g} s (trainer.pause_share), which it runs alone while serving waits"
+        f" but for {trainer.pause_share:.0%} of every {DUTY_WINDOW_S:g} s (trainer.pause_share), which it runs alone while " \
+        "serving waits"
     how = {"normal": "running beside requests", "nice": "nice 19, running beside requests",
            "idle": "SCHED_IDLE: the CPU time serving leaves",
            "pause": f"stopped while the server has a request in flight{duty}, training between requests"}[priority.value]
