@@ -151,12 +151,15 @@ class TurnWait:
         except OSError:  # not said: the supervisor lets its part go after its grace
             pass
         try:
-            while time.monotonic() - start < self.max_s and self._turn() == key:
+            while True:
                 time.sleep(self.poll_s)
-            if self._turn() == key:
-                self._expired = key
-                self.say.warning("waited %.0f s for the trainer's turn in %s to end; going on without waiting for it",
-                                 self.max_s, self.path)
+                if self._turn() != key:
+                    break
+                if time.monotonic() - start >= self.max_s:
+                    self._expired = key
+                    self.say.warning("waited %.0f s for the trainer's turn in %s to end; going on without waiting for it",
+                                     self.max_s, self.path)
+                    break
         finally:
             try:
                 waiting.unlink(missing_ok=True)
