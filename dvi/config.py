@@ -517,10 +517,10 @@ class TrainerConfig:
     # with cpu_priority pause: the share of the time the trainer runs even while a request is in flight, so that
     # continuous traffic still leaves it time to train (dvi.cli.up.DutyCycle: after (1 - share) x 10 s stopped, it
     # runs share x 10 s), alone: serving waits between two steps while it runs (dvi.busy turns); 0: only between
-    # requests. Run beside serving's steps instead, a share of 0.25 cost back-to-back requests about 15% (0.90x and
-    # 0.92x plain vLLM's latency over minutes 10-12 of `dvi up`, benchmarks.first_publish) for 4-5 trainer positions a
-    # second; alone, a share of 0.1 left them at 0.74x plain vLLM's latency and paced ones at 0.83x, the trainer at 95
-    # positions a second between paced requests (benchmarks.sharing)
+    # requests. Run beside serving's steps instead, a share of 0.25 gave the trainer 4-5 positions a second and cost
+    # the online replica 13-25% of the same drafter's tokens a second alone (benchmarks.drift); alone, a share of 0.1
+    # left requests at 0.79x plain vLLM's latency back to back and 0.76x paced, against 0.80x and 0.81x with no trainer
+    # in the same run, the trainer at 96 positions a second between paced requests (benchmarks.sharing)
     pause_share: float = 0.1
 
     def __post_init__(self) -> None:
