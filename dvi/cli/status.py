@@ -74,7 +74,16 @@ def replica_lines(r: dict) -> list[str]:
             f"{fmt(r.get('mean_accepted_length') if r.get('requests') else None, '.2f')}; swaps {events.get('swap', 0)}, promotions {events.get('promote', 0)}, "
             f"rollbacks {events.get('rollback', 0)}",
             f"  speed over target-only decoding: {vs_target_only(r.get('vs_target_only'))}",
-            f"  requests' speed over target-only decoding by version: {version_speeds(r.get('vs_target_only_by_version'))}"]
+            f"  requests' speed over target-only decoding by version: {version_speeds(r.get('vs_target_only_by_version'))}",
+            *turn_lines(r.get("trainer_turns"), r.get("uptime_s"))]
+
+
+def turn_lines(turns: dict | None, uptime_s: float | None) -> list[str]:
+    """What serving gave the trainer's turns (dvi up's pause policy), for people; nothing where it takes none."""
+    if not turns:
+        return []
+    share = f" ({turns['waited_s'] / uptime_s:.1%} of its {uptime_s / 60:.1f} min up)" if uptime_s else ""
+    return [f"  waited for the trainer's turns on the CPU: {turns['turns']} turns, {turns['waited_s']:.1f} s{share}"]
 
 
 def vs_target_only(by_bucket: dict | None) -> str:

@@ -127,6 +127,7 @@ class Replica:
             self.engine_kind = Pick("vllm", "vLLM's own server steps its engine (serve.engine=vllm-server)")
             self.engine = engine
             engine.adopt, engine.on_finish = self.adopt, self.finish
+            self._turns = engine.turns  # its steps wait for the trainer's turns (dvi.busy)
         else:  # the replica decodes here, on dvi's engine
             self.engine_kind = pick_engine(cfg.serve.engine)
             if self.engine_kind.value != "dvi":
@@ -134,6 +135,7 @@ class Replica:
                 raise DviError(f"serve.engine={cfg.serve.engine} is vLLM's own server here{why}, which `dvi serve` starts with "
                                "dvi's loop as its plugin; a replica that decodes in this process runs serve.engine=dvi")
             self.engine = SpeculativeEngine(pair.target, pair.drafter, cfg.serve.spec, stop_ids=stop_ids, max_batch=cfg.serve.max_batch)
+            self._turns = TurnWait.from_env(decisions)  # the decode loop's rounds wait for the trainer's turns (dvi.busy)
         window = self.engine.window - 1  # the longest prompt the engine takes: one token of room to answer
         self.max_prompt_tokens = min(cfg.serve.max_prompt_tokens or window, window)
         self._prompt_cap = self.max_prompt_tokens < window  # below the window (else the engine's own check says it)
@@ -151,7 +153,6 @@ class Replica:
         self.rollout: Rollout | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=cfg.serve.max_queue)
         self._stop = threading.Event()
-        self._turns = TurnWait.from_env(decisions)
         self._draining = threading.Event()
         self._decoding: list[Job] = []  # the jobs in the running batch (replaced, never mutated: drain reads it)
         self._threads: list[threading.Thread] = []
@@ -280,7 +281,14 @@ class Replica:
                 "rollout": self.rollout.drafter.version if self.rollout else None, "rejected": sorted(self.rejected),
                 "control_refused": getattr(self.control, "invalid", None),  # control messages refused (unsigned, forged, ...)
                 "records": self.producer.stats.to_dict() if self.producer is not None else None,
-                "features": dict(self.features), **self.metrics.snapshot()}
+                "features": dict(self.features), "trainer_turns": self.turn_waits(), **self.metrics.snapshot()}
+
+    def turn_waits(self) -> dict | None:
+        """What serving gave the trainer's turns under dvi up's pause policy (`dvi.busy`): the turns its steps waited
+        for and the seconds in all; None where it takes no turns."""
+        if self._turns is None:
+            return None
+        return {"turns": self._turns.turns, "waited_s": round(self._turns.waited_s, 3)}
 
     def prometheus(self) -> str:
         producer = self.producer.stats.to_dict() if self.producer is not None else None

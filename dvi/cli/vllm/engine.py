@@ -189,7 +189,7 @@ class VllmEngine:
         self._lookup = self._schedule_lookup() if self.planner is not None else None
         self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.skips_pass)
         # the trainer's turns on the CPU ($DVI_BUSY_DIR: dvi up's pause policy), the first told with serving's decisions
-        self._turns = TurnWait.from_env(logging.getLogger("dvi.decision.serve"))
+        self.turns = TurnWait.from_env(logging.getLogger("dvi.decision.serve"))  # the replica reports its waits
         step = core.step_fn
         core.step_fn = lambda: self._step(step)  # what vLLM's engine loop calls for each step
 
@@ -230,7 +230,7 @@ class VllmEngine:
         handed over. dvi's own failures here are logged and the step's outputs still go to vLLM's clients: serving never
         fails with the loop, and waits on it only for the trainer's turns."""
         drafted_by = self._drafted_by
-        if self._turns is not None and self._turns.wait():  # the trainer's turn (module docstring)
+        if self.turns is not None and self.turns.wait():  # the trainer's turn (module docstring)
             self._last = None  # the wait is no step's cost
         t0 = time.perf_counter()
         try:

@@ -24,6 +24,9 @@ def test_acceptance_counts_drafted_tokens_only_and_unknowns_print_as_dashes():
     assert "speed over target-only decoding: 1.23x at batch <= 1, 0.91x at batch <= 8" in text
     assert "speed over target-only decoding: - (not measured yet" in "\n".join(replica_lines({**health, "vs_target_only": {}}))
     assert "requests' speed over target-only decoding by version: - (no request timed yet" in text
+    assert "trainer's turns" not in text  # no pause policy: no line
+    turns = "\n".join(replica_lines({**health, "uptime_s": 600.0, "trainer_turns": {"turns": 41, "waited_s": 36.5}}))
+    assert "waited for the trainer's turns on the CPU: 41 turns, 36.5 s (6.1% of its 10.0 min up)" in turns
     by_version = {"init": {"all": 0.97, "by_domain": {}}, "d0001": {"all": 1.31, "by_domain": {"code": 1.52, "prose": 1.1}}}
     assert ("requests' speed over target-only decoding by version: init 0.97x; d0001 1.31x (code 1.52x, prose 1.10x)"
             in "\n".join(replica_lines({**health, "vs_target_only_by_version": by_version})))

@@ -22,7 +22,7 @@ import requests
 from kafka import KafkaProducer
 from replica_fixtures import Running, publish_noisy, replica, scrape, service_config
 
-from dvi import keys, store
+from dvi import busy, keys, store
 from dvi.config import DviConfig, ModelConfig, ServeConfig, SpecConfig, SwapConfig, TrackingConfig, keys_dir
 from dvi.control import DrafterPublished, DrafterRejected
 from dvi.control import encode as encode_control
@@ -286,7 +286,8 @@ def test_the_api_key_comes_from_the_environment_or_a_file(tiny_dirs, tmp_path, m
 
 def test_a_replica_that_decodes_here_runs_dvis_engine_and_follows_one_handed_to_it(tiny_dirs, tmp_path, monkeypatch):
     """serve.engine=vllm-server, or auto where vLLM is installed, is vLLM's own server: a replica handed no engine to
-    follow refuses it with the reason; on dvi (or auto without vLLM) it decodes here with dvi's engine."""
+    follow refuses it with the reason; on dvi (or auto without vLLM) it decodes here with dvi's engine, and under dvi
+    up's pause policy its health tells the trainer's turns it waited for."""
     from dvi import hardware
 
     pair = resolve_pair(ModelConfig(target=str(tiny_dirs[0]), drafter=str(tiny_dirs[1])))
@@ -303,7 +304,9 @@ def test_a_replica_that_decodes_here_runs_dvis_engine_and_follows_one_handed_to_
         on("auto")
     assert on("dvi").health()["engine"] == "dvi"
     monkeypatch.setattr(hardware, "vllm_version", lambda: None)
-    assert on("auto").health()["engine"] == "dvi"
+    assert on("auto").health()["engine"] == "dvi" and on("auto").health()["trainer_turns"] is None
+    monkeypatch.setenv(busy.ENV, str(tmp_path / "busy"))  # under dvi up's pause policy: its rounds' waits are told
+    assert on("dvi").health()["trainer_turns"] == {"turns": 0, "waited_s": 0.0}
 
 
 @pytest.mark.faults
