@@ -30,7 +30,9 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    where `trainer.cpu_priority` settles to pause (auto's choice for a trainer on the CPU cores serving runs on:
    `dvi.hardware.pick_cpu_priority`), stopped while the online replica has a request in flight but for
    `trainer.pause_share` of the time, which it runs alone while the online replica waits between two steps, as
-   `dvi up` stops it (`dvi.cli.up.HoldWhileBusy` over its `dvi.busy` files);
+   `dvi up` stops it (`dvi.cli.up.HoldWhileBusy` over its `dvi.busy` files); `--paced` follows each of the online
+   side's turns with a pause as long as its answers took, still the online side's turn (a client with pauses, as
+   `benchmarks.first_publish --paced`): the online replica idle, its trainer free to train, the others not timed then;
 5. analysis (pure functions below): acceptance, mean accepted length and tokens/s by phase, domain, side and
    drafter version; how many rounds each new domain took to recover to within `tolerance` of the level the online
    drafter reached on A; whether A holds its level when it comes back; on `--stack up` the headline's targets
@@ -366,6 +368,7 @@ class Options:
     serial: bool = False  # each prompt to the sides one after another (each timed alone), not to all at once
     batch: int = 1  # serial: prompts sent to one side at once (its batch), the next side's turn once all are answered
     pause_trainer: bool = False  # serial: the trainer stopped (SIGSTOP) while the frozen and target-only sides answer
+    paced: bool = False  # serial: after the online side's turn, a pause as long as it took (a client with pauses)
     out: Path = Path("outputs/drift")
 
     def budgets(self) -> list[int]:
@@ -495,9 +498,12 @@ def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None, models: d
                     sides = [s for s in SIDES if s in urls and (s != "plain" or group % opt.plain_every == 0)]
                     for side in turn(sides, group):
                         turn_of(side)
+                        began = time.monotonic()
                         futs = [(n, side, pool.submit(ask, urls[side], prompt, opt.max_tokens, models.get(side))) for n, prompt in batch]
                         concurrent.futures.wait([f for _, _, f in futs])
                         asks += futs
+                        if opt.paced and side == "online":  # the client's pause, still the online side's turn: the trainer's
+                            time.sleep(time.monotonic() - began)
                     slot += opt.batch
                 for _ in range(0 if opt.serial else opt.concurrency):
                     prompt = next(streams[domain])
@@ -719,6 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="--serial: prompts sent to one side at once (default 1)")
     p.add_argument("--pause-trainer", action="store_true", dest="pause_trainer", help="--serial: the trainer stopped "
                    "while the frozen and target-only sides answer (each as it runs without a trainer beside it)")
+    p.add_argument("--paced", action="store_true", help="--serial: after each of the online side's turns, a pause as "
+                   "long as its answers took (a client with pauses: the online replica idle, its trainer free to train)")
     p.add_argument("--out", help="output directory (default outputs/drift-<time>)")
     p.add_argument("--quick", action="store_true", help="the CI-sized run: code -> prose, small budgets (minutes)")
     p.add_argument("overrides", nargs="*", help="Hydra config overrides, key=value (given to every part)")
@@ -740,9 +748,9 @@ def options_of(args: argparse.Namespace) -> Options:
     if args.stack:
         opt.stack = args.stack
     opt.serial = bool(args.serial)
-    opt.pause_trainer = bool(args.pause_trainer)
-    if (opt.pause_trainer or opt.batch != 1) and not opt.serial:
-        raise DviError("--batch and --pause-trainer: with --serial (without it every side is asked at once)")
+    opt.pause_trainer, opt.paced = bool(args.pause_trainer), bool(args.paced)
+    if (opt.pause_trainer or opt.paced or opt.batch != 1) and not opt.serial:
+        raise DviError("--batch, --pause-trainer and --paced: with --serial (without it every side is asked at once)")
     if args.trainer_cores:
         if opt.stack not in ("vllm", "up"):
             raise DviError("--trainer-cores: with --stack vllm or up (their servers are pinned by serve.vllm.cpu_bind)")

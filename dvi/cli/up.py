@@ -98,11 +98,25 @@ def banner(prefix: str) -> Callable[[Child], str | None]:
     return probe
 
 
-def plan(cfg, only: set[str] | None = None, train: bool = True) -> list[Part]:
-    """The parts to run for a loaded `DviConfig`, in start order."""
+def stack_priority(cfg, only: set[str] | None = None, train: bool = True) -> Pick | None:
+    """The CPU priority the online trainer of this dvi up runs at (`dvi.cli.args.trainer_priority`), and why: None
+    where it runs no trainer; pause only where it also runs the server whose requests pause it."""
+    runs = {name for name in PARTS if only is None or name in only}
+    if not train or "train" not in runs:
+        return None
+    priority = trainer_priority(cfg)
+    if priority.value == "pause" and "serve" not in runs:
+        return Pick("normal", f"{priority.why}, but this dvi up runs no server to pause it for")
+    return priority
+
+
+def plan(cfg, only: set[str] | None = None, train: bool = True, priority: Pick | None = None) -> list[Part]:
+    """The parts to run for a loaded `DviConfig`, in start order; `priority`: the trainer's (`stack_priority`, which
+    it settles to when not given)."""
     unknown = sorted((only or set()) - set(PARTS))
     if unknown:
         raise DviError(f"--only {','.join(unknown)}: unknown part(s); the parts are {', '.join(PARTS)}")
+    priority = priority or stack_priority(cfg, only, train)
     serve_url = f"http://{cfg.serve.host}:{cfg.serve.port}"
     parts = []
     if cfg.stream.bootstrap_servers is None:
@@ -117,7 +131,7 @@ def plan(cfg, only: set[str] | None = None, train: bool = True) -> list[Part]:
         # stopped while serving answers (trainer.cpu_priority=pause): a request's time at a time, minutes while requests
         # come back to back; its consumer group keeps it over a request's stop (PAUSED_SESSION_MS)
         paused = [f"stream.session_timeout_ms={max(PAUSED_SESSION_MS, cfg.stream.session_timeout_ms)}"] \
-            if trainer_priority(cfg).value == "pause" else []
+            if priority is not None and priority.value == "pause" else []
         parts.append(Part("train", ["train", *paused], banner("dvi train:"), 300, needs=INFRA))
     return [p for p in parts if only is None or p.name in only]
 
@@ -534,7 +548,8 @@ def up(args: argparse.Namespace) -> int:
     overrides = overrides_of(args)
     cfg = load_config(overrides)
     only = set(args.only.split(",")) if args.only else None
-    parts = plan(cfg, only, train=not args.no_train)
+    priority = stack_priority(cfg, only, train=not args.no_train)
+    parts = plan(cfg, only, train=not args.no_train, priority=priority)
     cache = cache_dir(cfg.model)
     if running_pid(cache) is None and (left := stop_leftovers(children_dir(cache))):
         # a dvi up that died without stopping its parts (SIGKILL, out of memory): what it left holds ports and files
@@ -544,9 +559,6 @@ def up(args: argparse.Namespace) -> int:
         return detach(args, cache)
     os.environ[REGISTRY_ENV] = str(children_dir(cache))  # every process the stack spawns, recorded until stopped
     names = {p.name for p in parts}
-    priority = trainer_priority(cfg) if "train" in names else None
-    if priority and priority.value == "pause" and "serve" not in names:
-        priority = Pick("normal", f"{priority.why}, but this dvi up runs no server to pause it for")
     pausing = priority is not None and priority.value == "pause"
     if pausing:  # the server says in files there whether it has a request in flight; the trainer is stopped while it has
         os.environ[BUSY_ENV] = str(cache / "busy")

@@ -193,6 +193,14 @@ def test_the_serial_replay_sends_a_sides_batch_together_and_calls_turn_of_before
     assert {e[2] for e in first[1:4]} == {e[2] for e in first[5:8]} == {e[2] for e in first[9:12]}  # the same batch
     assert sorted({x.slot for x in samples if x.side == "plain"}) == [0, 1, 2, 6, 7, 8]
     assert len([x for x in samples if x.side == "online"]) == 12 and {x.domain for x in samples if x.phase == 1} == {"math"}
+    events.clear()
+    monkeypatch.setattr(drift.time, "sleep", lambda seconds: events.append(("pause", seconds)))
+    drift.replay(urls, drift.Options(schedule=["code"], rounds=20, serial=True, batch=1, paced=True), say=lambda _: None,
+                 models={"plain": "m"}, turn_of=lambda side: events.append(("turn", side)))
+    # paced: each online turn (two prompts of 10 rounds) followed by the client's pause, before the next side's turn
+    kinds = [e[0] if e[0] != "turn" else e[1] for e in events]
+    assert kinds == ["online", "ask", "pause", "frozen", "ask", "plain", "ask", "frozen", "ask", "online", "ask", "pause"]
+    assert all(e[1] >= 0 for e in events if e[0] == "pause")
 
 
 def test_batch_and_pause_need_the_serial_replay_and_the_up_stack_runs_no_experiment(capsys):
@@ -200,6 +208,7 @@ def test_batch_and_pause_need_the_serial_replay_and_the_up_stack_runs_no_experim
                                                             "--trainer-cores", "1", "--domains", "code,math"]))
     assert (opt.stack, opt.batch, opt.pause_trainer, opt.schedule) == ("up", 8, True, ["code", "math"])
     assert drift.STACKS["up"] is None
-    for bad in (["--batch", "8"], ["--pause-trainer"]):
+    assert drift.options_of(drift.build_parser().parse_args(["--serial", "--paced"])).paced
+    for bad in (["--batch", "8"], ["--pause-trainer"], ["--paced"]):
         assert drift.main(bad) == 2
         assert "with --serial" in capsys.readouterr().err

@@ -26,7 +26,7 @@ import torch
 from child_env import clean_env
 
 from dvi import mlflow_view
-from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, PairPrep, Part, Supervisor, next_backoff, plan
+from dvi.cli.up import MAX_BACKOFF_S, STABLE_S, PairPrep, Part, Supervisor, next_backoff, plan, stack_priority
 from dvi.config import load_config
 from dvi.drafters import shipped_version
 from dvi.eagle3 import target_features
@@ -56,6 +56,16 @@ def test_plan_leaves_out_what_the_config_points_elsewhere():
     assert [p.name for p in plan(load_config([]), only={"broker", "serve"})] == ["broker", "serve"]
     with pytest.raises(DviError, match="unknown part"):
         plan(load_config([]), only={"serve", "kafka"})
+
+
+def test_the_trainer_is_paused_only_where_this_dvi_up_runs_the_server_too():
+    paused = load_config(["trainer.cpu_priority=pause"])
+    train = {p.name: p for p in plan(paused)}["train"]
+    assert stack_priority(paused).value == "pause" and any(a.startswith("stream.session_timeout_ms=") for a in train.args)
+    alone = stack_priority(paused, only={"broker", "train"})
+    assert alone.value == "normal" and alone.why.endswith("this dvi up runs no server to pause it for")
+    assert not any(a.startswith("stream.session_timeout_ms=") for a in plan(paused, only={"train"})[0].args)
+    assert stack_priority(paused, train=False) is None and stack_priority(paused, only={"serve"}) is None
 
 
 def left_after_stop(marker: str, within_s: float = 10.0) -> list[int]:
