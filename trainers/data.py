@@ -510,8 +510,10 @@ class Buffer:
 
     def take(self, batch_tokens: int, version_age) -> tuple[list[Item], list[Example], list[float]]:
         """Fresh items (oldest first) filling (1 - replay_share) of `batch_tokens` positions, then replayed
-        examples for the rest, all with the `batch_key` of the oldest fresh item (a batch never mixes teacher widths, or
-        examples with and without features). Returns (fresh items, replayed examples, their replay weights)."""
+        examples, replay_share of the batch: for fewer fresh positions (the stream paused), as many more as keep that
+        share (the last one past it), never a batch of mostly replay (a few records replayed over and over); with none fresh, a whole batch of
+        replay. All with the `batch_key` of the oldest fresh item (a batch never mixes teacher widths, or examples with
+        and without features). Returns (fresh items, replayed examples, their replay weights)."""
         fresh, used, kept = [], 0, deque()
         budget = max(1, int(round(batch_tokens * (1.0 - self.replay_share))))
         key = batch_key(self.pending[0].example) if self.pending else (batch_key(self.replay[-1]) if self.replay else None)
@@ -528,8 +530,12 @@ class Buffer:
         candidates = [(e, self.version_decay ** a) for e in self.replay
                       if (key is None or batch_key(e) == key)
                       and (a := version_age(e.version)) is not None and a <= self.max_version_age]
+        # replay_share of the batch: of a fresh part short of its budget (the stream paused), in proportion; a batch of
+        # replay alone (no fresh record: replay_when_idle) is filled
+        share = self.replay_share / (1.0 - self.replay_share)
+        limit = min(batch_tokens, used + int(round(used * share))) if fresh else batch_tokens
         replayed, weights = [], []
-        while candidates and used < batch_tokens:
+        while candidates and used < limit:  # the last one may pass it, as the last fresh one fills a batch
             e, w = candidates.pop(self.rng.randrange(len(candidates)))
             replayed.append(e)
             weights.append(w)

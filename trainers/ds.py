@@ -121,6 +121,13 @@ def build_engine(
     return engine
 
 
+def set_lr(engine: DeepSpeedEngine, lr: float) -> None:
+    """The learning rate of every parameter group of `engine`'s optimizer (DeepSpeed's bf16 wrapper forwards its
+    client optimizer's groups) from the next step on."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
 def apply_lora(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
     """Wrap `model` in LoRA adapters (only they train) when trainer.finetune is lora; else return it as is."""
     if cfg.finetune != "lora":

@@ -317,6 +317,13 @@ def draft_log_prob(log_q: torch.Tensor, drafted_ids: torch.Tensor, vocab_map: to
     return log_q.gather(-1, idx.unsqueeze(-1)).squeeze(-1).clamp(min=LOG_FLOOR), inside
 
 
+def partial_lr(lr: float, positions: int, batch_tokens: int) -> float:
+    """The learning rate of a step on a batch of `positions` teacher positions, where a full one holds `batch_tokens`:
+    `lr` times the share of a full batch it holds (at most `lr`). AdamW moves every weight by about lr whatever the
+    batch, so without it many small steps on a few records each walk a trained drafter away from what it knew."""
+    return lr * min(1.0, positions / batch_tokens)
+
+
 def kl_reward_weights(step: int, warmup: int, total: int, max_reward: float = 0.5) -> tuple[float, float]:
     """The KL-to-reward schedule: (w_kl, w_reward) at a training step, w_kl + w_reward = 1.
 

@@ -21,7 +21,8 @@
   the trigger's rolling acceptance;
 - step: while the trigger says the trainer is active, a batch of fresh records (plus a replayed share) is
   packed and the drafter takes one DeepSpeed step on `trainers.losses.position_loss` (divergence to the
-  teacher + the DVI reward term on the KL-to-reward schedule). A non-finite loss skips the batch (counted). On a
+  teacher + the DVI reward term on the KL-to-reward schedule). A batch short of `trainer.batch_tokens` (the stream
+  paused) steps at the share of `trainer.lr` it fills (`partial_lr`). A non-finite loss skips the batch (counted). On a
   GPU (`trainer.batch_ahead`) the next batch is taken and built on a thread while the step runs (`trainers.data.Ahead`);
   its records stay in flight, uncommitted, until it is trained;
 - checkpoint: every `trainer.checkpoint_every` steps, and every `trainer.checkpoint_every_s` seconds while records
@@ -90,7 +91,7 @@ from trainers import anchor, checkpoint, ds
 from trainers.data import Ahead, Buffer, Example, Fate, Item, Ledger, Offsets, pending_age_limit
 from trainers.gate import Figures, evaluate, evaluate_each, gate_rule, pooled, teacher_for
 from trainers.intake import Intake
-from trainers.losses import kl_reward_weights
+from trainers.losses import kl_reward_weights, partial_lr
 from trainers.publishing import announce, record_verdict, version_meta, write_version
 from trainers.state import Counters, State, merged, rank_part, restore
 from trainers.student_kinds import student_kind
@@ -547,6 +548,10 @@ class Trainer:
             c.skipped += len(fresh)
             return  # no backward: nothing of this batch reaches the weights
         self.student.backward(loss)
+        # a batch short of batch_tokens (the stream paused: `_batch_ready`) moves the weights in proportion to what it
+        # holds: AdamW moves every weight by about lr whatever the batch, and a trained drafter's many small steps on a
+        # few records each were a random walk away from it (`partial_lr`)
+        ds.set_lr(self.student, partial_lr(t.lr, batch.positions if batch is not None else t.batch_tokens, t.batch_tokens))
         self.student.step()
         # a step that blew up never reaches a checkpoint or the store
         if not ds.on_every_rank(params_finite(self.student.module), self.world):

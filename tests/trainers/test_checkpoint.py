@@ -27,7 +27,7 @@ from transformers import LlamaForCausalLM
 from dvi.config import TrainerConfig, default_cache_dir
 from dvi.errors import DviError
 from trainers.checkpoint import MANIFEST, MARKER, STATE, latest, load, save, step_tag, verify
-from trainers.ds import apply_lora, build_engine, ds_config, merged_state_dict, resolve_precision
+from trainers.ds import apply_lora, build_engine, ds_config, merged_state_dict, resolve_precision, set_lr
 
 VOCAB = 4096
 CKPT_LOG = "dvi.trainers.checkpoint"
@@ -107,6 +107,12 @@ def test_engine_optimizes_with_the_configured_adamw(ds_world, make_tiny_llama):
     group = engine.optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-3, (0.8, 0.9), 0.01)
     assert engine.gradient_clipping() == 1.0
+    # the warmup's rate (trainers.recipe): the next step takes it; a fresh AdamW's first step moves a weight by about lr
+    set_lr(engine, 1e-6)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    train(engine, 1)
+    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(engine.module.parameters(), before))
+    assert engine.optimizer.param_groups[0]["lr"] == 1e-6 and 0 < moved <= 1.1e-6, moved
 
 
 def test_deepspeeds_compiled_op_is_kept_in_dvis_cache(ds_world):

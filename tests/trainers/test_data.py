@@ -234,6 +234,27 @@ def test_buffer_batches_fresh_first_then_weighted_replay(make_record):
     assert [i.offset for i in fresh] == [4, 5] and not replayed
 
 
+def test_a_short_fresh_part_gets_replay_in_proportion_never_a_batch_of_replay(make_record):
+    """The stream paused with one record waiting: the batch replays replay_share of it, not a batch's worth of old
+    records (a few records replayed over and over pull a trained drafter away from everything else); with nothing
+    fresh (replay_when_idle) replay fills the batch."""
+    buf = Buffer(pending_size=100, replay_size=100, holdout_size=1, replay_share=0.5, holdout_share=0.0,
+                 version_decay=0.5, max_version_age=4, seed=1)
+    items = [it for it in _items(make_record, 40) if it.example.positions == 3][:13]  # records of one length
+    buf.trained([i.example for i in items[:10]])  # ten records to replay
+    buf.add(items[10])
+    fresh, replayed, _ = buf.take(batch_tokens=8 * 3, version_age=lambda v: 0)
+    assert [i.offset for i in fresh] == [items[10].offset] and len(replayed) == 1  # half of two records, not 7 of 8
+    fresh, replayed, _ = buf.take(batch_tokens=8 * 3, version_age=lambda v: 0)
+    assert not fresh and len(replayed) == 8  # nothing fresh: a whole batch of replay
+    quarter = Buffer(100, 100, 1, 0.25, 0.0, 0.5, 4, seed=1)
+    quarter.trained([i.example for i in items[:10]])
+    quarter.add(items[11])
+    quarter.add(items[12])
+    fresh, replayed, _ = quarter.take(batch_tokens=8 * 3, version_age=lambda v: 0)
+    assert len(fresh) == 2 and len(replayed) == 1  # a quarter of three records: one, not six
+
+
 def test_buffer_never_mixes_teacher_widths(make_record):
     buf = Buffer(100, 100, 1, 0.0, 0.0, 0.5, 4)
     a, b = _items(make_record, 2), _items(make_record, 2, topk=0)

@@ -23,6 +23,7 @@ from trainers.losses import (
     forward_kl,
     jsd,
     kl_reward_weights,
+    partial_lr,
     masked_mean,
     position_loss,
     reverse_kl,
@@ -507,6 +508,11 @@ def test_training_toward_a_fixed_teacher_decreases_the_divergence(name, reduced)
 
 # ----------------------------------------------------------------------------------------------
 # The KL-to-reward schedule.
+
+
+def test_a_partial_batch_steps_at_its_share_of_the_learning_rate():
+    assert partial_lr(1e-4, 512, 512) == 1e-4 and partial_lr(1e-4, 600, 512) == 1e-4  # full (or over, by a record)
+    assert partial_lr(1e-4, 64, 512) == pytest.approx(1.25e-5)
 
 
 def test_kl_reward_schedule_endpoints():
