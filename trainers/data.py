@@ -511,9 +511,9 @@ class Buffer:
     def take(self, batch_tokens: int, version_age) -> tuple[list[Item], list[Example], list[float]]:
         """Fresh items (oldest first) filling (1 - replay_share) of `batch_tokens` positions, then replayed
         examples, replay_share of the batch: for fewer fresh positions (the stream paused), as many more as keep that
-        share (the last one past it), never a batch of mostly replay (a few records replayed over and over); with none fresh, a whole batch of
-        replay. All with the `batch_key` of the oldest fresh item (a batch never mixes teacher widths, or examples with
-        and without features). Returns (fresh items, replayed examples, their replay weights)."""
+        share (the last one past it), never a batch of mostly replay (a few records replayed over and over); with none
+        fresh, a whole batch of replay. All with the `batch_key` of the oldest fresh item (a batch never mixes teacher
+        widths, or examples with and without features). Returns (fresh items, replayed examples, their replay weights)."""
         fresh, used, kept = [], 0, deque()
         budget = max(1, int(round(batch_tokens * (1.0 - self.replay_share))))
         key = batch_key(self.pending[0].example) if self.pending else (batch_key(self.replay[-1]) if self.replay else None)

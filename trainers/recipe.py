@@ -550,8 +550,10 @@ class Trainer:
         self.student.backward(loss)
         # a batch short of batch_tokens (the stream paused: `_batch_ready`) moves the weights in proportion to what it
         # holds: AdamW moves every weight by about lr whatever the batch, and a trained drafter's many small steps on a
-        # few records each were a random walk away from it (`partial_lr`)
-        ds.set_lr(self.student, partial_lr(t.lr, batch.positions if batch is not None else t.batch_tokens, t.batch_tokens))
+        # few records each were a random walk away from it (`partial_lr`); over every rank's batch, so that all ranks
+        # step at one rate and their weights stay the same
+        held = ds.all_gathered({"positions": batch.positions if batch is not None else 0}, self.world)
+        ds.set_lr(self.student, partial_lr(t.lr, sum(h["positions"] for h in held), t.batch_tokens * self.world))
         self.student.step()
         # a step that blew up never reaches a checkpoint or the store
         if not ds.on_every_rank(params_finite(self.student.module), self.world):

@@ -107,7 +107,8 @@ def test_engine_optimizes_with_the_configured_adamw(ds_world, make_tiny_llama):
     group = engine.optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-3, (0.8, 0.9), 0.01)
     assert engine.gradient_clipping() == 1.0
-    # the warmup's rate (trainers.recipe): the next step takes it; a fresh AdamW's first step moves a weight by about lr
+    # a short batch's rate (trainers.recipe, partial_lr): the next step takes it; a fresh AdamW's first step moves a
+    # weight by about lr
     set_lr(engine, 1e-6)
     before = [p.detach().clone() for p in engine.module.parameters()]
     train(engine, 1)
