@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import json
 import os
 import shlex
@@ -404,10 +405,11 @@ def test_detached_stack_answers_restarts_a_killed_serve_swaps_in_a_first_drafter
         assert ask()["choices"][0]["text"] == first["choices"][0]["text"]
         assert processes_with(marker), "the stack's processes carry the marker"
 
-        # the stack's traffic leads to a first publish
+        # the stack's traffic leads to a first publish: requests until the replica swaps it in (however many the trainer,
+        # taking its turns beside serving, needs: a short batch steps at its share of the learning rate)
         prompts = ["Write a Python function that reverses a string.", "Write a short paragraph about the sea at night."]
         deadline = time.monotonic() + 900
-        for i in range(60):
+        for i in itertools.count():
             r = requests.post(f"http://127.0.0.1:{api}/v1/chat/completions", timeout=300, json={
                 "model": demo_target_dir.name, "messages": [{"role": "user", "content": prompts[i % 2]}], "max_tokens": 32,
                 "vllm_xargs": {"dvi_domain": ("code", "prose")[i % 2]}})  # vLLM's server: the domain tag in vllm_xargs
