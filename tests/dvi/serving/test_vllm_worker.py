@@ -6,6 +6,8 @@ compiled artifact the CPU build cannot load, turned off."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -105,3 +107,32 @@ def test_the_cpu_builds_ahead_of_time_artifact_is_off_unless_the_user_sets_it():
     if not torch.cuda.is_available():  # the server `dvi serve` starts: off on this CPU build, the user's value kept
         assert environment(load_config([]), {})[AOT_COMPILE] == "0"
         assert environment(load_config([]), {AOT_COMPILE: "1"})[AOT_COMPILE] == "1"
+
+
+def test_vllms_queue_readers_spin_briefly_where_a_trainer_takes_turns(monkeypatch, tmp_path):
+    """Under dvi up's pause policy a reader of vLLM's shared-memory queues (the worker between two steps) spins
+    READER_SPIN_S after its last read, not vLLM's second, so that the trainer's turn has the cores; writers unchanged."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from dvi.cli.vllm.loop import READER_SPIN_S, park_idle_readers
+
+    monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)  # restored after the test
+    context = zmq.Context()
+    try:
+        address = f"ipc://{tmp_path / 'notify'}"
+        writer = SpinCondition(is_reader=False, context=context, notify_address=address)
+        assert SpinCondition(is_reader=True, context=context, notify_address=address).busy_loop_s == 1  # vLLM's own
+        park_idle_readers()
+        reader = SpinCondition(is_reader=True, context=context, notify_address=address)
+        assert reader.busy_loop_s == READER_SPIN_S < 0.1
+        assert SpinCondition(is_reader=False, context=context, notify_address=f"{address}2").busy_loop_s == writer.busy_loop_s == 0
+        # a parked reader still wakes on a write
+        time.sleep(0.2)  # the subscription reaches the publisher
+        reader.last_read = 0.0
+        writer.notify()
+        t0 = time.monotonic()
+        reader.wait(timeout_ms=5000)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        context.destroy(linger=0)
