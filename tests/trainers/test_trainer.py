@@ -747,7 +747,7 @@ def test_system_metrics_describe_this_process():
     assert gpu_busy_share(torch.device("cpu")) is None  # NVML's figure is a GPU's only
 
 
-def test_one_non_finite_value_in_any_parameter_is_found():
+def test_one_non_finite_value_in_any_trainable_parameter_is_found():
     from trainers.students import params_finite
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
@@ -756,4 +756,10 @@ def test_one_non_finite_value_in_any_parameter_is_found():
         with torch.no_grad():
             model[1].bias[1] = value
         assert not params_finite(model)
+    # a frozen parameter (an EAGLE-3 drafter's copy of the target's embedding) is never stepped: not looked at
+    model[1].requires_grad_(False)
+    assert params_finite(model)
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    assert not params_finite(model)
 
