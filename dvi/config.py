@@ -189,7 +189,7 @@ class SwapConfig:
     # newest never rejected), "none" (the configured drafter), or a version name
     initial: str = "production"
     smoke_tokens: int = 8  # greedy tokens of a smoke decode a new drafter must survive before it is swapped in
-    window_tokens: int = 512  # drafted tokens of live traffic before a swapped-in drafter is judged
+    window_tokens: int = 2048  # drafted tokens of live traffic before a swapped-in drafter is judged
     # roll back when its acceptance is this much below the previous drafter's, both at the depth both drafted to
     # (dvi.swap.compare: an adaptive planner drafts a new drafter at another K)
     rollback_margin: float = 0.05

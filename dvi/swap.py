@@ -35,9 +35,14 @@ It runs on the caller's thread (the server's swap thread), never on the decoding
 drafted tokens of the new drafter, then keep it unless its acceptance is more than `rollback_margin` below
 the previous drafter's on the traffic just before the swap (its latest `window_tokens` drafted tokens, not its
 lifetime figure, which drifted traffic would inflate; with fewer than `baseline_tokens`, there is nothing to
-compare against and the new drafter is kept). Both at the same depth (`compare`): an adaptive planner drafts a new
-drafter at another K than the one it replaced (its first rounds probe), and acceptance per drafted token falls with
-K, so accepted over drafted of each would hold the deeper-drafted one to a lower figure whatever it is worth.
+compare against and the new drafter is kept). Both on their first drafts (`compare`): every round drafts one, at
+whatever K the planner chose. Accepted over drafted tokens would hold the deeper-drafted drafter to a lower figure
+whatever it is worth (acceptance per drafted token falls with K, and a new drafter's first rounds draft
+`serve.spec.k`); and at a deeper depth only the rounds drafted that deep count, which the planner drafts where the
+recent traffic accepts well: the replaced drafter's came from its easy stretches, the new one's trial from whatever
+traffic came. Compared at the depth both drafted to in half their rounds (4), a `dvi up` run rolled back five of six
+published drafters that offline drafted as well as the one they replaced (within 0.02 drafts accepted a round at K=4,
+or better: benchmarks.depth_by_version).
 
 This module knows the model store and the kinds of drafter (`dvi.drafter_kinds`); not Kafka, HTTP or MLflow.
 """
@@ -145,24 +150,18 @@ def at_depth(rounds: Rounds, depth: int) -> tuple[int, int]:
     return depth * len(deep), sum(min(a, depth) for a in deep)
 
 
-def common_depth(*sides: Rounds) -> int:
-    """The depth every side drafted to in at least half of its rounds: the least of their median K (1 at least)."""
-    return max(1, min(sorted(k for k, _ in side)[(len(side) - 1) // 2] for side in sides if side))
-
-
 def compare(previous: Rounds, current: Rounds) -> tuple[int, float, float]:
-    """(depth, previous acceptance, current acceptance): each side's accepted over drafted tokens at the depth both
-    drafted to (`common_depth`, `at_depth`)."""
-    depth = common_depth(previous, current)
-    (d0, a0), (d1, a1) = at_depth(previous, depth), at_depth(current, depth)
-    return depth, a0 / d0 if d0 else 0.0, a1 / d1 if d1 else 0.0
+    """(depth, previous acceptance, current acceptance): each side's accepted over drafted first drafts (`at_depth` 1:
+    every round, whatever its K; see the module docstring)."""
+    (d0, a0), (d1, a1) = at_depth(previous, 1), at_depth(current, 1)
+    return 1, a0 / d0 if d0 else 0.0, a1 / d1 if d1 else 0.0
 
 
 def judge(previous: Rounds | None, current: Rounds, window_tokens: int, baseline_tokens: int,
           margin: float) -> str | None:
     """Keep or roll back a swapped-in drafter, from its drafting rounds since the swap and the replaced one's
     latest: "keep", "rollback", or None (not enough of the new drafter's traffic yet). `previous`: None when there
-    was no drafter. The two are compared at the same depth (`compare`). A trial that accepted nothing is rolled back
+    was no drafter. The two are compared on their first drafts (`compare`). A trial that accepted nothing is rolled back
     whatever came before: a drafter live traffic never accepts is no drafter to promote."""
     if sum(k for k, _ in current) < window_tokens:
         return None

@@ -569,8 +569,8 @@ class Replica:
             return None
         drafted, accepted = sum(k for k, _ in current), sum(a for _, a in current)
         prev = r.previous_rounds if r.previous_rounds else None
-        depth, before, now = compare(prev, current) if prev else (0, 0.0, accepted / drafted)
-        at = f" at depth {depth} (the K both drafted to in half their rounds or more)" if prev else ""
+        _, before, now = compare(prev, current) if prev else (0, 0.0, accepted / drafted)
+        at = " on first drafts (every round's, whatever its K)" if prev else ""
         before_s = f"{before:.3f}" if prev else "-"
         if decision == "keep":
             self.rollout = None
