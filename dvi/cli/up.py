@@ -488,7 +488,9 @@ class HoldWhileBusy(threading.Thread):
     takes between two steps; the part goes on once serving waits, or after TURN_GRACE_S (a step that does not end
     soon: a long prefill), and is stopped again before serving goes on. Beside serving's steps, two processes each using
     every core slow each other several-fold: in benchmarks.sharing a paused trainer's 25% share beside back-to-back
-    requests trained 4.2 positions a second, and 75 in the gaps between paced ones (about half the time)."""
+    requests trained 4.2 positions a second, and 75 in the gaps between paced ones (about half the time). Serving
+    waiting is not enough: vLLM's worker spun on its queue through each turn until its readers were made to sleep
+    soon (`dvi.cli.vllm.loop.park_idle_readers`; benchmarks.turn_cpu shows who runs in the turns)."""
 
     TURN_GRACE_S = 0.5
 
