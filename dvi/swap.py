@@ -150,11 +150,11 @@ def at_depth(rounds: Rounds, depth: int) -> tuple[int, int]:
     return depth * len(deep), sum(min(a, depth) for a in deep)
 
 
-def compare(previous: Rounds, current: Rounds) -> tuple[int, float, float]:
-    """(depth, previous acceptance, current acceptance): each side's accepted over drafted first drafts (`at_depth` 1:
-    every round, whatever its K; see the module docstring)."""
+def compare(previous: Rounds, current: Rounds) -> tuple[float, float]:
+    """(previous acceptance, current acceptance): each side's accepted over drafted first drafts (`at_depth` 1: every
+    round, whatever its K; see the module docstring)."""
     (d0, a0), (d1, a1) = at_depth(previous, 1), at_depth(current, 1)
-    return 1, a0 / d0 if d0 else 0.0, a1 / d1 if d1 else 0.0
+    return a0 / d0 if d0 else 0.0, a1 / d1 if d1 else 0.0
 
 
 def judge(previous: Rounds | None, current: Rounds, window_tokens: int, baseline_tokens: int,
@@ -169,5 +169,5 @@ def judge(previous: Rounds | None, current: Rounds, window_tokens: int, baseline
         return "rollback"
     if previous is None or sum(k for k, _ in previous) < baseline_tokens:
         return "keep"
-    _, before, now = compare(previous, current)
+    before, now = compare(previous, current)
     return "rollback" if now < before - margin else "keep"

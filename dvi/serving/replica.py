@@ -569,7 +569,7 @@ class Replica:
             return None
         drafted, accepted = sum(k for k, _ in current), sum(a for _, a in current)
         prev = r.previous_rounds if r.previous_rounds else None
-        _, before, now = compare(prev, current) if prev else (0, 0.0, accepted / drafted)
+        before, now = compare(prev, current) if prev else (0.0, accepted / drafted)
         at = " on first drafts (every round's, whatever its K)" if prev else ""
         before_s = f"{before:.3f}" if prev else "-"
         if decision == "keep":
