@@ -468,7 +468,7 @@ class TrainerConfig:
     features_dtype: str = "auto"
     # gate, publish, checkpoints
     holdout_share: float = 0.1  # fresh records set aside for the gate (never trained on)
-    holdout_first: int = 4  # the first records are all held out until the gate has this many (then holdout_share)
+    holdout_first: int = 4  # the first prompts of each domain are all held out, this many (then holdout_share)
     holdout_size: int = 256  # most recent held-out records kept
     holdout_mb: float = 128.0  # and at most this many MiB of them
     gate_every: int = 50  # optimizer steps between gate checks
@@ -479,6 +479,9 @@ class TrainerConfig:
     gate_max_share: float = 0.25
     gate_min_records: int = 4  # held-out records needed before a gate check
     min_gain: float = 0.02  # a candidate must beat the serving drafter's estimated acceptance by more than this
+    # ... over all held-out records, or (true) on the records of one domain with gate_min_records of them, while over all
+    # it is no lower: after traffic drifts, the new domain's few held-out records hardly move the pooled figure
+    gate_by_domain: bool = True
     # the acceptance the gate estimates, as the serving engine realizes it: argmax (vLLM's EAGLE-3 and draft-model
     # proposers draft the drafter's most likely token: a greedy request accepts it when it is the target's, a sampled
     # one with the target's probability of it), sampled (dvi's engine samples drafts from the drafter: sum min(p, q));

@@ -36,6 +36,7 @@ from dvi.features import Features
 from dvi.files import sha256_file
 from dvi.records import DecisionRecord, from_dict
 from trainers.data import Example
+from trainers.gate import group_by_domain
 
 SUFFIX = ".heldout.jsonl.gz"  # the slice's file, beside the drafter's directory
 PER_DOMAIN = 12  # answers a domain in a slice
@@ -152,8 +153,5 @@ class Anchor:
 
     def by_domain(self, each) -> dict[str, list]:
         """Per-example figures (`trainers.gate.evaluate_each`, in the examples' order) grouped by domain, and "all"."""
-        out: dict[str, list] = {"all": list(each)}
-        for d, f in zip(self.domains, each, strict=True):
-            if d:  # a record without a domain counts in all only
-                out.setdefault(d, []).append(f)
-        return out
+        each = list(each)
+        return {"all": each, **group_by_domain(self.domains, each)}  # a record without a domain counts in all only

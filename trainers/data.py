@@ -84,6 +84,7 @@ class Example:
     temperature: float = 0.0  # the request's sampling (what the engine's acceptance of a draft depends on)
     top_p: float = 1.0
     prompt_key: int = 0  # a hash of the request's prompt: records of one prompt are held out together
+    domain: str | None = None  # the request's domain tag (the gate judges each domain's held-out records too)
 
     @property
     def positions(self) -> int:
@@ -151,6 +152,7 @@ def example_from_record(record: DecisionRecord, max_seq_len: int, penalty: float
         temperature=float(record.sampling.temperature),
         top_p=float(record.sampling.top_p),
         prompt_key=prompt_key(record.prompt_ids),
+        domain=record.domain,
     )
 
 
@@ -435,14 +437,17 @@ class Buffer:
         self.version_decay = version_decay
         self.max_version_age = max_version_age
         self.rng = random.Random(seed)
-        self.holdout_first = holdout_first  # the first records are all held out until the gate has this many
+        self.holdout_first = holdout_first  # the first prompts of each domain are all held out, this many of them
+        self._first_left: dict[str | None, int] = {}  # domain tag (None: untagged) -> first prompts still to hold out
         self.held_prompts: OrderedDict[int, None] = OrderedDict()  # prompts held out by holdout_first (newest last)
         self._first = holdout_first
         self._routed = self._returns = 0  # records routed, and held out as records of a first prompt come back
 
     def held_out(self, example: Example) -> bool:
         """Whether a record is held out: its prompt hash falls in the held-out share, or its prompt was among the
-        first (`holdout_first`), so every record of a prompt goes one way. Records of a first prompt that comes back
+        first (`holdout_first`) of its domain (its tag; untagged records are one domain), so every record of a prompt
+        goes one way, and a domain that traffic drifts to has held-out records for the gate to judge it on
+        (`trainers.gate.judge`) within its first prompts rather than after 1 / holdout_share of them. Records of a first prompt that comes back
         are held out while they number fewer than `holdout_first` or the held-out share of all records: traffic that
         repeats a few prompts (a demo, a test) would otherwise hold out everything and train on nothing; its held-out
         records then share prompts with trained ones, as so few prompts cannot avoid."""
@@ -454,8 +459,9 @@ class Buffer:
                 return False
             self._returns += 1
             return True
-        if self.holdout_first > 0 and self.holdout_share > 0:  # an early gate needs held-out records first
-            self.holdout_first -= 1
+        left = self._first_left.get(example.domain, self.holdout_first)
+        if left > 0 and self.holdout_share > 0:  # an early gate needs held-out records first, on every domain
+            self._first_left[example.domain] = left - 1
             self.held_prompts[key] = None
             while len(self.held_prompts) > 1 << 16:
                 self.held_prompts.popitem(last=False)

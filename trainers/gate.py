@@ -3,7 +3,8 @@
 Per record, the sums over its teacher positions of the drafter's expected acceptance (sum min(p, q), a draft sampled
 from it), its greedy match (its argmax is the target's) and its acceptance as the serving engine realizes it
 (`realized_acceptance` under `gate_rule`: vLLM's proposers draft the argmax, dvi's engine samples), in `Figures`;
-`evaluate_each` per record, `pooled` and `evaluate` over all. The teacher is the records' top-k, or the trainer's copy
+`evaluate_each` per record, `pooled` and `evaluate` over all; `judge` says whether a candidate beats the serving
+drafter, over all held-out records or on one domain's (`by_domain`). The teacher is the records' top-k, or the trainer's copy
 of the target (`teacher_for`). Records are batched by `batch_key` (`chunks`).
 
 This module knows drafters as `trainers.students` modules and the batch layout; it does not know the trainer's loop,
@@ -111,6 +112,53 @@ def pooled(figures) -> dict[str, float]:
     return {"acceptance": sum(f.acceptance for f in figures) / positions,
             "greedy": sum(f.greedy for f in figures) / positions,
             "realized": sum(f.realized for f in figures) / positions}
+
+
+def group_by_domain(domains, items) -> dict[str, list]:
+    """`items` grouped by their domain tags (`domains`, in the same order), each group in that order; an item without
+    a tag (None or empty) is in no group."""
+    groups: dict[str, list] = {}
+    for domain, item in zip(domains, items, strict=True):
+        if domain:
+            groups.setdefault(domain, []).append(item)
+    return groups
+
+
+def by_domain(candidate: list[Figures], serving: list[Figures], domains: list[str | None]) -> dict[str, tuple[float, float, int]]:
+    """Per domain tag of the held-out records (`domains`, in their order; untagged ones in none): the realized acceptance
+    of the candidate and of the serving drafter pooled over that domain's records, and how many there are."""
+    groups = group_by_domain(domains, range(len(domains)))
+    return {d: (pooled(candidate[i] for i in at)["realized"], pooled(serving[i] for i in at)["realized"], len(at))
+            for d, at in sorted(groups.items())}
+
+
+class Verdict(NamedTuple):
+    """What `judge` found: whether the candidate passes, the domain it passed on where it did not pass over all the
+    held-out records (else None), and the figures per domain (`by_domain`)."""
+
+    passes: bool
+    domain: str | None
+    domains: dict[str, tuple[float, float, int]]
+
+
+def judge(candidate: list[Figures], serving: list[Figures], domains: list[str | None], min_gain: float, min_records: int,
+          per_domain: bool = True) -> Verdict:
+    """Whether a candidate beats the serving drafter on the held-out records (their figures in the same order, their
+    domain tags in `domains`): by more than `min_gain` in realized acceptance pooled over all of them, or, with
+    `per_domain`, by more than `min_gain` on the records of one domain that has at least `min_records` of them while
+    pooled over all it is no lower. After traffic drifts to a new domain, most held-out records are the old domains'
+    (the held-out set keeps the latest `trainer.holdout_size`), and what the candidate learnt of the new one is a small
+    share of the pooled figure; judged on that domain's own records it shows. Where several domains gain, the largest
+    gain names the verdict's domain."""
+    cand, base = pooled(candidate)["realized"], pooled(serving)["realized"]
+    groups = by_domain(candidate, serving, domains)
+    if cand > base + min_gain:
+        return Verdict(True, None, groups)
+    if per_domain and cand >= base:
+        wins = [(c - b, d) for d, (c, b, n) in groups.items() if n >= min_records and c > b + min_gain]
+        if wins:
+            return Verdict(True, max(wins)[1], groups)
+    return Verdict(False, None, groups)
 
 
 def evaluate(student: PositionLM, examples: list[Example], vocab_size: int, vocab_map, teacher_lm: PositionLM | None,

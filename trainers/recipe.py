@@ -35,10 +35,10 @@
   taken (spaced further where the checks would take more than `trainer.gate_max_share` of the time), at the end
   of a triggered session and at once on a retrain request under the continuous trigger, the candidate's
   acceptance on held-out records, as the serving engine realizes it (`trainer.gate_rule`), is compared with the
-  baseline's (the first
-  `trainer.holdout_first` records are all held out, so the first gate can run within minutes; the baseline's
-  figures are kept per record while it serves, so a check evaluates it on the records new to the held-out set
-  only); only a better candidate is written
+  baseline's, over all held-out records or on one domain's (`trainers.gate.judge`; the first
+  `trainer.holdout_first` prompts of each domain are all held out, so the first gate can run within minutes, and
+  one soon after traffic drifts to a new domain; the baseline's figures are kept per record while it serves, so a
+  check evaluates it on the records new to the held-out set only); only a better candidate is written
   to the model store (`dvi.store`), registered in MLflow (alias `candidate`, through the tracker it is handed)
   and announced as a `dvi.control.DrafterPublished` through the publisher it is handed. `Trainer.published`
   lists the versions published in this run.
@@ -89,7 +89,7 @@ from dvi.pairs import load_any_drafter, pair_dirs, resolve_pair
 from dvi.records import Delivered
 from trainers import anchor, checkpoint, ds
 from trainers.data import Ahead, Buffer, Example, Fate, Item, Ledger, Offsets, pending_age_limit
-from trainers.gate import Figures, evaluate, evaluate_each, gate_rule, pooled, teacher_for
+from trainers.gate import Figures, evaluate_each, gate_rule, judge, pooled, teacher_for
 from trainers.intake import Intake
 from trainers.losses import kl_reward_weights, partial_lr
 from trainers.publishing import announce, record_verdict, version_meta, write_version
@@ -687,14 +687,17 @@ class Trainer:
             self.last_gate = {"step": self.state.step, "time": time.time(), "outcome": "waiting for held-out records"}
             return None
         self.state.counters.gates += 1
-        cand = evaluate(self.student.module, holdout, self.vocab_size, self.vocab_map, self.teacher_lm, self.tcfg.batch_tokens,
-                        self.gate_rule, self.precision)
-        base = pooled(self._baseline_figures(holdout))
+        cand_each = evaluate_each(self.student.module, holdout, self.vocab_size, self.vocab_map, self.teacher_lm,
+                                  self.tcfg.batch_tokens, self.gate_rule, self.precision)
+        base_each = self._baseline_figures(holdout)
+        cand, base = pooled(cand_each), pooled(base_each)
+        verdict = judge(cand_each, base_each, [e.domain for e in holdout], self.tcfg.min_gain, self.tcfg.gate_min_records,
+                        self.tcfg.gate_by_domain)
         # the gate ranks on acceptance as the serving engine realizes it (trainer.gate_rule); the others are reported
         gate = {"candidate_acceptance": cand["realized"], "serving_acceptance": base["realized"],
                 "candidate_expected": cand["acceptance"], "serving_expected": base["acceptance"],
                 "candidate_greedy": cand["greedy"], "serving_greedy": base["greedy"], "holdout_records": len(holdout)}
-        gains, finite = cand["realized"] > base["realized"] + self.tcfg.min_gain, params_finite(self.student.module)
+        gains, finite = verdict.passes, params_finite(self.student.module)
         holds = True
         if gains and finite and self.anchor is not None:  # what adapting cost on the bootstrap's held-out slice
             if not self.anchor.start:
@@ -704,12 +707,20 @@ class Trainer:
             holds = anchor.holds(gate["anchor_acceptance"], gate["anchor_start"], self.tcfg.anchor_max_drop)
         passed = gains and finite and holds
         if self.tracker is not None:
-            self.tracker.log_metrics({**{f"gate/{k}": v for k, v in gate.items()}, "gate/passed": float(passed)}, step=self.state.step)
-        self.last_gate = {"step": self.state.step, "time": time.time(), "outcome": "passed" if passed else "refused", **gate}
+            per_domain = {f"gate/domain/{d}/{who}": v for d, (c, b, _) in verdict.domains.items()
+                          for who, v in (("candidate_acceptance", c), ("serving_acceptance", b))}
+            self.tracker.log_metrics({**{f"gate/{k}": v for k, v in gate.items()}, **per_domain, "gate/passed": float(passed)},
+                                     step=self.state.step)
+        self.last_gate = {"step": self.state.step, "time": time.time(), "outcome": "passed" if passed else "refused", **gate,
+                          "won_on_domain": verdict.domain,
+                          "domains": {d: {"candidate_acceptance": c, "serving_acceptance": b, "holdout_records": n}
+                                      for d, (c, b, n) in verdict.domains.items()}}
         self.first_gate = self.first_gate or self.last_gate  # its serving figures: the drafter this run started from
         figures = (f"candidate {cand['realized']:.4f} vs serving {self.state.lineage[-1]} {base['realized']:.4f} "
                    f"({self.gate_rule} rule; expected {cand['acceptance']:.4f} vs {base['acceptance']:.4f}; "
-                   f"min gain {self.tcfg.min_gain:g}) on {len(holdout)} held-out records")
+                   f"min gain {self.tcfg.min_gain:g}) on {len(holdout)} held-out records"
+                   + "".join(f"; {d}{' (won on)' if d == verdict.domain else ''} {c:.4f} vs {b:.4f} on {n}"
+                             for d, (c, b, n) in verdict.domains.items()))
         if not gains:
             self.state.counters.refused += 1
             decision.info("%s: refused: %s", at, figures)

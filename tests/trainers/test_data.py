@@ -42,6 +42,7 @@ def test_every_generated_token_gets_the_decision_that_produced_it(make_record, c
         assert ex.reward[g] == reward
         assert ex.judged[g] == (draft != -1)
     assert (ex.accepted, ex.drafted_total) == (record.accepted, record.drafted)
+    assert ex.domain is None and example_from_record(replace(record, domain="math"), 10_000).domain == "math"
 
 
 def test_long_records_keep_their_last_tokens(make_record):
@@ -199,6 +200,19 @@ def test_buffer_holds_out_the_first_prompts_then_a_share(make_record):
     assert buf.add(Item(items[1].example, "p", 99))[0] == Fate.HELD_OUT  # that prompt stays held out
     none = Buffer(100, 8, 8, 0.0, 0.0, 0.5, 2, holdout_first=3)  # holdout_share 0: nothing is ever held out
     assert all(none.add(item)[0] is None for item in _items(make_record, 4))
+
+
+def test_buffer_holds_out_the_first_prompts_of_every_domain_traffic_drifts_to(make_record):
+    """After code, math: its first prompts are held out too, so the gate can judge the new domain on its own records
+    (trainers.gate.judge) before 1 / holdout_share of its prompts have come."""
+    share = Buffer(100, 8, 8, 0.0, 0.1, 0.5, 2)
+    items = [it for it in _items(make_record, 40) if not share.held_out(it.example)][:12]  # outside the hashed share
+    buf = Buffer(pending_size=100, replay_size=8, holdout_size=16, replay_share=0.0, holdout_share=0.1,
+                 version_decay=0.5, max_version_age=2, holdout_first=2)
+    domains = ["code"] * 6 + ["math"] * 4 + [None] * 2
+    fates = [buf.add(Item(replace(it.example, domain=d), "p", i))[0] for i, (it, d) in enumerate(zip(items, domains))]
+    assert [i for i, fate in enumerate(fates) if fate == Fate.HELD_OUT] == [0, 1, 6, 7, 10, 11]
+    assert [e.domain for e in buf.holdout] == ["code", "code", "math", "math", None, None]
 
 
 def test_buffer_trains_on_traffic_of_a_few_prompts_holding_out_their_share(make_record):

@@ -35,6 +35,7 @@ from streams.control import send as control_send
 from streams.producer import DecisionProducer
 from trainers import checkpoint
 from trainers.data import Fate, Kept
+from trainers.gate import evaluate
 from trainers.recipe import Trainer
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -463,7 +464,7 @@ def test_gate_evaluates_the_baseline_only_on_records_new_to_the_held_out_set(str
         assert alone.acceptance == pytest.approx(kept.acceptance, rel=1e-4, abs=1e-5)
         assert abs(alone.greedy - kept.greedy) <= 1  # a near-tie may break the other way in another batch shape
         assert abs(alone.realized - kept.realized) <= 1  # greedy records: the engine realizes the greedy match
-    assert recipe.pooled(together) == pytest.approx(recipe.evaluate(trainer.baseline, held, *args))
+    assert recipe.pooled(together) == pytest.approx(evaluate(trainer.baseline, held, *args))
     expected = recipe.pooled(together[1:6])  # the baseline on held[1:6], evaluated afresh
     tie = 1.0 / sum(e.positions for e in held[1:6])  # a near-tie of the argmax breaking the other way in another batch
 
@@ -533,7 +534,6 @@ def test_training_on_demo_records_raises_held_out_acceptance(stream_cfg, demo_ta
     """A short run on real records of one domain (Python questions) raises the drafter's estimated acceptance
     on held-out records of that domain."""
     from dvi.models import load_tokenizer
-    from trainers.recipe import evaluate
 
     tokenizer = load_tokenizer(demo_target_dir)
     target = load_causal_lm(demo_target_dir, "target")
