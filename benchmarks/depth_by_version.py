@@ -15,7 +15,7 @@ on (never sent in a run of that many requests). Per version and set:
   accepted (the leading run of matches of steps 0..K-1 at the positions they predict).
 
     python -m benchmarks.depth_by_version STORE [--k 4] [--tokens 64] [--seen 40] [--unseen 24] [--unseen-from 347]
-                                          [--json PATH] [key=value overrides]
+                                          [--workload DOMAIN] [--checkpoint DIR ...] [--json PATH] [key=value overrides]
 
 EAGLE-3 drafters only. It measures; it asserts nothing.
 """
@@ -29,10 +29,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import workloads
 from benchmarks.bench_trainer import chat_ids, make_records
 from benchmarks.bench_vllm import held_out_chats
 from dvi.config import load_config
 from dvi.pairs import load_any_drafter, pair_dirs, resolve_pair
+from trainers import checkpoint
 from trainers.data import Batch, collate, example_from_record
 from trainers.students import Eagle3PositionLM
 
@@ -66,6 +68,27 @@ def accepted_per_round(match: torch.Tensor, rows: list[int], cols: list[int]) ->
     return total / max(len(where), 1)
 
 
+def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The drafter's weights in a trainer checkpoint (`trainers.checkpoint`: sealed and complete, read as tensors only),
+    named as in the drafter's own state dict."""
+    problem = checkpoint.verify(path)
+    if problem:
+        raise SystemExit(f"{path}: {problem}")
+    module = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
+    return {k[len("model."):]: v for k, v in module.items() if k.startswith("model.")}
+
+
+def prompt_sets(args) -> dict[str, list]:
+    """The seen and unseen sets: (domain, chat text) from the shipped drafter's held-out sources, or with --workload
+    (domain, Prompt) of `benchmarks.workloads`."""
+    if args.workload:
+        other = workloads.prompts(args.workload, "bootstrap") + workloads.prompts(args.workload, "eval")
+        return {"seen": [(args.workload, p) for p in workloads.prompts(args.workload, "live")[:args.seen]],
+                "unseen": [(args.workload, p) for p in other[:args.unseen]]}
+    chats = held_out_chats()
+    return {"seen": chats[:args.seen], "unseen": chats[args.unseen_from:args.unseen_from + args.unseen]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("store", type=Path, help="a store of published versions (a dvi up run's <cache>/store)")
@@ -74,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seen", type=int, default=40)
     p.add_argument("--unseen", type=int, default=24)
     p.add_argument("--unseen-from", type=int, default=347)
+    p.add_argument("--workload", default=None, help="a domain of benchmarks.workloads: its live split seen, the others unseen")
+    p.add_argument("--checkpoint", type=Path, action="append", default=[], help="a trainer checkpoint to measure too")
     p.add_argument("--json", default=None)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
@@ -81,22 +106,27 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(["model.dtype=float32", *args.overrides])
     pair = resolve_pair(cfg.model)
     _, shipped = pair_dirs(cfg.model)
-    chats = held_out_chats()
-    sets = {"seen": chats[:args.seen], "unseen": chats[args.unseen_from:args.unseen_from + args.unseen]}
-    versions = {"shipped": shipped, **{v.name: v for v in sorted(args.store.glob("d[0-9]*")) if v.is_dir()}}
+    sets = prompt_sets(args)
+    versions = {"shipped": shipped, **{v.name: v for v in sorted(args.store.glob("d[0-9]*")) if v.is_dir()},
+                **{c.name: c for c in args.checkpoint}}
     layers = tuple(pair.drafter.layer_ids)
     vocab = int(pair.target.config.vocab_size)
     result = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "k": args.k,
-              "tokens": args.tokens, "store": str(args.store), "sets": {}}
+              "tokens": args.tokens, "store": str(args.store), "workload": args.workload,
+              "checkpoints": [str(c) for c in args.checkpoint], "sets": {}}
     for name, prompts in sets.items():
-        records, _ = make_records(pair, [chat_ids(pair.tokenizer, text) for _, text in prompts], 1, args.tokens, 4, True,
-                                  layers, "bf16")
+        ids = [chat_ids(pair.tokenizer, p) if isinstance(p, str) else
+               chat_ids(pair.tokenizer, p.text) if p.chat else pair.tokenizer(p.text).input_ids for _, p in prompts]
+        records, _ = make_records(pair, ids, 1, args.tokens, 4, True, layers, "bf16")
         batch = collate([example_from_record(r, 4096) for r in records])
         rows, cols = batch.rows.tolist(), batch.cols.tolist()
         domains = sorted({d for d, _ in prompts})
         result["sets"][name] = {"prompts": len(prompts), "domains": domains, "positions": len(rows), "versions": {}}
         for version, path in versions.items():
-            drafter = load_any_drafter(path, vocab, target=pair.target)
+            own = path in args.checkpoint  # a checkpoint: the shipped drafter's files, the checkpoint's weights
+            drafter = load_any_drafter(shipped if own else path, vocab, target=pair.target)
+            if own:
+                drafter.model.load_state_dict(checkpoint_weights(path))
             match = matches(Eagle3PositionLM(drafter.model.eval(), None), drafter.vocab_map, batch, args.k)
             by_step = [round(float((m[m >= 0] == 1).float().mean()), 4) for m in match]
             per_round = round(accepted_per_round(match, rows, cols), 4)
