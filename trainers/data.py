@@ -440,22 +440,21 @@ class Buffer:
         self.holdout_first = holdout_first  # the first prompts of each domain are all held out, this many of them
         self._first_left: dict[str | None, int] = {}  # domain tag (None: untagged) -> first prompts still to hold out
         self.held_prompts: OrderedDict[int, None] = OrderedDict()  # prompts held out by holdout_first (newest last)
-        self._first = holdout_first
         self._routed = self._returns = 0  # records routed, and held out as records of a first prompt come back
 
     def held_out(self, example: Example) -> bool:
         """Whether a record is held out: its prompt hash falls in the held-out share, or its prompt was among the
         first (`holdout_first`) of its domain (its tag; untagged records are one domain), so every record of a prompt
         goes one way, and a domain that traffic drifts to has held-out records for the gate to judge it on
-        (`trainers.gate.judge`) within its first prompts rather than after 1 / holdout_share of them. Records of a first prompt that comes back
-        are held out while they number fewer than `holdout_first` or the held-out share of all records: traffic that
-        repeats a few prompts (a demo, a test) would otherwise hold out everything and train on nothing; its held-out
-        records then share prompts with trained ones, as so few prompts cannot avoid."""
+        (`trainers.gate.judge`) within its first prompts rather than after 1 / holdout_share of them. Records of a
+        first prompt that comes back are held out while they number fewer than `holdout_first` or the held-out share
+        of all records: traffic that repeats a few prompts (a demo, a test) would otherwise hold out everything and
+        train on nothing; its held-out records then share prompts with trained ones, as so few prompts cannot avoid."""
         key = example.prompt_key
         if (key >> 11) / float(1 << 53) < self.holdout_share:
             return True
         if key in self.held_prompts:
-            if self._returns >= max(self._first, self.holdout_share * self._routed):
+            if self._returns >= max(self.holdout_first, self.holdout_share * self._routed):
                 return False
             self._returns += 1
             return True
