@@ -23,8 +23,10 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    sent to `online` and `frozen` at once (and to `plain` every few prompts) through the HTTP API, each phase lasting
    a budget of the online replica's verification rounds; with `--serial`, one prompt at a time, to the sides one after
    another (the order turning with each prompt), so that each answer is timed without the other servers decoding
-   beside it: on a machine of few cores, servers decoding at once measure how they share the cores; `--batch N`
-   sends N prompts to a side at once (batch N) before the next side's turn; `--pause-trainer` stops the trainer
+   beside it (nor beside the spinning that follows plain vLLM's answers: `PEER_SPIN_S`; pausing, the frozen
+   replica's vLLM readers park as the online one's do): on a machine of few cores, servers decoding at once measure
+   how they share the cores; `--batch N` sends N prompts to a side at once (batch N) before the next side's turn;
+   `--pause-trainer` stops the trainer
    during the frozen and target-only turns, so that those sides run as they do without a trainer and the online
    side as `dvi up` runs it (the trainer then trains only during the online side's turns): beside its requests, or,
    where `trainer.cpu_priority` settles to pause (auto's choice for a trainer on the CPU cores serving runs on:
@@ -82,6 +84,9 @@ from dvi.tracking import Tracker
 log = logging.getLogger("benchmarks.drift")
 
 SIDES = ("online", "frozen", "plain")
+# --serial: the pause after each of plain vLLM's turns, so that no side's answer is timed beside it: vLLM's readers of
+# its shared-memory queues spin, yielding the core, for a second after their last read (`SpinCondition.busy_loop_s`)
+PEER_SPIN_S = 1.0
 # --stack: the experiment config every part runs with (up: none, the defaults `dvi up` runs on)
 STACKS = {"dvi": "drift", "vllm": "drift_vllm", "up": None}
 
@@ -502,6 +507,8 @@ def replay(urls: dict[str, str], opt: Options, say, tick=lambda: None, models: d
                         futs = [(n, side, pool.submit(ask, urls[side], prompt, opt.max_tokens, models.get(side))) for n, prompt in batch]
                         concurrent.futures.wait([f for _, _, f in futs])
                         asks += futs
+                        if side in models:  # plain vLLM's queue readers spin on after its answers: the next turn not beside them
+                            time.sleep(PEER_SPIN_S)
                         if opt.paced and side == "online":  # the client's pause, still the online side's turn: the trainer's
                             time.sleep(time.monotonic() - began)
                     slot += opt.batch
@@ -590,8 +597,12 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
             return Part(side, ["serve", *extra, *pinned, f"serve.port={ports[side]}", f"stream.replica_id={side}"],
                         lambda _: http_ok(f"{urls[side]}/health"), ready_s, needs=(), env=env)
 
+        # pausing, the online replica's vLLM readers park once it is not stepping (dvi.cli.vllm.loop.park_idle_readers):
+        # the frozen one's too, over a directory of its own that no watch reads, else its readers spin a second after
+        # each answer, through the start of the online side's next turn
         parts = [replica("online", env={BUSY_ENV: str(busy_dir)} if pausing else None),
-                 replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false")]
+                 replica("frozen", "serve.swap.enabled=false", "serve.log_decisions=false",
+                         env={BUSY_ENV: str(work / "busy-frozen")} if pausing else None)]
         models, plain = {}, None
         if opt.stack == "dvi":
             parts.append(replica("plain", "--no-draft", "serve.swap.enabled=false", "serve.log_decisions=false"))

@@ -10,6 +10,8 @@ trainer's share of the time (`trainer.pause_share`).
   wait between two steps, with a file `<pid>.waiting` saying so (`Turn.taken`), so that the trainer has the cores to
   itself rather than two processes each slowing the other several-fold. A turn file whose supervisor is gone never
   counts, and no one turn file holds a step up for longer than `TurnWait.max_s`.
+- `Serving(directory)`: whether serving is stepping now (a request in flight, no turn): where a process that waits on
+  serving's next step may spin rather than sleep.
 
 This module knows files and pids; what a request is and what to do while serving is busy are its callers'.
 """
@@ -107,6 +109,34 @@ class Turn:
         return any(_alive(pid) for pid, _ in _named(self.path.parent, WAITING))
 
 
+def turn_holder(path: Path) -> tuple[int, int] | None:
+    """The turn file at `path`'s identity (inode, mtime) while a live supervisor holds it; else None."""
+    try:
+        st = os.stat(path)
+        pid = int(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    return (st.st_ino, st.st_mtime_ns) if pid > 0 and _alive(pid) else None
+
+
+class Serving:
+    """Whether serving is stepping now as far as `directory` says: a request in flight and no trainer's turn (the
+    trainer stopped), looked at once every `every_s` at most (a caller may ask in a spin loop). What a reader of
+    vLLM's queues asks before it spins (`dvi.cli.vllm.loop.park_idle_readers`)."""
+
+    def __init__(self, directory: str | os.PathLike, every_s: float = 0.005):
+        self.directory, self.every_s = Path(directory), every_s
+        self._turn = self.directory / TURN
+        self._at: float | None = None
+        self._now = False
+
+    def __call__(self, now: float) -> bool:
+        if self._at is None or now - self._at >= self.every_s:
+            self._at = now
+            self._now = busy(self.directory) and turn_holder(self._turn) is None
+        return self._now
+
+
 class TurnWait:
     """Serving's side: `wait()`, before each step, waits while a live supervisor's turn file is in `directory`, at most
     `max_s` for any one file (a supervisor that forgot to take its turn back costs one wait, not one a step), polling
@@ -130,15 +160,8 @@ class TurnWait:
 
     def _turn(self) -> tuple[int, int] | None:
         """The turn file's identity while a live supervisor holds it and it has not expired; else None."""
-        try:
-            st = os.stat(self.path)
-            key = (st.st_ino, st.st_mtime_ns)
-            if key == self._expired:
-                return None
-            pid = int(self.path.read_text().strip() or 0)
-        except (OSError, ValueError):
-            return None
-        return key if pid > 0 and _alive(pid) else None
+        key = turn_holder(self.path)
+        return None if key == self._expired else key
 
     def wait(self) -> float:
         key = self._turn()

@@ -181,6 +181,8 @@ def test_the_serial_replay_sends_a_sides_batch_together_and_calls_turn_of_before
         return {"usage": {"completion_tokens": 16}, **({} if model else {"dvi": {"stats": stats}})}, 0.5
 
     monkeypatch.setattr(drift, "ask", ask)
+    slept = []
+    monkeypatch.setattr(drift.time, "sleep", slept.append)
     opt = drift.Options(schedule=["code", "math"], rounds=40, serial=True, batch=3, plain_every=2)
     urls = {"online": "o", "frozen": "f", "plain": "p"}
     samples = drift.replay(urls, opt, say=lambda _: None, models={"plain": "m"},
@@ -193,14 +195,16 @@ def test_the_serial_replay_sends_a_sides_batch_together_and_calls_turn_of_before
     assert {e[2] for e in first[1:4]} == {e[2] for e in first[5:8]} == {e[2] for e in first[9:12]}  # the same batch
     assert sorted({x.slot for x in samples if x.side == "plain"}) == [0, 1, 2, 6, 7, 8]
     assert len([x for x in samples if x.side == "online"]) == 12 and {x.domain for x in samples if x.phase == 1} == {"math"}
+    assert slept == [drift.PEER_SPIN_S] * 2  # after each of plain vLLM's turns: its readers spin on
     events.clear()
     monkeypatch.setattr(drift.time, "sleep", lambda seconds: events.append(("pause", seconds)))
     drift.replay(urls, drift.Options(schedule=["code"], rounds=20, serial=True, batch=1, paced=True), say=lambda _: None,
                  models={"plain": "m"}, turn_of=lambda side: events.append(("turn", side)))
-    # paced: each online turn (two prompts of 10 rounds) followed by the client's pause, before the next side's turn
+    # paced: each online turn (two prompts of 10 rounds) followed by the client's pause, before the next side's turn;
+    # each of plain vLLM's by PEER_SPIN_S
     kinds = [e[0] if e[0] != "turn" else e[1] for e in events]
-    assert kinds == ["online", "ask", "pause", "frozen", "ask", "plain", "ask", "frozen", "ask", "online", "ask", "pause"]
-    assert all(e[1] >= 0 for e in events if e[0] == "pause")
+    assert kinds == ["online", "ask", "pause", "frozen", "ask", "plain", "ask", "pause", "frozen", "ask", "online", "ask", "pause"]
+    assert all(e[1] >= 0 for e in events if e[0] == "pause") and events[7] == ("pause", drift.PEER_SPIN_S)
 
 
 def test_batch_and_pause_need_the_serial_replay_and_the_up_stack_runs_no_experiment(capsys):

@@ -34,6 +34,28 @@ def test_a_busy_file_says_whether_its_process_has_requests_in_flight(tmp_path):
     assert not busy.busy(tmp_path / "b")
 
 
+def test_serving_is_stepping_while_a_request_is_in_flight_and_no_trainer_has_its_turn(tmp_path):
+    serving = busy.Serving(tmp_path, every_s=0.0)
+    assert not serving(0.0)  # nothing in flight (no directory even)
+    mine = busy.BusyFile(tmp_path)
+    mine.set(True)
+    assert serving(1.0)
+    turn = busy.Turn(tmp_path)
+    turn.give(True)  # the trainer's turn: serving waits between steps
+    assert not serving(2.0)
+    turn.give(False)
+    assert serving(3.0)
+    (tmp_path / busy.TURN).write_text("999999999\n")  # a turn file whose supervisor is gone never counts
+    assert serving(4.0)
+    mine.set(False)
+    assert not serving(5.0)
+    # looked at once every every_s at most: asked again within it, the last answer
+    cached = busy.Serving(tmp_path, every_s=10.0)
+    assert not cached(0.0)
+    mine.set(True)
+    assert not cached(5.0) and cached(10.0)
+
+
 def test_client_slots_mark_the_process_busy_while_any_client_has_a_request(tmp_path, monkeypatch):
     monkeypatch.setenv(busy.ENV, str(tmp_path))
     slots = ClientSlots(1, busy.BusyFile.from_env())

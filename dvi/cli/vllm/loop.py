@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -78,7 +79,7 @@ def install() -> None:
 
     EngineCore.shutdown = engine_shutdown
     if os.environ.get(busy.ENV):  # dvi up's trainer takes turns on these cores
-        park_idle_readers()
+        park_idle_readers(os.environ[busy.ENV])
     if PORT in os.environ:
         try:
             from prometheus_client import REGISTRY
@@ -89,32 +90,42 @@ def install() -> None:
 
 
 # how long one of vLLM's shared-memory queue readers spins after its last read before it sleeps until the next write
-# wakes it, where a trainer takes turns on the same cores: longer than the gap between two steps of a CPU server
-# (a few milliseconds), far shorter than vLLM's own second
+# wakes it, where a trainer takes turns on the same cores and serving is not stepping: longer than the gap between two
+# steps of a CPU server (a few milliseconds), far shorter than vLLM's own second
 READER_SPIN_S = 0.02
 
 
-def park_idle_readers(spin_s: float = READER_SPIN_S) -> None:
+def park_idle_readers(directory: str, spin_s: float = READER_SPIN_S) -> None:
     """vLLM's readers of its shared-memory queues (the worker waiting for the engine core's next step, the engine core
     for the worker's output) spin on the queue, yielding the core between looks, for a second after their last read
-    (`shm_broadcast.SpinCondition.busy_loop_s`) before they sleep until a write wakes them. While the trainer has its
-    turn (`dvi.busy`: serving waits between two steps), the worker spun through all of it: on two cores the trainer
-    ran on 0.8 of a core beside a worker on 1.0, and trained at a fraction of its speed alone. Here, in each vLLM
-    process (the queues are built after the plugins load), every reader spins `spin_s` at most. A vLLM without that
-    class keeps its own (said once)."""
+    (`shm_broadcast.SpinCondition.busy_loop_s`) before they sleep until a write wakes them. While the trainer runs (its
+    turn, when serving waits between two steps, or between requests) that spinning takes its cores: through a turn on
+    two cores the trainer ran on 0.8 of a core beside a worker on 1.0. But a reader that sleeps within a step (the
+    engine core waits for the worker's output through each forward, longer than `spin_s`) pays a wake-up through vLLM's
+    notify socket at every step. So in each vLLM process (the queues are built after the plugins load) a reader spins
+    as vLLM has it while serving is stepping (`dvi.busy.Serving` on `directory`: a request in flight and no trainer's
+    turn), and `spin_s` at most otherwise (`benchmarks.readers` compares such a server with vLLM's own readers). A vLLM
+    without that class keeps its own (said once)."""
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     except ImportError as e:
         log.warning("vLLM's shared-memory queue readers keep spinning for a second after each read (%s)", e)
         return
-    init = SpinCondition.__init__
+    init, wait = SpinCondition.__init__, SpinCondition.wait
+    serving = busy.Serving(directory)
 
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         if getattr(self, "is_reader", False):
-            self.busy_loop_s = min(self.busy_loop_s, spin_s)
+            self.dvi_spin_s = (self.busy_loop_s, min(self.busy_loop_s, spin_s))  # (stepping, otherwise)
 
-    SpinCondition.__init__ = __init__
+    def wait_(self, *args, **kwargs):
+        spins = getattr(self, "dvi_spin_s", None)
+        if spins is not None:
+            self.busy_loop_s = spins[0] if serving(time.monotonic()) else spins[1]
+        return wait(self, *args, **kwargs)
+
+    SpinCondition.__init__, SpinCondition.wait = __init__, wait_
 
 
 def stop_server(error: BaseException) -> None:

@@ -109,25 +109,43 @@ def test_the_cpu_builds_ahead_of_time_artifact_is_off_unless_the_user_sets_it():
         assert environment(load_config([]), {AOT_COMPILE: "1"})[AOT_COMPILE] == "1"
 
 
-def test_vllms_queue_readers_spin_briefly_where_a_trainer_takes_turns(monkeypatch, tmp_path):
-    """Under dvi up's pause policy a reader of vLLM's shared-memory queues (the worker between two steps) spins
-    READER_SPIN_S after its last read, not vLLM's second, so that the trainer's turn has the cores; writers unchanged."""
+def test_vllms_queue_readers_spin_briefly_where_a_trainer_takes_turns_but_not_while_serving_steps(monkeypatch, tmp_path):
+    """Under dvi up's pause policy a reader of vLLM's shared-memory queues spins as vLLM has it (a second after its last
+    read) while serving is stepping (a request in flight, no trainer's turn), and READER_SPIN_S otherwise, so that the
+    trainer has the cores between requests and through its turns; writers unchanged."""
     import zmq
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
+    from dvi import busy
     from dvi.cli.vllm.loop import READER_SPIN_S, park_idle_readers
 
     monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)  # restored after the test
+    monkeypatch.setattr(SpinCondition, "wait", SpinCondition.wait)
     context = zmq.Context()
     try:
         address = f"ipc://{tmp_path / 'notify'}"
         writer = SpinCondition(is_reader=False, context=context, notify_address=address)
         assert SpinCondition(is_reader=True, context=context, notify_address=address).busy_loop_s == 1  # vLLM's own
-        park_idle_readers()
+        park_idle_readers(str(tmp_path / "busy"))
         reader = SpinCondition(is_reader=True, context=context, notify_address=address)
-        assert reader.busy_loop_s == READER_SPIN_S < 0.1
+
+        def spins_after_a_wait() -> float:
+            time.sleep(0.01)  # past the look's 5 ms
+            reader.wait(timeout_ms=0)
+            return reader.busy_loop_s
+
+        assert spins_after_a_wait() == READER_SPIN_S < 0.1  # no request in flight: the trainer may run
+        serving = busy.BusyFile(tmp_path / "busy")
+        serving.set(True)
+        assert spins_after_a_wait() == 1  # stepping: as vLLM has it
+        turn = busy.Turn(tmp_path / "busy")
+        turn.give(True)
+        assert spins_after_a_wait() == READER_SPIN_S  # the trainer's turn
+        turn.give(False)
+        assert spins_after_a_wait() == 1
         assert SpinCondition(is_reader=False, context=context, notify_address=f"{address}2").busy_loop_s == writer.busy_loop_s == 0
         # a parked reader still wakes on a write
+        serving.set(False)
         time.sleep(0.2)  # the subscription reaches the publisher
         reader.last_read = 0.0
         writer.notify()
