@@ -80,7 +80,7 @@ def _named(directory: str | os.PathLike, suffix: str) -> list[tuple[int, str]]:
     """(pid, path) of each file `<pid><suffix>` in `directory`."""
     try:
         entries = list(os.scandir(directory))
-    except FileNotFoundError:
+    except OSError:  # missing, not a directory, unreadable: nobody said anything there (serving's readers ask in a loop)
         return []
     return [(int(e.name[: -len(suffix)]), e.path) for e in entries
             if e.name.endswith(suffix) and e.name[: -len(suffix)].isdigit()]
@@ -122,7 +122,9 @@ def turn_holder(path: Path) -> tuple[int, int] | None:
 class Serving:
     """Whether serving is stepping now as far as `directory` says: a request in flight and no trainer's turn (the
     trainer stopped), looked at once every `every_s` at most (a caller may ask in a spin loop). What a reader of
-    vLLM's queues asks before it spins (`dvi.cli.vllm.loop.park_idle_readers`)."""
+    vLLM's queues asks before it spins (`dvi.cli.vllm.loop.park_idle_readers`). It raises nothing: a file it cannot
+    read says nothing. A turn file that `TurnWait` waited out (`max_s`, a supervisor that forgot it) still counts here
+    while its supervisor lives: serving steps, and its readers park as if the trainer had its turn."""
 
     def __init__(self, directory: str | os.PathLike, every_s: float = 0.005):
         self.directory, self.every_s = Path(directory), every_s

@@ -35,8 +35,11 @@ def test_a_busy_file_says_whether_its_process_has_requests_in_flight(tmp_path):
 
 
 def test_serving_is_stepping_while_a_request_is_in_flight_and_no_trainer_has_its_turn(tmp_path):
+    assert not busy.Serving(tmp_path / "missing", every_s=0.0)(0.0)  # no directory: nothing in flight
+    (tmp_path / "file").write_text("")
+    assert not busy.Serving(tmp_path / "file", every_s=0.0)(0.0)  # not a directory: raises nothing
     serving = busy.Serving(tmp_path, every_s=0.0)
-    assert not serving(0.0)  # nothing in flight (no directory even)
+    assert not serving(0.0)  # nothing in flight
     mine = busy.BusyFile(tmp_path)
     mine.set(True)
     assert serving(1.0)
