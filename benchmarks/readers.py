@@ -22,27 +22,28 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks import workloads
 from benchmarks.bench_vllm import Server
-from benchmarks.drift import ask
+from benchmarks.drift import Sample, ask, sample_of
 from dvi.busy import ENV as BUSY_ENV
 from dvi.procs import free_port
 
 OFF = ["serve.swap.enabled=false", "serve.log_decisions=false", "tracking.enabled=false"]
 
 
-def summary(rows: dict[str, list[dict]]) -> dict:
+def summary(rows: dict[str, list[Sample]]) -> dict:
     """Per server: seconds per round and drafts per round over all its answers; and parked's latency over vllm's, the
     median over prompts (pure)."""
     out: dict = {}
     for name, answers in rows.items():
-        rounds = sum(a["rounds"] for a in answers)
-        out[name] = {"answers": len(answers), "seconds_per_round": sum(a["seconds"] for a in answers) / rounds if rounds else None,
-                     "drafts_per_round": sum(a["drafted"] for a in answers) / rounds if rounds else None}
+        rounds = sum(a.rounds for a in answers)
+        out[name] = {"answers": len(answers), "seconds_per_round": sum(a.seconds for a in answers) / rounds if rounds else None,
+                     "drafts_per_round": sum(a.drafted for a in answers) / rounds if rounds else None}
     pairs = list(zip(rows["parked"], rows["vllm"]))
-    out["latency_parked_vs_vllm"] = statistics.median(p["seconds"] / v["seconds"] for p, v in pairs) if pairs else None
+    out["latency_parked_vs_vllm"] = statistics.median(p.seconds / v.seconds for p, v in pairs) if pairs else None
     return out
 
 
@@ -63,17 +64,18 @@ def main(argv: list[str] | None = None) -> int:
             children[name], urls[name] = server.start(free_port(), work / "logs")
             print(f"readers: {name} ready at {urls[name]}", file=sys.stderr, flush=True)
         prompts = workloads.prompts("code", "live", 0)
-        rows: dict[str, list[dict]] = {"parked": [], "vllm": []}
+        rows: dict[str, list[Sample]] = {"parked": [], "vllm": []}
+        t0 = time.monotonic()
         for i in range(args.prompts):
             for name in ("parked", "vllm") if i % 2 == 0 else ("vllm", "parked"):
                 answer, seconds = ask(urls[name], prompts[i % len(prompts)], args.max_tokens)
-                stats = answer["dvi"]["stats"]
-                rows[name].append({"seconds": seconds, "rounds": stats["rounds"], "drafted": stats["drafted"]})
+                rows[name].append(sample_of(answer, seconds, slot=i, phase=0, domain="code", side=name, t=time.monotonic() - t0))
                 time.sleep(args.pause_s)
     finally:
         for child in children.values():
             child.stop(grace_s=30)
-    result = {**summary(rows), "prompts": args.prompts, "pause_s": args.pause_s, "max_tokens": args.max_tokens, "rows": rows}
+    result = {**summary(rows), "prompts": args.prompts, "pause_s": args.pause_s, "max_tokens": args.max_tokens,
+              "rows": {name: [asdict(a) for a in answers] for name, answers in rows.items()}}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

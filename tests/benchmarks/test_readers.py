@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.drift import Sample
 from benchmarks.readers import summary
 
 
+def answer(seconds: float, rounds: int, drafted: int) -> Sample:
+    return Sample(slot=0, phase=0, domain="code", side="parked", t=0.0, version=None, rounds=rounds, drafted=drafted,
+                  accepted=0, tokens=48, seconds=seconds)
+
+
 def test_seconds_and_drafts_per_round_and_the_median_latency_ratio():
-    rows = {"parked": [{"seconds": 2.0, "rounds": 20, "drafted": 40}, {"seconds": 1.0, "rounds": 20, "drafted": 20},
-                       {"seconds": 3.0, "rounds": 10, "drafted": 0}],
-            "vllm": [{"seconds": 1.0, "rounds": 10, "drafted": 30}, {"seconds": 1.0, "rounds": 10, "drafted": 30},
-                     {"seconds": 2.0, "rounds": 20, "drafted": 40}]}
+    rows = {"parked": [answer(2.0, 20, 40), answer(1.0, 20, 20), answer(3.0, 10, 0)],
+            "vllm": [answer(1.0, 10, 30), answer(1.0, 10, 30), answer(2.0, 20, 40)]}
     out = summary(rows)
     assert out["parked"] == {"answers": 3, "seconds_per_round": pytest.approx(6.0 / 50), "drafts_per_round": pytest.approx(60 / 50)}
     assert out["vllm"]["seconds_per_round"] == pytest.approx(4.0 / 40) and out["vllm"]["drafts_per_round"] == pytest.approx(2.5)
