@@ -72,7 +72,8 @@ class CostTable:
 
     def observe_rate(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
         """A step of decoding (no prefill) emitted `tokens` in `seconds` of wall time (from its start to the next step's:
-        all it cost), verifying drafts or not: tokens per second, by bucket and kind, whatever the cost model says
+        all it cost; for a step that verified no drafts, less the drafter's time in it, `observe_step`'s return),
+        verifying drafts or not: tokens per second, by bucket and kind, whatever the cost model says
         (`realized_speedup`)."""
         if seconds > 0:
             self._average("rate", (batch_bucket(batch), drafting), tokens / seconds, self.RATE_WEIGHT)
@@ -80,8 +81,9 @@ class CostTable:
                 self._average("plain_step", batch_bucket(batch), seconds, self.RATE_WEIGHT)
 
     def realized_speedup(self, batch: int) -> float | None:
-        """Tokens per second of steps that verified drafts over those that did not, at this batch size's bucket, once
-        there are RATE_SAMPLES and PLAIN_RATE_SAMPLES of them; None before."""
+        """Tokens per second of steps that verified drafts over those that did not (target-only decoding: no drafter's
+        time in them, `observe_step`), at this batch size's bucket, once there are RATE_SAMPLES and PLAIN_RATE_SAMPLES of
+        them; None before."""
         b = batch_bucket(batch)
         if self.samples[("rate", (b, True))] < self.RATE_SAMPLES or self.samples[("rate", (b, False))] < self.PLAIN_RATE_SAMPLES:
             return None
@@ -126,16 +128,23 @@ class CostTable:
         """One step of an engine that verifies and drafts in the same call (vLLM): it verified `verified_k` drafts per
         request in `step_s` seconds, `propose_s` of which went to proposing `proposed_k` drafts for the next step. The
         proposer's time at K = 0 (the drafter's pass over the step's new tokens, paid whatever K is) counts as part of
-        every step; what proposing K drafts costs beyond it is K drafter steps. Returns those drafting seconds."""
+        every step; what proposing K drafts costs beyond it is K drafter steps.
+
+        Returns the seconds of the step that target-only decoding would not have spent, which its rate leaves out
+        (`observe_rate`): for a step that verified no drafts, all of `propose_s` (the drafter's pass, and any drafts for
+        the next step); 0 for one that verified drafts (all of it is drafting's cost). Plain decoding's rate is then
+        that of a server without a drafter, the one the realized gate weighs drafting against: where that gate turns
+        drafting off, the drafter's pass is skipped too (`StepPlanner.skips_pass`), and a plain step that paid for it
+        made drafting look up to a tenth better than it was (the pass is several percent of a step at batch 1 on a
+        CPU, about a tenth at batch 8)."""
         b = batch_bucket(batch)
         if proposed_k == 0:
             self._average("propose0", b, propose_s)
         base = self.propose0.get(b, 0.0)
         self.observe_verify(batch, verified_k, max(step_s - propose_s, 0.0) + base)
-        drafting_s = max(propose_s - base, 0.0) if proposed_k else 0.0
         if proposed_k:
-            self.observe_draft(batch, proposed_k, drafting_s)
-        return drafting_s
+            self.observe_draft(batch, proposed_k, max(propose_s - base, 0.0))
+        return 0.0 if verified_k else propose_s
 
     @property
     def measured(self) -> bool:
@@ -253,9 +262,9 @@ class StepPlanner:
     acceptance the rounds seen show (shrunk towards 0, not the prior: a few probes that accept nothing are no evidence
     that drafting pays), so that an estimate hovering at the line does not flip it every few steps. The model is
     checked against what the steps yield: once a bucket has `CostTable.RATE_SAMPLES` steps that drafted and a few that
-    did not, drafting stays on there only while its tokens per second beat plain decoding's
-    (`CostTable.realized_speedup`; at batch 8 on a CPU the model, fed with noisy per-K costs, predicted 1.08x where the
-    steps gave 0.85x).
+    did not, drafting stays on there only while its tokens per second beat target-only decoding's (plain steps less the
+    drafter's time in them: `CostTable.realized_speedup`; at batch 8 on a CPU the model, fed with noisy per-K costs,
+    predicted 1.08x where the steps gave 0.85x).
 
     Acceptance is measured on the rounds of requests whose drafter cache is whole (`observe`; the engine says which),
     position by position (`position_acceptance`: a drafter that is right tends to stay right, which one rate over all
@@ -282,10 +291,11 @@ class StepPlanner:
     (up to `SLEEP_MAX`), and `SLEEP_STEPS` again once drafting is on or a new drafter serves: a drafter that cannot pay
     costs a shrinking share of probes, one that can is found again soon.
 
-    Where drafting is off at a batch size on what its steps yielded (the realized gate above), only a new drafter can
-    turn it back on there (the drafting steps' rate is kept until then), so that pass is skipped at that batch size
-    alone (`skips_pass`), awake or not: at batch 8 on a CPU it cost about a tenth of a plain step. The requests of such a
-    step lose their drafter cache, as asleep.
+    Where drafting is off at a batch size on what its steps yielded (the realized gate above), it comes back on there
+    only once the drafting steps' yield (probes add to it) beats target-only decoding's by `HYSTERESIS` more, or for a
+    new drafter (whose yield is its own); until then that pass is skipped at that batch size alone (`skips_pass`),
+    awake or not: at batch 8 on a CPU it cost about a tenth of a plain step. The requests of such a step lose their
+    drafter cache, as asleep.
 
     `schedule(batch)` returns the dense K lookup for the next step (index = batch size, as vLLM's scheduler reads it)
     and the routing decisions it took. A fresh drafter (`reset`) drafts `serve.spec.k` until its first rounds are seen.
@@ -436,8 +446,8 @@ class StepPlanner:
                 realized = self._unpaid(b)
                 if on and realized is not None:  # what the steps yield overrules the model
                     on = False
-                    why = (f"realized speedup {realized:.2f} <= {s.min_speedup:.2f} (tokens per second of the last steps that "
-                           f"drafted over those that did not), though {why}")
+                    why = (f"realized speedup {realized:.2f} <= {self._realized_line(b):.2f} (tokens per second of the last "
+                           f"steps that drafted over target-only decoding's), though {why}")
             if on != self.on[b]:
                 self.on[b] = on
                 changes.append(Routing("on" if on else "off", b, k if on else 0, why))
@@ -495,11 +505,18 @@ class StepPlanner:
         """A batch size as the lookup indexes it: 1 to max_batch."""
         return min(max(batch, 1), self.max_batch)
 
+    def _realized_line(self, batch: int) -> float:
+        """The realized speedup drafting must beat at this batch size: serve.spec.min_speedup while it is on there, and
+        `HYSTERESIS` more while it is off (that yield is an average of the last 20 or so steps, which a plain rate moving
+        by a few percent would otherwise carry back and forth over the line)."""
+        on = self.on[self._size(batch)]
+        return self.spec.min_speedup * (1.0 + (0.0 if on else self.HYSTERESIS))
+
     def _unpaid(self, batch: int) -> float | None:
-        """The realized speedup at this batch size where it says drafting does not pay (at most
-        serve.spec.min_speedup), else None (it pays, or too few steps are measured to say)."""
+        """The realized speedup at this batch size where it says drafting does not pay (at most `_realized_line`), else
+        None (it pays, or too few steps are measured to say)."""
         realized = self.costs.realized_speedup(batch)
-        return realized if realized is not None and realized <= self.spec.min_speedup else None
+        return realized if realized is not None and realized <= self._realized_line(batch) else None
 
     def _wake(self, changes: list[Routing], batch: int, why: str) -> None:
         self.awake, self.measured_awake, self.sleep_left = True, 0, 0

@@ -311,6 +311,34 @@ def test_drafting_stays_on_only_while_the_steps_that_draft_yield_more_tokens_per
     assert costs.realized_speedup(8) is None and not planner.skips_pass(8, lookup)
 
 
+def test_drafting_is_weighed_against_target_only_decoding_without_the_drafters_pass():
+    """A plain step's rate leaves out the drafter's time in it (`observe_step`'s return): where the realized gate turns
+    drafting off, the pass is skipped too, so drafting that beats plain decoding only while plain decoding pays for the
+    pass does not pay."""
+    costs = measured_costs()  # plain decoding: 0.1 s a step, and a pass of 5 ms at K = 0
+    assert costs.observe_step(1, 0, 0, step_s=0.105, propose_s=0.005) == pytest.approx(0.005)  # the pass
+    assert costs.observe_step(1, 0, 3, step_s=0.165, propose_s=0.065) == pytest.approx(0.065)  # and drafts for the next
+    assert costs.observe_step(1, 3, 3, step_s=0.2, propose_s=0.065) == 0.0  # a step that verified drafts: all drafting's
+    planner = planner_of(SPEC, 8, costs)
+    for _ in range(300):  # the model says drafting pays
+        planner.observe(4, 4)
+    for _ in range(CostTable.RATE_SAMPLES):
+        costs.observe_rate(1, False, 1, 0.105 - costs.observe_step(1, 0, 0, step_s=0.105, propose_s=0.005))
+        costs.observe_rate(1, True, tokens=2, seconds=0.205)  # 9.76 tokens/s: 1.02x a plain step with its pass
+    assert costs.realized_speedup(1) == pytest.approx(2 / 0.205 / 10.0)  # 0.976x target-only decoding
+    lookup, changes = planner.schedule(1)
+    assert lookup[1] == 0 and planner.skips_pass(1, lookup)
+    assert any(c.decision == "off" and c.batch == 1 and "realized speedup 0.98 <= 1.00" in c.why for c in changes)
+    # off on what the steps yielded, it comes back on only with a margin (probes keep the drafting steps' yield current)
+    for _ in range(100):
+        costs.observe_rate(1, True, tokens=2, seconds=2 / 10.3)  # 1.03x target-only decoding
+    assert planner.schedule(1)[0][1] == 0 and planner.skips_pass(1, [0] * 9)
+    for _ in range(100):
+        costs.observe_rate(1, True, tokens=2, seconds=2 / 10.7)  # 1.07x
+    lookup, changes = planner.schedule(1)
+    assert lookup[1] > 0 and [c.decision for c in changes if c.batch == 1] == ["on"]
+
+
 def test_speed_over_target_only_is_the_drafting_steps_yield_over_plain_decodings_at_each_batch_size():
     """Where drafting steps have been measured RATE_SAMPLES times: their tokens per second over plain decoding's, from
     plain steps where PLAIN_RATE_SAMPLES ran, else from the measured plain step time (a row's token per step)."""
@@ -372,8 +400,8 @@ def simulate(acceptance: float, batch: int, steps: int = 3000, draft_s: float = 
                 planner.observe(verify_k, n)
         propose_s = (0.0 if skip else pass_s) + draft_s * k
         step_s = (1 + slope * verify_k * batch) * (1 + 0.1 * (rng.random() - 0.5)) + propose_s
-        costs.observe_step(batch, verify_k, k, step_s, propose_s)
-        costs.observe_rate(batch, verify_k > 0, emitted, step_s - (draft_s * k if not verify_k else 0.0))
+        extra = costs.observe_step(batch, verify_k, k, step_s, propose_s)  # as dvi.cli.vllm.engine times it
+        costs.observe_rate(batch, verify_k > 0, emitted, step_s - extra)
         seconds, tokens, verify_k = seconds + step_s, tokens + emitted, k
     return tokens / seconds / batch, decisions
 

@@ -283,10 +283,9 @@ class VllmEngine:
         if not meta or meta["tokens"] != meta["requests"] + meta["verify_tokens"]:
             return
         verified = max(s["num_draft"], default=0)
-        drafting_s = self.costs.observe_step(meta["requests"], verified, meta["proposed_k"], step_s, meta["propose_s"])
-        # a plain step that drafts for the next one (the step after a calibration) is plain decoding plus drafting: its
-        # yield is the plain one only without the drafting
-        extra = drafting_s if not verified else 0.0
+        # a plain step's yield is target-only decoding's: without the drafter's time in it (its pass, and the drafts a
+        # step after a calibration proposes for the next one)
+        extra = self.costs.observe_step(meta["requests"], verified, meta["proposed_k"], step_s, meta["propose_s"])
         emitted = [(internal, sum(t >= 0 for t in row)) for internal, row in zip(s["req_ids"], s["sampled"])]
         self._last = (meta["requests"], verified > 0, sum(n for _, n in emitted), step_s, extra, emitted)
 

@@ -141,12 +141,12 @@ class DviWorkerExtension:
             return execute(scheduler_output, *args, **kwargs)
 
         def propose_draft_token_ids(*args, **kwargs):
-            t0 = time.perf_counter()
             if self._dvi_features and self._dvi_steps:
                 try:
                     self._dvi_steps[-1]["features"] = _features(runner, arguments(*args, **kwargs).arguments, self._dvi_steps[-1])
                 except Exception:  # the step and its records go on without features
                     logging.getLogger(__name__).exception("reading the target's features of a step failed")
+            t0 = time.perf_counter()  # the drafter's time only: reading the features is the step's, drafting or not
             drafts = propose(*args, **kwargs)
             if isinstance(drafts, torch.Tensor) and drafts.is_cuda:
                 torch.cuda.synchronize(drafts.device)  # kernels run asynchronously: time them, not their launch
