@@ -47,6 +47,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,8 +107,12 @@ def held_out_chats(domains: tuple[str, ...] = ("code", "prose", "markdown", "qa"
 def train_drafter(out: Path, target: Path, drafter: Path, prompts: list[list[int]], tokens: int, steps: int) -> Path:
     """The demo drafter distilled offline on records of the target's greedy answers to `prompts`: the last version the
     trainer published. The first record is held out for the trainer's gate (which publishes every candidate here,
-    min_gain -1), the rest are trained on."""
+    min_gain -1), the rest are trained on. Distilled once into `out`: a later run serves the same one (`trained.txt`)."""
     out.mkdir(parents=True, exist_ok=True)
+    kept = out / "trained.txt"
+    if kept.exists() and Path(kept.read_text().strip()).is_dir():
+        log(f"the drafter distilled before: {kept.read_text().strip()}")
+        return Path(kept.read_text().strip())
     records = out / "records.jsonl"
     if not records.exists():
         log(f"recording the target's answers to {len(prompts)} prompts ...")
@@ -122,6 +127,8 @@ def train_drafter(out: Path, target: Path, drafter: Path, prompts: list[list[int
                                                sampling=Request(r.prompt_ids), domain="qa", chunk_rounds=64, topk=8):
                     f.write(json.dumps(rec.to_dict()) + "\n")
     log(f"distilling the drafter for {steps} steps (minutes) ...")
+    for part in ("store", "run"):  # a distillation cut short before: its versions would leave this one nothing to publish
+        shutil.rmtree(out / part, ignore_errors=True)
     cmd = [sys.executable, "-m", "dvi.cli", "drafter", "distill", "--file", str(records), "--steps", str(steps), "--json",
            f"model.target={target}", f"model.drafter={drafter}", "tracking.enabled=false", f"trainer.store={out / 'store'}",
            f"trainer.run_dir={out / 'run'}", "trainer.min_gain=-1", "trainer.gate_every=20", "trainer.gate_every_s=null",
@@ -132,6 +139,7 @@ def train_drafter(out: Path, target: Path, drafter: Path, prompts: list[list[int
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if not result["published_versions"]:
         raise SystemExit(f"distill published nothing: {result}")
+    kept.write_text(result["serving_dir"] + "\n")
     return Path(result["serving_dir"])
 
 
