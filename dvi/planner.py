@@ -292,10 +292,11 @@ class StepPlanner:
     costs a shrinking share of probes, one that can is found again soon.
 
     Where drafting is off at a batch size on what its steps yielded (the realized gate above), it comes back on there
-    only once the drafting steps' yield (probes add to it) beats target-only decoding's by `HYSTERESIS` more, or for a
-    new drafter (whose yield is its own); until then that pass is skipped at that batch size alone (`skips_pass`),
-    awake or not: at batch 8 on a CPU it cost about a tenth of a plain step. The requests of such a step lose their
-    drafter cache, as asleep.
+    only once the drafting steps' last yield beats target-only decoding's by `HYSTERESIS` more (plain steps keep
+    moving the one, probes that a request whose cache is whole can take add to the other), or for a new drafter (whose
+    yield is its own); until then that pass is skipped at that batch size alone (`skips_pass`), awake or not: at batch 8
+    on a CPU it cost about a tenth of a plain step. The requests of such a step lose their drafter cache, as asleep, so
+    that a frozen drafter stays off there for good unless the plain steps get slower.
 
     `schedule(batch)` returns the dense K lookup for the next step (index = batch size, as vLLM's scheduler reads it)
     and the routing decisions it took. A fresh drafter (`reset`) drafts `serve.spec.k` until its first rounds are seen.
