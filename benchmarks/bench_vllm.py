@@ -110,9 +110,10 @@ def train_drafter(out: Path, target: Path, drafter: Path, prompts: list[list[int
     min_gain -1), the rest are trained on. Distilled once into `out`: a later run serves the same one (`trained.txt`)."""
     out.mkdir(parents=True, exist_ok=True)
     kept = out / "trained.txt"
-    if kept.exists() and Path(kept.read_text().strip()).is_dir():
-        log(f"the drafter distilled before: {kept.read_text().strip()}")
-        return Path(kept.read_text().strip())
+    before = Path(kept.read_text().strip()) if kept.exists() else None
+    if before is not None and before.is_dir():
+        log(f"the drafter distilled before: {before}")
+        return before
     records = out / "records.jsonl"
     if not records.exists():
         log(f"recording the target's answers to {len(prompts)} prompts ...")
