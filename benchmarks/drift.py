@@ -80,6 +80,7 @@ from dvi.pairs import pair_dirs, resolve_pair
 from dvi.procs import free_port, http_ok, local_post
 from dvi.records import records_from_result
 from dvi.tracking import Tracker
+from trainers.recipe import JOINED
 
 log = logging.getLogger("benchmarks.drift")
 
@@ -610,7 +611,9 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
                                     f"trainer.run_dir={work / 'trainer'}", *own,
                                     # stopped while other sides answer: its consumer group must not expire meanwhile
                                     *(["stream.session_timeout_ms=300000"] if opt.pause_trainer else [])],
-                          banner("dvi train:"), ready_s, needs=()))
+                          # ready once it reads the stream: a group join takes half the session timeout on the embedded
+                          # broker (150 s for a paused trainer's), which must not eat into the replay's first phase
+                          banner(f"dvi.decision.trainer: {JOINED}", anywhere=True), ready_s, needs=()))
         # each part names its drafter (the trainer the bootstrap version, the replicas the store's newest): a
         # model.drafter given to the run picks what the bootstrap distills, and must not override theirs
         services = Supervisor(parts, [o for o in common if not o.startswith("model.drafter=")] if version else common,

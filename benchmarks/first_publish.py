@@ -88,6 +88,16 @@ def ask(api: str, domain: str, prompt: str, max_tokens: int, vllm_server: bool) 
     return {"versions": list(grew), "drafted": sum(d for d, _ in grew.values()), "accepted": sum(a for _, a in grew.values()), **timing}
 
 
+def turn_waits(api: str) -> dict:
+    """What the replica's steps have waited for the trainer's turns so far (`trainer_turns` of its health view: turns,
+    seconds); zeros where it takes none or cannot say."""
+    try:
+        turns = replica_view(api, timeout_s=10).get("trainer_turns")
+    except Exception:  # a view that fails to answer costs this figure, not the run
+        turns = None
+    return turns or {"turns": 0, "waited_s": 0.0}
+
+
 def trainer_positions(store: Path) -> list[tuple[float, float]]:
     """(time, teacher positions trained so far) of each of the trainer's steps, from its `count/positions` in the
     stack's local MLflow store (`store`: its sqlite file; the trainer logs it every step with trainer.log_every=1)."""
@@ -171,7 +181,7 @@ def session(overrides: list[str], phases: list[Phase], max_tokens: int, requests
              *overrides]
     proc = subprocess.Popen([sys.executable, "-m", "dvi.cli", "up", *flags, *stack], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    out, api, served, bounds = Output(proc, echo), f"http://127.0.0.1:{api_port}", [], {}
+    out, api, served, bounds, waited = Output(proc, echo), f"http://127.0.0.1:{api_port}", [], {}, {}
     chats = prompts_of(requests)
     t_start = ready = time.time()
     first_t, newer = None, []
@@ -183,7 +193,7 @@ def session(overrides: list[str], phases: list[Phase], max_tokens: int, requests
                 time.sleep(0.5)
             ready = out.seen("Ctrl-C stops everything")
             for phase in phases:
-                t0_phase = time.time()
+                t0_phase, turns_before = time.time(), turn_waits(api)
                 while len(served) < len(chats) and (phase.minutes is None or time.time() - t0_phase < phase.minutes * 60):
                     domain, prompt = chats[len(served)]
                     t0 = time.time()
@@ -199,6 +209,10 @@ def session(overrides: list[str], phases: list[Phase], max_tokens: int, requests
                     if phase.paced:
                         time.sleep(r["s"])
                 bounds[phase.name] = (t0_phase, time.time())
+                turns_after = turn_waits(api)
+                waited[phase.name] = {"turns": turns_after["turns"] - turns_before["turns"],
+                                      "waited_s": round(turns_after["waited_s"] - turns_before["waited_s"], 2),
+                                      "share": round((turns_after["waited_s"] - turns_before["waited_s"]) / max(time.time() - t0_phase, 1e-9), 4)}
                 if after is not None and len(newer) >= after:
                     break  # the stop rule ends the session, not just its phase
         except KeyboardInterrupt:
@@ -210,8 +224,8 @@ def session(overrides: list[str], phases: list[Phase], max_tokens: int, requests
             proc.send_signal(signal.SIGTERM)
             proc.wait(180)
     history = trainer_positions(cache / "mlflow" / "mlflow.db")  # the stack's local MLflow (tracking.root)
-    trained = {name: {"seconds": round(t1 - t0, 1), "positions_per_s": positions_per_s(history, t0, t1)}
-               for name, (t0, t1) in bounds.items()}
+    trained = {name: {"seconds": round(t1 - t0, 1), "positions_per_s": positions_per_s(history, t0, t1),
+                      "serving_waited": waited.get(name)} for name, (t0, t1) in bounds.items()}
     return {"ready_s": round(ready - t_start, 1), "rows": served, "trainer": trained, "lines": out.lines, "ready": ready,
             "first": first_t or ready,
             "vllm_server": vllm_server, "target": str(target), "stack": stack, "banner": [line for _, line in out.lines

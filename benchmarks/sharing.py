@@ -6,7 +6,8 @@ ports and cache, the trainer logging every step), and one client sends chat requ
 sequence under every policy), back to back for `--minutes` (continuous), then for `--minutes` waiting as long as each
 answer took before the next (paced: the trainer has the gaps). Then plain vLLM at its best settings (the project's
 peer) answers every prompt any policy sent, one after another; each request's latency is divided by plain vLLM's on the
-same prompt, and the medians are reported per policy and phase, beside the trainer's positions a second. Policies
+same prompt, and the medians are reported per policy and phase, beside the trainer's positions a second and the share
+of the time serving waited for the trainer's turns (`turns`: the replica's `trainer_turns`). Policies
 (`--only`, separated by commas):
 
 - `normal`: the trainer on every core at normal priority (`trainer.cpu_priority=normal`);
@@ -83,11 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             t = r["trainer"].get(phase, {})
             rows.append({"policy": name, "phase": phase, "requests": s["requests"], "latency_s": s["latency_s"],
                          "latency_vs_vllm": s["latency_vs_peer"], "acceptance": s["acceptance"],
-                         "trainer_positions_per_s": t.get("positions_per_s")})
-    print(f"{'policy':<11} {'phase':<11} {'requests':>8} {'latency s':>9} {'x vLLM':>7} {'acceptance':>10} {'positions/s':>11}")
+                         "trainer_positions_per_s": t.get("positions_per_s"),
+                         "serving_waited_share": (t.get("serving_waited") or {}).get("share")})
+    print(f"{'policy':<11} {'phase':<11} {'requests':>8} {'latency s':>9} {'x vLLM':>7} {'acceptance':>10} {'positions/s':>11} "
+          f"{'turns':>6}")
     for r in rows:
         print(f"{r['policy']:<11} {r['phase']:<11} {r['requests']:>8} {r['latency_s'] or 0:>9.2f} {r['latency_vs_vllm'] or 0:>7.3f} "
-              f"{r['acceptance'] or 0:>10.3f} {r['trainer_positions_per_s'] or 0:>11.1f}")
+              f"{r['acceptance'] or 0:>10.3f} {r['trainer_positions_per_s'] or 0:>11.1f} {r['serving_waited_share'] or 0:>6.1%}")
     if args.json:
         write_json(args.json, {"rows": rows, "minutes": args.minutes, "max_tokens": args.max_tokens, "peer": peer_name,
                                "peer_speed": result[next(iter(result))]["peer_speed"], "overrides": args.overrides,

@@ -12,6 +12,9 @@ trainer's share of the time (`trainer.pause_share`).
   counts, and no one turn file holds a step up for longer than `TurnWait.max_s`.
 - `Serving(directory)`: whether serving is stepping now (a request in flight, no turn): where a process that waits on
   serving's next step may spin rather than sleep.
+- Idle files: the part whose turns they are (`dvi up`'s trainer) keeps `<pid>.idle` there, one byte saying whether it
+  waits with nothing to do (`IdleFile`); `idle(directory)` says whether every live process that keeps one says so, so
+  that a turn it has no use for ends early rather than holding serving up.
 
 This module knows files and pids; what a request is and what to do while serving is busy are its callers'.
 """
@@ -25,6 +28,7 @@ from pathlib import Path
 
 ENV = "DVI_BUSY_DIR"
 SUFFIX = ".busy"
+IDLE = ".idle"  # `<pid>.idle`: the part whose turns they are says it waits with nothing to do
 TURN = "turn"  # the supervisor's file while the trainer has its turn (its pid)
 WAITING = ".waiting"  # `<pid>.waiting`: a serving process waits for a turn to end
 
@@ -34,9 +38,11 @@ log = logging.getLogger(__name__)
 class BusyFile:
     """This process's busy file in `directory` (made if missing), set to not busy."""
 
+    SUFFIX = SUFFIX
+
     def __init__(self, directory: str | os.PathLike):
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self.path = Path(directory) / f"{os.getpid()}{SUFFIX}"
+        self.path = Path(directory) / f"{os.getpid()}{self.SUFFIX}"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self._state: bool | None = None
         self.set(False)
@@ -48,9 +54,16 @@ class BusyFile:
 
     @classmethod
     def from_env(cls) -> BusyFile | None:
-        """The busy file $DVI_BUSY_DIR asks for; None where it is not set."""
+        """The file $DVI_BUSY_DIR asks for; None where it is not set."""
         directory = os.environ.get(ENV)
         return cls(directory) if directory else None
+
+
+class IdleFile(BusyFile):
+    """This process's idle file in `directory` (made if missing), set to working: `set(True)` while it waits with nothing
+    to do (`dvi up`'s trainer: nothing fresh to train on, or its trigger not active), `set(False)` once it has work."""
+
+    SUFFIX = IDLE
 
 
 def _alive(pid: int) -> bool:
@@ -65,15 +78,25 @@ def _alive(pid: int) -> bool:
 
 def busy(directory: str | os.PathLike) -> bool:
     """Whether a live process's busy file in `directory` says it has a request in flight."""
-    for pid, path in _named(directory, SUFFIX):
+    return any(flag == b"1" and _alive(pid) for pid, flag in _flags(directory, SUFFIX))
+
+
+def idle(directory: str | os.PathLike) -> bool:
+    """Whether some live process keeps an idle file in `directory` and every one that does says it is idle (a trainer of
+    several ranks is idle when all of them are)."""
+    flags = [flag == b"1" for pid, flag in _flags(directory, IDLE) if _alive(pid)]
+    return bool(flags) and all(flags)
+
+
+def _flags(directory: str | os.PathLike, suffix: str):
+    """(pid, its one byte) of each file `<pid><suffix>` in `directory` that can be read."""
+    for pid, path in _named(directory, suffix):
         try:
             with open(path, "rb") as f:
                 flag = f.read(1)
         except OSError:
             continue
-        if flag == b"1" and _alive(pid):
-            return True
-    return False
+        yield pid, flag
 
 
 def _named(directory: str | os.PathLike, suffix: str) -> list[tuple[int, str]]:

@@ -70,6 +70,7 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -101,6 +102,7 @@ from trainers.triggers import Trigger, next_gate_in, release_due
 
 log = logging.getLogger("dvi.trainer")
 decision = logging.getLogger("dvi.decision.trainer")  # one line per decision, shown at the CLI's default level
+JOINED = "joined its consumer group"  # the decision line once a group member's source has partitions to read
 
 COUNTERS_EVERY_S = 30.0  # the counters go to the tracker at least this often while the trainer runs
 
@@ -108,13 +110,17 @@ COUNTERS_EVERY_S = 30.0  # the counters go to the tracker at least this often wh
 class Trainer:
     """One trainer process. `run()` until stopped; see the module docstring."""
 
-    def __init__(self, cfg: DviConfig, source, tracker=None, control=None, publisher=None, offline: bool = False):
+    def __init__(self, cfg: DviConfig, source, tracker=None, control=None, publisher=None, offline: bool = False,
+                 idle: Callable[[bool], None] | None = None):
         """source: a `streams.consumer.DecisionConsumer`, a `trainers.data.FileSource` (anything whose poll returns
         `dvi.records.Delivered`); tracker: a `dvi.tracking.Tracker` or None; control: a
         `streams.control.ControlReader` (its poll returns `dvi.control` messages) or None; publisher: a callable
-        taking one `dvi.control` message (a `DrafterPublished`), or None; offline: stop when idle."""
+        taking one `dvi.control` message (a `DrafterPublished`), or None; offline: stop when idle; idle: told True
+        whenever the loop waits for records with nothing to do (no batch to step on, or the trigger not active), False
+        when it has work again (`dvi.busy.IdleFile.set`: so that a turn on the CPU it has no use for ends), or None."""
         self.cfg, self.tcfg = cfg, cfg.trainer
         self.source, self.tracker, self.control, self.publisher, self.offline = source, tracker, control, publisher, offline
+        self.say_idle = idle or (lambda idle: None)
         torch.manual_seed(self.tcfg.seed)
         self.rank, self.world = ds.init_distributed()
         self.cache = cache_dir(cfg.model)
@@ -255,6 +261,7 @@ class Trainer:
         self.trigger = Trigger(self.cfg.trigger, time.monotonic())
         self.stop_requested = False
         self.started_at = self.last_record_at = time.monotonic()
+        self.joined = False  # a group member's source has had partitions to read (said once)
         self.last_checkpoint_step = self.state.step
         self.checkpointed_at = time.monotonic()
         self.committed: dict = {}  # the offsets the last checkpoint committed (a time checkpoint is due when they moved)
@@ -298,8 +305,11 @@ class Trainer:
         try:
             while True:
                 # waiting for records only when there was nothing to train: a step every pass over a backlog, not one
-                # per poll timeout (what has arrived is read either way)
+                # per poll timeout (what has arrived is read either way); said, while it waits with nothing to do
+                self.say_idle(not stepped)
                 arrived = self.source.poll(timeout_s=0.0 if stepped else 0.5)
+                if arrived:
+                    self.say_idle(False)
                 # a lost log first: records that came with the news are the new log's, and must not be forgotten
                 for where in self.source.take_resets() if hasattr(self.source, "take_resets") else ():
                     self.offsets.forget(where)
@@ -308,6 +318,9 @@ class Trainer:
                 self._expire()
                 if not getattr(self.source, "assigned", True):  # still joining its group: not idle yet
                     self.last_record_at = time.monotonic()
+                elif not self.joined and hasattr(self.source, "assigned"):
+                    self.joined = True
+                    decision.info("%s after %.0f s: reading the decision stream", JOINED, time.monotonic() - self.started_at)
                 self._control()
                 now = time.monotonic()
                 reason = self.trigger.poll(now)
@@ -322,12 +335,14 @@ class Trainer:
                 if stop:
                     break
                 if due:  # records were done without a step (held out, skipped): commit them by time
+                    self.say_idle(False)
                     self.checkpoint()
                 if release_due(self.state.step, self.released_step, time.monotonic(), self.released_at):
                     release_free()  # what steps, checkpoints and gates freed
                     self.released_at, self.released_step = time.monotonic(), self.state.step
                 if not go:
                     continue
+                self.say_idle(False)
                 before = self.state.step
                 self.step()
                 stepped = self.state.step > before

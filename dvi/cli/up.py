@@ -21,7 +21,8 @@ by the next `dvi up` on that cache, which then starts cleanly.
 With `trainer.cpu_priority=pause` (auto's choice where the trainer trains on the CPU cores serving runs on:
 `dvi.hardware.pick_cpu_priority`) the trainer is stopped (SIGSTOP) while the server has a request in flight
 (`HoldWhileBusy`, reading `dvi.busy` files), but for `trainer.pause_share` of the time (`DutyCycle`), which it runs
-alone: serving waits between two steps for the trainer's turn to end (`dvi.busy.Turn`).
+alone: serving waits between two steps for the trainer's turn to end (`dvi.busy.Turn`), or for the trainer to say it has
+nothing to do (`dvi.busy.IdleFile`).
 The drift benchmark (benchmarks/drift.py) runs its replicas with the same `Supervisor`.
 
 It knows how to start, watch and stop the parts, not what they do.
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Callable
 
 from dvi.busy import ENV as BUSY_ENV
-from dvi.busy import Turn, busy
+from dvi.busy import Turn, busy, idle
 from dvi.cli.args import trainer_priority
 from dvi.cli.output import ERROR_PREFIX, out
 from dvi.config import TrainerConfig, cache_dir, load_config, overrides_of
@@ -89,11 +90,13 @@ class Part:
     env: dict[str, str] | None = None  # set in its environment, over the supervisor's own
 
 
-def banner(prefix: str) -> Callable[[Child], str | None]:
-    """A probe: ready once the child's log (since it started) has a line starting with `prefix`."""
+def banner(prefix: str, anywhere: bool = False) -> Callable[[Child], str | None]:
+    """A probe: ready once the child's log (since it started) has a line starting with `prefix` (`anywhere`: holding it)."""
 
     def probe(child: Child) -> str | None:
-        return None if any(line.startswith(prefix) for line in child.log_since_start().splitlines()) else f"no '{prefix}' yet"
+        lines = child.log_since_start().splitlines()
+        found = any(prefix in line for line in lines) if anywhere else any(line.startswith(prefix) for line in lines)
+        return None if found else f"no '{prefix}' yet"
 
     return probe
 
@@ -451,7 +454,8 @@ class DutyCycle:
     runs (between requests, or on what it earned) spends one. Held while busy until it has earned `share x window_s`;
     then it runs, busy or not, until that is spent. Under continuous load that is (1 - share) x window_s held, then
     share x window_s running, however short the gaps between requests; under paced load the gaps spend what it
-    earns and it is held only while busy. share 0: held whenever busy."""
+    earns and it is held only while busy. share 0: held whenever busy. A run the part has no use for ends early
+    (`forfeit`): what it had earned is gone, and it earns the next one from nothing."""
 
     def __init__(self, share: float = 0.0, window_s: float = DUTY_WINDOW_S):
         self.share, self.window_s = share, window_s
@@ -478,6 +482,11 @@ class DutyCycle:
         """The time up to `now` counts neither as held nor as running: the part was stopped for another reason."""
         self.last = now
 
+    def forfeit(self, busy_now: bool, now: float) -> bool:
+        """The part has nothing to do: the run it is on ends now, and what it had earned is dropped; whether to hold it."""
+        self.last, self.earned, self.spending, self.held = now, 0.0, False, busy_now
+        return self.held
+
 
 class HoldWhileBusy(threading.Thread):
     """Keeps `hold` stopped while serving has a request in flight (`dvi.busy` files in `directory`), looking every
@@ -490,9 +499,14 @@ class HoldWhileBusy(threading.Thread):
     every core slow each other several-fold: in benchmarks.sharing a paused trainer's 25% share beside back-to-back
     requests trained 4.2 positions a second, and 75 in the gaps between paced ones (about half the time). Serving
     waiting is not enough: vLLM's worker spun on its queue through each turn until its readers were made to sleep
-    soon (`dvi.cli.vllm.loop.park_idle_readers`; benchmarks.turn_cpu shows who runs in the turns)."""
+    soon (`dvi.cli.vllm.loop.park_idle_readers`; benchmarks.turn_cpu shows who runs in the turns). A turn ends early
+    where the part says, `IDLE_AFTER_S` into it, that it has nothing to do (`dvi.busy.idle`: a trainer whose trigger is
+    not active, or that has trained all it was sent): serving then waits that long, not the whole share, and the duty
+    cycle starts earning the next turn afresh (`DutyCycle.forfeit`).
+    """
 
     TURN_GRACE_S = 0.5
+    IDLE_AFTER_S = 0.3  # resumed in the middle of waiting for records, a trainer reads what came while it was stopped
 
     def __init__(self, hold: Hold, directory: Path, every_s: float = 0.02, duty: DutyCycle | None = None,
                  also: Callable[[], bool] | None = None):
@@ -523,6 +537,10 @@ class HoldWhileBusy(threading.Thread):
         if not self.turn.given:
             self.turn.give(True)
             self.turn_since = now
+        elif now - self.turn_since >= self.IDLE_AFTER_S and idle(self.directory):  # a turn it has no use for
+            self.hold.set(self.duty.forfeit(serving, now))
+            self.turn.give(False)
+            return
         self.hold.set(serving and not self.turn.taken() and now - self.turn_since < self.TURN_GRACE_S)
 
     def close(self) -> None:
@@ -539,7 +557,7 @@ def train_share(trainer: TrainerConfig, priority: Pick) -> str:
     cores = "every core" if trainer.cpu_bind == "auto" else f"cores {trainer.cpu_bind} (trainer.cpu_bind)"
     duty = "" if trainer.pause_share == 0 else \
         f" but for {trainer.pause_share:.0%} of every {DUTY_WINDOW_S:g} s (trainer.pause_share), which it runs alone while " \
-        "serving waits"
+        "serving waits (a turn ends early where it has nothing to do)"
     how = {"normal": "running beside requests", "nice": "nice 19, running beside requests",
            "idle": "SCHED_IDLE: the CPU time serving leaves",
            "pause": f"stopped while the server has a request in flight{duty}, training between requests"}[priority.value]

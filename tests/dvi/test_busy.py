@@ -34,6 +34,23 @@ def test_a_busy_file_says_whether_its_process_has_requests_in_flight(tmp_path):
     assert not busy.busy(tmp_path / "b")
 
 
+def test_an_idle_file_says_whether_the_part_has_nothing_to_do(tmp_path):
+    assert not busy.idle(tmp_path / "none")  # no directory: nobody said so
+    mine = busy.IdleFile(tmp_path)
+    assert mine.path.name.endswith(".idle") and mine.path.read_bytes() == b"0" and not busy.idle(tmp_path)
+    busy.BusyFile(tmp_path).set(True)  # a busy file is not an idle file
+    mine.set(True)
+    assert busy.idle(tmp_path)
+    (tmp_path / "999999999.idle").write_bytes(b"0")  # a process that is gone never counts
+    assert busy.idle(tmp_path)
+    (tmp_path / f"{os.getppid()}.idle").write_bytes(b"0")  # another live rank still has work: not idle
+    assert not busy.idle(tmp_path)
+    (tmp_path / f"{os.getppid()}.idle").write_bytes(b"1")
+    assert busy.idle(tmp_path)
+    mine.set(False)
+    assert not busy.idle(tmp_path)
+
+
 def test_serving_is_stepping_while_a_request_is_in_flight_and_no_trainer_has_its_turn(tmp_path):
     assert not busy.Serving(tmp_path / "missing", every_s=0.0)(0.0)  # no directory: nothing in flight
     (tmp_path / "file").write_text("")
@@ -256,6 +273,36 @@ def test_the_paused_part_runs_its_share_alone_serving_stepping_aside(tmp_path):
     serving_idle.set(False)
     idle.look(7.62)
     assert held[-1] is False
+
+
+def test_a_turn_the_part_has_no_use_for_ends_early_and_the_next_is_earned_afresh(tmp_path):
+    """A part that says it has nothing to do (`dvi.busy.IdleFile`: a trainer whose trigger is not active, or with no
+    batch to step on) `IDLE_AFTER_S` into its turn is stopped and the turn taken back: serving waited that long, not
+    the share; the duty cycle's next turn comes after a whole window's holding."""
+    held = []
+    watch = HoldWhileBusy(SimpleNamespace(set=held.append), tmp_path, duty=DutyCycle(0.25, window_s=10))
+    busy.BusyFile(tmp_path).set(True)
+    part = busy.IdleFile(tmp_path)
+    turn_file = tmp_path / busy.TURN
+    (tmp_path / f"{os.getpid()}{busy.WAITING}").touch()  # serving waits between two steps whenever there is a turn
+    watch.look(0.0)
+    watch.look(7.6)  # its turn
+    watch.look(7.62)
+    assert held[-1] is False and turn_file.exists()
+    part.set(True)  # stopped while waiting for records: it may find some once it goes on
+    watch.look(7.6 + HoldWhileBusy.IDLE_AFTER_S - 0.01)
+    assert held[-1] is False and turn_file.exists()
+    part.set(False)  # it had work after all: the turn runs on
+    watch.look(7.6 + HoldWhileBusy.IDLE_AFTER_S + 0.1)
+    assert held[-1] is False and turn_file.exists()
+    part.set(True)
+    watch.look(8.0)  # nothing to do: stopped, then the turn taken back, 2.5 s of share unspent
+    assert held[-1] is True and not turn_file.exists()
+    watch.look(15.4)  # 7.4 s held earns 2.47 s: not yet
+    assert held[-1] is True and not turn_file.exists()
+    watch.look(15.6)
+    assert turn_file.exists()
+    watch.close()
 
 
 def test_a_paused_trainer_keeps_its_consumer_group_over_a_requests_stop():

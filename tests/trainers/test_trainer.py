@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from streams.producer import DecisionProducer
 from trainers import checkpoint
 from trainers.data import Fate, Kept
 from trainers.gate import evaluate
-from trainers.recipe import Trainer
+from trainers.recipe import JOINED, Trainer
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -159,7 +160,7 @@ def test_each_record_trained_once_duplicates_and_garbage_set_aside(stream_cfg, t
 
 
 def test_records_waiting_past_the_age_limit_are_skipped_and_committed_without_a_step(stream_cfg, tiny_dirs, tiny_records,
-                                                                                      tmp_path):
+                                                                                      tmp_path, caplog):
     """A trainer that takes no step (trigger=manual, no retrain asked for) still gets the records of its queue that
     were logged longer ago than trainer.pending_max_age_s done (skipped, ledgered, counted as expired), and a
     checkpoint by time (trainer.checkpoint_every_s) commits them at step 0; fresher records wait. Without both, a
@@ -169,14 +170,17 @@ def test_records_waiting_past_the_age_limit_are_skipped_and_committed_without_a_
 
     from dvi.config import TriggerConfig
 
+    caplog.set_level(logging.INFO, logger="dvi.decision.trainer")
+
     old = [replace(r, time=time.time() - 3600.0) for r in tiny_records[:16]]
     fresh = tiny_records[16:]
     produce(stream_cfg, old)
     produce(stream_cfg, fresh)  # after every old one is acknowledged: in each partition the old records come first
     cfg = config(stream_cfg, tiny_dirs, tmp_path, pending_max_age_s=600.0, checkpoint_every_s=1.0, idle_exit_s=None)
     cfg = replace(cfg, trigger=TriggerConfig(kind="manual"))
+    said = []  # what it says of having nothing to do (dvi up ends its turn on the CPU early on True)
     with DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id, from_beginning=True) as source:
-        trainer = Trainer(cfg, source)
+        trainer = Trainer(cfg, source, idle=said.append)
         thread = threading.Thread(target=trainer.run)
         thread.start()
         try:
@@ -190,6 +194,10 @@ def test_records_waiting_past_the_age_limit_are_skipped_and_committed_without_a_
             ledger = dict(state["ledger"])
             assert {r.record_id: ledger.get(r.record_id) for r in old} == {r.record_id: Fate.SKIPPED for r in old}
             assert not any(r.record_id in ledger for r in fresh) and state["counters"]["expired"] == len(old)
+            # records came (work: ingest), then, fresh ones queued but no session to train them in, it waits idle
+            assert False in said and said[-1] is True
+            joined = [r.getMessage() for r in caplog.records if r.name == "dvi.decision.trainer" and JOINED in r.getMessage()]
+            assert len(joined) == 1 and "reading the decision stream" in joined[0]  # said once, when its group gave it partitions
         finally:
             trainer.stop_requested = True
             thread.join(timeout=60)
