@@ -14,7 +14,8 @@ trainer's share of the time (`trainer.pause_share`).
   serving's next step may spin rather than sleep.
 - Idle files: the part whose turns they are (`dvi up`'s trainer) keeps `<pid>.idle` there, one byte saying whether it
   waits with nothing to do (`IdleFile`); `idle(directory)` says whether every live process that keeps one says so, so
-  that a turn it has no use for ends early rather than holding serving up.
+  that a turn it has no use for ends early rather than holding serving up. `TurnTaker` is that part's side: its idle
+  file, and whether it has its turn now.
 
 This module knows files and pids; what a request is and what to do while serving is busy are its callers'.
 """
@@ -64,6 +65,28 @@ class IdleFile(BusyFile):
     to do (`dvi up`'s trainer: nothing fresh to train on, or its trigger not active), `set(False)` once it has work."""
 
     SUFFIX = IDLE
+
+
+class TurnTaker:
+    """The side of the part whose turns they are (`dvi up`'s trainer), over `directory`: `idle(bool)` says whether it
+    waits with nothing to do (its `IdleFile`), `has_turn()` whether a live supervisor's turn file is there now, serving
+    waiting (or about to) for it to run: no record comes meanwhile, so that it need not wait for the stream to pause."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.file = IdleFile(directory)
+        self.path = Path(directory) / TURN
+
+    def idle(self, on: bool) -> None:
+        self.file.set(on)
+
+    def has_turn(self) -> bool:
+        return turn_holder(self.path) is not None
+
+    @classmethod
+    def from_env(cls) -> TurnTaker | None:
+        """The one $DVI_BUSY_DIR asks for; None where it is not set."""
+        directory = os.environ.get(ENV)
+        return cls(directory) if directory else None
 
 
 def _alive(pid: int) -> bool:

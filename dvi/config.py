@@ -523,7 +523,8 @@ class TrainerConfig:
     # requests. Run beside serving's steps instead, a share of 0.25 gave the trainer 4-5 positions a second and cost
     # the online replica 13-25% of the same drafter's tokens a second alone (benchmarks.drift); alone, a share of 0.1
     # left requests at 0.79x plain vLLM's latency back to back and 0.76x paced, against 0.80x and 0.81x with no trainer
-    # in the same run, the trainer at 96 positions a second between paced requests (benchmarks.sharing)
+    # in the same run, the trainer at 96 positions a second between paced requests (benchmarks.sharing). A turn ends
+    # HoldWhileBusy.IDLE_AFTER_S into it where the trainer says it has nothing to do (dvi.busy idle files)
     pause_share: float = 0.1
 
     def __post_init__(self) -> None:

@@ -51,8 +51,12 @@ drafter back as the gate's baseline and records the verdict `store.REJECTED` in 
 The same recipe runs offline (`dvi drafter distill`) over a topic read from the beginning by a group of its
 own, or over a file of records, stopping when it is idle.
 
+Under `dvi up`'s pause policy serving gives the trainer turns on the CPU (`turns`, a `dvi.busy.TurnTaker`): while the
+loop waits for records with nothing to do (nothing fresh to train on, or its trigger not active) it says so, and the
+turn ends early; in its turn a short batch steps at once rather than after the stream's one-second pause.
+
 Every decision (a trigger fired, a retrain request acknowledged, a gate passed, refused or not run for lack of
-held-out records, a publish) is one line on the logger `dvi.decision.trainer`, which the CLI shows at its default
+held-out records, a publish, its consumer group joined) is one line on the logger `dvi.decision.trainer`, which the CLI shows at its default
 level; the counters go to the tracker after every gate and every `COUNTERS_EVERY_S`. This module knows records, DeepSpeed (through
 `trainers.ds`) and the model store; the modules it trains and their losses are `trainers.students`', picked for the
 drafter's kind by `trainers.student_kinds`, the gate's figures
@@ -98,7 +102,7 @@ from trainers.state import Counters, State, merged, rank_part, restore
 from trainers.student_kinds import student_kind
 from trainers.students import PositionLM, autocast, params_finite
 from trainers.telemetry import source_counts, source_lag, system_metrics
-from trainers.triggers import Trigger, next_gate_in, release_due
+from trainers.triggers import Trigger, batch_ready, next_gate_in, release_due
 
 log = logging.getLogger("dvi.trainer")
 decision = logging.getLogger("dvi.decision.trainer")  # one line per decision, shown at the CLI's default level
@@ -111,16 +115,18 @@ class Trainer:
     """One trainer process. `run()` until stopped; see the module docstring."""
 
     def __init__(self, cfg: DviConfig, source, tracker=None, control=None, publisher=None, offline: bool = False,
-                 idle: Callable[[bool], None] | None = None):
+                 turns=None):
         """source: a `streams.consumer.DecisionConsumer`, a `trainers.data.FileSource` (anything whose poll returns
         `dvi.records.Delivered`); tracker: a `dvi.tracking.Tracker` or None; control: a
         `streams.control.ControlReader` (its poll returns `dvi.control` messages) or None; publisher: a callable
-        taking one `dvi.control` message (a `DrafterPublished`), or None; offline: stop when idle; idle: told True
-        whenever the loop waits for records with nothing to do (no batch to step on, or the trigger not active), False
-        when it has work again (`dvi.busy.IdleFile.set`: so that a turn on the CPU it has no use for ends), or None."""
+        taking one `dvi.control` message (a `DrafterPublished`), or None; offline: stop when idle; turns: where serving
+        gives it turns on the CPU (`dvi up`'s pause policy), a `dvi.busy.TurnTaker`: its `idle(bool)` is told whether the
+        loop waits with nothing to do (nothing fresh to train on, or the trigger not active: the turn ends), and while
+        `has_turn()` a short batch steps at once (serving waits for it: no record comes until it stops); else None."""
         self.cfg, self.tcfg = cfg, cfg.trainer
         self.source, self.tracker, self.control, self.publisher, self.offline = source, tracker, control, publisher, offline
-        self.say_idle = idle or (lambda idle: None)
+        self.say_idle: Callable[[bool], None] = turns.idle if turns is not None else (lambda idle: None)
+        self.has_turn: Callable[[], bool] = turns.has_turn if turns is not None else (lambda: False)
         torch.manual_seed(self.tcfg.seed)
         self.rank, self.world = ds.init_distributed()
         self.cache = cache_dir(cfg.model)
@@ -306,7 +312,7 @@ class Trainer:
             while True:
                 # waiting for records only when there was nothing to train: a step every pass over a backlog, not one
                 # per poll timeout (what has arrived is read either way); said, while it waits with nothing to do
-                self.say_idle(not stepped)
+                self.say_idle(not stepped and not self._has_work(time.monotonic()))
                 arrived = self.source.poll(timeout_s=0.0 if stepped else 0.5)
                 if arrived:
                     self.say_idle(False)
@@ -413,13 +419,20 @@ class Trainer:
         return ds.from_rank0(due and self.state.step > self.last_gate_step, self.world)
 
     def _batch_ready(self, now: float) -> bool:
-        """A full batch of fresh positions is waiting, or some are and the stream paused for a second."""
+        """A full batch of fresh positions is waiting, or some are and the stream paused for a second, or serving waits
+        for this trainer's turn (no record comes meanwhile)."""
         if self.ahead.waiting:
             return True
         if not self.buffer.pending:
             return self.tcfg.replay_when_idle and bool(self.buffer.replay)
         budget = self.tcfg.batch_tokens * (1.0 - self.tcfg.replay_share)
-        return self.buffer.pending_positions() >= budget or now - self.last_record_at > 1.0
+        return batch_ready(self.buffer.pending_positions(), budget, now - self.last_record_at, self.has_turn)
+
+    def _has_work(self, now: float) -> bool:
+        """Whether there is anything to train now or once the batch fills: the trigger active and fresh records waiting
+        (or a batch built ahead, or replay when idle)."""
+        return self.trigger.active(now) and bool(self.ahead.waiting or self.buffer.pending
+                                                 or (self.tcfg.replay_when_idle and self.buffer.replay))
 
     def ingest(self, delivered: list[Delivered]) -> None:
         """Take records the source read (validated by the record codec at the wire)."""

@@ -19,7 +19,8 @@ drift = (reference - current) / reference, in [0, 1], 0 while there is no refere
 reference: the new drafter's acceptance is the new normal.
 
 The trainer loop's other timing decisions are pure logic here too: how far apart timed gate checks are spaced when
-they are slow (`next_gate_in`), and when the loop gives freed heap memory back to the system (`release_due`).
+they are slow (`next_gate_in`), when the loop gives freed heap memory back to the system (`release_due`), and when
+fresh records short of a batch step (`batch_ready`).
 
 This module knows acceptance counts and time; it knows nothing about records, Kafka or models.
 """
@@ -162,3 +163,13 @@ def release_due(step: int, released_step: int, now: float, released_at: float) -
     the loop, stepping or idle: a trainer that goes idle after a step gives that step's memory back too, instead of
     holding it for as long as it idles."""
     return step != released_step and now - released_at >= RELEASE_EVERY_S
+
+
+STREAM_PAUSE_S = 1.0  # a stream quiet this long: what is waiting steps as a short batch
+
+
+def batch_ready(positions: int, budget: float, quiet_s: float, has_turn) -> bool:
+    """Whether the fresh positions waiting (`positions`) step now: they fill the batch (`budget`), or the stream has been
+    quiet for STREAM_PAUSE_S (`quiet_s`: since the last record), or the trainer has its turn on the CPU (`has_turn()`,
+    asked last: serving waits for it, so no record comes until it stops, and waiting for the pause would waste the turn)."""
+    return positions > 0 and (positions >= budget or quiet_s > STREAM_PAUSE_S or has_turn())

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dvi.busy import IdleFile
+from dvi.busy import TurnTaker
 from dvi.cli.output import out
 from dvi.cli.vllm.answers import VllmAnswers
 from dvi.config import DviConfig, flat_params, load_config, overrides_of
@@ -64,10 +64,10 @@ def _stream_trainer(cfg: DviConfig, *, group_id: str, offline: bool, verbose: bo
     tracker = Tracker(cfg.tracking, run_name=role, params=flat_params(cfg),  # stable names: the README's `trainer`, `distill`
                       tags={"dvi.role": role, "dvi.trigger": cfg.trigger.kind, "dvi.started": time.strftime("%Y-%m-%d %H:%M:%S")})
     with waiting_for("the models to load and DeepSpeed to start"):
-        # under dvi up's pause policy ($DVI_BUSY_DIR) it says when it waits with nothing to do: its turn on the CPU ends
-        flag = None if offline else IdleFile.from_env()
+        # under dvi up's pause policy ($DVI_BUSY_DIR): turns on the CPU, which end where it has nothing to do
+        turns = None if offline else TurnTaker.from_env()
         trainer = Trainer(cfg, source, tracker=tracker, control=reader, publisher=lambda msg: control.send(cfg.stream, msg),
-                          offline=offline, idle=flag.set if flag else None)
+                          offline=offline, turns=turns)
     return trainer, (source, reader, tracker)
 
 

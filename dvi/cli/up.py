@@ -501,7 +501,7 @@ class HoldWhileBusy(threading.Thread):
     waiting is not enough: vLLM's worker spun on its queue through each turn until its readers were made to sleep
     soon (`dvi.cli.vllm.loop.park_idle_readers`; benchmarks.turn_cpu shows who runs in the turns). A turn ends early
     where the part says, `IDLE_AFTER_S` into it, that it has nothing to do (`dvi.busy.idle`: a trainer whose trigger is
-    not active, or that has trained all it was sent): serving then waits that long, not the whole share, and the duty
+    not active, or with no fresh record to train on): serving then waits that long, not the whole share, and the duty
     cycle starts earning the next turn afresh (`DutyCycle.forfeit`).
     """
 

@@ -49,6 +49,16 @@ def test_an_idle_file_says_whether_the_part_has_nothing_to_do(tmp_path):
     assert busy.idle(tmp_path)
     mine.set(False)
     assert not busy.idle(tmp_path)
+    # the trainer's side: its idle file, and whether the supervisor's turn file is there (serving waits for it)
+    taker = busy.TurnTaker(tmp_path / "t")
+    assert not taker.has_turn() and not busy.idle(tmp_path / "t")
+    taker.idle(True)
+    assert busy.idle(tmp_path / "t")
+    turn = busy.Turn(tmp_path / "t")
+    turn.give(True)
+    assert taker.has_turn()
+    turn.give(False)
+    assert not taker.has_turn()
 
 
 def test_serving_is_stepping_while_a_request_is_in_flight_and_no_trainer_has_its_turn(tmp_path):

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -180,7 +181,7 @@ def test_records_waiting_past_the_age_limit_are_skipped_and_committed_without_a_
     cfg = replace(cfg, trigger=TriggerConfig(kind="manual"))
     said = []  # what it says of having nothing to do (dvi up ends its turn on the CPU early on True)
     with DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id, from_beginning=True) as source:
-        trainer = Trainer(cfg, source, idle=said.append)
+        trainer = Trainer(cfg, source, turns=SimpleNamespace(idle=said.append, has_turn=lambda: True))
         thread = threading.Thread(target=trainer.run)
         thread.start()
         try:
@@ -194,7 +195,8 @@ def test_records_waiting_past_the_age_limit_are_skipped_and_committed_without_a_
             ledger = dict(state["ledger"])
             assert {r.record_id: ledger.get(r.record_id) for r in old} == {r.record_id: Fate.SKIPPED for r in old}
             assert not any(r.record_id in ledger for r in fresh) and state["counters"]["expired"] == len(old)
-            # records came (work: ingest), then, fresh ones queued but no session to train them in, it waits idle
+            # records came (work: ingest), then, fresh ones queued but no session to train them in (its turn or not), it
+            # waits idle
             assert False in said and said[-1] is True
             joined = [r.getMessage() for r in caplog.records if r.name == "dvi.decision.trainer" and JOINED in r.getMessage()]
             assert len(joined) == 1 and "reading the decision stream" in joined[0]  # said once, when its group gave it partitions
