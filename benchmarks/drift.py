@@ -11,7 +11,8 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
 3. three replicas start from that version (the store's newest, `serve.swap.initial`): `online` follows the control
    topic and logs its decisions for the trainer, `frozen` does neither (the loop off), `plain` decodes target-only;
    `dvi train` distills from the online replica's decisions and publishes better drafters, which `online`
-   hot-swaps in. `--stack` picks what serves: `dvi` (`+experiment=drift`: dvi's engine, fixed K, a drafter over the
+   hot-swaps in; the replay starts once the trainer says its consumer group has joined (the embedded broker holds a
+   join for half the session timeout: 150 s for the paused trainer's 300 s session). `--stack` picks what serves: `dvi` (`+experiment=drift`: dvi's engine, fixed K, a drafter over the
    8,192 most frequent tokens, `plain` is `dvi serve --no-draft`) or `vllm` (`+experiment=drift_vllm`, the default
    stack: `dvi serve` as vLLM's own OpenAI server with dvi's loop as its plugin (serve.engine=vllm-server) at the
    model's dtype, compiled, adaptive K, the drafter's full head, and `plain` is plain vLLM's own OpenAI server at the
