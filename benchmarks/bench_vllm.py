@@ -25,8 +25,8 @@ The servers:
   DecisionRecords going to a real broker (the embedded one) and its swap thread following the control topic; MLflow
   tracking off;
 - `dvi serve --no-draft`: the same, target only;
-- `dvi serve, no features`, `dvi serve, trained, no features`: the defaults without the target's features in the
-  records (`stream.features.share=0`): what sending them costs serving;
+- `dvi serve, no features`, `dvi serve, trained, no features`, `dvi serve, untrained, no features`: the defaults without
+  the target's features in the records (`stream.features.share=0`): what sending them costs serving;
 - `dvi serve K=k`: fixed K (`serve.spec.adaptive=false`): against `vLLM + drafter K=k`, what dvi's loop costs;
 - `dvi serve, trained`: the defaults with the trained drafter;
 - `dvi serve, untrained`: the defaults with the demo pair's untrained drafter (`model.drafter=init`), a drafter that does
@@ -220,6 +220,8 @@ def servers(target: Path, drafter: Path, trained: Path, dtype: str, k: int, brok
         Server("dvi serve, trained", dvi + [f"model.drafter={trained}"], base, None, "dvi"),
         # a drafter that does not pay: the demo pair's untrained one, where the planner must keep serving at plain speed
         Server("dvi serve, untrained", dvi + ["model.drafter=init"], base, None, "dvi"),
+        # ... and what of its cost with drafting off is the features its records carry
+        Server("dvi serve, untrained, no features", dvi + ["model.drafter=init", "stream.features.share=0"], base, None, "dvi"),
         Server(f"dvi serve, {other}", dvi + [f"model.drafter={drafter}", f"model.dtype={other}"], base, None, "dvi"),
     ]
     return [s for s in out if only is None or s.name in only]
