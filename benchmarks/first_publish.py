@@ -208,11 +208,12 @@ def session(overrides: list[str], phases: list[Phase], max_tokens: int, requests
                         break
                     if phase.paced:
                         time.sleep(r["s"])
-                bounds[phase.name] = (t0_phase, time.time())
+                t1_phase = time.time()
+                bounds[phase.name] = (t0_phase, t1_phase)
                 turns_after = turn_waits(api)
-                waited[phase.name] = {"turns": turns_after["turns"] - turns_before["turns"],
-                                      "waited_s": round(turns_after["waited_s"] - turns_before["waited_s"], 2),
-                                      "share": round((turns_after["waited_s"] - turns_before["waited_s"]) / max(time.time() - t0_phase, 1e-9), 4)}
+                waited_s = turns_after["waited_s"] - turns_before["waited_s"]
+                waited[phase.name] = {"turns": turns_after["turns"] - turns_before["turns"], "waited_s": round(waited_s, 2),
+                                      "share": round(waited_s / max(t1_phase - t0_phase, 1e-9), 4)}
                 if after is not None and len(newer) >= after:
                     break  # the stop rule ends the session, not just its phase
         except KeyboardInterrupt:
