@@ -294,9 +294,13 @@ class StepPlanner:
     Where drafting is off at a batch size on what its steps yielded (the realized gate above), it comes back on there
     only once the drafting steps' last yield beats target-only decoding's by `HYSTERESIS` more (plain steps keep
     moving the one, probes that a request whose cache is whole can take add to the other), or for a new drafter (whose
-    yield is its own); until then that pass is skipped at that batch size alone (`skips_pass`), awake or not: at batch 8
-    on a CPU it cost about a tenth of a plain step. The requests of such a step lose their drafter cache, as asleep, so
-    that a frozen drafter stays off there for good unless the plain steps get slower.
+    yield is its own); until then that pass is skipped at that batch size alone (`skips_pass`), awake or not, while
+    drafting is on at another: at batch 8 on a CPU it cost about a tenth of a plain step. The requests of such a step
+    lose their drafter cache, as asleep, so that a frozen drafter stays off there for good unless the plain steps get
+    slower. Off everywhere and awake, the planner is measuring the drafter before it sleeps: the pass runs wherever a
+    request has a whole cache, or one may be admitted, so that the probes' rounds count (skipped there too, the rows
+    lost their caches at every step between probes, and a server with an untrained drafter stayed awake probing for
+    half a minute at a time, at 0.8x plain decoding's speed).
 
     `schedule(batch)` returns the dense K lookup for the next step (index = batch size, as vLLM's scheduler reads it)
     and the routing decisions it took. A fresh drafter (`reset`) drafts `serve.spec.k` until its first rounds are seen.
@@ -493,14 +497,19 @@ class StepPlanner:
         changes.append(Routing("probe", b, k, why))
         return [0] + [k] * self.max_batch
 
-    def skips_pass(self, batch: int, lookup: list[int]) -> bool:
-        """Whether the step about to run at `batch` (drafting `lookup[batch]`, as `schedule` returned it) skips the
-        drafter's pass over its new tokens: asleep, or drafting off at this batch size on what its steps yielded (see
-        the class docstring)."""
+    def skips_pass(self, batch: int, lookup: list[int], whole: int | None = None) -> bool:
+        """Whether the step about to run at `batch` (drafting `lookup[batch]`, as `schedule` returned it, `whole` of the
+        batch with a whole drafter cache as `schedule` was told) skips the drafter's pass over its new tokens: asleep;
+        drafting off at this batch size on what its steps yielded while it is on at another; or, off everywhere and
+        measuring the drafter before sleeping, no request of the step whole (see the class docstring)."""
         b = self._size(batch)
         if lookup[b]:
             return False
-        return not self.awake or (not self.on[b] and self._unpaid(b) is not None)
+        if not self.awake:
+            return True
+        if not any(self.on[1:]):
+            return whole == 0
+        return not self.on[b] and self._unpaid(b) is not None
 
     def _size(self, batch: int) -> int:
         """A batch size as the lookup indexes it: 1 to max_batch."""

@@ -265,7 +265,7 @@ class VllmEngine:
         whole = max(0, batch - sum(not r.whole for r in self.rows.values()))
         lookup, changes = self.planner.schedule(batch, whole)
         self._lookup[:] = lookup
-        skip = self.planner.skips_pass(batch, lookup)
+        skip = self.planner.skips_pass(batch, lookup, whole)
         if skip != self._asleep:
             self._asleep = skip
             self.core.collective_rpc("dvi_sleep", args=(skip,))
