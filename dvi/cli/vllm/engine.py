@@ -71,7 +71,7 @@ from dvi.features import Captured
 from dvi.hardware import VLLM_RELEASE
 from dvi.models import Drafter
 from dvi.records import DOMAIN
-from dvi.cli.vllm.worker import runner_problem, select_v1_runner
+from dvi.cli.vllm.worker import carried, runner_problem, select_v1_runner
 
 log = logging.getLogger("dvi.serving.vllm")
 
@@ -190,6 +190,19 @@ class VllmEngine:
         self._asleep = False  # the worker skips the drafter's pass at K = 0 (StepPlanner.skips_pass)
         # the trainer's turns on the CPU ($DVI_BUSY_DIR: dvi up's pause policy), the first told with serving's decisions
         self.turns = TurnWait.from_env(logging.getLogger("dvi.decision.serve"))  # the replica reports its waits
+        self._carried: list[dict] | None = None  # the steps the last step's output carried (dvi.cli.vllm.worker.carry)
+        executor = getattr(core, "model_executor", None)
+        if executor is not None:
+            sample_tokens = executor.sample_tokens
+
+            def carry_off(*args, **kwargs):
+                out = sample_tokens(*args, **kwargs)
+                steps = carried(out)
+                if steps is not None:
+                    self._carried = (self._carried or []) + steps
+                return out
+
+            executor.sample_tokens = carry_off
         step = core.step_fn
         core.step_fn = lambda: self._step(step)  # what vLLM's engine loop calls for each step
 
@@ -243,7 +256,9 @@ class VllmEngine:
             log.exception("dvi's work before a vLLM step failed")
         outputs, executed = step()
         try:
-            steps = self.core.collective_rpc("dvi_take")[0] if executed else []
+            steps, self._carried = self._carried, None
+            if steps is None:  # the step's output carried none: asked for (a round trip through vLLM's queues)
+                steps = self.core.collective_rpc("dvi_take")[0] if executed else []
             step_s = time.perf_counter() - t0  # the capture's log-probs count: they grow with K too
             for captured in steps:
                 self._rounds(captured, drafted_by)

@@ -23,7 +23,11 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
 - `dvi_sleep(flag)`: while set, a step that proposes no drafts skips the drafter's pass over its new tokens (vLLM
   runs it at K = 0 to keep the draft model's KV cache whole; it costs several percent of a step); the requests then
   in flight draft from a cache with holes when drafting comes back, which costs acceptance, never correctness;
-- `dvi_take()` hands over the steps kept since the last call (CPU tensors and lists). The log-probs are computed on
+- the steps kept since the last hand-over travel with each step's output (`ModelRunnerOutput`, under `CARRIED`: the
+  runner's `sample_tokens` returns it once the step's drafts are proposed), which vLLM's queue pickles to the engine
+  core anyway; `dvi_take()` hands them over where an output cannot carry them (none, or one vLLM delivers later: async
+  scheduling). A call of its own cost a round trip through vLLM's queues at every step: 1.9 ms of a 18-ms step at
+  batch 1 on a 2-core CPU, where the processes on either side spin for their turn. The log-probs are computed on
   vLLM's own thread, before its sampler: on a thread of their own, their torch ops started a second OpenMP team beside
   the one vLLM binds to the cores, and on a 2-core CPU the two spin-waited against each other (vLLM's server with the
   loop and no drafter ran 0.87x plain vLLM);
@@ -66,7 +70,8 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.32
 EAGLE3_NOT_LOADED = frozenset({"VocabParallelEmbedding", "RotaryEmbedding"})
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's choice of model runner: "0" selects the V1 runner this extension hooks
 SELECTED = "DVI_SELECTED_V1_RUNNER"  # "1": dvi set V2_RUNNER (here, or in the vLLM process that started this one)
-HOOKED = ("_sample", "execute_model", "propose_draft_token_ids", "input_batch")  # what dvi_capture reads of the runner
+HOOKED = ("_sample", "execute_model", "propose_draft_token_ids", "sample_tokens", "input_batch")  # what dvi_capture reads
+CARRIED = "dvi_steps"  # the attribute of a step's ModelRunnerOutput that carries the steps kept since the last hand-over
 
 
 def select_v1_runner(env) -> bool:
@@ -106,7 +111,7 @@ class DviWorkerExtension:
                                f"({V2_RUNNER}=0 selects the V1 runner)")
         fix_cpu_expand()
         original = runner._sample
-        execute, propose = runner.execute_model, runner.propose_draft_token_ids
+        execute, propose, sample_tokens = runner.execute_model, runner.propose_draft_token_ids, runner.sample_tokens
         arguments = inspect.signature(propose).bind  # by name: vLLM passes them positionally
         self._dvi_steps: list[dict] = []
         self._dvi_meta: dict = {}
@@ -153,6 +158,11 @@ class DviWorkerExtension:
             self._dvi_meta["propose_s"] += time.perf_counter() - t0
             return drafts
 
+        def sample_tokens_(*args, **kwargs):
+            out = sample_tokens(*args, **kwargs)
+            carry(out, self)
+            return out
+
         self._dvi_asleep = False
         proposer = getattr(runner, "drafter", None)
         if proposer is not None and hasattr(proposer, "propose"):
@@ -170,6 +180,7 @@ class DviWorkerExtension:
         runner._sample = _sample
         runner.execute_model = execute_model
         runner.propose_draft_token_ids = propose_draft_token_ids
+        runner.sample_tokens = sample_tokens_
         return True
 
     def dvi_sleep(self, asleep: bool) -> None:
@@ -238,6 +249,21 @@ def expand_tokens(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: 
     counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
     values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
     output[: int(counts.sum())] = values.repeat_interleave(counts)
+
+
+def carry(output, extension: DviWorkerExtension) -> None:
+    """The steps `extension` kept since the last hand-over onto `output`, a step's `ModelRunnerOutput` (`CARRIED`):
+    not onto vLLM's shared empty output, nor one it delivers later (async scheduling), which `dvi_take` hands over."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    if type(output) is ModelRunnerOutput and output is not EMPTY_MODEL_RUNNER_OUTPUT:
+        setattr(output, CARRIED, extension.dvi_take())
+
+
+def carried(output) -> list[dict] | None:
+    """The steps a worker's `ModelRunnerOutput` carried (`carry`), taken off it; None where it carried none."""
+    steps = getattr(output, "__dict__", {}).pop(CARRIED, None)
+    return steps if isinstance(steps, list) else None
 
 
 def _features(runner, arguments: dict, step: dict) -> list[tuple[int, torch.Tensor]] | None:

@@ -154,3 +154,43 @@ def test_vllms_queue_readers_spin_briefly_where_a_trainer_takes_turns_but_not_wh
         assert time.monotonic() - t0 < 1.0
     finally:
         context.destroy(linger=0)
+
+
+def test_a_steps_verifications_travel_with_its_output_through_vllms_queue():
+    """The steps the worker kept ride on the step's ModelRunnerOutput through vLLM's own shared-memory queue (its
+    pickler, tensors as out-of-band buffers) and come off it in the engine core, once; vLLM's shared empty output
+    and an output vLLM delivers later carry nothing, and stay with the worker for `dvi_take`."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    from dvi.cli.vllm.worker import CARRIED, carried, carry
+
+    class Kept:  # the worker extension's hand-over, as dvi_take does it
+        def __init__(self, steps):
+            self.steps = steps
+
+        def dvi_take(self):
+            steps, self.steps = self.steps, []
+            return steps
+
+    step = {"req_ids": ["r0"], "num_draft": [2], "sampled": [[5, 9, -1]], "top_ids": torch.arange(6).view(3, 2),
+            "top_logprobs": torch.full((3, 2), -0.5), "meta": {"tokens": 3}, "features": [(7, torch.ones(2, 4))]}
+    worker = Kept([step])
+    carry(EMPTY_MODEL_RUNNER_OUTPUT, worker)
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, CARRIED) and worker.steps == [step]
+    carry(object(), worker)  # not a ModelRunnerOutput (an async one, delivered later)
+    assert worker.steps == [step]
+    out = ModelRunnerOutput(req_ids=["r0"], req_id_to_index={"r0": 0}, sampled_token_ids=[[5, 9]])
+    carry(out, worker)
+    assert worker.steps == []
+
+    queue = MessageQueue(n_reader=1, n_local_reader=1)  # as vLLM's workers answer the engine core
+    reader = MessageQueue.create_from_handle(queue.export_handle(), 0)
+    queue.wait_until_ready(), reader.wait_until_ready()
+    queue.enqueue(("ok", out))
+    _, got = reader.dequeue(timeout=10)
+    steps = carried(got)
+    assert [s["req_ids"] for s in steps] == [["r0"]] and torch.equal(steps[0]["top_ids"], step["top_ids"])
+    assert torch.equal(steps[0]["features"][0][1], torch.ones(2, 4)) and steps[0]["sampled"] == [[5, 9, -1]]
+    assert carried(got) is None and not hasattr(got, CARRIED)  # taken off, once: vLLM reads the output without it
+    assert got.sampled_token_ids == [[5, 9]]
