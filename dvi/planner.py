@@ -51,6 +51,7 @@ class CostTable:
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> tokens per second (observe_rate)
         self.plain_step: dict[int, float] = {}  # bucket -> wall seconds of a plain decoding step (observe_rate)
         self.samples: Counter[tuple[str, object]] = Counter()  # (table, key) -> observations so far
+        self.owed = 0.0  # seconds a step that verified no drafts spent proposing drafts for the next (observe_step)
 
     def _average(self, table: str, key, value: float, weight: float | None = None) -> None:
         """A new observation into `table` (verify, draft, propose0, rate or plain_step) at `key`: the mean of the first 1 / `weight`
@@ -74,7 +75,10 @@ class CostTable:
         """A step of decoding (no prefill) emitted `tokens` in `seconds` of wall time (from its start to the next step's:
         all it cost; for a step that verified no drafts, less the drafter's time in it, `observe_step`'s return),
         verifying drafts or not: tokens per second, by bucket and kind, whatever the cost model says
-        (`realized_speedup`)."""
+        (`realized_speedup`). A step that verified drafts also pays for proposing them, where a step that verified
+        none did (`observe_step`: `owed`)."""
+        if drafting:
+            seconds, self.owed = seconds + self.owed, 0.0
         if seconds > 0:
             self._average("rate", (batch_bucket(batch), drafting), tokens / seconds, self.RATE_WEIGHT)
             if not drafting:
@@ -132,7 +136,9 @@ class CostTable:
 
         Returns the seconds of the step that target-only decoding would not have spent, which its rate leaves out
         (`observe_rate`): for a step that verified no drafts, all of `propose_s` (the drafter's pass, and any drafts for
-        the next step); 0 for one that verified drafts (all of it is drafting's cost). Plain decoding's rate is then
+        the next step, which the next step that verifies drafts pays: `owed`; left out of both, a probe's drafts were
+        free, and an untrained drafter's probes measured it over the line again and again: drafting went on and off
+        every few seconds); 0 for one that verified drafts (all of it is drafting's cost). Plain decoding's rate is then
         that of a server without a drafter, the one the realized gate weighs drafting against: where that gate turns
         drafting off, the drafter's pass is skipped too (`StepPlanner.skips_pass`), and a plain step that paid for it
         made drafting look up to a tenth better than it was (the pass is several percent of a step at batch 1 on a
@@ -144,6 +150,8 @@ class CostTable:
         self.observe_verify(batch, verified_k, max(step_s - propose_s, 0.0) + base)
         if proposed_k:
             self.observe_draft(batch, proposed_k, max(propose_s - base, 0.0))
+        if not verified_k:
+            self.owed = max(propose_s - base, 0.0) if proposed_k else 0.0
         return 0.0 if verified_k else propose_s
 
     @property
@@ -302,6 +310,11 @@ class StepPlanner:
     lost their caches at every step between probes, and a server with an untrained drafter stayed awake probing for
     half a minute at a time, at 0.8x plain decoding's speed).
 
+    Drafting is on at a batch size only where it is on at every smaller one: a draft gains less the larger the batch
+    it is verified in, and sizes traffic does not reach are planned on costs borrowed from a neighbour and on a
+    drafter step measured on a few probes, whose noise turned them on and off within a second (at batch 1 an untrained
+    drafter was off on what its steps yielded, and batch sizes 2-8 flipped every few seconds, waking the drafter).
+
     `schedule(batch)` returns the dense K lookup for the next step (index = batch size, as vLLM's scheduler reads it)
     and the routing decisions it took. A fresh drafter (`reset`) drafts `serve.spec.k` until its first rounds are seen.
     """
@@ -436,6 +449,7 @@ class StepPlanner:
         the cost plan of each batch bucket."""
         s = self.spec
         by_bucket: dict[int, tuple[float, list[float]]] = {}
+        below = True  # drafting on at every smaller batch size
         for b in range(1, self.max_batch + 1):
             bucket = batch_bucket(b)
             if bucket not in by_bucket:
@@ -453,6 +467,10 @@ class StepPlanner:
                     on = False
                     why = (f"realized speedup {realized:.2f} <= {self._realized_line(b):.2f} (tokens per second of the last "
                            f"steps that drafted over target-only decoding's), though {why}")
+                if on and not below:  # a larger batch gains less from a draft: the model's noise, where no step says
+                    on = False
+                    why = f"drafting is off at batch size {b - 1}, though {why}"
+            below = below and on
             if on != self.on[b]:
                 self.on[b] = on
                 changes.append(Routing("on" if on else "off", b, k if on else 0, why))

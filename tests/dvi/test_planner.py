@@ -336,7 +336,27 @@ def test_drafting_is_weighed_against_target_only_decoding_without_the_drafters_p
     for _ in range(100):
         costs.observe_rate(1, True, tokens=2, seconds=2 / 10.7)  # 1.07x
     lookup, changes = planner.schedule(1)
-    assert lookup[1] > 0 and [c.decision for c in changes if c.batch == 1] == ["on"]
+    # on again at batch 1 (off there, it was off at every size: the drafter's pass slept, and wakes)
+    assert lookup[1] > 0 and [c.decision for c in changes if c.batch == 1] == ["on", "wake"]
+
+
+def test_drafts_a_plain_step_proposed_are_paid_by_the_step_that_verifies_them():
+    """A probe proposes its drafts in a step that verifies none, whose rate is target-only decoding's (no drafter's
+    time in it): the drafts' seconds beyond the pass go to the step that verifies them, once."""
+    costs = CostTable(SPEC)
+    costs.observe_step(1, 0, 0, step_s=0.105, propose_s=0.005)  # a plain step: the drafter's pass, 5 ms
+    extra = costs.observe_step(1, 0, 4, step_s=0.145, propose_s=0.045)  # a probe: 4 drafts, 40 ms beyond the pass
+    assert extra == pytest.approx(0.045)
+    costs.observe_rate(1, False, tokens=1, seconds=0.145 - extra)
+    assert costs.rate[(1, False)] == pytest.approx(10.0)  # target-only decoding: 10 tokens/s
+    assert costs.observe_step(1, 4, 0, step_s=0.11, propose_s=0.005) == 0.0  # the step that verifies them
+    costs.observe_rate(1, True, tokens=2, seconds=0.11)
+    assert costs.rate[(1, True)] == pytest.approx(2 / 0.15)  # with the probe's drafts: 13.3 tokens/s, not 18.2
+    costs.observe_rate(1, True, tokens=2, seconds=0.11)  # drafts a drafting step proposed are in its own seconds
+    assert costs.rate[(1, True)] == pytest.approx((2 / 0.15 + 2 / 0.11) / 2)
+    costs.observe_step(1, 0, 4, step_s=0.145, propose_s=0.045)
+    costs.observe_step(1, 0, 0, step_s=0.105, propose_s=0.005)  # the drafts went unverified (their request left)
+    assert costs.owed == 0.0
 
 
 def test_speed_over_target_only_is_the_drafting_steps_yield_over_plain_decodings_at_each_batch_size():
@@ -373,7 +393,7 @@ def test_a_requests_target_only_tokens_are_its_share_of_the_measured_plain_rate_
 
 
 def simulate(acceptance: float, batch: int, steps: int = 3000, draft_s: float = 0.1, pass_s: float = 0.05,
-             slope: float = 0.04, seed: int = 0, request_tokens: int = 128) -> tuple[float, dict[str, int]]:
+             slope: float = 0.04, seed: int = 0, request_tokens: int = 128, unmodelled_s: float = 0.0) -> tuple[float, dict[str, int]]:
     """vLLM's steps under a StepPlanner on the default spec, one plain step taking 1 s (10% noise): a step verifies the
     drafts the one before proposed (each accepted with probability `acceptance`, in order, for each of `batch` requests;
     a verify of K + 1 tokens costs 1 + slope x K x batch), then proposes the K planned, paying the drafter's pass
@@ -409,7 +429,7 @@ def simulate(acceptance: float, batch: int, steps: int = 3000, draft_s: float = 
             if emitted_by[i] >= request_tokens:  # it ends; the next one is whole until a step skips the pass
                 whole[i], emitted_by[i] = True, 0
         propose_s = (0.0 if skip else pass_s) + draft_s * k
-        step_s = (1 + slope * verify_k * batch) * (1 + 0.1 * (rng.random() - 0.5)) + propose_s
+        step_s = (1 + slope * verify_k * batch) * (1 + 0.1 * (rng.random() - 0.5)) + propose_s + (unmodelled_s if verify_k else 0.0)
         extra = costs.observe_step(batch, verify_k, k, step_s, propose_s)  # as dvi.cli.vllm.engine times it
         costs.observe_rate(batch, verify_k > 0, emitted, step_s - extra)
         seconds, tokens, verify_k = seconds + step_s, tokens + emitted, k
@@ -432,3 +452,27 @@ def test_a_drafter_that_does_not_pay_costs_the_planners_decisions_under_three_pe
 def test_a_drafter_that_pays_at_batch_one_keeps_drafting():
     speed, decisions = simulate(0.6, 1)
     assert speed > 1.3 and decisions.get("off", 0) == 0, (speed, decisions)
+
+
+def test_drafting_is_on_at_a_batch_size_only_where_it_is_on_at_every_smaller_one():
+    """Off at batch 1 on what its steps yielded, drafting stays off at the sizes no step measured, whatever the model
+    predicts there from borrowed costs; on at batch 1 and off at batch 2, it is off above too."""
+    costs = measured_costs()
+    planner = planner_of(SPEC, 8, costs)
+    for _ in range(300):  # the model says drafting pays at every size
+        planner.observe(4, 4)
+    assert all(planner.schedule(1)[0][1:])
+    for _ in range(CostTable.RATE_SAMPLES):
+        costs.observe_rate(1, False, tokens=1, seconds=0.10)
+        costs.observe_rate(1, True, tokens=2, seconds=0.25)  # 0.8x target-only decoding at batch 1
+    lookup, changes = planner.schedule(1)
+    assert lookup == [0] * 9
+    assert [c.why.split(",")[0] for c in changes if c.batch == 2] == ["drafting is off at batch size 1"]
+    planner.reset()  # a new drafter: batch 1 unmeasured again
+    for _ in range(300):
+        planner.observe(4, 4)
+    for _ in range(CostTable.RATE_SAMPLES):
+        costs.observe_rate(2, False, tokens=2, seconds=0.10)
+        costs.observe_rate(2, True, tokens=3, seconds=0.25)  # 0.6x at batch 2
+    lookup, _ = planner.schedule(1)
+    assert lookup[1] > 0 and lookup[2:] == [0] * 7
