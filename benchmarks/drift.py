@@ -12,7 +12,7 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    topic and logs its decisions for the trainer, `frozen` does neither (the loop off), `plain` decodes target-only;
    `dvi train` distills from the online replica's decisions and publishes better drafters, which `online`
    hot-swaps in; the replay starts once the trainer says its consumer group has joined (the embedded broker holds a
-   join for half the session timeout: 150 s for the paused trainer's 300 s session). `--stack` picks what serves: `dvi` (`+experiment=drift`: dvi's engine, fixed K, a drafter over the
+   join for half the session timeout: 30 s for the paused trainer's 60 s session). `--stack` picks what serves: `dvi` (`+experiment=drift`: dvi's engine, fixed K, a drafter over the
    8,192 most frequent tokens, `plain` is `dvi serve --no-draft`) or `vllm` (`+experiment=drift_vllm`, the default
    stack: `dvi serve` as vLLM's own OpenAI server with dvi's loop as its plugin (serve.engine=vllm-server) at the
    model's dtype, compiled, adaptive K, the drafter's full head, and `plain` is plain vLLM's own OpenAI server at the
@@ -86,6 +86,10 @@ from trainers.recipe import JOINED
 log = logging.getLogger("benchmarks.drift")
 
 SIDES = ("online", "frozen", "plain")
+# a paused trainer's consumer-group session (--pause-trainer): longer than the other sides' answers it is stopped
+# through (a wave of 8 at batch 8, with the online side's held share between them), short against a run, for the
+# embedded broker holds a group join for about half of it before the replay can start (300 s cost 150 s a run)
+PAUSED_SESSION_MS = 60_000
 # --serial: the pause after each of plain vLLM's turns, so that no side's answer is timed beside it: vLLM's readers of
 # its shared-memory queues spin, yielding the core, for a second after their last read (`SpinCondition.busy_loop_s`)
 PEER_SPIN_S = 1.0
@@ -611,9 +615,9 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
         parts.append(Part("train", ["train", *([f"model.drafter={store.default_root(cfg) / version}"] if version else []),
                                     f"trainer.run_dir={work / 'trainer'}", *own,
                                     # stopped while other sides answer: its consumer group must not expire meanwhile
-                                    *(["stream.session_timeout_ms=300000"] if opt.pause_trainer else [])],
+                                    *([f"stream.session_timeout_ms={PAUSED_SESSION_MS}"] if opt.pause_trainer else [])],
                           # ready once it reads the stream: a group join takes half the session timeout on the embedded
-                          # broker (150 s for a paused trainer's), which must not eat into the replay's first phase
+                          # broker (30 s for a paused trainer's), which must not eat into the replay's first phase
                           banner(f"dvi.decision.trainer: {JOINED}", anywhere=True), ready_s, needs=()))
         # each part names its drafter (the trainer the bootstrap version, the replicas the store's newest): a
         # model.drafter given to the run picks what the bootstrap distills, and must not override theirs
