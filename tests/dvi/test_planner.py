@@ -393,7 +393,7 @@ def test_a_requests_target_only_tokens_are_its_share_of_the_measured_plain_rate_
 
 
 def simulate(acceptance: float, batch: int, steps: int = 3000, draft_s: float = 0.1, pass_s: float = 0.05,
-             slope: float = 0.04, seed: int = 0, request_tokens: int = 128, unmodelled_s: float = 0.0) -> tuple[float, dict[str, int]]:
+             slope: float = 0.04, seed: int = 0, request_tokens: int = 128) -> tuple[float, dict[str, int]]:
     """vLLM's steps under a StepPlanner on the default spec, one plain step taking 1 s (10% noise): a step verifies the
     drafts the one before proposed (each accepted with probability `acceptance`, in order, for each of `batch` requests;
     a verify of K + 1 tokens costs 1 + slope x K x batch), then proposes the K planned, paying the drafter's pass
@@ -429,7 +429,7 @@ def simulate(acceptance: float, batch: int, steps: int = 3000, draft_s: float = 
             if emitted_by[i] >= request_tokens:  # it ends; the next one is whole until a step skips the pass
                 whole[i], emitted_by[i] = True, 0
         propose_s = (0.0 if skip else pass_s) + draft_s * k
-        step_s = (1 + slope * verify_k * batch) * (1 + 0.1 * (rng.random() - 0.5)) + propose_s + (unmodelled_s if verify_k else 0.0)
+        step_s = (1 + slope * verify_k * batch) * (1 + 0.1 * (rng.random() - 0.5)) + propose_s
         extra = costs.observe_step(batch, verify_k, k, step_s, propose_s)  # as dvi.cli.vllm.engine times it
         costs.observe_rate(batch, verify_k > 0, emitted, step_s - extra)
         seconds, tokens, verify_k = seconds + step_s, tokens + emitted, k

@@ -26,7 +26,7 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
 - the steps kept since the last hand-over travel with each step's output (`ModelRunnerOutput`, under `CARRIED`: the
   runner's `sample_tokens` returns it once the step's drafts are proposed), which vLLM's queue pickles to the engine
   core anyway; `dvi_take()` hands them over where an output cannot carry them (none, or one vLLM delivers later: async
-  scheduling). A call of its own cost a round trip through vLLM's queues at every step: 1.9 ms of a 18-ms step at
+  scheduling). A call of its own cost a round trip through vLLM's queues at every step: 1.9 ms of an 18-ms step at
   batch 1 on a 2-core CPU, where the processes on either side spin for their turn. The log-probs are computed on
   vLLM's own thread, before its sampler: on a thread of their own, their torch ops started a second OpenMP team beside
   the one vLLM binds to the cores, and on a 2-core CPU the two spin-waited against each other (vLLM's server with the
