@@ -13,7 +13,8 @@ the state and the rules. It does not know how an engine decodes or times its ste
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from dvi.config import SpecConfig
@@ -33,15 +34,18 @@ class CostTable:
     """Measured costs per batch-size bucket (`dvi.speculative.batch_bucket`): seconds of a verify forward of
     K + 1 tokens per (bucket, K) (K = 0 is a plain decoding step) and of one drafter step per bucket.
 
-    Filled by `SpeculativeEngine.warm_up` at start-up and refreshed from live rounds (exponential moving averages
-    of the observed times); `plan(batch)` turns them into the cost model's units. A K not measured at a bucket
+    Filled by `SpeculativeEngine.warm_up` at start-up and refreshed from live rounds: each cost is the median of its
+    last `WINDOW` observations. A step's parts take about the same time every step, but now and then one stalls for
+    tens of milliseconds (on two cores beside `dvi up`'s trainer, broker and MLflow): in a moving average one such
+    drafter step moved the cost of a drafter step from 0.05 to 0.4 target steps, and drafting went off and on again
+    within seconds, dozens of times in twelve minutes; a median leaves such a step out. `plan(batch)` turns them into
+    the cost model's units. A K not measured at a bucket
     borrows its cost in target steps from the nearest bucket that has it, else the linear prior
     (`serve.spec.verify_slope`). With `serve.spec.cost_ratio` set nothing measured is used: c is that number
     and verify costs follow the linear model (a fixed, repeatable cost model).
     """
 
-    WEIGHT = 0.2  # of a new observation in the moving averages (the mean of the first 1 / WEIGHT, so that no one
-    # sample, such as a server's first and slowest step, weighs more than the others)
+    WINDOW = 9  # observations each cost is the median of (a server's first and slowest step is one of them)
 
     def __init__(self, spec: SpecConfig):
         self.spec = spec
@@ -50,22 +54,31 @@ class CostTable:
         self.propose0: dict[int, float] = {}  # bucket -> seconds a step spends in a proposer drafting nothing (observe_step)
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> tokens per second (observe_rate)
         self.plain_step: dict[int, float] = {}  # bucket -> wall seconds of a plain decoding step (observe_rate)
+        self.rate_var: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> the variance of a step's tokens per second
         self.samples: Counter[tuple[str, object]] = Counter()  # (table, key) -> observations so far
+        self._recent: dict[tuple[str, object], deque[float]] = {}  # (table, key) -> a cost's last WINDOW observations
         self.owed = 0.0  # seconds a step that verified no drafts spent proposing drafts for the next (observe_step)
 
-    def _average(self, table: str, key, value: float, weight: float | None = None) -> None:
-        """A new observation into `table` (verify, draft, propose0, rate or plain_step) at `key`: the mean of the first 1 / `weight`
-        (default WEIGHT), a moving average after them."""
+    def _average(self, table: str, key, value: float, weight: float) -> None:
+        """A new observation into `table` (rate or plain_step) at `key`: the mean of the first 1 / `weight`, a moving
+        average after them."""
         values = getattr(self, table)
         self.samples[(table, key)] += 1
-        values[key] = moving_average(values.get(key), value, max(weight or self.WEIGHT, 1.0 / self.samples[(table, key)]))
+        values[key] = moving_average(values.get(key), value, max(weight, 1.0 / self.samples[(table, key)]))
+
+    def _cost(self, table: str, key, seconds: float) -> None:
+        """A new observation into the cost `table` (verify, draft or propose0) at `key`: the median of its last WINDOW."""
+        recent = self._recent.setdefault((table, key), deque(maxlen=self.WINDOW))
+        recent.append(seconds)
+        self.samples[(table, key)] += 1
+        getattr(self, table)[key] = statistics.median(recent)
 
     def observe_verify(self, batch: int, k: int, seconds: float) -> None:
-        self._average("verify", (batch_bucket(batch), k), seconds)
+        self._cost("verify", (batch_bucket(batch), k), seconds)
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
         if steps:
-            self._average("draft", batch_bucket(batch), seconds / steps)
+            self._cost("draft", batch_bucket(batch), seconds / steps)
 
     RATE_WEIGHT = 0.05  # of a new step in the tokens-per-second averages (about the last 20 steps; a step's yield varies)
     RATE_SAMPLES = 16  # drafting steps at a bucket before its realized speedup is trusted (their yield varies) ...
@@ -80,7 +93,11 @@ class CostTable:
         if drafting:
             seconds, self.owed = seconds + self.owed, 0.0
         if seconds > 0:
-            self._average("rate", (batch_bucket(batch), drafting), tokens / seconds, self.RATE_WEIGHT)
+            key, x = (batch_bucket(batch), drafting), tokens / seconds
+            if key in self.rate:  # exponentially weighted, as the average (before it moves)
+                d = x - self.rate[key]
+                self.rate_var[key] = (1 - self.RATE_WEIGHT) * (self.rate_var.get(key, 0.0) + self.RATE_WEIGHT * d * d)
+            self._average("rate", key, x, self.RATE_WEIGHT)
             if not drafting:
                 self._average("plain_step", batch_bucket(batch), seconds, self.RATE_WEIGHT)
 
@@ -92,6 +109,17 @@ class CostTable:
         if self.samples[("rate", (b, True))] < self.RATE_SAMPLES or self.samples[("rate", (b, False))] < self.PLAIN_RATE_SAMPLES:
             return None
         return self.rate[(b, True)] / self.rate[(b, False)]
+
+    def realized_noise(self, batch: int) -> float:
+        """The standard error of `realized_speedup` at this batch size's bucket, from the spread of the drafting steps'
+        yield (a step's yield varies with what it accepts: the average of about the last 20 steps wanders by several
+        percent around what drafting pays); 0 where it is not measured."""
+        b = batch_bucket(batch)
+        plain, var = self.rate.get((b, False)), self.rate_var.get((b, True))
+        if not plain or var is None:
+            return 0.0
+        w = self.RATE_WEIGHT
+        return (var * w / (2 - w)) ** 0.5 / plain
 
     def target_only_rate(self, bucket: int) -> float | None:
         """Tokens per second of plain decoding at `bucket`: its steps' measured yield once there are
@@ -145,7 +173,7 @@ class CostTable:
         CPU, about a tenth at batch 8)."""
         b = batch_bucket(batch)
         if proposed_k == 0:
-            self._average("propose0", b, propose_s)
+            self._cost("propose0", b, propose_s)
         base = self.propose0.get(b, 0.0)
         self.observe_verify(batch, verified_k, max(step_s - propose_s, 0.0) + base)
         if proposed_k:
@@ -270,8 +298,8 @@ class StepPlanner:
     acceptance the rounds seen show (shrunk towards 0, not the prior: a few probes that accept nothing are no evidence
     that drafting pays), so that an estimate hovering at the line does not flip it every few steps. The model is
     checked against what the steps yield: once a bucket has `CostTable.RATE_SAMPLES` steps that drafted and a few that
-    did not, drafting stays on there only while its tokens per second beat target-only decoding's (plain steps less the
-    drafter's time in them: `CostTable.realized_speedup`; at batch 8 on a CPU the model, fed with noisy per-K costs,
+    did not, drafting stays on there only while its tokens per second beat target-only decoding's, or fall short by no
+    more than their noise (plain steps less the drafter's time in them: `CostTable.realized_speedup`, `_unpaid`; at batch 8 on a CPU the model, fed with noisy per-K costs,
     predicted 1.08x where the steps gave 0.85x).
 
     Acceptance is measured on the rounds of requests whose drafter cache is whole (`observe`; the engine says which),
@@ -320,6 +348,7 @@ class StepPlanner:
     """
 
     HYSTERESIS = 0.05
+    NOISE_Z = 2.0  # standard errors the realized speedup must be under its line by to turn drafting off (`_unpaid`)
     CALIBRATE_SAMPLES = 3
     RECALIBRATE_EVERY = 128
     FAST_PROBES = 8
@@ -541,10 +570,16 @@ class StepPlanner:
         return self.spec.min_speedup * (1.0 + (0.0 if on else self.HYSTERESIS))
 
     def _unpaid(self, batch: int) -> float | None:
-        """The realized speedup at this batch size where it says drafting does not pay (at most `_realized_line`), else
-        None (it pays, or too few steps are measured to say)."""
+        """The realized speedup at this batch size where it says drafting does not pay, else None (it pays, or too few
+        steps are measured to say). While drafting is on there, it must be under `_realized_line` by `NOISE_Z` of its
+        standard error (`CostTable.realized_noise`): at batch 1 a drafter that paid 1.3x plain vLLM's speed on chat
+        requests yielded averages that dipped to 0.98-0.99 now and then, and drafting went off a dozen times in seven
+        minutes. Off, it stays off while it is at most the line (with its hysteresis)."""
         realized = self.costs.realized_speedup(batch)
-        return realized if realized is not None and realized <= self._realized_line(batch) else None
+        if realized is None:
+            return None
+        margin = self.NOISE_Z * self.costs.realized_noise(batch) if self.on[self._size(batch)] else 0.0
+        return realized if realized + margin <= self._realized_line(batch) else None
 
     def _wake(self, changes: list[Routing], batch: int, why: str) -> None:
         self.awake, self.measured_awake, self.sleep_left = True, 0, 0

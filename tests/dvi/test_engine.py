@@ -656,12 +656,12 @@ def test_cost_table_plans_in_target_steps_and_borrows_across_buckets():
     assert c == pytest.approx(0.24) and v == pytest.approx([1.0, 2.4, 2.0, 1.8])
     table.observe_verify(8, 0, 0.200)  # batch 5..8: only the plain step measured; K costs borrowed in steps
     assert table.plan(6)[1] == pytest.approx([1.0, 2.4, 2.0, 1.8]) and table.plan(6)[0] == pytest.approx(0.24)
-    table.observe_verify(1, 1, 0.020)  # a live round refreshes the average: the mean of the first five samples ...
-    assert table.plan(1)[1][1] == pytest.approx((0.120 + 0.020) / 2 / 0.050)
+    table.observe_verify(1, 1, 0.070)  # a live round refreshes the cost: the median of the last samples ...
+    assert table.plan(1)[1][1] == pytest.approx((0.120 + 0.070) / 2 / 0.050)
     for _ in range(3):
-        table.observe_verify(1, 1, 0.020)
-    table.observe_verify(1, 1, 0.170)  # ... then an exponential moving average (a new sample weighs 0.2)
-    assert table.plan(1)[1][1] == pytest.approx((0.8 * (0.120 + 4 * 0.020) / 5 + 0.2 * 0.170) / 0.050)
+        table.observe_verify(1, 1, 0.070)
+    table.observe_verify(1, 1, 0.170)  # ... which one slow sample among steady ones does not move
+    assert table.plan(1)[1][1] == pytest.approx(0.070 / 0.050)
     fixed_costs = CostTable(SpecConfig(k=2, k_max=3, cost_ratio=0.1, verify_slope=0.5))
     fixed_costs.observe_verify(1, 0, 0.05)
     assert fixed_costs.plan(1) == (0.1, pytest.approx([1.0, 1.5, 2.0, 2.5]))  # cost_ratio set: the fixed model, nothing measured
