@@ -299,8 +299,8 @@ class StepPlanner:
     that drafting pays), so that an estimate hovering at the line does not flip it every few steps. The model is
     checked against what the steps yield: once a bucket has `CostTable.RATE_SAMPLES` steps that drafted and a few that
     did not, drafting stays on there only while its tokens per second beat target-only decoding's, or fall short by no
-    more than their noise (plain steps less the drafter's time in them: `CostTable.realized_speedup`, `_unpaid`; at batch 8 on a CPU the model, fed with noisy per-K costs,
-    predicted 1.08x where the steps gave 0.85x).
+    more than their noise (plain steps less the drafter's time in them: `CostTable.realized_speedup`, `_unpaid`; at
+    batch 8 on a CPU the model, fed with noisy per-K costs, predicted 1.08x where the steps gave 0.85x).
 
     Acceptance is measured on the rounds of requests whose drafter cache is whole (`observe`; the engine says which),
     position by position (`position_acceptance`: a drafter that is right tends to stay right, which one rate over all
