@@ -154,6 +154,7 @@ class CostTable:
         """A new drafter: what drafting yielded says nothing of it."""
         for key in [k for k in self.rate if k[1]]:
             del self.rate[key]
+            self.rate_var.pop(key, None)
             self.samples.pop(("rate", key), None)
 
     def observe_step(self, batch: int, verified_k: int, proposed_k: int, step_s: float, propose_s: float) -> float:

@@ -46,6 +46,19 @@ def test_a_step_splits_into_verify_and_draft_costs_around_the_proposer_pass_ever
     assert c == pytest.approx(0.02 / 0.105) and v[3] == pytest.approx(0.14 / 0.105) and v[0] == 1.0
 
 
+def test_the_realized_speedups_noise_is_the_standard_error_of_its_average_and_a_new_drafter_starts_without_it():
+    costs = CostTable(SPEC)
+    for _ in range(20):
+        costs.observe_rate(1, False, 1, 0.1)  # plain decoding: 10 tokens a second
+    for i in range(300):
+        costs.observe_rate(1, True, 1 + i % 3, 0.1)  # drafting: 10, 20 and 30 in turn (variance 200 / 3)
+    w = CostTable.RATE_WEIGHT
+    assert costs.realized_speedup(1) == pytest.approx(2.0, rel=0.05)
+    assert costs.realized_noise(1) == pytest.approx((200 / 3 * w / (2 - w)) ** 0.5 / 10, rel=0.15)
+    costs.forget_drafting_rates()
+    assert costs.realized_speedup(1) is None and costs.realized_noise(1) == 0.0
+
+
 def test_a_step_that_stalls_does_not_move_the_costs_and_a_lasting_change_does():
     """Each cost is the median of its last observations: one drafter step that stalled for 80 ms among steady ones of
     2 ms leaves the plan as it was (a moving average of weight 0.2 put it at 0.18 target steps from 0.02); a
