@@ -26,6 +26,7 @@ from dvi.speculative import (
     ideal_speedup,
     linear_verify_costs,
     moving_average,
+    moving_variance,
     position_acceptance,
 )
 
@@ -54,7 +55,7 @@ class CostTable:
         self.propose0: dict[int, float] = {}  # bucket -> seconds a step spends in a proposer drafting nothing (observe_step)
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> tokens per second (observe_rate)
         self.plain_step: dict[int, float] = {}  # bucket -> wall seconds of a plain decoding step (observe_rate)
-        self.rate_var: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> the variance of a step's tokens per second
+        self.rate_var: dict[tuple[int, bool], float] = {}  # (bucket, True) -> the variance of a drafting step's tokens per second
         self.samples: Counter[tuple[str, object]] = Counter()  # (table, key) -> observations so far
         self._recent: dict[tuple[str, object], deque[float]] = {}  # (table, key) -> a cost's last WINDOW observations
         self.owed = 0.0  # seconds a step that verified no drafts spent proposing drafts for the next (observe_step)
@@ -94,9 +95,8 @@ class CostTable:
             seconds, self.owed = seconds + self.owed, 0.0
         if seconds > 0:
             key, x = (batch_bucket(batch), drafting), tokens / seconds
-            if key in self.rate:  # exponentially weighted, as the average (before it moves)
-                d = x - self.rate[key]
-                self.rate_var[key] = (1 - self.RATE_WEIGHT) * (self.rate_var.get(key, 0.0) + self.RATE_WEIGHT * d * d)
+            if drafting:  # the spread `realized_noise` reads, before the average moves
+                self.rate_var[key] = moving_variance(self.rate_var.get(key), self.rate.get(key), x, self.RATE_WEIGHT)
             self._average("rate", key, x, self.RATE_WEIGHT)
             if not drafting:
                 self._average("plain_step", batch_bucket(batch), seconds, self.RATE_WEIGHT)

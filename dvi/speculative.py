@@ -218,6 +218,15 @@ def moving_average(old: float | None, new: float, weight: float) -> float:
     return new if old is None else (1.0 - weight) * old + weight * new
 
 
+def moving_variance(old: float | None, mean: float | None, new: float, weight: float) -> float:
+    """The exponentially weighted variance beside `moving_average`: `old` the variance so far and `mean` the average
+    before `new` moves it (None before the first value, whose variance is 0)."""
+    if mean is None:
+        return 0.0
+    d = new - mean
+    return (1.0 - weight) * ((old or 0.0) + weight * d * d)
+
+
 def acceptance_estimate(accepted: float, trials: float, prior: float, prior_weight: float) -> float:
     """Per-token acceptance estimate from counts, shrunk towards a prior (a Beta posterior mean).
 

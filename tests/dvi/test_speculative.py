@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from dvi.speculative import (
     linear_verify_costs,
     logits_to_probs,
     moving_average,
+    moving_variance,
     rejection_sample,
     sample_from,
 )
@@ -568,6 +570,18 @@ def test_batch_bucket_and_moving_average():
     for _ in range(200):
         x = moving_average(x, 2.0, 0.2)
     assert x == pytest.approx(2.0)
+
+
+def test_moving_variance_follows_the_spread_of_what_the_moving_average_averages():
+    assert moving_variance(None, None, 5.0, 0.05) == 0.0  # the first value: no spread yet
+    mean = var = None
+    for i in range(2000):
+        x = (10.0, 20.0, 30.0)[i % 3]
+        var, mean = moving_variance(var, mean, x, 0.05), moving_average(mean, x, 0.05)
+    assert var == pytest.approx(statistics.pvariance([10.0, 20.0, 30.0]), rel=0.1)
+    for _ in range(2000):
+        var, mean = moving_variance(var, mean, 7.0, 0.05), moving_average(mean, 7.0, 0.05)
+    assert var == pytest.approx(0.0, abs=1e-9)  # a steady value: the spread decays away
 
 
 def test_cheapest_k():
