@@ -618,7 +618,10 @@ def run(overrides: list[str], opt: Options, say=print) -> dict:
                                     *([f"stream.session_timeout_ms={PAUSED_SESSION_MS}"] if opt.pause_trainer else [])],
                           # ready once it reads the stream: a group join takes half the session timeout on the embedded
                           # broker (30 s for a paused trainer's), which must not eat into the replay's first phase
-                          banner(f"dvi.decision.trainer: {JOINED}", anywhere=True), ready_s, needs=()))
+                          banner(f"dvi.decision.trainer: {JOINED}", anywhere=True), ready_s, needs=(),
+                          # pausing, its side of the turns as under `dvi up`: it says when a turn is of no use to it,
+                          # steps a short batch in its turn and says how much of the online replica's time it claims
+                          env={BUSY_ENV: str(busy_dir)} if pausing else None))
         # each part names its drafter (the trainer the bootstrap version, the replicas the store's newest): a
         # model.drafter given to the run picks what the bootstrap distills, and must not override theirs
         services = Supervisor(parts, [o for o in common if not o.startswith("model.drafter=")] if version else common,

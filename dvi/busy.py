@@ -14,8 +14,11 @@ trainer's share of the time (`trainer.pause_share`).
   serving's next step may spin rather than sleep.
 - Idle files: the part whose turns they are (`dvi up`'s trainer) keeps `<pid>.idle` there, one byte saying whether it
   waits with nothing to do (`IdleFile`); `idle(directory)` says whether every live process that keeps one says so, so
-  that a turn it has no use for ends early rather than holding serving up. `TurnTaker` is that part's side: its idle
-  file, and whether it has its turn now.
+  that a turn it has no use for ends early rather than holding serving up.
+- Claim files: that part also keeps `<pid>.claim`, the fraction of its share of serving's busy time it claims now, as
+  five characters of text (`ClaimFile`: a trainer whose last candidates did not beat the serving drafter claims less);
+  `claimed(directory)` is the largest a live process's file says, 1 where none says anything. `TurnTaker` is that
+  part's side: its idle and claim files, and whether it has its turn now.
 
 This module knows files and pids; what a request is and what to do while serving is busy are its callers'.
 """
@@ -30,6 +33,7 @@ from pathlib import Path
 ENV = "DVI_BUSY_DIR"
 SUFFIX = ".busy"
 IDLE = ".idle"  # `<pid>.idle`: the part whose turns they are says it waits with nothing to do
+CLAIM = ".claim"  # `<pid>.claim`: the fraction of its share of serving's busy time that part claims now
 TURN = "turn"  # the supervisor's file while the trainer has its turn (its pid)
 WAITING = ".waiting"  # `<pid>.waiting`: a serving process waits for a turn to end
 
@@ -67,17 +71,42 @@ class IdleFile(BusyFile):
     SUFFIX = IDLE
 
 
+class ClaimFile:
+    """This process's claim file in `directory` (made if missing): the fraction of its share of serving's busy time the
+    part claims now (`set`, clamped to [0, 1], written in place as five characters: "0.250"), 1 at first."""
+
+    WIDTH = 5
+
+    def __init__(self, directory: str | os.PathLike):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.path = Path(directory) / f"{os.getpid()}{CLAIM}"
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.value: float | None = None
+        self.set(1.0)
+
+    def set(self, fraction: float) -> None:
+        fraction = min(1.0, max(0.0, float(fraction)))
+        if fraction != self.value:
+            os.pwrite(self._fd, f"{fraction:.3f}".encode(), 0)
+            self.value = fraction
+
+
 class TurnTaker:
     """The side of the part whose turns they are (`dvi up`'s trainer), over `directory`: `idle(bool)` says whether it
-    waits with nothing to do (its `IdleFile`), `has_turn()` whether a live supervisor's turn file is there now, serving
-    waiting (or about to) for it to run: no record comes meanwhile, so that it need not wait for the stream to pause."""
+    waits with nothing to do (its `IdleFile`), `claim(fraction)` how much of its share of serving's busy time it claims
+    (its `ClaimFile`), `has_turn()` whether a live supervisor's turn file is there now, serving waiting (or about to) for
+    it to run: no record comes meanwhile, so that it need not wait for the stream to pause."""
 
     def __init__(self, directory: str | os.PathLike):
         self.file = IdleFile(directory)
+        self.claims = ClaimFile(directory)
         self.path = Path(directory) / TURN
 
     def idle(self, on: bool) -> None:
         self.file.set(on)
+
+    def claim(self, fraction: float) -> None:
+        self.claims.set(fraction)
 
     def has_turn(self) -> bool:
         return turn_holder(self.path) is not None
@@ -111,12 +140,27 @@ def idle(directory: str | os.PathLike) -> bool:
     return bool(flags) and all(flags)
 
 
-def _flags(directory: str | os.PathLike, suffix: str):
-    """(pid, its one byte) of each file `<pid><suffix>` in `directory` that can be read."""
+def claimed(directory: str | os.PathLike) -> float:
+    """The fraction of its share of serving's busy time the part whose turns they are claims: the largest a live
+    process's claim file in `directory` says (several ranks claim alike), 1 where none says a number in [0, 1] (a part
+    that keeps no claim file claims its whole share)."""
+    said = []
+    for pid, text in _flags(directory, CLAIM, ClaimFile.WIDTH):
+        try:
+            fraction = float(text)
+        except ValueError:  # not a number: says nothing
+            continue
+        if 0.0 <= fraction <= 1.0 and _alive(pid):
+            said.append(fraction)
+    return max(said, default=1.0)
+
+
+def _flags(directory: str | os.PathLike, suffix: str, size: int = 1):
+    """(pid, its first `size` bytes) of each file `<pid><suffix>` in `directory` that can be read."""
     for pid, path in _named(directory, suffix):
         try:
             with open(path, "rb") as f:
-                flag = f.read(1)
+                flag = f.read(size)
         except OSError:
             continue
         yield pid, flag

@@ -526,6 +526,10 @@ class TrainerConfig:
     # in the same run, the trainer at 96 positions a second between paced requests (benchmarks.sharing). A turn ends
     # HoldWhileBusy.IDLE_AFTER_S into it where the trainer says it has nothing to do (dvi.busy idle files)
     pause_share: float = 0.1
+    # the least share of serving's busy time it claims (trainers.triggers.Claim): half of pause_share after each gate in
+    # a row that refused its candidate, down to this, all of it again once a version publishes or is rolled back, on a
+    # retrain request or once the stream's acceptance drops by a fifth; at least pause_share: no lower claim
+    pause_share_min: float = 0.025
 
     def __post_init__(self) -> None:
         _check(bool(self.group_id), "trainer.group_id", self.group_id, "a consumer group name")
@@ -568,6 +572,8 @@ class TrainerConfig:
         _check(self.cpu_priority in CPU_PRIORITIES, "trainer.cpu_priority", self.cpu_priority, ", ".join(CPU_PRIORITIES))
         _check(_number(self.pause_share) and 0 <= self.pause_share < 1, "trainer.pause_share", self.pause_share,
                "a number from 0 up to (not including) 1")
+        _check(_number(self.pause_share_min) and 0 <= self.pause_share_min < 1, "trainer.pause_share_min",
+               self.pause_share_min, "a number from 0 up to (not including) 1")
         _check(self.replay_mb > 0 and self.holdout_mb > 0, "trainer.replay_mb/holdout_mb", (self.replay_mb, self.holdout_mb),
                "sizes > 0 MiB")
         _check(self.gate_every >= 1, "trainer.gate_every", self.gate_every, "an integer >= 1")

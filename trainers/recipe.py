@@ -102,7 +102,7 @@ from trainers.state import Counters, State, merged, rank_part, restore
 from trainers.student_kinds import student_kind
 from trainers.students import PositionLM, autocast, params_finite
 from trainers.telemetry import source_counts, source_lag, system_metrics
-from trainers.triggers import Trigger, batch_ready, next_gate_in, release_due
+from trainers.triggers import Claim, Trigger, batch_ready, next_gate_in, release_due
 
 log = logging.getLogger("dvi.trainer")
 decision = logging.getLogger("dvi.decision.trainer")  # one line per decision, shown at the CLI's default level
@@ -122,11 +122,15 @@ class Trainer:
         taking one `dvi.control` message (a `DrafterPublished`), or None; offline: stop when idle; turns: where serving
         gives it turns on the CPU (`dvi up`'s pause policy), a `dvi.busy.TurnTaker`: its `idle(bool)` is told whether the
         loop waits with nothing to do (nothing fresh to train on, or the trigger not active: the turn ends), and while
-        `has_turn()` a short batch steps at once (serving waits for it: no record comes until it stops); else None."""
+        `has_turn()` a short batch steps at once (serving waits for it: no record comes until it stops), and its
+        `claim(fraction)` is told how much of its share of serving's busy time it claims (`trainers.triggers.Claim`);
+        else None."""
         self.cfg, self.tcfg = cfg, cfg.trainer
         self.source, self.tracker, self.control, self.publisher, self.offline = source, tracker, control, publisher, offline
         self.say_idle: Callable[[bool], None] = turns.idle if turns is not None else (lambda idle: None)
         self.has_turn: Callable[[], bool] = turns.has_turn if turns is not None else (lambda: False)
+        self.say_claim: Callable[[float], None] = turns.claim if turns is not None else (lambda fraction: None)
+        self.pausing = turns is not None
         torch.manual_seed(self.tcfg.seed)
         self.rank, self.world = ds.init_distributed()
         self.cache = cache_dir(cfg.model)
@@ -276,6 +280,7 @@ class Trainer:
         self.expired_logged_at = 0.0
         self.checkpoint_ok = True  # the last checkpoint written (or resumed from) is complete
         self.last_gate: dict = {}  # the last gate check: step, time, outcome and figures (for the tracker and status)
+        self.claim = Claim(t.pause_share_min / t.pause_share if t.pause_share else 1.0)  # of serving's busy time (turns)
         self.first_gate: dict = {}  # the first gate check run in this process
         self.last_gate_step = self.state.step
         self.next_gate_at = time.monotonic() + (t.gate_every_s or math.inf)
@@ -320,6 +325,9 @@ class Trainer:
                 for where in self.source.take_resets() if hasattr(self.source, "take_resets") else ():
                     self.offsets.forget(where)
                 self.ingest(arrived)
+                if arrived and self.claim.drifted(acceptance := self.trigger.rolling_acceptance):
+                    self._reclaim(f"the stream's acceptance fell to {acceptance:.3f} from {self.claim.acceptance_at:.3f} "
+                                  "at the last refusal")
                 stepped = False
                 self._expire()
                 if not getattr(self.source, "assigned", True):  # still joining its group: not idle yet
@@ -514,6 +522,7 @@ class Trainer:
                 decision.info("retrain requested (%s): acknowledged at step %d, trigger %s", msg.reason or "no reason given",
                               self.state.step, self.cfg.trigger.kind)
                 self.trigger.request(time.monotonic())
+                self._reclaim("retrain requested")
                 if self.tracker is not None:
                     self.tracker.log_metrics({"count/retrains": self.state.counters.retrains}, step=self.state.step)
             elif isinstance(msg, DrafterRejected):
@@ -536,6 +545,7 @@ class Trainer:
             self.baseline = self._baseline_model()
         log.warning("drafter %s was rejected by the replicas (%s): the gate compares against %s again", version,
                     reason or "no reason given", lineage[-1])
+        self._reclaim(f"{version} rolled back")
 
     # -- one optimizer step ----------------------------------------------------------------------
 
@@ -618,6 +628,7 @@ class Trainer:
         self.tracker.log_metrics({
             **{f"count/{k}": v for k, v in self.state.counters.to_dict().items()}, **source_lag(self.source),
             **{f"trigger/{k}": v for k, v in self.trigger.snapshot().items()},
+            **({"trigger/busy_share": self.claim.value * t.pause_share} if self.pausing else {}),
             "holdout/records": len(self.buffer.holdout), "holdout/needed": t.gate_min_records,
             "gate/next_in_s": max(0.0, next_in), "gate/next_step": (self.state.step // t.gate_every + 1) * t.gate_every,
             "buffer/replay_mb": self.buffer.replay.nbytes / (1 << 20), "buffer/holdout_mb": self.buffer.holdout.nbytes / (1 << 20),
@@ -702,9 +713,30 @@ class Trainer:
         if self.tcfg.gate_every_s:  # a slow check (a full held-out set) spaces the next ones out
             self.next_gate_at = started + next_gate_in(self.tcfg.gate_every_s, time.monotonic() - started, self.tcfg.gate_max_share)
         gate = ds.from_rank0(gate, self.world)
+        refused = ds.from_rank0(self.rank == 0 and self.last_gate.get("outcome") == "refused", self.world)
         published = gate is not None and self.publish(gate)
+        if refused:
+            self._reclaim(f"{self.claim.refused + 1} gate{'s' if self.claim.refused else ''} in a row refused the candidate",
+                          refused=True)
+        elif published:
+            self._reclaim(f"{self.published[-1]} published")
         self.log_counters()
         return published
+
+    def _reclaim(self, why: str, refused: bool = False) -> None:
+        """The claim on serving's busy time (`trainers.triggers.Claim`) after a gate refused the candidate (`refused`), or
+        all of it again (`why` says what restored it); told to the supervisor, and in a decision line where it changed
+        under `dvi up`'s pause policy."""
+        before = self.claim.value
+        if refused:
+            self.claim.refusal(self.trigger.rolling_acceptance)
+        else:
+            self.claim.restore()
+        after = self.claim.value
+        self.say_claim(after)
+        if after != before and self.pausing and self.tcfg.pause_share:
+            decision.info("claims %.3g%% of serving's busy time now (%.3g of trainer.pause_share %g): %s",
+                          100 * after * self.tcfg.pause_share, after, self.tcfg.pause_share, why)
 
     def _gate(self, why: str) -> dict | None:
         """Gate metrics when the candidate wins, else None (refusals are counted and logged)."""

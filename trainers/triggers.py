@@ -19,8 +19,9 @@ drift = (reference - current) / reference, in [0, 1], 0 while there is no refere
 reference: the new drafter's acceptance is the new normal.
 
 The trainer loop's other timing decisions are pure logic here too: how far apart timed gate checks are spaced when
-they are slow (`next_gate_in`), when the loop gives freed heap memory back to the system (`release_due`), and when
-fresh records short of a batch step (`batch_ready`).
+they are slow (`next_gate_in`), when the loop gives freed heap memory back to the system (`release_due`), when
+fresh records short of a batch step (`batch_ready`), and how much of its share of serving's busy time a paused
+trainer claims (`Claim`).
 
 This module knows acceptance counts and time; it knows nothing about records, Kafka or models.
 """
@@ -173,3 +174,42 @@ def batch_ready(positions: int, budget: float, quiet_s: float, has_turn) -> bool
     quiet for STREAM_PAUSE_S (`quiet_s`: since the last record), or the trainer has its turn on the CPU (`has_turn()`,
     asked last: serving waits for it, so no record comes until it stops, and waiting for the pause would waste the turn)."""
     return positions > 0 and (positions >= budget or quiet_s > STREAM_PAUSE_S or has_turn())
+
+
+class Claim:
+    """How much of its share of serving's busy time (`trainer.pause_share`, under `dvi up`'s pause policy) the trainer
+    claims, as a fraction of that share (`value`, told to the supervisor through `dvi.busy.ClaimFile`): all of it at
+    first, half as much after each gate in a row that refused its candidate, down to `floor`
+    (`trainer.pause_share_min` over `pause_share`). While it runs, serving waits: a trainer whose candidates keep losing
+    to the serving drafter costs requests that share and gains them nothing. It claims all of it again once a version
+    publishes or is rolled back (the drafter it competes with changed), on a retrain request, or once the stream's
+    rolling acceptance (`Trigger.rolling_acceptance`) is `DRIFT` below what it was at the last refusal (the traffic
+    moved, and what it learns from it may pay). Between requests it trains whatever it claims."""
+
+    DRIFT = 0.2
+
+    def __init__(self, floor: float):
+        self.floor = min(max(floor, 0.0), 1.0)
+        self.refused = 0  # gates in a row that refused the candidate
+        self.acceptance_at: float | None = None  # the stream's rolling acceptance at the last refusal (or first after it)
+
+    @property
+    def value(self) -> float:
+        return max(self.floor, 0.5 ** self.refused)
+
+    def refusal(self, acceptance: float | None) -> None:
+        """A gate refused the candidate; `acceptance`: the stream's rolling acceptance now (None: too few records)."""
+        self.refused += 1
+        self.acceptance_at = acceptance
+
+    def restore(self) -> None:
+        self.refused, self.acceptance_at = 0, None
+
+    def drifted(self, acceptance: float | None) -> bool:
+        """Whether the stream's rolling acceptance (`acceptance`; None: too few records) has fallen `DRIFT` below what it
+        was at the last refusal; the first one measured after a refusal without one stands for it."""
+        if not self.refused or acceptance is None:
+            return False
+        if self.acceptance_at is None:
+            self.acceptance_at = acceptance
+        return acceptance < (1.0 - self.DRIFT) * self.acceptance_at

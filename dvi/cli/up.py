@@ -22,7 +22,8 @@ With `trainer.cpu_priority=pause` (auto's choice where the trainer trains on the
 `dvi.hardware.pick_cpu_priority`) the trainer is stopped (SIGSTOP) while the server has a request in flight
 (`HoldWhileBusy`, reading `dvi.busy` files), but for `trainer.pause_share` of the time (`DutyCycle`), which it runs
 alone: serving waits between two steps for the trainer's turn to end (`dvi.busy.Turn`), or for the trainer to say it has
-nothing to do (`dvi.busy.IdleFile`).
+nothing to do (`dvi.busy.IdleFile`); the turns come as often as the trainer claims (`dvi.busy.ClaimFile`: less while
+the gate refuses its candidates, `trainers.triggers.Claim`).
 The drift benchmark (benchmarks/drift.py) runs its replicas with the same `Supervisor`.
 
 It knows how to start, watch and stop the parts, not what they do.
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from dvi.busy import ENV as BUSY_ENV
-from dvi.busy import Turn, busy, idle
+from dvi.busy import Turn, busy, claimed, idle
 from dvi.cli.args import trainer_priority
 from dvi.cli.output import ERROR_PREFIX, out
 from dvi.config import TrainerConfig, cache_dir, load_config, overrides_of
@@ -455,7 +456,11 @@ class DutyCycle:
     then it runs, busy or not, until that is spent. Under continuous load that is (1 - share) x window_s held, then
     share x window_s running, however short the gaps between requests; under paced load the gaps spend what it
     earns and it is held only while busy. share 0: held whenever busy. A run the part has no use for ends early
-    (`forfeit`): what it had earned is gone, and it earns the next one from nothing."""
+    (`forfeit`): what it had earned is gone, and it earns the next one from nothing.
+
+    The part may claim less than its share (`claim`, a fraction of it: `dvi.busy.ClaimFile`, a trainer whose candidates
+    keep losing to the serving drafter): it then earns at share x claim, its runs as long as before and further apart
+    (a run shorter than a trainer's step would stop it mid-step every time)."""
 
     def __init__(self, share: float = 0.0, window_s: float = DUTY_WINDOW_S):
         self.share, self.window_s = share, window_s
@@ -464,11 +469,12 @@ class DutyCycle:
         self.held = False
         self.last: float | None = None
 
-    def hold(self, busy_now: bool, now: float) -> bool:
+    def hold(self, busy_now: bool, now: float, claim: float = 1.0) -> bool:
         dt = 0.0 if self.last is None else max(0.0, now - self.last)
         self.last = now
         if self.held:
-            self.earned += dt * self.share / (1 - self.share)
+            share = self.share * min(max(claim, 0.0), 1.0)
+            self.earned += dt * share / (1 - share)
         else:
             self.earned = max(0.0, self.earned - dt)
         if self.spending and self.earned <= 0:
@@ -502,7 +508,8 @@ class HoldWhileBusy(threading.Thread):
     soon (`dvi.cli.vllm.loop.park_idle_readers`; benchmarks.turn_cpu shows who runs in the turns). A turn ends early
     where the part says, `IDLE_AFTER_S` into it, that it has nothing to do (`dvi.busy.idle`: a trainer whose trigger is
     not active, or with no fresh record to train on): serving then waits that long, not the whole share, and the duty
-    cycle starts earning the next turn afresh (`DutyCycle.forfeit`).
+    cycle starts earning the next turn afresh (`DutyCycle.forfeit`). The part's turns come as often as it claims
+    (`dvi.busy.claimed`, read while it earns its next one: `DutyCycle`).
     """
 
     TURN_GRACE_S = 0.5
@@ -529,7 +536,7 @@ class HoldWhileBusy(threading.Thread):
             self.turn.give(False)
             return
         serving = busy(self.directory)
-        held = self.duty.hold(serving, now)
+        held = self.duty.hold(serving, now, claimed(self.directory) if not self.duty.spending else 1.0)
         if not self.duty.spending:
             self.hold.set(held)
             self.turn.give(False)  # after the stop: the part never runs beside serving's steps
@@ -555,9 +562,11 @@ def train_share(trainer: TrainerConfig, priority: Pick) -> str:
     """How the trainer shares the machine with serving, for the banner: its cores and CPU priority (`priority`, what
     `trainer.cpu_priority` settled to: `dvi.cli.args.trainer_priority`), and why."""
     cores = "every core" if trainer.cpu_bind == "auto" else f"cores {trainer.cpu_bind} (trainer.cpu_bind)"
+    least = "" if trainer.pause_share_min >= trainer.pause_share else \
+        f"; down to {trainer.pause_share_min:.1%} while the gate refuses its candidates: trainer.pause_share_min"
     duty = "" if trainer.pause_share == 0 else \
-        f" but for {trainer.pause_share:.0%} of every {DUTY_WINDOW_S:g} s (trainer.pause_share), which it runs alone while " \
-        "serving waits (a turn ends early where it has nothing to do)"
+        f" but for {trainer.pause_share:.0%} of every {DUTY_WINDOW_S:g} s (trainer.pause_share{least}), which it runs alone " \
+        "while serving waits (a turn ends early where it has nothing to do)"
     how = {"normal": "running beside requests", "nice": "nice 19, running beside requests",
            "idle": "SCHED_IDLE: the CPU time serving leaves",
            "pause": f"stopped while the server has a request in flight{duty}, training between requests"}[priority.value]

@@ -147,6 +147,42 @@ def test_the_trainer_is_stopped_while_serving_is_busy_and_goes_on_after(tmp_path
         child.stop(grace_s=5)
 
 
+def test_a_claim_file_says_how_much_of_its_share_the_part_claims(tmp_path):
+    assert busy.claimed(tmp_path / "none") == 1.0  # nobody said anything: the whole share
+    mine = busy.ClaimFile(tmp_path)
+    assert mine.path.name.endswith(".claim") and mine.path.read_bytes() == b"1.000" and busy.claimed(tmp_path) == 1.0
+    mine.set(0.25)
+    assert mine.path.read_bytes() == b"0.250" and busy.claimed(tmp_path) == 0.25
+    (tmp_path / "999999999.claim").write_text("1.000")  # a process that is gone never counts
+    (tmp_path / f"{os.getppid()}.claim").write_text("lots!")  # nor does a file that is not a fraction
+    assert busy.claimed(tmp_path) == 0.25
+    (tmp_path / f"{os.getppid()}.claim").write_text("0.500")  # another live rank claims more: the most anyone claims
+    assert busy.claimed(tmp_path) == 0.5
+    (tmp_path / f"{os.getppid()}.claim").unlink()
+    mine.set(7)  # clamped
+    assert mine.path.read_bytes() == b"1.000" and busy.claimed(tmp_path) == 1.0
+    taker = busy.TurnTaker(tmp_path / "t")  # the trainer's side keeps one too
+    assert busy.claimed(tmp_path / "t") == 1.0
+    taker.claim(0.5)
+    assert busy.claimed(tmp_path / "t") == 0.5
+
+
+@pytest.mark.parametrize("claim", [1.0, 0.5, 0.25])
+def test_a_part_that_claims_less_of_its_share_runs_as_long_and_less_often(claim):
+    """`DutyCycle.hold(..., claim)` under continuous load: held 1 - share x claim of the time, in runs of share x
+    window_s (a trainer's step is longer than a shorter run would be)."""
+    duty, dt, runs, held = DutyCycle(0.1, window_s=10), 0.01, [], 0
+    for i in range(round(600 / dt)):
+        if duty.hold(True, i * dt, claim):
+            held += 1
+        elif runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    assert held * dt / 600 == pytest.approx(1 - 0.1 * claim, abs=0.005)
+    assert all((end - start + 1) * dt == pytest.approx(1.0, abs=0.02) for start, end in runs[:-1])
+
+
 def held_share(duty: DutyCycle, busy_at, seconds: float, dt: float = 0.01) -> float:
     """The share of `seconds` (looked at every `dt`) that `duty` holds the part, serving busy when busy_at(t)."""
     ticks = round(seconds / dt)
@@ -311,6 +347,23 @@ def test_a_turn_the_part_has_no_use_for_ends_early_and_the_next_is_earned_afresh
     watch.look(15.4)  # 7.4 s held earns 2.47 s: not yet
     assert held[-1] is True and not turn_file.exists()
     watch.look(15.6)
+    assert turn_file.exists()
+    watch.close()
+
+
+def test_the_part_s_turns_come_as_often_as_it_claims(tmp_path):
+    """`HoldWhileBusy` reads the part's claim (`dvi.busy.ClaimFile`) while it earns its next turn: half of a share of
+    0.25 earns a turn of 2.5 s after 17.5 s held, not 7.5."""
+    held = []
+    watch = HoldWhileBusy(SimpleNamespace(set=held.append), tmp_path, duty=DutyCycle(0.25, window_s=10))
+    busy.BusyFile(tmp_path).set(True)
+    busy.ClaimFile(tmp_path).set(0.5)
+    turn_file = tmp_path / busy.TURN
+    watch.look(0.0)
+    watch.look(7.6)
+    watch.look(17.4)
+    assert held == [True] * 3 and not turn_file.exists()
+    watch.look(17.6)
     assert turn_file.exists()
     watch.close()
 

@@ -89,6 +89,7 @@ def test_a_retention_that_is_not_a_positive_number_of_hours_is_refused(bad, why)
     ("trainer.lr=fast", r"trainer.lr='fast': expected auto or a number > 0"),
     ("trainer.pause_share=1", r"trainer.pause_share=1.0: expected a number from 0 up to \(not including\) 1"),
     ("trainer.pause_share=-0.1", r"trainer.pause_share=-0.1: expected a number from 0"),
+    ("trainer.pause_share_min=1", r"trainer.pause_share_min=1.0: expected a number from 0 up to \(not including\) 1"),
 ])
 def test_features_and_the_trainers_new_settings_are_checked(override, why):
     with pytest.raises(DviError, match=why):

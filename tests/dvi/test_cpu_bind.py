@@ -256,8 +256,11 @@ def test_the_trainers_cpu_priority_is_one_of_the_named():
     assert train_share(TrainerConfig(), named("normal")) == "every core, CPU priority normal (trainer.cpu_priority): running beside requests"
     assert train_share(TrainerConfig(pause_share=0), named("pause")).endswith(": stopped while the server has a request in "
                                                                              "flight, training between requests")
-    assert "in flight but for 25% of every 10 s (trainer.pause_share), which it runs alone while serving waits (a turn ends " \
-        "early where it has nothing to do), training between requests" in train_share(TrainerConfig(pause_share=0.25), named("pause"))
+    assert "in flight but for 25% of every 10 s (trainer.pause_share; down to 2.5% while the gate refuses its candidates: " \
+        "trainer.pause_share_min), which it runs alone while serving waits (a turn ends early where it has nothing to do), " \
+        "training between requests" in train_share(TrainerConfig(pause_share=0.25), named("pause"))
+    assert "in flight but for 25% of every 10 s (trainer.pause_share), which it" in \
+        train_share(TrainerConfig(pause_share=0.25, pause_share_min=0.25), named("pause"))  # no lower claim
     why = "auto: it trains on the CPU, on 2 of the 2 cores serving runs on"
     assert f"CPU priority pause ({why}): stopped while" in train_share(TrainerConfig(), Pick("pause", why))
 

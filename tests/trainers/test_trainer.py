@@ -181,7 +181,7 @@ def test_records_waiting_past_the_age_limit_are_skipped_and_committed_without_a_
     cfg = replace(cfg, trigger=TriggerConfig(kind="manual"))
     said = []  # what it says of having nothing to do (dvi up ends its turn on the CPU early on True)
     with DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id, from_beginning=True) as source:
-        trainer = Trainer(cfg, source, turns=SimpleNamespace(idle=said.append, has_turn=lambda: True))
+        trainer = Trainer(cfg, source, turns=SimpleNamespace(idle=said.append, has_turn=lambda: True, claim=lambda fraction: None))
         thread = threading.Thread(target=trainer.run)
         thread.start()
         try:
@@ -407,9 +407,11 @@ def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_reco
     publisher = lambda msg: control_send(stream_cfg, msg)  # noqa: E731
     with ControlReader(stream_cfg) as control, ControlReader(stream_cfg) as trainer_control, \
             DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id) as source:
-        trainer = Trainer(cfg, source, control=trainer_control, publisher=publisher)
+        claims = []  # what it claims of serving's busy time under dvi up's pause policy (trainers.triggers.Claim)
+        trainer = Trainer(cfg, source, control=trainer_control, publisher=publisher,
+                          turns=SimpleNamespace(idle=lambda idle: None, has_turn=lambda: False, claim=claims.append))
         trainer.run()
-        assert len(trainer.buffer.holdout) >= 4
+        assert len(trainer.buffer.holdout) >= 4 and claims == []
         candidate = trainer.student.module.model
         original = {k: v.clone() for k, v in candidate.state_dict().items()}
         with torch.no_grad():
@@ -417,6 +419,7 @@ def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_reco
                 p.add_(torch.randn_like(p) * 0.5)  # a much worse candidate
         assert trainer.gate_and_publish() is False
         assert trainer.state.counters.refused == 1 and not list(Path(cfg.trainer.store).glob("d*"))
+        assert claims == [0.5]  # a gate refused its candidate: half its share
 
         candidate.load_state_dict(original)
         worse = copy.deepcopy(trainer.baseline)  # the trainer takes a new baseline object whenever serving changes,
@@ -427,7 +430,7 @@ def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_reco
         assert trainer.gate_and_publish() is True
         version = trainer.state.lineage[-1]
         assert version != cfg.model.drafter and (Path(cfg.trainer.store) / version).is_dir()
-        assert trainer.published == [version]
+        assert trainer.published == [version] and claims == [0.5, 1.0]  # published: all of it again
         published = load_drafter(Path(cfg.trainer.store) / version, VOCAB)
         for k, v in published.model.state_dict().items():
             assert torch.equal(v, original[k]), k
@@ -444,7 +447,7 @@ def test_gate_publishes_only_a_better_candidate(stream_cfg, tiny_dirs, tiny_reco
             assert time.monotonic() < deadline, "the trainer did not act on DrafterRejected"
             trainer._control()
             time.sleep(0.2)
-        assert trainer.state.serving_dir == str(trainer.initial_dir)
+        assert trainer.state.serving_dir == str(trainer.initial_dir) and claims[-1] == 1.0
         initial = load_drafter(trainer.initial_dir, VOCAB)
         for a, b in zip(trainer.baseline.parameters(), initial.model.parameters(), strict=True):
             assert torch.equal(a, b)
@@ -460,8 +463,9 @@ def test_gate_evaluates_the_baseline_only_on_records_new_to_the_held_out_set(str
     # fp32: figures independent of the batch to float rounding (bf16 products round by the batch's shape)
     cfg = config(stream_cfg, tiny_dirs, tmp_path, holdout_share=0.5, gate_min_records=4, min_gain=1.0, precision="fp32")
     produce(stream_cfg, tiny_records)
+    claims = []
     with DecisionConsumer(cfg.stream, group_id=cfg.trainer.group_id, from_beginning=True) as source:
-        trainer = Trainer(cfg, source)
+        trainer = Trainer(cfg, source, turns=SimpleNamespace(idle=lambda idle: None, has_turn=lambda: False, claim=claims.append))
         held = held_out(trainer, source, 6)
     assert len(held) >= 6
     args = (VOCAB, trainer.vocab_map, trainer.teacher_lm, cfg.trainer.batch_tokens, trainer.gate_rule, trainer.precision)
@@ -508,6 +512,8 @@ def test_gate_evaluates_the_baseline_only_on_records_new_to_the_held_out_set(str
     gate_on(held[1:6])
     assert seen[2:] == [[e.record_id for e in held[1:6]]]
     assert trainer.state.counters.gates == 4 and trainer.state.counters.refused == 4
+    # four refusals in a row: half its share, a quarter, then trainer.pause_share_min (0.025 of 0.1) as the least
+    assert claims == [0.5, 0.25, 0.25, 0.25] and cfg.trainer.pause_share_min / cfg.trainer.pause_share == 0.25
     trainer.close()
 
 

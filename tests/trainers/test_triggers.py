@@ -6,7 +6,7 @@ import pytest
 
 from dvi.config import TriggerConfig
 from dvi.errors import DviError
-from trainers.triggers import Trigger
+from trainers.triggers import Claim, Trigger
 
 
 def feed(trigger: Trigger, n: int, accepted: int, drafted: int = 10, now: float = 0.0) -> None:
@@ -95,3 +95,24 @@ def test_threshold_needs_a_condition():
         TriggerConfig(kind="threshold")
     with pytest.raises(DviError, match="trigger.kind"):
         TriggerConfig(kind="sometimes")
+
+
+def test_a_trainer_whose_candidates_keep_losing_claims_less_of_serving_s_time_until_something_changes():
+    claim = Claim(floor=0.25)
+    assert claim.value == 1.0 and not claim.drifted(0.4)  # nothing refused: nothing to drift from
+    claim.refusal(0.40)
+    assert claim.value == 0.5
+    claim.refusal(0.41)
+    claim.refusal(0.40)
+    assert claim.value == 0.25 and claim.refused == 3  # halved per refusal in a row, down to the floor
+    assert not claim.drifted(0.33) and not claim.drifted(None)  # 0.33 is not a fifth below 0.40
+    assert claim.drifted(0.31)  # it is: the traffic moved
+    claim.restore()
+    assert claim.value == 1.0 and not claim.drifted(0.1)
+    # refused before the stream's acceptance was measured: the first figure after it stands for it
+    claim.refusal(None)
+    assert not claim.drifted(0.5) and claim.acceptance_at == 0.5 and claim.drifted(0.39)
+    assert Claim(floor=1.0).value == 1.0 and Claim(floor=0.0).value == 1.0
+    never = Claim(floor=1.0)
+    never.refusal(0.4)
+    assert never.value == 1.0  # pause_share_min at pause_share: no lower claim
