@@ -118,6 +118,8 @@ def trainer_lines(m: dict) -> list[str]:
              f"{fmt(v('count/records'), '.0f')} records ({fmt(v('count/trained'), '.0f')} trained, "
              f"{fmt(v('count/held_out'), '.0f')} held out), consumer lag {fmt(v('consumer_lag'), '.0f')}, loss {fmt(v('loss'), '.3f')}, "
              f"retrain requests {fmt(v('count/retrains'), '.0f')}"]
+    if (share := v("trigger/busy_share")) is not None:  # under dvi up's pause policy (trainers.triggers.Claim)
+        lines[0] += f", claims {100 * share:.3g}% of serving's busy time"
     gate = metrics.get("gate/candidate_acceptance")
     if gate:
         outcome = "passed" if v("gate/passed") == 1.0 else "refused" if v("gate/passed") == 0.0 else "-"

@@ -45,6 +45,9 @@ def test_trainer_and_publish_lines_say_the_last_and_next_gate_and_why_nothing_is
     assert "run trainer (running), step 12, 9 records" in text and "loss -" in text
     assert "no gate has run yet; next gate in 20 s or at step 50" in text
     assert "published: none yet: the gate waits for held-out records: 2 of 4" in text
+    assert "busy time" not in text  # no pause policy: no claim
+    waiting["trainer"]["metrics"]["trigger/busy_share"] = m(0.025)  # its candidates refused: it claims less
+    assert "retrain requests -, claims 2.5% of serving's busy time" in trainer_lines(waiting)[0]
 
     gated = {"trainer": {"run_id": "abc", "run_name": "trainer", "status": "RUNNING",
                          "metrics": {"gate/candidate_acceptance": m(0.08, step=20), "gate/serving_acceptance": m(0.03, step=20),
