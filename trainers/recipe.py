@@ -325,9 +325,6 @@ class Trainer:
                 for where in self.source.take_resets() if hasattr(self.source, "take_resets") else ():
                     self.offsets.forget(where)
                 self.ingest(arrived)
-                if arrived and self.claim.drifted(acceptance := self.trigger.rolling_acceptance):
-                    self._reclaim(f"the stream's acceptance fell to {acceptance:.3f} from {self.claim.acceptance_at:.3f} "
-                                  "at the last refusal")
                 stepped = False
                 self._expire()
                 if not getattr(self.source, "assigned", True):  # still joining its group: not idle yet
@@ -462,6 +459,9 @@ class Trainer:
             c.records += 1
             self.last_record_at = time.monotonic()
             self.trigger.observe(record.accepted, record.drafted, self.last_record_at)
+            if self.claim.observe(record.accepted, record.drafted):
+                self._reclaim(f"the acceptance of the last {Claim.WINDOW} records fell to {self.claim.acceptance:.3f} "
+                              f"from {self.claim.acceptance_at:.3f} at the last refusal")
             example = self.intake.example(record)
             self.offsets.consumed(where, d.offset)
             self.inflight.add(record.record_id)
@@ -729,7 +729,7 @@ class Trainer:
         under `dvi up`'s pause policy."""
         before = self.claim.value
         if refused:
-            self.claim.refusal(self.trigger.rolling_acceptance)
+            self.claim.refusal()
         else:
             self.claim.restore()
         after = self.claim.value

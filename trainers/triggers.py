@@ -182,34 +182,47 @@ class Claim:
     first, half as much after each gate in a row that refused its candidate, down to `floor`
     (`trainer.pause_share_min` over `pause_share`). While it runs, serving waits: a trainer whose candidates keep losing
     to the serving drafter costs requests that share and gains them nothing. It claims all of it again once a version
-    publishes or is rolled back (the drafter it competes with changed), on a retrain request, or once the stream's
-    rolling acceptance (`Trigger.rolling_acceptance`) is `DRIFT` below what it was at the last refusal (the traffic
-    moved, and what it learns from it may pay). Between requests it trains whatever it claims."""
+    publishes or is rolled back (the drafter it competes with changed), on a retrain request, or once the acceptance
+    of the last `WINDOW` records (`observe`) is `DRIFT` below what it was at the last refusal: the traffic moved, and
+    what the trainer learns from it may pay. Between requests it trains whatever it claims."""
 
     DRIFT = 0.2
+    WINDOW = 16  # records (each up to stream.chunk_rounds rounds: hundreds of drafts in all) the acceptance is taken over
 
     def __init__(self, floor: float):
         self.floor = min(max(floor, 0.0), 1.0)
         self.refused = 0  # gates in a row that refused the candidate
-        self.acceptance_at: float | None = None  # the stream's rolling acceptance at the last refusal (or first after it)
+        self.acceptance_at: float | None = None  # `acceptance` at the last refusal (or the first measured after it)
+        self._recent: deque[tuple[int, int]] = deque(maxlen=self.WINDOW)
 
     @property
     def value(self) -> float:
         return max(self.floor, 0.5 ** self.refused)
 
-    def refusal(self, acceptance: float | None) -> None:
-        """A gate refused the candidate; `acceptance`: the stream's rolling acceptance now (None: too few records)."""
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted over drafted tokens of the last WINDOW records that drafted anything; None before there are as many."""
+        if len(self._recent) < self.WINDOW:
+            return None
+        return sum(a for a, _ in self._recent) / max(1, sum(d for _, d in self._recent))
+
+    def refusal(self) -> None:
+        """A gate refused the candidate."""
         self.refused += 1
-        self.acceptance_at = acceptance
+        self.acceptance_at = self.acceptance
 
     def restore(self) -> None:
         self.refused, self.acceptance_at = 0, None
 
-    def drifted(self, acceptance: float | None) -> bool:
-        """Whether the stream's rolling acceptance (`acceptance`; None: too few records) has fallen `DRIFT` below what it
-        was at the last refusal; the first one measured after a refusal without one stands for it."""
-        if not self.refused or acceptance is None:
+    def observe(self, accepted: int, drafted: int) -> bool:
+        """One record's totals; whether the claim should be whole again: it is not, and `acceptance` has fallen `DRIFT`
+        below what it was at the last refusal (the first figure measured after a refusal without one stands for it)."""
+        if drafted <= 0:  # drafted nothing: no acceptance signal
+            return False
+        self._recent.append((accepted, drafted))
+        now = self.acceptance
+        if not self.refused or now is None:
             return False
         if self.acceptance_at is None:
-            self.acceptance_at = acceptance
-        return acceptance < (1.0 - self.DRIFT) * self.acceptance_at
+            self.acceptance_at = now
+        return now < (1.0 - self.DRIFT) * self.acceptance_at

@@ -99,20 +99,28 @@ def test_threshold_needs_a_condition():
 
 def test_a_trainer_whose_candidates_keep_losing_claims_less_of_serving_s_time_until_something_changes():
     claim = Claim(floor=0.25)
-    assert claim.value == 1.0 and not claim.drifted(0.4)  # nothing refused: nothing to drift from
-    claim.refusal(0.40)
-    assert claim.value == 0.5
-    claim.refusal(0.41)
-    claim.refusal(0.40)
+    w = Claim.WINDOW
+    assert claim.value == 1.0 and claim.acceptance is None
+    assert not any(claim.observe(40, 100) for _ in range(w))  # nothing refused: nothing to drift from
+    assert claim.acceptance == 0.4
+    claim.refusal()
+    assert claim.value == 0.5 and claim.acceptance_at == 0.4
+    claim.refusal()
+    claim.refusal()
     assert claim.value == 0.25 and claim.refused == 3  # halved per refusal in a row, down to the floor
-    assert not claim.drifted(0.33) and not claim.drifted(None)  # 0.33 is not a fifth below 0.40
-    assert claim.drifted(0.31)  # it is: the traffic moved
+    assert not claim.observe(3, 0)  # a record that drafted nothing says nothing
+    drops = [claim.observe(30, 100) for _ in range(w)]  # the traffic moves: 0.4 -> 0.3 over the window
+    first = drops.index(True)  # once the window's acceptance is a fifth below 0.4 (under 0.32), and not before
+    assert claim.acceptance == 0.3 and (40 * (w - first - 1) + 30 * (first + 1)) / (100 * w) < 0.32
+    assert (40 * (w - first) + 30 * first) / (100 * w) >= 0.32 and not any(drops[:first])
     claim.restore()
-    assert claim.value == 1.0 and not claim.drifted(0.1)
-    # refused before the stream's acceptance was measured: the first figure after it stands for it
-    claim.refusal(None)
-    assert not claim.drifted(0.5) and claim.acceptance_at == 0.5 and claim.drifted(0.39)
+    assert claim.value == 1.0 and not claim.observe(1, 100)
+    # refused before the window was full: the first figure after it stands for the one at the refusal
+    fresh = Claim(floor=0.25)
+    fresh.refusal()
+    assert fresh.acceptance_at is None and not any(fresh.observe(50, 100) for _ in range(w))
+    assert fresh.acceptance_at == 0.5 and not fresh.observe(45, 100)
     assert Claim(floor=1.0).value == 1.0 and Claim(floor=0.0).value == 1.0
     never = Claim(floor=1.0)
-    never.refusal(0.4)
+    never.refusal()
     assert never.value == 1.0  # pause_share_min at pause_share: no lower claim
