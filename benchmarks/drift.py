@@ -33,7 +33,9 @@ Hydra overrides go to every part it starts). One run, side by side on the same m
    where `trainer.cpu_priority` settles to pause (auto's choice for a trainer on the CPU cores serving runs on:
    `dvi.hardware.pick_cpu_priority`), stopped while the online replica has a request in flight but for
    `trainer.pause_share` of the time, which it runs alone while the online replica waits between two steps, as
-   `dvi up` stops it (`dvi.cli.up.HoldWhileBusy` over its `dvi.busy` files); `--paced` follows each of the online
+   `dvi up` stops it (`dvi.cli.up.HoldWhileBusy` over its `dvi.busy` files, the trainer keeping its side of them:
+   a turn it has no use for ends early, and it claims less of the time while its gate refuses its candidates:
+   `trainers.triggers.Claim`); `--paced` follows each of the online
    side's turns with a pause as long as its answers took, still the online side's turn (a client with pauses, as
    `benchmarks.first_publish --paced`): the online replica idle, its trainer free to train, the others not timed then;
 5. analysis (pure functions below): acceptance, mean accepted length and tokens/s by phase, domain, side and
