@@ -44,13 +44,14 @@ class BusyFile:
     """This process's busy file in `directory` (made if missing), set to not busy."""
 
     SUFFIX = SUFFIX
+    INITIAL: object = False
 
     def __init__(self, directory: str | os.PathLike):
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.path = Path(directory) / f"{os.getpid()}{self.SUFFIX}"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        self._state: bool | None = None
-        self.set(False)
+        self._state: object = None
+        self.set(self.INITIAL)
 
     def set(self, busy: bool) -> None:
         if busy != self._state:
@@ -71,24 +72,19 @@ class IdleFile(BusyFile):
     SUFFIX = IDLE
 
 
-class ClaimFile:
+class ClaimFile(BusyFile):
     """This process's claim file in `directory` (made if missing): the fraction of its share of serving's busy time the
     part claims now (`set`, clamped to [0, 1], written in place as five characters: "0.250"), 1 at first."""
 
+    SUFFIX = CLAIM
+    INITIAL = 1.0
     WIDTH = 5
-
-    def __init__(self, directory: str | os.PathLike):
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        self.path = Path(directory) / f"{os.getpid()}{CLAIM}"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        self.value: float | None = None
-        self.set(1.0)
 
     def set(self, fraction: float) -> None:
         fraction = min(1.0, max(0.0, float(fraction)))
-        if fraction != self.value:
+        if fraction != self._state:
             os.pwrite(self._fd, f"{fraction:.3f}".encode(), 0)
-            self.value = fraction
+            self._state = fraction
 
 
 class TurnTaker:

@@ -712,8 +712,7 @@ class Trainer:
         gate = self._gate(why) if self.rank == 0 else None
         if self.tcfg.gate_every_s:  # a slow check (a full held-out set) spaces the next ones out
             self.next_gate_at = started + next_gate_in(self.tcfg.gate_every_s, time.monotonic() - started, self.tcfg.gate_max_share)
-        gate = ds.from_rank0(gate, self.world)
-        refused = ds.from_rank0(self.rank == 0 and self.last_gate.get("outcome") == "refused", self.world)
+        gate, refused = ds.from_rank0((gate, self.rank == 0 and self.last_gate.get("outcome") == "refused"), self.world)
         published = gate is not None and self.publish(gate)
         if refused:
             self._reclaim(f"{self.claim.refused + 1} gate{'s' if self.claim.refused else ''} in a row refused the candidate",

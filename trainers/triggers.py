@@ -34,13 +34,44 @@ from dvi.alloc import RELEASE_EVERY_S
 from dvi.config import TriggerConfig
 
 
+class RollingAcceptance:
+    """Accepted over drafted tokens of the last `window` records that drafted anything (`add`), kept as running sums."""
+
+    def __init__(self, window: int):
+        self._records: deque[tuple[int, int]] = deque(maxlen=window)
+        self.accepted = self.drafted = 0
+
+    def add(self, accepted: int, drafted: int) -> None:
+        if len(self._records) == self._records.maxlen:
+            a, d = self._records[0]
+            self.accepted -= a
+            self.drafted -= d
+        self._records.append((accepted, drafted))
+        self.accepted += accepted
+        self.drafted += drafted
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def full(self) -> bool:
+        return len(self._records) == self._records.maxlen
+
+    @property
+    def value(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def clear(self) -> None:
+        self._records.clear()
+        self.accepted = self.drafted = 0
+
+
 class Trigger:
     FORCED = "retrain requested"  # continuous: the reason `poll` returns for a request (gate and publish now)
 
     def __init__(self, cfg: TriggerConfig, now: float):
         self.cfg = cfg
-        self._window: deque[tuple[int, int]] = deque(maxlen=cfg.window)
-        self._accepted = self._drafted = 0  # sums over the window
+        self._window = RollingAcceptance(cfg.window)
         self._seen = 0  # records with drafts since start
         self._reference: float | None = None
         self._requested = False
@@ -55,13 +86,7 @@ class Trigger:
         """One record's totals; records that drafted nothing carry no acceptance signal."""
         if drafted <= 0:
             return
-        if len(self._window) == self._window.maxlen:
-            a, d = self._window[0]
-            self._accepted -= a
-            self._drafted -= d
-        self._window.append((accepted, drafted))
-        self._accepted += accepted
-        self._drafted += drafted
+        self._window.add(accepted, drafted)
         self._seen += 1
         current = self.rolling_acceptance
         if current is not None and (self._reference is None or current > self._reference):
@@ -75,9 +100,9 @@ class Trigger:
 
     @property
     def rolling_acceptance(self) -> float | None:
-        if self._seen < self.cfg.min_records or not self._drafted:
+        if self._seen < self.cfg.min_records:
             return None
-        return self._accepted / self._drafted
+        return self._window.value
 
     @property
     def drift_score(self) -> float:
@@ -148,7 +173,7 @@ class Trigger:
         if published:
             self._reference = None
             self._window.clear()
-            self._accepted = self._drafted = self._seen = 0
+            self._seen = 0
 
 
 def next_gate_in(every_s: float, took_s: float, max_share: float) -> float:
@@ -193,7 +218,7 @@ class Claim:
         self.floor = min(max(floor, 0.0), 1.0)
         self.refused = 0  # gates in a row that refused the candidate
         self.acceptance_at: float | None = None  # `acceptance` at the last refusal (or the first measured after it)
-        self._recent: deque[tuple[int, int]] = deque(maxlen=self.WINDOW)
+        self._recent = RollingAcceptance(self.WINDOW)
 
     @property
     def value(self) -> float:
@@ -202,9 +227,7 @@ class Claim:
     @property
     def acceptance(self) -> float | None:
         """Accepted over drafted tokens of the last WINDOW records that drafted anything; None before there are as many."""
-        if len(self._recent) < self.WINDOW:
-            return None
-        return sum(a for a, _ in self._recent) / max(1, sum(d for _, d in self._recent))
+        return self._recent.value if self._recent.full else None
 
     def refusal(self) -> None:
         """A gate refused the candidate."""
@@ -219,7 +242,7 @@ class Claim:
         below what it was at the last refusal (the first figure measured after a refusal without one stands for it)."""
         if drafted <= 0:  # drafted nothing: no acceptance signal
             return False
-        self._recent.append((accepted, drafted))
+        self._recent.add(accepted, drafted)
         now = self.acceptance
         if not self.refused or now is None:
             return False

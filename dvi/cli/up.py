@@ -536,7 +536,7 @@ class HoldWhileBusy(threading.Thread):
             self.turn.give(False)
             return
         serving = busy(self.directory)
-        held = self.duty.hold(serving, now, claimed(self.directory) if not self.duty.spending else 1.0)
+        held = self.duty.hold(serving, now, claimed(self.directory) if self.duty.held else 1.0)  # read where it earns
         if not self.duty.spending:
             self.hold.set(held)
             self.turn.give(False)  # after the stop: the part never runs beside serving's steps
