@@ -25,9 +25,11 @@ dvi's work wraps each of the core's steps (the `step_fn` its loop calls):
   while the trainer has its turn on the CPU (`dvi.busy.TurnWait`), so that the two never run side by side;
 - compiled by default (`serve.vllm.enforce_eager=false`): vLLM's and torch inductor's caches live under
   `<cache>/compile`, so only the first start on a machine compiles;
-- every verification is read inside vLLM's worker by `dvi.cli.vllm.worker` and becomes the same `Round`s the
-  native engine returns (drafted ids, accepted count, the target's token, its top-k log-probs at each drafted and
-  bonus position), so the records on the topic do not say which engine wrote them;
+- every verification is read inside vLLM's worker by `dvi.cli.vllm.worker` and travels with the step's output, as do
+  the drafts the step proposed, which vLLM's engine core would otherwise fetch from the worker after every step with
+  a call of its own (`take_draft_token_ids`: a round trip through vLLM's queues, K = 0 too); the verifications become
+  the same `Round`s the native engine returns (drafted ids, accepted count, the target's token, its top-k log-probs
+  at each drafted and bonus position), so the records on the topic do not say which engine wrote them;
 - with `features` and an EAGLE-3 drafter, the target's aux hidden states of every token vLLM fed for a request (its
   prompt, its output but the last token) are kept from the forwards vLLM ran (`dvi.features.Captured`) and handed over
   with its Result, for its records: a trainer then needs no copy of the target. A prompt prefix vLLM served from its
@@ -71,7 +73,7 @@ from dvi.features import Captured
 from dvi.hardware import VLLM_RELEASE
 from dvi.models import Drafter
 from dvi.records import DOMAIN
-from dvi.cli.vllm.worker import carried, runner_problem, select_v1_runner
+from dvi.cli.vllm.worker import carried, carried_drafts, runner_problem, select_v1_runner
 
 log = logging.getLogger("dvi.serving.vllm")
 
@@ -191,18 +193,25 @@ class VllmEngine:
         # the trainer's turns on the CPU ($DVI_BUSY_DIR: dvi up's pause policy), the first told with serving's decisions
         self.turns = TurnWait.from_env(logging.getLogger("dvi.decision.serve"))  # the replica reports its waits
         self._carried: list[dict] | None = None  # the steps the last step's output carried (dvi.cli.vllm.worker.carry)
+        self._drafts: list | None = None  # [the drafts the last step proposed], as its output carried them
         executor = getattr(core, "model_executor", None)
         if executor is not None:
-            sample_tokens = executor.sample_tokens
+            sample_tokens, take_drafts = executor.sample_tokens, executor.take_draft_token_ids
 
             def carry_off(*args, **kwargs):
                 out = sample_tokens(*args, **kwargs)
                 steps = carried(out)
                 if steps is not None:
                     self._carried = (self._carried or []) + steps
+                self._drafts = carried_drafts(out)
                 return out
 
+            def carried_or_take():  # what vLLM's engine core asks for after a step: carried, else a call to the worker
+                drafts, self._drafts = self._drafts, None
+                return drafts[0] if drafts is not None else take_drafts()
+
             executor.sample_tokens = carry_off
+            executor.take_draft_token_ids = carried_or_take
         step = core.step_fn
         core.step_fn = lambda: self._step(step)  # what vLLM's engine loop calls for each step
 

@@ -27,10 +27,13 @@ spec_decode_metadata)` and the runner's `input_batch`, pinned to vLLM 0.32 (`dvi
   runner's `sample_tokens` returns it once the step's drafts are proposed), which vLLM's queue pickles to the engine
   core anyway; `dvi_take()` hands them over where an output cannot carry them (none, or one vLLM delivers later: async
   scheduling). A call of its own cost a round trip through vLLM's queues at every step: 1.9 ms of an 18-ms step at
-  batch 1 on a 2-core CPU, where the processes on either side spin for their turn. The log-probs are computed on
-  vLLM's own thread, before its sampler: on a thread of their own, their torch ops started a second OpenMP team beside
-  the one vLLM binds to the cores, and on a 2-core CPU the two spin-waited against each other (vLLM's server with the
-  loop and no drafter ran 0.87x plain vLLM);
+  batch 1 on a 2-core CPU, where the processes on either side spin for their turn. For the same reason the drafts the
+  step proposed travel with it too (under `DRAFTS`, vLLM's `DraftTokenIds`) where vLLM's engine core asks for them
+  right after the step (`take_draft_token_ids`, a call of its own at every step of a server that drafts, K = 0 too:
+  without async scheduling, as on the CPU): `dvi.cli.vllm.engine` answers that call from the output;
+- the log-probs are computed on vLLM's own thread, before its sampler: on a thread of their own, their torch ops
+  started a second OpenMP team beside the one vLLM binds to the cores, and on a 2-core CPU the two spin-waited against
+  each other (vLLM's server with the loop and no drafter ran 0.87x plain vLLM);
 - `dvi_load_drafter(weights)` loads a state dict into the draft model (a layer drafter's, Hugging Face names; an
   EAGLE-3 drafter's checkpoint tensors, which vLLM's eagle3 model's `load_weights` maps: `fc`, `midlayer.*`, `norm`,
   `lm_head`, `d2t`), through vLLM's layer-wise reload (a plain `load_weights` fails where the CPU build has repacked
@@ -72,6 +75,7 @@ V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's choice of model runner: "0" sel
 SELECTED = "DVI_SELECTED_V1_RUNNER"  # "1": dvi set V2_RUNNER (here, or in the vLLM process that started this one)
 HOOKED = ("_sample", "execute_model", "propose_draft_token_ids", "sample_tokens", "input_batch")  # what dvi_capture reads
 CARRIED = "dvi_steps"  # the attribute of a step's ModelRunnerOutput that carries the steps kept since the last hand-over
+DRAFTS = "dvi_drafts"  # ... and the one that carries the drafts the step proposed, [vLLM's DraftTokenIds or None]
 
 
 def select_v1_runner(env) -> bool:
@@ -116,6 +120,9 @@ class DviWorkerExtension:
         self._dvi_steps: list[dict] = []
         self._dvi_meta: dict = {}
         self._dvi_features = bool(features) and bool(getattr(runner, "use_aux_hidden_state_outputs", False))
+        # vLLM's engine core asks for a step's drafts right after it (without async scheduling): they ride on its output
+        self._dvi_carry_drafts = (getattr(runner, "speculative_config", None) is not None
+                                  and not getattr(runner, "use_async_scheduling", False))
 
         def _sample(logits, spec_decode_metadata):
             if logits is None:
@@ -192,6 +199,14 @@ class DviWorkerExtension:
         steps, self._dvi_steps = self._dvi_steps, []
         return steps
 
+    def dvi_drafts(self) -> list | None:
+        """[the drafts the last step proposed, as vLLM's engine core takes them after it (the runner's
+        `take_draft_token_ids`: a DraftTokenIds, or None)]; None where the engine core does not ask for them after the
+        step (no speculator, or async scheduling)."""
+        if not self._dvi_carry_drafts:
+            return None
+        return [self.model_runner.take_draft_token_ids()]
+
     def dvi_load_drafter(self, weights: dict[str, torch.Tensor], eagle3: bool = False) -> float:
         """Load `weights` into the draft model (`eagle3`: an EAGLE-3 drafter's checkpoint tensors); returns the seconds
         it took."""
@@ -252,18 +267,29 @@ def expand_tokens(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: 
 
 
 def carry(output, extension: DviWorkerExtension) -> None:
-    """The steps `extension` kept since the last hand-over onto `output`, a step's `ModelRunnerOutput` (`CARRIED`):
-    not onto vLLM's shared empty output, nor one it delivers later (async scheduling), which `dvi_take` hands over."""
+    """The steps `extension` kept since the last hand-over onto `output`, a step's `ModelRunnerOutput` (`CARRIED`),
+    and the drafts the step proposed where vLLM's engine core asks for them after it (`DRAFTS`, `dvi_drafts`): not onto
+    vLLM's shared empty output, nor one it delivers later (async scheduling), which `dvi_take` hands over."""
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
     if type(output) is ModelRunnerOutput and output is not EMPTY_MODEL_RUNNER_OUTPUT:
         setattr(output, CARRIED, extension.dvi_take())
+        drafts = extension.dvi_drafts()
+        if drafts is not None:
+            setattr(output, DRAFTS, drafts)
 
 
 def carried(output) -> list[dict] | None:
     """The steps a worker's `ModelRunnerOutput` carried (`carry`), taken off it; None where it carried none."""
     steps = getattr(output, "__dict__", {}).pop(CARRIED, None)
     return steps if isinstance(steps, list) else None
+
+
+def carried_drafts(output) -> list | None:
+    """[the drafts] a worker's `ModelRunnerOutput` carried (`carry`: a DraftTokenIds or None), taken off it; None
+    where it carried none (then vLLM's engine core asks the worker)."""
+    drafts = getattr(output, "__dict__", {}).pop(DRAFTS, None)
+    return drafts if isinstance(drafts, list) and len(drafts) == 1 else None
 
 
 def _features(runner, arguments: dict, step: dict) -> list[tuple[int, torch.Tensor]] | None:

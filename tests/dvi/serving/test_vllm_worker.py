@@ -156,22 +156,26 @@ def test_vllms_queue_readers_spin_briefly_where_a_trainer_takes_turns_but_not_wh
         context.destroy(linger=0)
 
 
-def test_a_steps_verifications_travel_with_its_output_through_vllms_queue():
-    """The steps the worker kept ride on the step's ModelRunnerOutput through vLLM's own shared-memory queue (its
-    pickler, tensors as out-of-band buffers) and come off it in the engine core, once; vLLM's shared empty output
-    and an output vLLM delivers later carry nothing, and stay with the worker for `dvi_take`."""
+def test_a_steps_verifications_and_drafts_travel_with_its_output_through_vllms_queue():
+    """The steps the worker kept, and the drafts the step proposed, ride on the step's ModelRunnerOutput through vLLM's
+    own shared-memory queue (its pickler, tensors as out-of-band buffers) and come off it in the engine core, once;
+    vLLM's shared empty output and an output vLLM delivers later carry nothing, and the steps stay with the worker for
+    `dvi_take`."""
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 
-    from dvi.cli.vllm.worker import CARRIED, carried, carry
+    from dvi.cli.vllm.worker import CARRIED, DRAFTS, carried, carried_drafts, carry
 
-    class Kept:  # the worker extension's hand-over, as dvi_take does it
+    class Kept:  # the worker extension's hand-over, as dvi_take and dvi_drafts do it
         def __init__(self, steps):
             self.steps = steps
 
         def dvi_take(self):
             steps, self.steps = self.steps, []
             return steps
+
+        def dvi_drafts(self):
+            return [DraftTokenIds(["r0"], [[11, 12, 13]])]
 
     step = {"req_ids": ["r0"], "num_draft": [2], "sampled": [[5, 9, -1]], "top_ids": torch.arange(6).view(3, 2),
             "top_logprobs": torch.full((3, 2), -0.5), "meta": {"tokens": 3}, "features": [(7, torch.ones(2, 4))]}
@@ -193,4 +197,8 @@ def test_a_steps_verifications_travel_with_its_output_through_vllms_queue():
     assert [s["req_ids"] for s in steps] == [["r0"]] and torch.equal(steps[0]["top_ids"], step["top_ids"])
     assert torch.equal(steps[0]["features"][0][1], torch.ones(2, 4)) and steps[0]["sampled"] == [[5, 9, -1]]
     assert carried(got) is None and not hasattr(got, CARRIED)  # taken off, once: vLLM reads the output without it
+    drafts = carried_drafts(got)
+    assert drafts is not None and drafts[0].req_ids == ["r0"] and drafts[0].draft_token_ids == [[11, 12, 13]]
+    assert carried_drafts(got) is None and not hasattr(got, DRAFTS)
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, DRAFTS)
     assert got.sampled_token_ids == [[5, 9]]
