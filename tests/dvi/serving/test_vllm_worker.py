@@ -202,3 +202,43 @@ def test_a_steps_verifications_and_drafts_travel_with_its_output_through_vllms_q
     assert carried_drafts(got) is None and not hasattr(got, DRAFTS)
     assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, DRAFTS)
     assert got.sampled_token_ids == [[5, 9]]
+
+
+def test_vllms_call_for_a_steps_drafts_is_answered_from_the_output_that_carried_them(monkeypatch):
+    """vLLM's engine core asks its executor for the step's drafts after every step (`take_draft_token_ids`); dvi's
+    engine answers from the drafts the step's output carried, once, and asks the worker only where an output carried
+    none."""
+    from types import SimpleNamespace
+
+    from dvi.busy import ENV as BUSY_ENV
+    from dvi.cli.vllm.engine import VllmEngine
+    from dvi.cli.vllm.worker import DRAFTS
+    from dvi.config import SpecConfig
+
+    monkeypatch.delenv(BUSY_ENV, raising=False)
+    asked = []
+
+    class Executor:  # vLLM's executor, as the engine core calls it
+        def __init__(self):
+            self.outputs = []
+
+        def sample_tokens(self, grammar_output):
+            return self.outputs.pop(0)
+
+        def take_draft_token_ids(self):
+            asked.append("worker")
+            return "the worker's drafts"
+
+    executor = Executor()
+    core = SimpleNamespace(model_executor=executor, collective_rpc=lambda *a, **k: [True], step_fn=lambda: ({}, False))
+    target = SimpleNamespace(config=SimpleNamespace(vocab_size=100, max_position_embeddings=64))
+    VllmEngine(core, target, None, SpecConfig())
+
+    carrying, bare = SimpleNamespace(), SimpleNamespace()
+    setattr(carrying, DRAFTS, ["the step's drafts"])
+    executor.outputs = [carrying, bare]
+    assert executor.sample_tokens(None) is carrying and not hasattr(carrying, DRAFTS)  # taken off before vLLM reads it
+    assert executor.take_draft_token_ids() == "the step's drafts" and asked == []
+    assert executor.take_draft_token_ids() == "the worker's drafts" and asked == ["worker"]  # once only
+    executor.sample_tokens(None)  # an output that carried none
+    assert executor.take_draft_token_ids() == "the worker's drafts" and asked == ["worker", "worker"]
