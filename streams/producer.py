@@ -3,8 +3,9 @@
 `submit(record)` only puts the record in a bounded in-memory queue (a few microseconds) and returns; if the
 queue is full the record is dropped and counted. A background thread encodes records (`dvi.record_codec.encode`,
 size-bounded), hands them to a kafka-python `KafkaProducer` (batching with linger; gzip batch compression,
-the records' one compression layer, at gzip's fastest level (`GZIP_LEVEL`); key = request id so a request's chunks
-stay in order on one partition; headers with the content type and schema version) and counts the outcome of each:
+the records' one compression layer, at gzip's fastest level: `streams.batches.use_gzip_fast`; key = request id so a
+request's chunks stay in order on one partition; headers with the content type and schema version) and counts the
+outcome of each:
 
 - sent: acknowledged by the broker;
 - dropped: will never be delivered (queue full, invalid or oversized, not acknowledged within
@@ -29,7 +30,6 @@ This module knows records and Kafka, not the engine.
 
 from __future__ import annotations
 
-import gzip
 import logging
 import queue
 import socket
@@ -41,12 +41,12 @@ from typing import Callable
 from kafka import KafkaProducer
 from kafka import errors as ke
 from kafka.errors import KafkaError, KafkaTimeoutError
-from kafka.record import default_records, legacy_records
 
 from dvi.config import StreamConfig
 from dvi.procs import default_replica_id
 from dvi.record_codec import encode, kafka_headers
 from dvi.records import DecisionRecord, RecordError
+from streams.batches import use_gzip_fast
 from streams.client import client_options
 
 log = logging.getLogger("dvi.streams.producer")
@@ -55,9 +55,6 @@ _MAX_BATCH = 512  # records taken from the queue per send pass
 _RETRIES = 2  # more sends of a record whose delivery failed with a `_RETRIED` error
 _RETRIED = (ke.UnknownError,)
 _PROBE_S = 1.0  # between TCP probes of the bootstrap servers while a client is open
-# kafka-python gzips a batch at level 9. Records carrying the target's features (int8) take 2.7x as long to compress
-# there as at level 1, for 4% fewer bytes (0.627 of them against 0.652); the sender's thread shares serving's cores
-GZIP_LEVEL = 1
 HEADERS = kafka_headers()  # on every record: its content type and schema version
 
 
@@ -378,22 +375,6 @@ class DecisionProducer:
         if now - self._last_warn.get(key, -1e9) >= 30.0:
             self._last_warn[key] = now
             log.warning(msg, *args)
-
-
-def gzip_fast(data) -> bytes:
-    """`data` gzipped at `GZIP_LEVEL`: what kafka-python's record batches are compressed with in a process that
-    produces (`use_gzip_fast`)."""
-    return gzip.compress(bytes(data), compresslevel=GZIP_LEVEL, mtime=0)
-
-
-def use_gzip_fast() -> None:
-    """kafka-python's gzip batch compression at `GZIP_LEVEL` in this process (it has no setting for the level; a
-    consumer inflates any level)."""
-    for owner in (default_records, legacy_records):
-        if not hasattr(owner, "gzip_encode"):
-            raise RuntimeError(f"kafka-python has no {owner.__name__}.gzip_encode: streams.producer knows kafka-python 3.0 "
-                               "(constraints.txt), install that version")
-        owner.gzip_encode = gzip_fast
 
 
 def _is_fatal(producer, exc: BaseException | None) -> bool:

@@ -15,9 +15,8 @@ from kafka.record.memory_records import MemoryRecords
 from kafka.record.util import calc_crc32c
 
 from dvi.record_codec import encode
-from streams.batches import BatchRefused, guard, inflate_gzip, skip_past
+from streams.batches import BatchRefused, guard, inflate_gzip, skip_past, use_gzip_fast
 from streams.consumer import DLQ_HEADERS, DecisionConsumer
-from streams.producer import use_gzip_fast
 
 
 def test_gzip_inflates_within_its_bound_and_no_further():
@@ -68,7 +67,7 @@ def test_a_batch_over_the_bound_or_in_a_codec_this_host_lacks_is_refused_with_it
 
 
 def test_a_producers_batches_are_gzipped_at_the_fastest_level_and_read_back_within_the_bound():
-    """dvi's producers have kafka-python gzip a batch at gzip's fastest level (`streams.producer.GZIP_LEVEL`; its own
+    """dvi's producers have kafka-python gzip a batch at gzip's fastest level (`streams.batches.GZIP_LEVEL`; its own
     is 9, 2.7x as slow on records with features), which the bounded reader inflates like any other."""
     use_gzip_fast()
     guard(16 << 20)
